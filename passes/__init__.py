@@ -1,0 +1,1 @@
+"""passes: graph rewrites that implement a plan."""
