@@ -1,0 +1,71 @@
+"""Communication: latency–bandwidth (alpha–beta) models of collectives.
+
+Conventions: `nbytes` is the full message — the all-reduce input, the all-gather output, the
+reduce-scatter input, one rank's all-to-all buffer, the point-to-point payload. `group` is the
+number of ranks; a group of one costs nothing. A link's achieved bandwidth is its per-GPU,
+per-direction bandwidth times its collective efficiency.
+
+Algorithm (`collective_time`):
+1. Ring (default): g−1 steps (2(g−1) for all-reduce), each paying the link latency; every rank
+   sends (g−1)/g of the message (2(g−1)/g for all-reduce) at the achieved bandwidth.
+2. Tree (all-reduce, broadcast): ⌈log2 g⌉ latency steps each way; the pipelined double binary
+   tree moves the whole message in and out once (2·N/B for all-reduce, N/B for broadcast).
+3. Send/recv: one latency plus N/B.
+
+Algorithm (`hierarchical_time`, a group of k ranks in each of n nodes):
+1. Reduce-scatter (or nothing, for all-gather) inside each node over the fast link.
+2. The collective across nodes on 1/k of the message, the k node-local groups in parallel, each
+   on its own NIC.
+3. All-gather (or nothing, for reduce-scatter) inside each node.
+"""
+
+from __future__ import annotations
+
+import math
+
+from cost.errors import CostInputError
+from cost.hardware import Link
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
+
+
+def collective_time(
+    kind: str, nbytes: float, group: int, link: Link, *, algorithm: str = "ring"
+) -> float:
+    """Seconds for one collective of `nbytes` over `group` ranks on `link` (alpha–beta)."""
+    _check(kind, nbytes, group, algorithm)
+    if group == 1 or nbytes <= 0:
+        return 0.0
+    alpha, bw = link.latency, link.achieved_bandwidth
+    if kind == "send_recv":
+        return alpha + nbytes / bw
+    if algorithm == "tree" and kind in ("all_reduce", "broadcast"):
+        passes = 2 if kind == "all_reduce" else 1
+        return passes * math.ceil(math.log2(group)) * alpha + passes * nbytes / bw
+    share = (group - 1) / group
+    if kind == "all_reduce":
+        return 2 * (group - 1) * alpha + 2 * share * nbytes / bw
+    return (group - 1) * alpha + share * nbytes / bw
+
+
+def hierarchical_time(kind: str, nbytes: float, per_node: int, nodes: int, intra: Link,
+                      inter: Link) -> float:  # fmt: skip
+    """Seconds for a collective over `per_node` ranks in each of `nodes` nodes: intra-node
+    reduce-scatter, inter-node collective on 1/per_node of the data, intra-node all-gather."""
+    if kind in ("all_to_all", "send_recv", "broadcast") or per_node == 1 or nodes == 1:
+        link = inter if nodes > 1 else intra
+        return collective_time(kind, nbytes, per_node * nodes, link)
+    across = collective_time(kind, nbytes / per_node, nodes, inter)
+    if kind == "all_reduce":
+        inside = collective_time("reduce_scatter", nbytes, per_node, intra)
+        return 2 * inside + across
+    return collective_time(kind, nbytes, per_node, intra) + across
+
+
+def _check(kind: str, nbytes: float, group: int, algorithm: str) -> None:
+    if kind not in KINDS:
+        raise CostInputError(f"unknown collective {kind!r}; known: {', '.join(KINDS)}")
+    if algorithm not in ("ring", "tree"):
+        raise CostInputError(f"unknown collective algorithm {algorithm!r}; use 'ring' or 'tree'")
+    if group < 1 or nbytes < 0:
+        raise CostInputError(f"collective needs group >= 1 and nbytes >= 0, got {group}, {nbytes}")

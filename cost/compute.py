@@ -1,0 +1,163 @@
+"""Compute: FLOPs and bytes moved per ATen op, and roofline time on a GPU.
+
+Algorithm (`node_flops_bytes`, one call_function node of a torch.export graph):
+1. Read the output and tensor-argument shapes from `meta["val"]` (fake tensors).
+2. Dispatch on the op name: matmul family (2·M·K·N, plus M·N for a bias), SDPA (two
+   batched matmuls; halved when causal), norms, softmax and cross-entropy (a few FLOPs per
+   element), embedding (a gather: no FLOPs), elementwise and reductions (one FLOP per element).
+3. Bytes moved = every tensor argument read once + the output written once (SDPA assumes a
+   fused kernel: the s×s scores never reach HBM). Views and unknown ops cost (0, 0).
+
+Algorithm (`op_time`):
+1. Compute time = FLOPs / (peak for the dtype × compute efficiency); the efficiency of a matmul
+   falls with its size (`matmul_efficiency`): small tiles leave SMs idle and short K loops pay
+   their prologue/epilogue.
+2. Memory time = bytes / (HBM bandwidth × achieved fraction).
+3. Time = max(compute, memory, kernel-launch floor): a kernel overlaps its loads with its math,
+   and no kernel is faster than its launch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx
+
+from cost.hardware import GPU
+
+MATMUL_PEAK_FRACTION = 0.80  # cuBLAS on large bf16 GEMMs: ~80% of the dense peak
+MATMUL_K_HALF = 64  # a K loop of 64 runs at half speed: fixed prologue/epilogue per tile
+MATMUL_TILE = 128  # output tile edge of a tensor-core GEMM kernel
+MEMORY_BW_FRACTION = 0.80  # streaming kernels reach ~80% of the HBM data-sheet bandwidth
+KERNEL_LAUNCH_S = 4e-6  # eager launch + scheduling floor per kernel
+
+_MATMULS = {"linear", "addmm", "mm", "bmm", "matmul", "baddbmm"}
+_NORMS = {"layer_norm": 8.0, "native_layer_norm": 8.0, "rms_norm": 4.0, "group_norm": 8.0}
+_SOFTMAX = {"softmax": 5.0, "_softmax": 5.0, "log_softmax": 5.0, "_log_softmax": 5.0}
+_LOSSES = {"cross_entropy_loss": 6.0, "nll_loss": 1.0, "nll_loss_forward": 1.0}
+_REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "var", "std", "norm", "prod",
+               "argmax", "argmin", "logsumexp", "var_mean"}  # fmt: skip
+_ELEMENTWISE = {"add", "sub", "mul", "div", "neg", "pow", "exp", "log", "sqrt", "rsqrt",
+                "tanh", "sigmoid", "relu", "gelu", "silu", "sin", "cos", "where", "clamp",
+                "masked_fill", "dropout", "native_dropout", "abs", "maximum", "minimum", "erf",
+                "reciprocal", "square", "lt", "gt", "le", "ge", "eq", "ne", "logical_not",
+                "triu", "tril", "clone", "_to_copy", "to", "copy", "contiguous", "fill", "cat",
+                "stack", "index_select", "gather", "scatter", "scatter_add", "index", "type_as",
+                "rsub", "zeros_like", "ones_like", "full_like", "softplus", "hardtanh",
+                "leaky_relu", "elu", "mish", "addcmul", "addcdiv", "lerp"}  # fmt: skip
+
+
+def node_flops_bytes(node: torch.fx.Node) -> tuple[float, float]:
+    """Global (FLOPs, bytes read + written) of one ATen call_function node; (0, 0) for views,
+    non-tensor results and ops outside the table."""
+    name = _op_name(node)
+    out = _tensors(node.meta.get("val"))
+    if name is None or not out:
+        return 0.0, 0.0
+    ins = _tensors([_val(a) for a in node.args]) + _tensors([_val(a) for a in node.kwargs.values()])
+    moved = float(sum(_nbytes(t) for t in ins + out))
+    out_elems = float(sum(t.numel() for t in out))
+    if name in _MATMULS:
+        return _matmul_flops(name, node, out[0]), moved
+    if name == "scaled_dot_product_attention":
+        return _sdpa_flops(node), moved
+    if name == "embedding":
+        return 0.0, 2.0 * _nbytes(out[0]) + _nbytes(ins[1])
+    for table in (_NORMS, _SOFTMAX, _LOSSES):
+        if name in table:
+            return table[name] * float(ins[0].numel()), moved
+    if name in _REDUCTIONS:
+        return float(ins[0].numel()) if ins else 0.0, moved
+    if name in _ELEMENTWISE:
+        return out_elems, moved
+    return 0.0, 0.0
+
+
+def matmul_efficiency(m: float, n: float, k: float) -> float:
+    """Fraction of the dense peak a GEMM [m,k]×[k,n] reaches: the large-GEMM fraction, times
+    the useful share of its 128×128 output tiles, times k/(k + K_HALF) for the K loop."""
+    tiles = math.ceil(m / MATMUL_TILE) * math.ceil(n / MATMUL_TILE) * MATMUL_TILE**2
+    return MATMUL_PEAK_FRACTION * (m * n / tiles) * k / (k + MATMUL_K_HALF)
+
+
+def op_time(
+    flops: float,
+    nbytes: float,
+    gpu: GPU,
+    dtype_bytes: int = 2,
+    *,
+    compute_efficiency: float = MATMUL_PEAK_FRACTION,
+) -> float:
+    """Roofline seconds of one kernel: max(compute, memory, launch floor)."""
+    compute = flops / (gpu.peak_flops(dtype_bytes) * compute_efficiency)
+    memory = nbytes / (gpu.hbm_bw * MEMORY_BW_FRACTION)
+    return max(compute, memory, KERNEL_LAUNCH_S)
+
+
+def node_time(node: torch.fx.Node, gpu: GPU) -> float:
+    """Roofline seconds of one graph node, with the matmul size efficiency where it applies;
+    views and untabled ops are free (they launch no kernel of their own)."""
+    flops, moved = node_flops_bytes(node)
+    if flops == 0.0 and moved == 0.0:
+        return 0.0
+    out = _tensors(node.meta.get("val"))
+    dtype_bytes = min(max(out[0].element_size(), 2), 4) if out else 2
+    eff = MATMUL_PEAK_FRACTION
+    if _op_name(node) in _MATMULS:
+        m, n, k = _gemm_dims(node, out[0])
+        eff = matmul_efficiency(m, n, k)
+    return op_time(flops, moved, gpu, dtype_bytes, compute_efficiency=eff)
+
+
+def _op_name(node: torch.fx.Node) -> str | None:
+    if node.op != "call_function":
+        return None
+    return getattr(node.target, "_opname", None) or getattr(node.target, "__name__", None)
+
+
+def _val(arg):
+    if isinstance(arg, (list, tuple)):
+        return [_val(a) for a in arg]
+    return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
+
+
+def _tensors(val) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [t for v in val for t in _tensors(v)]
+    return []
+
+
+def _nbytes(t: torch.Tensor) -> float:
+    return float(t.numel() * t.element_size())
+
+
+def _gemm_dims(node: torch.fx.Node, out: torch.Tensor) -> tuple[float, float, float]:
+    """(m, n, k) of the matmul: m = all output rows (batch folded in), n = last output dim."""
+    name = _op_name(node)
+    a = _val(node.args[1] if name in ("addmm", "baddbmm") else node.args[0])
+    k = float(a.shape[-1]) if a.dim() > 0 else 1.0
+    n = float(out.shape[-1]) if out.dim() > 0 else 1.0
+    return out.numel() / n, n, k
+
+
+def _matmul_flops(name: str, node: torch.fx.Node, out: torch.Tensor) -> float:
+    m, n, k = _gemm_dims(node, out)
+    flops = 2.0 * m * n * k
+    has_bias = (name == "linear" and len(node.args) > 2 and node.args[2] is not None) or name in (
+        "addmm",
+        "baddbmm",
+    )
+    return flops + (m * n if has_bias else 0.0)
+
+
+def _sdpa_flops(node: torch.fx.Node) -> float:
+    """QKᵀ and PV: 2·B·H·Sq·Sk·(Dqk + Dv); causal keeps (Sk+1)/(2·Sk) of the score matrix."""
+    q, k, v = (_val(a) for a in node.args[:3])
+    causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
+    sq, sk = q.shape[-2], k.shape[-2]
+    heads = q.numel() / (sq * q.shape[-1])
+    flops = 2.0 * heads * sq * sk * (q.shape[-1] + v.shape[-1])
+    return flops * ((sk + 1) / (2 * sk) if causal and sq == sk else 1.0)

@@ -1,0 +1,176 @@
+"""Hardware and topology: GPUs, links and clusters, and which link a mesh axis rides.
+
+Algorithm (pricing a mesh axis, `Cluster.axis_link`):
+1. Lay the mesh out in row-major order over the global ranks: the last axis is innermost, so
+   its ranks are contiguous; an axis's stride is the product of the sizes of the axes after it.
+2. The group of ranks along an axis spans `stride * size` consecutive ranks, starting at a
+   multiple of that span.
+3. If every such span fits inside one node (the span divides the node size), the axis rides the
+   intra-node link (NVLink/NVSwitch); otherwise it crosses nodes and rides the fabric.
+
+Presets hold data-sheet numbers: dense (not sparse) tensor-core peaks, HBM capacity in bytes
+and bandwidth in bytes/s, link bandwidth per GPU per direction in bytes/s and latency in s.
+User-defined hardware is built with the same dataclasses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cost.errors import CostInputError
+
+GiB = 2**30
+TB = 1e12
+GB = 1e9
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPU:
+    """One accelerator: dense peak FLOP/s per dtype, HBM capacity (bytes) and bandwidth (B/s)."""
+
+    name: str
+    bf16_flops: float
+    fp8_flops: float
+    fp32_flops: float
+    hbm_bytes: float
+    hbm_bw: float
+
+    def peak_flops(self, dtype_bytes: int = 2) -> float:
+        """Dense tensor-core peak for an element size: 1 → fp8, 2 → bf16/fp16, 4 → fp32."""
+        peaks = {1: self.fp8_flops, 2: self.bf16_flops, 4: self.fp32_flops}
+        if dtype_bytes not in peaks:
+            raise CostInputError(f"no peak for {dtype_bytes}-byte elements; use 1, 2 or 4")
+        return peaks[dtype_bytes]
+
+    @staticmethod
+    def preset(name: str) -> GPU:
+        """A GPU from the data-sheet table `GPU_PRESETS` (case-insensitive)."""
+        return _lookup(GPU_PRESETS, name, "GPU")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """A link class: bandwidth per GPU per direction (B/s), per-hop latency (s), and the
+    fraction of the bandwidth that collectives achieve on it (NCCL bus bandwidth / wire speed)."""
+
+    name: str
+    bandwidth: float
+    latency: float
+    efficiency: float = 1.0
+
+    @property
+    def achieved_bandwidth(self) -> float:
+        return self.bandwidth * self.efficiency
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """`nodes` identical nodes of `gpus_per_node` GPUs; `intra` inside a node, `inter` across."""
+
+    gpu: GPU
+    gpus_per_node: int
+    nodes: int
+    intra: Link
+    inter: Link
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node < 1 or self.nodes < 1:
+            raise CostInputError(
+                f"a cluster needs >= 1 GPU per node and >= 1 node, got "
+                f"gpus_per_node={self.gpus_per_node}, nodes={self.nodes}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @staticmethod
+    def preset(name: str, nodes: int = 1) -> Cluster:
+        """A cluster of `nodes` copies of the node preset `name` (see `CLUSTER_PRESETS`)."""
+        node = _lookup(CLUSTER_PRESETS, name, "cluster")
+        return Cluster(
+            gpu=node.gpu,
+            gpus_per_node=node.gpus_per_node,
+            nodes=nodes,
+            intra=node.intra,
+            inter=node.inter,
+        )
+
+    @staticmethod
+    def default() -> Cluster:
+        """One DGX H100 node: the hardware assumed when the user names none."""
+        return Cluster.preset("dgx-h100", nodes=1)
+
+    def axis_span(self, axes: Sequence[tuple[str, int]], axis: str) -> tuple[int, int]:
+        """(stride, size) of `axis` in the row-major mesh `axes` (outermost first)."""
+        names = [a for a, _ in axes]
+        if axis not in names:
+            raise CostInputError(f"mesh axis {axis!r} not in mesh axes {names}")
+        index = names.index(axis)
+        stride = 1
+        for _, size in axes[index + 1 :]:
+            stride *= size
+        return stride, axes[index][1]
+
+    def axis_in_node(self, axes: Sequence[tuple[str, int]], axis: str) -> bool:
+        """True when every group of ranks along `axis` lies within one node."""
+        stride, size = self.axis_span(axes, axis)
+        return size == 1 or self.gpus_per_node % (stride * size) == 0
+
+    def axis_link(self, axes: Sequence[tuple[str, int]], axis: str) -> Link:
+        """The slowest link a group along `axis` spans: `intra` inside a node, else `inter`."""
+        return self.intra if self.axis_in_node(axes, axis) else self.inter
+
+
+def _lookup(table: dict, name: str, kind: str):
+    key = name.lower()
+    if key not in table:
+        raise CostInputError(
+            f"unknown {kind} {name!r}; known: {', '.join(sorted(table))}. "
+            f"Build a {kind} yourself with the dataclass for other hardware."
+        )
+    return table[key]
+
+
+GPU_PRESETS: dict[str, GPU] = {
+    g.name: g
+    for g in (
+        # A100 has no fp8 tensor cores: fp8 runs at the bf16 rate.
+        GPU(name="a100-40gb", bf16_flops=312e12, fp8_flops=312e12, fp32_flops=19.5e12,
+            hbm_bytes=40 * GiB, hbm_bw=1.555 * TB),
+        GPU(name="a100-80gb", bf16_flops=312e12, fp8_flops=312e12, fp32_flops=19.5e12,
+            hbm_bytes=80 * GiB, hbm_bw=2.039 * TB),
+        GPU(name="h100-sxm", bf16_flops=989e12, fp8_flops=1979e12, fp32_flops=67e12,
+            hbm_bytes=80 * GiB, hbm_bw=3.35 * TB),
+        GPU(name="h200", bf16_flops=989e12, fp8_flops=1979e12, fp32_flops=67e12,
+            hbm_bytes=141 * GB, hbm_bw=4.8 * TB),
+        GPU(name="h800", bf16_flops=989e12, fp8_flops=1979e12, fp32_flops=67e12,
+            hbm_bytes=80 * GiB, hbm_bw=3.35 * TB),
+        GPU(name="b200", bf16_flops=2.25e15, fp8_flops=4.5e15, fp32_flops=80e12,
+            hbm_bytes=192 * GB, hbm_bw=8.0 * TB),
+    )
+}  # fmt: skip
+
+# Collective efficiency: NCCL reaches ~80% of NVLink/NVSwitch wire speed as bus bandwidth and
+# ~90% of InfiniBand line rate (protocol headers, chunk pipelining).
+NVLINK3 = Link(name="nvlink3", bandwidth=300 * GB, latency=5e-6, efficiency=0.8)
+NVLINK3_H800 = Link(name="nvlink-h800", bandwidth=200 * GB, latency=5e-6, efficiency=0.8)
+NVLINK4 = Link(name="nvlink4", bandwidth=450 * GB, latency=5e-6, efficiency=0.8)
+NVLINK5 = Link(name="nvlink5", bandwidth=900 * GB, latency=5e-6, efficiency=0.8)
+HDR_IB = Link(name="ib-hdr-200g", bandwidth=25 * GB, latency=10e-6, efficiency=0.9)
+NDR_IB = Link(name="ib-ndr-400g", bandwidth=50 * GB, latency=10e-6, efficiency=0.9)
+
+
+def _node(gpu: str, intra: Link, inter: Link) -> Cluster:
+    return Cluster(gpu=GPU.preset(gpu), gpus_per_node=8, nodes=1, intra=intra, inter=inter)
+
+
+CLUSTER_PRESETS: dict[str, Cluster] = {
+    "dgx-a100": _node("a100-80gb", NVLINK3, HDR_IB),
+    "dgx-a100-40gb": _node("a100-40gb", NVLINK3, HDR_IB),
+    "dgx-h100": _node("h100-sxm", NVLINK4, NDR_IB),
+    "dgx-h200": _node("h200", NVLINK4, NDR_IB),
+    "hgx-h800": _node("h800", NVLINK3_H800, NDR_IB),
+    "dgx-b200": _node("b200", NVLINK5, NDR_IB),
+}
