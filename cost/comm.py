@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 
 from cost.errors import CostInputError
-from cost.hardware import Link
+from cost.hardware import Cluster, Link
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
 
@@ -69,3 +69,18 @@ def _check(kind: str, nbytes: float, group: int, algorithm: str) -> None:
         raise CostInputError(f"unknown collective algorithm {algorithm!r}; use 'ring' or 'tree'")
     if group < 1 or nbytes < 0:
         raise CostInputError(f"collective needs group >= 1 and nbytes >= 0, got {group}, {nbytes}")
+
+
+def span_time(kind: str, nbytes: float, cluster: Cluster, stride: int, size: int) -> float:
+    """Seconds for a collective over `size` ranks spaced `stride` apart in global rank order:
+    one ring on NVLink inside a node, one ring on the fabric when each node holds a single
+    member, and the hierarchical algorithm when each of several nodes holds several."""
+    gpn = cluster.gpus_per_node
+    if size == 1:
+        return 0.0
+    if gpn % (stride * size) == 0:
+        return collective_time(kind, nbytes, size, cluster.intra)
+    per_node = max(1, min(size, gpn // stride))
+    if per_node == 1 or size % per_node:
+        return collective_time(kind, nbytes, size, cluster.inter)
+    return hierarchical_time(kind, nbytes, per_node, size // per_node, cluster.intra, cluster.inter)

@@ -1,0 +1,115 @@
+"""Parallel configuration of a training step and its checks against model and cluster.
+
+Mesh order (outermost first): pp, dp, cp, tp — Megatron's layout: tensor parallelism on
+contiguous ranks (inside a node), pipeline stages farthest apart. Expert parallelism splits the
+data-parallel axis: dp = dp_expert · ep with ep the inner part.
+
+Algorithm (`validate`):
+1. Every degree is >= 1 and the product tp·pp·dp·cp equals the cluster's GPU count.
+2. tp fits in a node unless the user allows crossing nodes; heads (and the FFN) divide by tp.
+3. Layers divide into pp·v stages; ep divides dp and the expert count; the sequence divides
+   by 2·cp (zig-zag chunks); the global batch divides by dp·micro_batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost.errors import CostInputError
+from cost.hardware import Cluster
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE = ("none", "selective", "full")
+ATTENTION = ("flash", "unfused")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Degrees of parallelism and step settings; a field left None is chosen by `estimate`
+    to minimise step time (dp: whatever GPUs remain).
+
+    `attention` "unfused" materialises the s×s scores (pre-FlashAttention kernels);
+    `overlap_grad_reduce` overlaps data-parallel gradient reduction with backward;
+    `sequence_parallel` shards norms/dropout activations over tp (Megatron-SP);
+    `tp_across_nodes` permits a tp group larger than a node.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None
+    cp: int = 1
+    ep: int = 1
+    zero: int = 1
+    global_batch: int
+    micro_batch: int | None = None
+    schedule: str | None = None
+    virtual_stages: int | None = None
+    recompute: str | None = None
+    sequence_parallel: bool = True
+    attention: str = "flash"
+    overlap_grad_reduce: bool = True
+    tp_across_nodes: bool = False
+
+    def __post_init__(self) -> None:
+        _choice("schedule", self.schedule, SCHEDULES)
+        _choice("recompute", self.recompute, RECOMPUTE)
+        _choice("attention", self.attention, ATTENTION)
+        if self.zero not in (0, 1, 2, 3):
+            raise CostInputError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")
+        degrees = {"tp": self.tp, "pp": self.pp, "dp": self.dp or 1, "cp": self.cp,
+                   "ep": self.ep, "global_batch": self.global_batch,
+                   "micro_batch": self.micro_batch or 1,
+                   "virtual_stages": self.virtual_stages or 1}  # fmt: skip
+        bad = [f"{k}={v}" for k, v in degrees.items() if v < 1]
+        if bad:
+            raise CostInputError(f"parallel degrees must be >= 1, got {', '.join(bad)}")
+
+    def mesh_axes(self) -> list[tuple[str, int]]:
+        """(axis, size) outermost first; requires dp to be set."""
+        return [("pp", self.pp), ("dp", self.dp or 1), ("cp", self.cp), ("tp", self.tp)]
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that share a dense gradient: dp · cp."""
+        return (self.dp or 1) * self.cp
+
+
+def _choice(field: str, value: str | None, allowed: tuple[str, ...]) -> None:
+    if value is not None and value not in allowed:
+        raise CostInputError(
+            f"{field} must be one of {', '.join(allowed)} (or None), got {value!r}"
+        )
+
+
+def validate(cfg: ParallelConfig, cluster: Cluster, layers: int, heads: int, kv_heads: int,
+             seq: int, experts: int) -> None:  # fmt: skip
+    """Raise `CostInputError` naming the first inconsistency between config, model and cluster."""
+    world = cfg.tp * cfg.pp * (cfg.dp or 1) * cfg.cp
+    if world != cluster.world_size:
+        raise CostInputError(
+            f"tp·pp·dp·cp = {cfg.tp}·{cfg.pp}·{cfg.dp}·{cfg.cp} = {world} but the cluster has "
+            f"{cluster.world_size} GPUs ({cluster.nodes} nodes × {cluster.gpus_per_node}); "
+            "change the degrees or the node count (leave dp=None to fill the cluster)"
+        )
+    if cfg.tp > cluster.gpus_per_node and not cfg.tp_across_nodes:
+        raise CostInputError(
+            f"tp={cfg.tp} is larger than a node ({cluster.gpus_per_node} GPUs); lower tp or pass "
+            "tp_across_nodes=True to accept tensor parallelism over the inter-node fabric"
+        )
+    _divides("heads", heads, "tp", cfg.tp)
+    if kv_heads >= cfg.tp:
+        _divides("kv_heads", kv_heads, "tp", cfg.tp)
+    _divides("layers", layers, "pp·virtual_stages", cfg.pp * (cfg.virtual_stages or 1))
+    _divides("seq", seq, "2·cp", 2 * cfg.cp if cfg.cp > 1 else 1)
+    _divides("dp", cfg.dp or 1, "ep", cfg.ep)
+    _divides("experts", experts, "ep", cfg.ep)
+    _divides("global_batch", cfg.global_batch, "dp·micro_batch",
+             (cfg.dp or 1) * (cfg.micro_batch or 1))  # fmt: skip
+
+
+def _divides(what: str, value: int, by_name: str, by: int) -> None:
+    if value % by:
+        raise CostInputError(
+            f"{what} ({value}) is not divisible by {by_name} ({by}); pick a {by_name} that "
+            f"divides {value}"
+        )

@@ -1,0 +1,90 @@
+"""Memory per rank: model state, saved activations in flight, runtime reserve.
+
+Algorithm (`rank_memory`):
+1. Parameters on the rank: its stage's L/p layers (dense part ÷ tp, experts ÷ ep·tp) plus the
+   embedding or LM head shard of an end stage.
+2. Model state with Adam and mixed precision: bf16 weights 2 B, fp32 gradient accumulation
+   4 B, fp32 master + two moments 12 B per parameter — 18 B (DDP, stage 0). ZeRO-1 shards the
+   12 B, ZeRO-2 also the gradients, ZeRO-3 also the weights, over the data-parallel group
+   (dp·cp for dense parameters, dp·cp/ep for experts).
+3. Activations: saved bytes per layer and micro-batch for the recompute mode × layers on the
+   stage × micro-batches in flight on the first stage (GPipe m, 1F1B min(p, m), interleaved
+   min(p, m)·(1 + (p−1)/(p·v))); full recompute also holds one layer's un-recomputed working
+   set during backward. The last stage instead holds one micro-batch plus its fp32 logits.
+4. Add a fixed reserve (CUDA context, NCCL buffers, allocator fragmentation) and compare with
+   the GPU's HBM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost.workload import Workload
+
+RESERVED_BYTES = 3 * 2**30  # CUDA context + NCCL channels + fragmentation, per GPU
+WEIGHT_BYTES, GRAD_BYTES, OPTIM_BYTES = 2, 4, 12
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBreakdown:
+    """Bytes per rank on the most loaded stage."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    reserved: float
+    capacity: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.reserved
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    def rows(self) -> list[tuple[str, float]]:
+        return [("weights", self.weights), ("gradients", self.grads),
+                ("optimizer", self.optimizer), ("activations", self.activations),
+                ("reserved", self.reserved), ("total", self.total)]  # fmt: skip
+
+
+def in_flight(schedule: str, pp: int, micro_batches: int, virtual: int) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at its peak."""
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(micro_batches)
+    held = float(min(pp, micro_batches))
+    return held * (1 + (pp - 1) / (pp * virtual)) if schedule == "interleaved" else held
+
+
+def model_state(params_dense: float, params_expert: float, zero: int, dp_dense: int,
+                dp_expert: int) -> tuple[float, float, float]:  # fmt: skip
+    """(weights, gradients, optimizer) bytes for the parameters on one rank (step 2)."""
+
+    def shard(nbytes: float, stage: int) -> float:
+        if zero < stage:
+            return nbytes * (params_dense + params_expert)
+        return nbytes * (params_dense / dp_dense + params_expert / dp_expert)
+
+    return shard(WEIGHT_BYTES, 3), shard(GRAD_BYTES, 2), shard(OPTIM_BYTES, 1)
+
+
+def rank_memory(work: Workload, *, pp: int, zero: int, dp_dense: int, dp_expert: int,
+                schedule: str, micro_batches: int, virtual: int, recompute: str,
+                capacity: float) -> MemoryBreakdown:  # fmt: skip
+    """Per-rank memory of the most loaded stage (see the module docstring)."""
+    per_stage = work.layers / pp
+    dense = per_stage * work.layer_dense_params + work.edge_params
+    weights, grads, optim = model_state(
+        dense, per_stage * work.layer_expert_params, zero, dp_dense, dp_expert
+    )
+    layer = work.act_bytes[recompute]
+    working = work.act_bytes["none"] if recompute == "full" else 0.0
+    first = per_stage * layer * in_flight(schedule, pp, micro_batches, virtual) + working
+    last = per_stage * layer + working + work.post_act_bytes
+    return MemoryBreakdown(weights=weights, grads=grads, optimizer=optim,
+                           activations=max(first, last), reserved=RESERVED_BYTES,
+                           capacity=capacity)  # fmt: skip

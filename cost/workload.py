@@ -1,0 +1,205 @@
+"""Workload: what one rank computes, saves and sends per micro-batch, for a model shape.
+
+A `Workload` is the interface between models and plans: the step-time and memory models read
+only it, and both a `ModelShape` (this module) and a traced graph (`cost.graph`) produce one.
+
+Algorithm (`shape_workload`, micro-batch b on a tp·cp shard):
+1. List the kernels of one layer's forward as (flops, bytes, efficiency, backward factor): the
+   GEMMs with their sharded [m,k]×[k,n] dims (QKV, output projection, MLP, experts, router),
+   the attention core (one fused flash kernel, or the unfused QKᵀ / softmax / dropout / PV chain
+   that writes the s×s scores to HBM), and the memory-bound elementwise ops (norms,
+   bias-dropout-residual, activation, head split/merge copies).
+2. Time each with the roofline `op_time`; backward = factor × forward (2 for GEMMs and
+   elementwise, 2.5 for flash attention which recomputes the scores).
+3. Communication volumes per layer: tp all-reduce of the [b, s/c, h] activation, cp ring K/V
+   blocks, ep all-to-all of the b·s/c·k routed rows; pipeline boundary [b, s/c, h] (÷t with SP).
+4. Saved activations per layer (Korthikanti et al. 2022, generalised to GQA, gated MLPs, MoE,
+   flash attention and cp), for each recomputation mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost.compute import MATMUL_PEAK_FRACTION, matmul_efficiency, op_time
+from cost.config import ParallelConfig
+from cost.hardware import GPU
+from cost.model import ModelShape
+
+BF16 = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """Per-rank, per-micro-batch costs of one plan's model on one GPU (seconds and bytes).
+
+    `recompute_s` and `act_bytes` map each recompute mode to the extra forward seconds and the
+    saved activation bytes of one layer; `tp_bytes`, `cp_bytes`, `ep_bytes` are the message of
+    one forward collective, `tp_calls`/`cp_calls`/`ep_calls` how many a layer's forward issues.
+    """
+
+    layers: int
+    layer_fwd_s: float
+    layer_bwd_s: float
+    recompute_s: dict[str, float]
+    pre_s: float
+    post_s: float
+    tp_bytes: float
+    tp_calls: int
+    cp_bytes: float
+    cp_calls: int
+    ep_bytes: float
+    ep_calls: int
+    boundary_bytes: float
+    act_bytes: dict[str, float]
+    post_act_bytes: float
+    layer_dense_params: float
+    layer_expert_params: float
+    edge_params: float
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    flops: float
+    nbytes: float
+    eff: float
+    bwd: float = 2.0
+    core: bool = False
+
+
+def _gemm(m: float, n: float, k: float, count: float = 1.0) -> _Kernel:
+    nbytes = BF16 * count * (m * k + k * n + m * n)
+    return _Kernel(2.0 * m * n * k * count, nbytes, matmul_efficiency(m, n, k))
+
+
+def _stream(nbytes: float) -> _Kernel:
+    return _Kernel(0.0, nbytes, MATMUL_PEAK_FRACTION)
+
+
+def _attention(shape: ModelShape, cfg: ParallelConfig, b: int) -> list[_Kernel]:
+    """Attention core on the local heads and the local query chunk (keys: whole sequence)."""
+    t, s, d = cfg.tp, shape.seq, shape.head_dim
+    sq, heads = s // cfg.cp, b * shape.heads // t
+    if cfg.attention == "flash":
+        causal = 0.5 * (s + 1) / s
+        flops = 4.0 * heads * sq * s * d * causal
+        nbytes = BF16 * heads * sq * d * 4
+        return [_Kernel(flops, nbytes, matmul_efficiency(sq, s, d), bwd=2.5, core=True)]
+    scores = heads * sq * s
+    chain = [
+        _Kernel(2.0 * scores * d, BF16 * scores, matmul_efficiency(sq, s, d), core=True),
+        _Kernel(0.0, 2 * BF16 * scores, MATMUL_PEAK_FRACTION, core=True),
+        _Kernel(2.0 * scores * d, BF16 * scores, matmul_efficiency(sq, d, s), core=True),
+    ]
+    if shape.dropout:
+        chain.append(_Kernel(0.0, (2 * BF16 + 1) * scores, MATMUL_PEAK_FRACTION, core=True))
+    return chain
+
+
+def layer_kernels(shape: ModelShape, cfg: ParallelConfig, b: int) -> list[_Kernel]:
+    """Forward kernels of one layer on one rank (see the module docstring, step 1)."""
+    t, h = cfg.tp, shape.hidden
+    tokens = b * shape.seq // cfg.cp
+    q_out = shape.heads * shape.head_dim // t
+    kv_out = 2 * max(shape.g // t, 1) * shape.head_dim
+    f_cols = shape.f // t * (2 if shape.gated else 1)
+    routed = tokens * shape.top_k
+    local_experts = shape.experts // cfg.ep
+    rows = routed * cfg.ep / shape.experts if shape.experts > 1 else tokens
+    sp = t if cfg.sequence_parallel else 1
+    drop = 1 if shape.dropout else 0
+    kernels = [
+        _gemm(tokens, q_out + kv_out, h),
+        _gemm(tokens, h, q_out),
+        _gemm(rows, f_cols, h, local_experts),
+        _gemm(rows, h, shape.f // t, local_experts),
+        _stream(tokens * h * (2 * 2 * BF16 + 2 * (3 * BF16 + drop)) / sp),
+        _stream(tokens * shape.top_k * (f_cols + shape.f // t) * BF16),
+        _stream(tokens * 2 * BF16 * (q_out + kv_out + q_out)),
+    ]  # fmt: skip
+    if shape.experts > 1:
+        kernels.append(_gemm(tokens, shape.experts, h))
+    return kernels + _attention(shape, cfg, b)
+
+
+def _time(kernels: list[_Kernel], gpu: GPU, factor: bool = False) -> float:
+    return sum(
+        (k.bwd if factor else 1.0) * op_time(k.flops, k.nbytes, gpu, BF16, compute_efficiency=k.eff)
+        for k in kernels
+    )
+
+
+def _edges(shape: ModelShape, cfg: ParallelConfig, b: int, gpu: GPU) -> tuple[float, float]:
+    """(embedding fwd+bwd, final norm + LM head + loss fwd+bwd) seconds on the end stages."""
+    tokens, h, v = b * shape.seq // cfg.cp, shape.hidden, shape.vocab // cfg.tp
+    embed = [_stream(2 * BF16 * tokens * h)]
+    head = [
+        _gemm(tokens, v, h),
+        _stream(tokens * v * (BF16 + 3 * 4)),
+        _stream(4 * BF16 * tokens * h),
+    ]
+    return _time(embed, gpu) * 3, _time(head, gpu) + _time(head, gpu, factor=True)  # fmt: skip
+
+
+def activation_bytes(shape: ModelShape, cfg: ParallelConfig, b: int) -> dict[str, float]:
+    """Saved bytes of one layer per recompute mode (Korthikanti 2022 generalised).
+
+    Terms per token (16-bit): norm inputs 4h, QKV input 2h, Q,K,V 2(a+2g)d, output-projection
+    input 2h, MLP input 2h, activation input+output 2·2f (gated: 3f' + f'), dropout masks h each;
+    score terms 5·a·s (unfused: softmax output 2, dropout mask 1, dropout output 2) or, for
+    flash, the per-row log-sum-exp (4 bytes per head). Terms inside the tp region divide by t;
+    the rest divide by t only with sequence parallelism.
+    """
+    t, h, s = cfg.tp, shape.hidden, shape.seq
+    tokens = b * s / cfg.cp
+    sp = t if cfg.sequence_parallel else 1
+    drop = 1 if shape.dropout else 0
+    f_act = (3 if shape.gated else 2) * BF16 * shape.f * shape.top_k
+    qkv = BF16 * (shape.heads + 2 * shape.g) * shape.head_dim
+    outer = (4 * BF16 + 2 * drop) * h / sp
+    inner = (qkv + BF16 * h + f_act) / t
+    if cfg.attention == "unfused":
+        core = (2 * BF16 + drop) * shape.heads * s / t
+    else:
+        core = 4 * shape.heads / t
+    layer_in = BF16 * h / sp
+    return {
+        "none": tokens * (outer + inner + core),
+        "selective": tokens * (outer + inner),
+        "full": tokens * layer_in,
+    }
+
+
+def shape_workload(shape: ModelShape, cfg: ParallelConfig, b: int, gpu: GPU) -> Workload:
+    """The `Workload` of a model shape under `cfg` with micro-batch `b` on `gpu`."""
+    t, h = cfg.tp, shape.hidden
+    tokens = b * shape.seq // cfg.cp
+    kernels = layer_kernels(shape, cfg, b)
+    core = [k for k in kernels if k.core]
+    pre, post = _edges(shape, cfg, b, gpu)
+    fwd = _time(kernels, gpu)
+    dense_mlp = shape.expert_params if shape.experts == 1 else 0
+    heads = 1 if cfg.pp > 1 or shape.tied_embeddings else 2
+    return Workload(
+        layers=shape.layers,
+        layer_fwd_s=fwd,
+        layer_bwd_s=_time(kernels, gpu, factor=True),
+        recompute_s={"none": 0.0, "selective": _time(core, gpu), "full": fwd},
+        pre_s=pre,
+        post_s=post,
+        tp_bytes=BF16 * tokens * h,
+        tp_calls=2,
+        cp_bytes=2 * BF16 * tokens * max(shape.g // t, 1) * shape.head_dim,
+        cp_calls=cfg.cp - 1,
+        ep_bytes=BF16 * tokens * shape.top_k * h / (t if cfg.sequence_parallel else 1),
+        ep_calls=2 if shape.experts > 1 else 0,
+        boundary_bytes=BF16 * tokens * h / t,
+        act_bytes=activation_bytes(shape, cfg, b),
+        post_act_bytes=tokens * shape.vocab / t * (BF16 + 4),
+        layer_dense_params=(shape.layer_params - shape.experts * shape.expert_params + dense_mlp)
+        / t,
+        layer_expert_params=0.0
+        if shape.experts == 1
+        else shape.experts // cfg.ep * shape.expert_params / t,
+        edge_params=heads * shape.embedding_params / t,
+    )
