@@ -32,7 +32,7 @@ MATMUL_TILE = 128  # output tile edge of a tensor-core GEMM kernel
 MEMORY_BW_FRACTION = 0.80  # streaming kernels reach ~80% of the HBM data-sheet bandwidth
 KERNEL_LAUNCH_S = 4e-6  # eager launch + scheduling floor per kernel
 
-_MATMULS = {"linear", "addmm", "mm", "bmm", "matmul", "baddbmm"}
+MATMUL_OPS = {"linear", "addmm", "mm", "bmm", "matmul", "baddbmm"}
 _NORMS = {"layer_norm": 8.0, "native_layer_norm": 8.0, "rms_norm": 4.0, "group_norm": 8.0}
 _SOFTMAX = {"softmax": 5.0, "_softmax": 5.0, "log_softmax": 5.0, "_log_softmax": 5.0}
 _LOSSES = {"cross_entropy_loss": 6.0, "nll_loss": 1.0, "nll_loss_forward": 1.0}
@@ -51,14 +51,16 @@ _ELEMENTWISE = {"add", "sub", "mul", "div", "neg", "pow", "exp", "log", "sqrt", 
 def node_flops_bytes(node: torch.fx.Node) -> tuple[float, float]:
     """Global (FLOPs, bytes read + written) of one ATen call_function node; (0, 0) for views,
     non-tensor results and ops outside the table."""
-    name = _op_name(node)
-    out = _tensors(node.meta.get("val"))
+    name = op_name(node)
+    out = tensors_of(node.meta.get("val"))
     if name is None or not out:
         return 0.0, 0.0
-    ins = _tensors([_val(a) for a in node.args]) + _tensors([_val(a) for a in node.kwargs.values()])
+    ins = tensors_of([_val(a) for a in node.args]) + tensors_of(
+        [_val(a) for a in node.kwargs.values()]
+    )
     moved = float(sum(_nbytes(t) for t in ins + out))
     out_elems = float(sum(t.numel() for t in out))
-    if name in _MATMULS:
+    if name in MATMUL_OPS:
         return _matmul_flops(name, node, out[0]), moved
     if name == "scaled_dot_product_attention":
         return _sdpa_flops(node), moved
@@ -101,16 +103,16 @@ def node_time(node: torch.fx.Node, gpu: GPU) -> float:
     flops, moved = node_flops_bytes(node)
     if flops == 0.0 and moved == 0.0:
         return 0.0
-    out = _tensors(node.meta.get("val"))
+    out = tensors_of(node.meta.get("val"))
     dtype_bytes = min(max(out[0].element_size(), 2), 4) if out else 2
     eff = MATMUL_PEAK_FRACTION
-    if _op_name(node) in _MATMULS:
-        m, n, k = _gemm_dims(node, out[0])
+    if op_name(node) in MATMUL_OPS:
+        m, n, k = gemm_dims(node, out[0])
         eff = matmul_efficiency(m, n, k)
     return op_time(flops, moved, gpu, dtype_bytes, compute_efficiency=eff)
 
 
-def _op_name(node: torch.fx.Node) -> str | None:
+def op_name(node: torch.fx.Node) -> str | None:
     if node.op != "call_function":
         return None
     return getattr(node.target, "_opname", None) or getattr(node.target, "__name__", None)
@@ -122,11 +124,11 @@ def _val(arg):
     return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
 
 
-def _tensors(val) -> list[torch.Tensor]:
+def tensors_of(val) -> list[torch.Tensor]:
     if isinstance(val, torch.Tensor):
         return [val]
     if isinstance(val, (list, tuple)):
-        return [t for v in val for t in _tensors(v)]
+        return [t for v in val for t in tensors_of(v)]
     return []
 
 
@@ -134,9 +136,9 @@ def _nbytes(t: torch.Tensor) -> float:
     return float(t.numel() * t.element_size())
 
 
-def _gemm_dims(node: torch.fx.Node, out: torch.Tensor) -> tuple[float, float, float]:
+def gemm_dims(node: torch.fx.Node, out: torch.Tensor) -> tuple[float, float, float]:
     """(m, n, k) of the matmul: m = all output rows (batch folded in), n = last output dim."""
-    name = _op_name(node)
+    name = op_name(node)
     a = _val(node.args[1] if name in ("addmm", "baddbmm") else node.args[0])
     k = float(a.shape[-1]) if a.dim() > 0 else 1.0
     n = float(out.shape[-1]) if out.dim() > 0 else 1.0
@@ -144,7 +146,7 @@ def _gemm_dims(node: torch.fx.Node, out: torch.Tensor) -> tuple[float, float, fl
 
 
 def _matmul_flops(name: str, node: torch.fx.Node, out: torch.Tensor) -> float:
-    m, n, k = _gemm_dims(node, out)
+    m, n, k = gemm_dims(node, out)
     flops = 2.0 * m * n * k
     has_bias = (name == "linear" and len(node.args) > 2 and node.args[2] is not None) or name in (
         "addmm",

@@ -61,7 +61,7 @@ def _layer_comm(work: Workload, cfg: ParallelConfig, cluster: Cluster, recompute
     tp = work.tp_calls * span_time("all_reduce", work.tp_bytes, cluster, *spans["tp"])
     ep = work.ep_calls * span_time("all_to_all", work.ep_bytes, cluster, *spans["ep"])
     ring = span_time("send_recv", work.cp_bytes, cluster, *spans["cp"])
-    attn = work.recompute_s["selective"]
+    attn = work.attn_fwd_s
     cp = max(0.0, work.cp_calls * ring - attn) + max(0.0, 2 * cfg.cp * ring - 2 * attn)
     return {"tp": passes * tp, "cp": cp if cfg.cp > 1 else 0.0, "ep": passes * ep}
 

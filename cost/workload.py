@@ -40,6 +40,7 @@ class Workload:
 
     layers: int
     layer_fwd_s: float
+    attn_fwd_s: float
     layer_bwd_s: float
     recompute_s: dict[str, float]
     pre_s: float
@@ -65,6 +66,7 @@ class _Kernel:
     eff: float
     bwd: float = 2.0
     core: bool = False
+    attn: bool = False
 
 
 def _gemm(m: float, n: float, k: float, count: float = 1.0) -> _Kernel:
@@ -84,15 +86,17 @@ def _attention(shape: ModelShape, cfg: ParallelConfig, b: int) -> list[_Kernel]:
         causal = 0.5 * (s + 1) / s
         flops = 4.0 * heads * sq * s * d * causal
         nbytes = BF16 * heads * sq * d * 4
-        return [_Kernel(flops, nbytes, matmul_efficiency(sq, s, d), bwd=2.5, core=True)]
+        return [_Kernel(flops, nbytes, matmul_efficiency(sq, s, d), bwd=2.5, attn=True)]
     scores = heads * sq * s
     chain = [
-        _Kernel(2.0 * scores * d, BF16 * scores, matmul_efficiency(sq, s, d), core=True),
-        _Kernel(0.0, 2 * BF16 * scores, MATMUL_PEAK_FRACTION, core=True),
-        _Kernel(2.0 * scores * d, BF16 * scores, matmul_efficiency(sq, d, s), core=True),
+        _Kernel(2.0 * scores * d, BF16 * scores, matmul_efficiency(sq, s, d), core=True, attn=True),
+        _Kernel(0.0, 2 * BF16 * scores, MATMUL_PEAK_FRACTION, core=True, attn=True),
+        _Kernel(2.0 * scores * d, BF16 * scores, matmul_efficiency(sq, d, s), core=True, attn=True),
     ]
     if shape.dropout:
-        chain.append(_Kernel(0.0, (2 * BF16 + 1) * scores, MATMUL_PEAK_FRACTION, core=True))
+        chain.append(
+            _Kernel(0.0, (2 * BF16 + 1) * scores, MATMUL_PEAK_FRACTION, core=True, attn=True)
+        )
     return chain
 
 
@@ -144,11 +148,12 @@ def _edges(shape: ModelShape, cfg: ParallelConfig, b: int, gpu: GPU) -> tuple[fl
 def activation_bytes(shape: ModelShape, cfg: ParallelConfig, b: int) -> dict[str, float]:
     """Saved bytes of one layer per recompute mode (Korthikanti 2022 generalised).
 
-    Terms per token (16-bit): norm inputs 4h, QKV input 2h, Q,K,V 2(a+2g)d, output-projection
-    input 2h, MLP input 2h, activation input+output 2·2f (gated: 3f' + f'), dropout masks h each;
-    score terms 5·a·s (unfused: softmax output 2, dropout mask 1, dropout output 2) or, for
-    flash, the per-row log-sum-exp (4 bytes per head). Terms inside the tp region divide by t;
-    the rest divide by t only with sequence parallelism.
+    Bytes per token (16-bit): norm inputs 4h, QKV input 2h, MLP input 2h, dropout masks h each
+    (outside the tp region: ÷t only with sequence parallelism); Q,K,V 2(a+2g)d, output-projection
+    input 2h, MLP activation input and output 2·2f (gated: gate, up, product 3·2f), times top-k
+    (inside: ÷t). Attention core, dropped by selective recompute: unfused scores 5·a·s
+    (softmax output 2, dropout mask 1, dropout output 2); flash keeps only a 4-byte
+    log-sum-exp per head. Full recompute keeps the layer input 2h.
     """
     t, h, s = cfg.tp, shape.hidden, shape.seq
     tokens = b * s / cfg.cp
@@ -157,11 +162,10 @@ def activation_bytes(shape: ModelShape, cfg: ParallelConfig, b: int) -> dict[str
     f_act = (3 if shape.gated else 2) * BF16 * shape.f * shape.top_k
     qkv = BF16 * (shape.heads + 2 * shape.g) * shape.head_dim
     outer = (4 * BF16 + 2 * drop) * h / sp
-    inner = (qkv + BF16 * h + f_act) / t
-    if cfg.attention == "unfused":
-        core = (2 * BF16 + drop) * shape.heads * s / t
-    else:
-        core = 4 * shape.heads / t
+    unfused = cfg.attention == "unfused"
+    lse = 0 if unfused else 4 * shape.heads
+    inner = (qkv + BF16 * h + f_act + lse) / t
+    core = (2 * BF16 + drop) * shape.heads * s / t if unfused else 0.0
     layer_in = BF16 * h / sp
     return {
         "none": tokens * (outer + inner + core),
@@ -176,6 +180,7 @@ def shape_workload(shape: ModelShape, cfg: ParallelConfig, b: int, gpu: GPU) -> 
     tokens = b * shape.seq // cfg.cp
     kernels = layer_kernels(shape, cfg, b)
     core = [k for k in kernels if k.core]
+    attn = [k for k in kernels if k.core or k.attn]
     pre, post = _edges(shape, cfg, b, gpu)
     fwd = _time(kernels, gpu)
     dense_mlp = shape.expert_params if shape.experts == 1 else 0
@@ -183,6 +188,7 @@ def shape_workload(shape: ModelShape, cfg: ParallelConfig, b: int, gpu: GPU) -> 
     return Workload(
         layers=shape.layers,
         layer_fwd_s=fwd,
+        attn_fwd_s=_time(attn, gpu),
         layer_bwd_s=_time(kernels, gpu, factor=True),
         recompute_s={"none": 0.0, "selective": _time(core, gpu), "full": fwd},
         pre_s=pre,

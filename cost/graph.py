@@ -1,0 +1,322 @@
+"""Price a traced model: work, saved activations and communication from its torch.export graph.
+
+Algorithm (`GraphModel.from_traced`, once per graph):
+1. Find the parameters (graph signature, `p_*` placeholders or get_attr nodes) and the batch
+   and sequence length (first user input, [batch, seq, ...]).
+2. Group nodes into repeated blocks by module path (`layers.7.mlp.fc1` → `layers.7`); nodes
+   before the first block are the embedding end, nodes after the last the head end.
+3. Per node: FLOPs and bytes (`cost.compute`), matmul efficiency, backward factor (2.5 for
+   SDPA, which recomputes its scores, else 2), whether it is attention, and whether it is the
+   unfused attention core (score-shaped [.., s, s] tensors and the matmul consuming them).
+4. Tensor parallelism, Megatron's column/row pairing found in the graph: a parameter linear
+   whose output (through dropout/views) feeds a residual `add` is row-parallel, every other
+   parameter linear column-parallel; the tp region is what lies downstream of a column linear
+   up to a row linear. Each row linear costs one all-reduce of its output per pass.
+5. Saved activations (what autograd keeps for backward, per op: `_SAVES`), deduplicated by the
+   view base they alias; tensors in the tp region divide by t, the rest only with sequence
+   parallelism. Selective recompute drops the attention-core tensors; full recompute keeps the
+   block inputs only.
+
+Algorithm (`GraphModel.workload`, per plan, vectorised over nodes):
+1. Scale activation FLOPs and bytes by (b / traced batch) / (t · c), weight bytes by 1/t.
+2. Roofline every node at once (numpy) and sum per region; a block's share is its total over
+   the number of blocks. Traced efficiencies are kept (the shapes are the traced ones).
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.fx
+
+from cost.compute import (
+    KERNEL_LAUNCH_S,
+    MATMUL_OPS,
+    MATMUL_PEAK_FRACTION,
+    MEMORY_BW_FRACTION,
+    gemm_dims,
+    matmul_efficiency,
+    node_flops_bytes,
+    op_name,
+    tensors_of,
+)
+from cost.config import ParallelConfig
+from cost.errors import CostInputError
+from cost.hardware import GPU
+from cost.workload import Workload
+
+_VIEWS = {"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "unsqueeze",
+          "squeeze", "expand", "select", "slice", "split", "split_with_sizes", "chunk",
+          "unbind", "alias", "as_strided", "narrow", "unflatten", "flatten", "contiguous",
+          "detach", "getitem"}  # fmt: skip
+_PASS_THROUGH = _VIEWS | {"dropout", "native_dropout", "mul", "div", "_to_copy", "to", "clone"}
+# op → (argument indices autograd saves, whether it saves its output); norms and SDPA also
+# save fp32 per-row statistics (_STATS_BYTES per row).
+_SAVES: dict[str, tuple[tuple[int, ...], bool]] = {
+    "linear": ((0,), False), "addmm": ((1, 2), False), "mm": ((0, 1), False),
+    "bmm": ((0, 1), False), "matmul": ((0, 1), False), "baddbmm": ((1, 2), False),
+    "layer_norm": ((0,), False), "rms_norm": ((0,), False), "group_norm": ((0,), False),
+    "softmax": ((), True), "_softmax": ((), True), "log_softmax": ((), True),
+    "_log_softmax": ((), True), "gelu": ((0,), False), "silu": ((0,), False),
+    "softplus": ((0,), False), "mish": ((0,), False), "elu": ((), True), "relu": ((), True),
+    "tanh": ((), True), "sigmoid": ((), True), "exp": ((), True), "rsqrt": ((), True),
+    "sqrt": ((), True), "log": ((0,), False), "pow": ((0,), False), "mul": ((0, 1), False),
+    "div": ((0, 1), False), "embedding": ((1,), False), "cross_entropy_loss": ((0, 1), False),
+    "scaled_dot_product_attention": ((0, 1, 2), True),
+}  # fmt: skip
+_STATS_BYTES = {"layer_norm": 8, "rms_norm": 4, "group_norm": 8, "scaled_dot_product_attention": 4}
+_BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class GraphModel:
+    """A traced model reduced to per-node arrays; `workload` prices a plan from them."""
+
+    name: str
+    layers: int
+    heads: int
+    kv_heads: int
+    seq: int
+    batch: int
+    experts: int = 1
+    arrays: dict[str, np.ndarray] = field(repr=False)
+    params: dict[str, float] = field(repr=False)
+    saved: dict[str, float] = field(repr=False)
+    comm: dict[str, float] = field(repr=False)
+
+    @property
+    def g(self) -> int:
+        return self.kv_heads
+
+    @staticmethod
+    def from_traced(traced, name: str = "traced") -> GraphModel:
+        """From a `torch.export.ExportedProgram` or its (lifted or unlifted) `GraphModule`."""
+        if isinstance(traced, torch.export.ExportedProgram):
+            gm, params = traced.graph_module, set(traced.graph_signature.inputs_to_parameters)
+        elif isinstance(traced, torch.fx.GraphModule):
+            gm = traced
+            params = {n.name for n in gm.graph.nodes
+                      if n.op == "get_attr" or (n.op == "placeholder" and n.name.startswith("p_"))}  # fmt: skip
+        else:
+            raise CostInputError(
+                f"cannot price a {type(traced).__name__}: pass a ModelShape, a preset name, or "
+                "torch.export.export(model, args, strict=False) (an ExportedProgram)"
+            )
+        return _analyse(gm.graph, params, name)
+
+    def workload(self, cfg: ParallelConfig, b: int, gpu: GPU) -> Workload:
+        """Per-rank, per-micro-batch work of this graph under `cfg` (vectorised roofline)."""
+        a, t, per = self.arrays, cfg.tp, self.layers
+        share = b / self.batch / cfg.cp  # this rank's sequences / tokens before tp
+        compute = a["flops"] * share / t / (gpu.bf16_flops * a["eff"])
+        moved = a["act_bytes"] * share / t + a["weight_bytes"] / t
+        memory = moved / (gpu.hbm_bw * MEMORY_BW_FRACTION)
+        roof = np.maximum(np.maximum(compute, memory), KERNEL_LAUNCH_S)
+        times = np.where(a["launch"] > 0, roof, 0.0)
+        block = a["region"] == 1
+        fwd = float(times[block].sum()) / per
+        attn = float(times[block & (a["attn"] > 0)].sum()) / per
+        s, sp = self.saved, t if cfg.sequence_parallel else 1
+        kept = share * (s["inner"] / t + s["outer"] / sp) / per
+        return Workload(
+            layers=per, layer_fwd_s=fwd, attn_fwd_s=attn, layer_bwd_s=float((times * a["bwd"])[block].sum()) / per,
+            recompute_s={"none": 0.0, "selective": float(times[block & (a["core"] > 0)].sum()) / per,
+                         "full": fwd},
+            pre_s=3 * float(times[a["region"] == 0].sum()),
+            post_s=3 * float(times[a["region"] == 2].sum()),
+            tp_bytes=self.comm["tp_bytes"] * share, tp_calls=round(self.comm["tp_calls"]),
+            cp_bytes=self.comm["kv_bytes"] * share / t / per, cp_calls=cfg.cp - 1,
+            ep_bytes=0.0, ep_calls=0, boundary_bytes=s["inputs"] * share / t / per,
+            act_bytes={"none": kept + share * s["core"] / t / per, "selective": kept,
+                       "full": share * s["inputs"] / sp / per},
+            post_act_bytes=s["post"] * share / t,
+            layer_dense_params=self.params["block"] / per / t, layer_expert_params=0.0,
+            edge_params=self.params["edges"] / t,
+        )  # fmt: skip
+
+    def flops_per_token(self) -> tuple[float, float]:
+        """(PaLM: 3 × forward FLOPs, Megatron: 4 × block + 3 × edge forward FLOPs) per token."""
+        a = self.arrays
+        tokens = self.batch * self.seq
+        block = float(a["flops"][a["region"] == 1].sum())
+        edges = float(a["flops"][a["region"] != 1].sum())
+        return 3 * (block + edges) / tokens, (4 * block + 3 * edges) / tokens
+
+
+def _name(node: torch.fx.Node) -> str | None:
+    if node.op == "call_function" and node.target is operator.getitem:
+        return "getitem"
+    return op_name(node)
+
+
+def _block_key(node: torch.fx.Node) -> str | None:
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        match = _BLOCK.match(path)
+        if match:
+            return match.group(1)
+    return None
+
+
+def _shape(node: torch.fx.Node) -> tuple[int, ...] | None:
+    val = node.meta.get("val")
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _out_bytes(node) -> float:
+    vals = tensors_of(node.meta.get("val")) if isinstance(node, torch.fx.Node) else []
+    return float(sum(v.numel() * v.element_size() for v in vals))
+
+
+class _Walk:
+    """Per-graph facts the analysis shares: parameters, alias bases, regions, tp region, core."""
+
+    def __init__(self, graph: torch.fx.Graph, params: set[str]):
+        self.nodes = [
+            n for n in graph.nodes if n.op in ("placeholder", "call_function", "get_attr")
+        ]
+        self.params = {n for n in self.nodes if n.name in params}
+        self.keys = {n: _block_key(n) for n in self.nodes if n.op == "call_function"}
+        self.base: dict[torch.fx.Node, torch.fx.Node] = {}
+        for n in self.nodes:
+            src = n.args[0] if n.args else None
+            is_view = _name(n) in _VIEWS and isinstance(src, torch.fx.Node)
+            self.base[n] = self.base.get(src, src) if is_view else n
+        self.row = {m for n in self.nodes if _name(n) == "add" for a in n.args
+                    if (m := self._producer(a, n)) is not None}  # fmt: skip
+        self.inside: set[torch.fx.Node] = set()
+        for n in self.nodes:
+            column = self._param_matmul(n) and n not in self.row
+            if column or (n not in self.row and any(a in self.inside for a in n.all_input_nodes)):
+                self.inside.add(n)
+
+    def _param_matmul(self, node: torch.fx.Node) -> bool:
+        return _name(node) in MATMUL_OPS and any(a in self.params for a in node.all_input_nodes)
+
+    def _producer(self, arg, add: torch.fx.Node) -> torch.fx.Node | None:
+        """The parameter matmul feeding residual `add` through dropout/scale ops, if any: its
+        output must have the add's shape (a rotary `q·cos + ...` add reshapes, and is no row)."""
+        while isinstance(arg, torch.fx.Node) and _name(arg) in _PASS_THROUGH:
+            arg = arg.args[0]
+        if not isinstance(arg, torch.fx.Node) or not self._param_matmul(arg):
+            return None
+        return arg if _shape(arg) == _shape(add) else None
+
+
+def _regions(walk: _Walk) -> dict[torch.fx.Node, int]:
+    """0 before the first block node, 1 from it to the last block node, 2 after."""
+    calls = [n for n in walk.nodes if n.op == "call_function"]
+    inside = [i for i, n in enumerate(calls) if walk.keys[n]]
+    if not inside:
+        return dict.fromkeys(calls, 1)
+    return {n: 0 if i < inside[0] else 2 if i > inside[-1] else 1 for i, n in enumerate(calls)}
+
+
+def _is_core(node: torch.fx.Node, seq: int, walk: _Walk) -> bool:
+    """Unfused attention: anything shaped like the [.., s, s] scores and the matmul consuming
+    them (a fused SDPA keeps no scores, so selective recompute has nothing to drop there)."""
+    if (_shape(node) or ())[-2:] == (seq, seq):
+        return True
+    return (
+        _name(node) in MATMUL_OPS
+        and not walk._param_matmul(node)
+        and any((_shape(a) or ())[-2:] == (seq, seq) for a in node.all_input_nodes)
+    )
+
+
+def _saved(node: torch.fx.Node, walk: _Walk) -> list[tuple[object, float]]:
+    """(identity, bytes) of what autograd saves for this node's backward (params excluded)."""
+    name = _name(node)
+    if name in ("dropout", "native_dropout"):
+        return [(node, float(sum(v.numel() for v in tensors_of(node.meta.get("val")))))]
+    if name not in _SAVES:
+        return []
+    args, output = _SAVES[name]
+    if name in ("mul", "div") and not all(isinstance(a, torch.fx.Node) for a in node.args[:2]):
+        return []  # scaling by a constant saves nothing
+    kept = [node.args[i] for i in args if i < len(node.args)]
+    kept = [a for a in kept if isinstance(a, torch.fx.Node) and a not in walk.params]
+    out = [(walk.base[a], _out_bytes(walk.base[a])) for a in kept]
+    if output:
+        out.append((walk.base[node], _out_bytes(walk.base[node])))
+    if name in _STATS_BYTES:
+        val = tensors_of(node.args[0].meta.get("val"))[0]
+        out.append(((node, "stats"), _STATS_BYTES[name] * val.numel() / val.shape[-1]))
+    return out
+
+
+def _node_arrays(walk: _Walk, regions: dict, seq: int) -> dict[str, np.ndarray]:
+    """Per call node: FLOPs, activation / weight bytes, efficiency, backward factor, flags."""
+    rows = []
+    for n in regions:
+        flops, moved = node_flops_bytes(n)
+        weights = sum(_out_bytes(a) for a in n.all_input_nodes if a in walk.params)
+        eff = MATMUL_PEAK_FRACTION
+        if _name(n) in MATMUL_OPS and flops:
+            eff = matmul_efficiency(*gemm_dims(n, tensors_of(n.meta["val"])[0]))
+        bwd = 2.5 if _name(n) == "scaled_dot_product_attention" else 2.0
+        launch = 1.0 if flops or moved else 0.0
+        core = _is_core(n, seq, walk)
+        attn = core or _name(n) == "scaled_dot_product_attention"
+        rows.append((flops, max(moved - weights, 0.0), weights, eff, bwd, launch,
+                     regions[n], float(core), float(attn)))  # fmt: skip
+    keys = ("flops", "act_bytes", "weight_bytes", "eff", "bwd", "launch", "region", "core", "attn")
+    cols = np.array(rows, dtype=np.float64).reshape(-1, len(keys)).T
+    return dict(zip(keys, cols, strict=True))
+
+
+def _saved_totals(walk: _Walk, regions: dict, seq: int) -> dict[str, float]:
+    """Saved bytes (traced shapes) split into tp-region / outer / attention core / post, plus
+    the bytes entering each block (what full recompute keeps)."""
+    totals = dict.fromkeys(("inner", "outer", "core", "post", "inputs"), 0.0)
+    seen: set = set()
+    for n, region in regions.items():
+        for ident, nbytes in _saved(n, walk):
+            if ident in seen or region == 0:
+                continue
+            seen.add(ident)
+            owner = ident[0] if isinstance(ident, tuple) else ident
+            kind = "post" if region == 2 else (
+                "core" if owner.op == "call_function" and _is_core(owner, seq, walk)
+                else "inner" if owner in walk.inside else "outer")  # fmt: skip
+            totals[kind] += nbytes
+    entering = {(walk.keys.get(n), a) for n in regions for a in n.all_input_nodes
+                if walk.keys.get(n) and a not in walk.params and walk.keys.get(a) != walk.keys.get(n)}  # fmt: skip
+    totals["inputs"] = sum(_out_bytes(a) for _, a in entering)
+    return totals
+
+
+def _analyse(graph: torch.fx.Graph, params: set[str], name: str) -> GraphModel:
+    """Reduce a graph to a `GraphModel` (module docstring, steps 1–5)."""
+    walk = _Walk(graph, params)
+    users = [n for n in walk.nodes if n.op == "placeholder" and n not in walk.params]
+    if not users or not _shape(users[0]):
+        raise CostInputError("the traced graph has no tensor input to read batch and sequence from")
+    shape = _shape(users[0])
+    batch, seq = shape[0], shape[1] if len(shape) > 1 else 1
+    regions = _regions(walk)
+    blocks = {k for k in walk.keys.values() if k}
+    sdpa = [n for n in regions if _name(n) == "scaled_dot_product_attention"]
+    rows = [n for n in walk.row if regions.get(n) == 1]
+    layers = max(len(blocks), 1)
+    param_region: dict[torch.fx.Node, int] = {}
+    for n in regions:
+        for a in n.all_input_nodes:
+            if a in walk.params:
+                param_region.setdefault(a, regions[n])
+    numel = {p: _out_bytes(p) / p.meta["val"].element_size() for p in param_region}
+    heads = _shape(sdpa[0].args[0])[-3] if sdpa else 0
+    kv_heads = _shape(sdpa[0].args[1])[-3] if sdpa else 0
+    return GraphModel(
+        name=name, layers=layers, heads=heads, kv_heads=kv_heads, seq=seq, batch=batch,
+        arrays=_node_arrays(walk, regions, seq),
+        params={"block": sum(v for p, v in numel.items() if param_region[p] == 1),
+                "edges": sum(v for p, v in numel.items() if param_region[p] != 1)},
+        saved=_saved_totals(walk, regions, seq),
+        comm={"tp_calls": len(rows) / layers,
+              "tp_bytes": sum(_out_bytes(n) for n in rows) / max(len(rows), 1),
+              "kv_bytes": sum(_out_bytes(a) for n in sdpa for a in n.args[1:3])},
+    )  # fmt: skip
