@@ -63,7 +63,7 @@ class ShapeModel:
         attn = 2 * m.layers * m.heads * m.head_dim * m.seq  # QKᵀ + PV forward, per token
         head = m.vocab * m.hidden
         layer = m.active_params - head * (0 if m.tied_embeddings else 1)
-        body = layer - m.hidden  # final norm
+        body = layer - m.hidden * (2 if m.norm == "layernorm" else 1)  # final norm
         palm = 6 * (body + head) + 6 * attn
         megatron = 4 * (2 * body + 2 * attn) + 3 * 2 * head
         return float(palm), float(megatron)

@@ -95,7 +95,8 @@ class ModelShape:
     @property
     def params(self) -> int:
         head = 0 if self.tied_embeddings else self.embedding_params
-        return self.layers * self.layer_params + self.embedding_params + head + self.hidden
+        final_norm = self.hidden * (2 if self.norm == "layernorm" else 1)
+        return self.layers * self.layer_params + self.embedding_params + head + final_norm
 
     @property
     def active_params(self) -> int:

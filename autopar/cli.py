@@ -1,0 +1,78 @@
+"""The `autopar` command line.
+
+    autopar estimate --model llama3-70b --cluster dgx-h100 --nodes 8 --tp 8 --pp 4 --dp 2 \\
+        --global-batch 512
+
+Algorithm (`main`):
+1. Parse the subcommand and its options; options left out stay None and are chosen by the
+   estimator (micro-batch, schedule, virtual stages, recompute, dp).
+2. Build the model shape (preset name), cluster (preset × nodes) and parallel configuration,
+   price them with `cost.estimate.estimate`, print the table; exit 0 when it fits, 1 when it
+   does not.
+3. Bad input (unknown preset, inconsistent degrees) prints the error and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from cost.config import ATTENTION, RECOMPUTE, SCHEDULES, ParallelConfig
+from cost.errors import CostInputError
+from cost.estimate import estimate
+from cost.hardware import CLUSTER_PRESETS, Cluster
+from cost.model import MODEL_PRESETS, ModelShape
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autopar", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    est = sub.add_parser("estimate", help="price a training configuration")
+    est.add_argument("--model", required=True, help=f"one of {', '.join(sorted(MODEL_PRESETS))}")
+    est.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    est.add_argument("--cluster", default="dgx-h100", help=f"one of {', '.join(CLUSTER_PRESETS)}")
+    est.add_argument("--nodes", type=int, default=1)
+    for name in ("tp", "pp", "cp", "ep"):
+        est.add_argument(f"--{name}", type=int, default=1)
+    est.add_argument("--dp", type=int, help="default: GPUs left by tp·pp·cp")
+    est.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3))
+    est.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    est.add_argument("--micro-batch", type=int)
+    est.add_argument("--schedule", choices=SCHEDULES)
+    est.add_argument("--virtual-stages", type=int)
+    est.add_argument("--recompute", choices=RECOMPUTE)
+    est.add_argument("--attention", choices=ATTENTION, default="flash")
+    est.add_argument("--no-sequence-parallel", action="store_true")
+    est.add_argument("--no-overlap", action="store_true", help="do not overlap dp reduction")
+    est.add_argument("--tp-across-nodes", action="store_true")
+    return parser
+
+
+def _config(args: argparse.Namespace) -> ParallelConfig:
+    return ParallelConfig(
+        tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep, zero=args.zero,
+        global_batch=args.global_batch, micro_batch=args.micro_batch, schedule=args.schedule,
+        virtual_stages=args.virtual_stages, recompute=args.recompute, attention=args.attention,
+        sequence_parallel=not args.no_sequence_parallel, overlap_grad_reduce=not args.no_overlap,
+        tp_across_nodes=args.tp_across_nodes,
+    )  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        shape = ModelShape.preset(args.model)
+        if args.seq:
+            shape = shape.with_seq(args.seq)
+        est = estimate(shape, Cluster.preset(args.cluster, nodes=args.nodes), _config(args))
+    except CostInputError as err:
+        print(f"autopar estimate: error: {err}", file=sys.stderr)
+        return 2
+    print(est)
+    return 0 if est.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
