@@ -15,11 +15,13 @@ Algorithm (`estimate`):
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Protocol
 
 from cost.config import ParallelConfig, validate
+from cost.graph import GraphModel
 from cost.hardware import GPU, Cluster
 from cost.memory import MemoryBreakdown, rank_memory
 from cost.model import ModelShape
@@ -119,17 +121,27 @@ class Estimate:
         return render(self)
 
 
+_ANALYSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def as_priced(model) -> Priced:
-    """A `ModelShape`, a preset name, or a traced graph (`ExportedProgram` / `GraphModule`)."""
+    """A `ModelShape`, a preset name, or a traced graph (`ExportedProgram` / `GraphModule`);
+    a graph is analysed once and cached while it lives and keeps its node count."""
     if isinstance(model, str):
         return ShapeModel(shape=ModelShape.preset(model))
     if isinstance(model, ModelShape):
         return ShapeModel(shape=model)
     if hasattr(model, "workload"):
         return model
-    from cost.graph import GraphModel
-
-    return GraphModel.from_traced(model)
+    graph = getattr(model, "graph", None)
+    if graph is None:
+        return GraphModel.from_traced(model)  # not a graph: raises the explanation
+    key = len(graph.nodes)
+    cached = _ANALYSED.get(model)
+    if cached is None or cached[0] != key:
+        cached = (key, GraphModel.from_traced(model))
+        _ANALYSED[model] = cached
+    return cached[1]
 
 
 def _candidates(cfg: ParallelConfig, model: Priced) -> Iterator[ParallelConfig]:
