@@ -105,11 +105,19 @@ def node_time(node: torch.fx.Node, gpu: GPU) -> float:
         return 0.0
     out = tensors_of(node.meta.get("val"))
     dtype_bytes = min(max(out[0].element_size(), 2), 4) if out else 2
-    eff = MATMUL_PEAK_FRACTION
-    if op_name(node) in MATMUL_OPS:
-        m, n, k = gemm_dims(node, out[0])
-        eff = matmul_efficiency(m, n, k)
-    return op_time(flops, moved, gpu, dtype_bytes, compute_efficiency=eff)
+    return op_time(flops, moved, gpu, dtype_bytes, compute_efficiency=node_efficiency(node))
+
+
+def node_efficiency(node: torch.fx.Node) -> float:
+    """Compute efficiency of a node's kernel: `matmul_efficiency` of its GEMM shape (for SDPA
+    the score GEMM, whose K loop is the head dim), else the large-GEMM fraction."""
+    name, out = op_name(node), tensors_of(node.meta.get("val"))
+    if name in MATMUL_OPS and out:
+        return matmul_efficiency(*gemm_dims(node, out[0]))
+    if name == "scaled_dot_product_attention":
+        q, k = (_val(a) for a in node.args[:2])
+        return matmul_efficiency(q.shape[-2], k.shape[-2], q.shape[-1])
+    return MATMUL_PEAK_FRACTION
 
 
 def op_name(node: torch.fx.Node) -> str | None:

@@ -36,10 +36,8 @@ import torch.fx
 from cost.compute import (
     KERNEL_LAUNCH_S,
     MATMUL_OPS,
-    MATMUL_PEAK_FRACTION,
     MEMORY_BW_FRACTION,
-    gemm_dims,
-    matmul_efficiency,
+    node_efficiency,
     node_flops_bytes,
     op_name,
     tensors_of,
@@ -135,7 +133,7 @@ class GraphModel:
                        "full": share * s["inputs"] / sp / per},
             post_act_bytes=s["post"] * share / t,
             layer_dense_params=self.params["block"] / per / t, layer_expert_params=0.0,
-            edge_params=self.params["edges"] / t,
+            edge_params=_edges(self.params["pre"], self.params["post"], cfg.pp) / t,
         )  # fmt: skip
 
     def flops_per_token(self) -> tuple[float, float]:
@@ -145,6 +143,11 @@ class GraphModel:
         block = float(a["flops"][a["region"] == 1].sum())
         edges = float(a["flops"][a["region"] != 1].sum())
         return 3 * (block + edges) / tokens, (4 * block + 3 * edges) / tokens
+
+
+def _edges(pre: float, post: float, pp: int) -> float:
+    """Parameters outside the blocks on the most loaded stage: both ends share it when pp = 1."""
+    return pre + post if pp == 1 else max(pre, post)
 
 
 def _name(node: torch.fx.Node) -> str | None:
@@ -254,9 +257,7 @@ def _node_arrays(walk: _Walk, regions: dict, seq: int) -> dict[str, np.ndarray]:
     for n in regions:
         flops, moved = node_flops_bytes(n)
         weights = sum(_out_bytes(a) for a in n.all_input_nodes if a in walk.params)
-        eff = MATMUL_PEAK_FRACTION
-        if _name(n) in MATMUL_OPS and flops:
-            eff = matmul_efficiency(*gemm_dims(n, tensors_of(n.meta["val"])[0]))
+        eff = node_efficiency(n)
         bwd = 2.5 if _name(n) == "scaled_dot_product_attention" else 2.0
         launch = 1.0 if flops or moved else 0.0
         core = _is_core(n, seq, walk)
@@ -313,8 +314,8 @@ def _analyse(graph: torch.fx.Graph, params: set[str], name: str) -> GraphModel:
     return GraphModel(
         name=name, layers=layers, heads=heads, kv_heads=kv_heads, seq=seq, batch=batch,
         arrays=_node_arrays(walk, regions, seq),
-        params={"block": sum(v for p, v in numel.items() if param_region[p] == 1),
-                "edges": sum(v for p, v in numel.items() if param_region[p] != 1)},
+        params={k: sum(v for p, v in numel.items() if param_region[p] == i)
+                for i, k in enumerate(("pre", "block", "post"))},
         saved=_saved_totals(walk, regions, seq),
         comm={"tp_calls": len(rows) / layers,
               "tp_bytes": sum(_out_bytes(n) for n in rows) / max(len(rows), 1),

@@ -128,9 +128,10 @@ def layer_kernels(shape: ModelShape, cfg: ParallelConfig, b: int) -> list[_Kerne
 
 def _time(kernels: list[_Kernel], gpu: GPU, factor: bool = False) -> float:
     return sum(
-        (k.bwd if factor else 1.0) * op_time(k.flops, k.nbytes, gpu, BF16, compute_efficiency=k.eff)
-        for k in kernels
-    )
+        ((k.bwd if factor else 1.0) * op_time(k.flops, k.nbytes, gpu, BF16, compute_efficiency=k.eff)
+         for k in kernels),
+        0.0,
+    )  # fmt: skip
 
 
 def _edges(shape: ModelShape, cfg: ParallelConfig, b: int, gpu: GPU) -> tuple[float, float]:
