@@ -7,7 +7,8 @@ per-direction bandwidth times its collective efficiency.
 
 Algorithm (`collective_time`):
 1. Ring (default): g−1 steps (2(g−1) for all-reduce), each paying the link latency; every rank
-   sends (g−1)/g of the message (2(g−1)/g for all-reduce) at the achieved bandwidth.
+   sends (g−1)/g of the message (2(g−1)/g for all-reduce; a pipelined broadcast all of it) at
+   the achieved bandwidth.
 2. Tree (all-reduce, broadcast): ⌈log2 g⌉ latency steps each way; the pipelined double binary
    tree moves the whole message in and out once (2·N/B for all-reduce, N/B for broadcast).
 3. Send/recv: one latency plus N/B.
@@ -17,11 +18,15 @@ Algorithm (`hierarchical_time`, a group of k ranks in each of n nodes):
 2. The collective across nodes on 1/k of the message, the k node-local groups in parallel, each
    on its own NIC.
 3. All-gather (or nothing, for reduce-scatter) inside each node.
+4. Latency: the steps of one flat ring over all k·n ranks, each paced by the fabric's latency.
+   Both terms are never below the same group's flat ring inside one node, so an axis that
+   crosses nodes is never cheaper than the same axis inside one.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from cost.errors import CostInputError
 from cost.hardware import Cluster, Link
@@ -42,7 +47,7 @@ def collective_time(
     if algorithm == "tree" and kind in ("all_reduce", "broadcast"):
         passes = 2 if kind == "all_reduce" else 1
         return passes * math.ceil(math.log2(group)) * alpha + passes * nbytes / bw
-    share = (group - 1) / group
+    share = 1.0 if kind == "broadcast" else (group - 1) / group
     if kind == "all_reduce":
         return 2 * (group - 1) * alpha + 2 * share * nbytes / bw
     return (group - 1) * alpha + share * nbytes / bw
@@ -50,16 +55,19 @@ def collective_time(
 
 def hierarchical_time(kind: str, nbytes: float, per_node: int, nodes: int, intra: Link,
                       inter: Link) -> float:  # fmt: skip
-    """Seconds for a collective over `per_node` ranks in each of `nodes` nodes: intra-node
-    reduce-scatter, inter-node collective on 1/per_node of the data, intra-node all-gather."""
+    """Seconds for a collective over `per_node` ranks in each of `nodes` nodes (steps 1–3 for
+    the bandwidth; the latency of one flat ring over all ranks, every step paced by the fabric)."""
     if kind in ("all_to_all", "send_recv", "broadcast") or per_node == 1 or nodes == 1:
         link = inter if nodes > 1 else intra
         return collective_time(kind, nbytes, per_node * nodes, link)
-    across = collective_time(kind, nbytes / per_node, nodes, inter)
+    wire_intra, wire_inter = replace(intra, latency=0.0), replace(inter, latency=0.0)
+    across = collective_time(kind, nbytes / per_node, nodes, wire_inter)
+    steps = (2 if kind == "all_reduce" else 1) * (per_node * nodes - 1)
     if kind == "all_reduce":
-        inside = collective_time("reduce_scatter", nbytes, per_node, intra)
-        return 2 * inside + across
-    return collective_time(kind, nbytes, per_node, intra) + across
+        inside = 2 * collective_time("reduce_scatter", nbytes, per_node, wire_intra)
+    else:
+        inside = collective_time(kind, nbytes, per_node, wire_intra)
+    return steps * inter.latency + inside + across
 
 
 def _check(kind: str, nbytes: float, group: int, algorithm: str) -> None:
