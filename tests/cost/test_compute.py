@@ -1,0 +1,116 @@
+"""Per-op FLOPs and bytes on a real torch.export graph; roofline time and matmul efficiency."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cost.compute import (
+    KERNEL_LAUNCH_S,
+    MATMUL_K_HALF,
+    MATMUL_PEAK_FRACTION,
+    MEMORY_BW_FRACTION,
+    matmul_efficiency,
+    node_flops_bytes,
+    node_time,
+    op_time,
+)
+from cost.errors import CostInputError
+from cost.hardware import GPU
+
+F32 = 4
+
+
+class AllOps(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 16)
+        self.lin = nn.Linear(16, 32)
+        self.m = nn.Parameter(torch.randn(16, 8))
+        self.p = nn.Parameter(torch.randn(16, 4))
+        self.bias = nn.Parameter(torch.randn(8))
+        self.ln = nn.LayerNorm(16)
+        self.rms = nn.RMSNorm(16)
+
+    def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)  # [2, 8, 16]
+        a = self.lin(x)  # [2, 8, 32]
+        x2 = x.reshape(16, 16)
+        mm = torch.mm(x2, self.m)
+        am = torch.addmm(self.bias, x2, self.m)
+        bm = torch.bmm(x, x.transpose(1, 2))  # [2, 8, 8]
+        mt = x @ self.p  # matmul 3-D @ 2-D
+        q = a[..., :16].reshape(2, 8, 2, 8).transpose(1, 2)  # [2, 2, 8, 8]
+        causal = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        full = F.scaled_dot_product_attention(q, q, q)
+        norms = self.ln(x) + self.rms(x)
+        probs = torch.softmax(bm, -1) + torch.log_softmax(bm, -1)
+        loss = F.cross_entropy(a.reshape(16, 32), y)
+        return (loss + mm.sum() + am.sum() + mt.sum() + causal.sum() + full.sum() + norms.sum()
+                + probs.sum())  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def nodes() -> dict[str, torch.fx.Node]:
+    ids = torch.randint(0, 10, (2, 8))
+    y = torch.randint(0, 32, (16,))
+    ep = torch.export.export(AllOps(), (ids, y), strict=False)
+    return {n.name: n for n in ep.graph_module.graph.nodes if n.op == "call_function"}
+
+
+@pytest.mark.parametrize(
+    ("name", "flops", "nbytes"),
+    [
+        ("embedding", 0, 2 * 256 * F32 + 16 * 8),
+        ("linear", 2 * 16 * 16 * 32 + 16 * 32, (256 + 512 + 32 + 512) * F32),
+        ("mm", 2 * 16 * 16 * 8, (256 + 128 + 128) * F32),
+        ("addmm", 2 * 16 * 16 * 8 + 16 * 8, (8 + 256 + 128 + 128) * F32),
+        ("bmm", 2 * 2 * 8 * 16 * 8, (256 + 256 + 128) * F32),
+        ("matmul", 2 * 16 * 16 * 4, (256 + 64 + 64) * F32),
+        ("scaled_dot_product_attention", 2 * 4 * 8 * 8 * 16 * 9 / 16, 4 * 256 * F32),
+        ("scaled_dot_product_attention_1", 2 * 4 * 8 * 8 * 16, 4 * 256 * F32),
+        ("layer_norm", 8 * 256, (256 + 16 + 16 + 256) * F32),
+        ("rms_norm", 4 * 256, (256 + 16 + 256) * F32),
+        ("softmax", 5 * 128, 2 * 128 * F32),
+        ("log_softmax", 5 * 128, 2 * 128 * F32),
+        ("cross_entropy_loss", 6 * 512, (512 + 1) * F32 + 16 * 8),
+        ("add", 256, 3 * 256 * F32),
+        ("sum_1", 128, (128 + 1) * F32),
+        ("reshape", 0, 0),
+        ("slice_1", 0, 0),
+        ("transpose", 0, 0),
+    ],
+)
+def test_node_flops_bytes_hand_values(nodes, name, flops, nbytes):
+    assert node_flops_bytes(nodes[name]) == (pytest.approx(flops), pytest.approx(nbytes))
+
+
+def test_node_time_is_zero_for_views_and_positive_for_kernels(nodes):
+    gpu = GPU.preset("h100-sxm")
+    assert node_time(nodes["reshape"], gpu) == 0.0
+    assert node_time(nodes["linear"], gpu) == KERNEL_LAUNCH_S  # tiny: launch bound
+
+
+def test_op_time_roofline_hand_values():
+    gpu = GPU.preset("h100-sxm")
+    assert op_time(1e12, 0.0, gpu) == pytest.approx(1e12 / (989e12 * MATMUL_PEAK_FRACTION))
+    assert op_time(0.0, 1e9, gpu) == pytest.approx(1e9 / (3.35e12 * MEMORY_BW_FRACTION))
+    assert op_time(1.0, 1.0, gpu) == KERNEL_LAUNCH_S
+    assert op_time(1e12, 0.0, gpu, 1) == pytest.approx(1e12 / (1979e12 * MATMUL_PEAK_FRACTION))
+    assert op_time(1e12, 0.0, gpu, compute_efficiency=0.5) == pytest.approx(1e12 / (989e12 / 2))
+    with pytest.raises(CostInputError, match="3-byte"):
+        op_time(1.0, 1.0, gpu, 3)
+
+
+def test_matmul_efficiency_hand_values():
+    k = 4096
+    assert matmul_efficiency(4096, 4096, k) == pytest.approx(
+        MATMUL_PEAK_FRACTION * k / (k + MATMUL_K_HALF)
+    )
+    tiles = 100 * 128 / (128 * 128)  # one 128×128 tile, 100×128 of it useful
+    assert matmul_efficiency(100, 128, 64) == pytest.approx(
+        MATMUL_PEAK_FRACTION * tiles * 64 / (64 + MATMUL_K_HALF)
+    )
+    assert matmul_efficiency(128, 128, 1 << 20) < MATMUL_PEAK_FRACTION
