@@ -218,16 +218,18 @@ def _regions(walk: _Walk) -> dict[torch.fx.Node, int]:
     return {n: 0 if i < inside[0] else 2 if i > inside[-1] else 1 for i, n in enumerate(calls)}
 
 
+def _is_scores(node: torch.fx.Node, seq: int) -> bool:
+    """Shaped like the [.., s, s] attention scores: what selective recompute does not keep."""
+    return (_shape(node) or ())[-2:] == (seq, seq)
+
+
 def _is_core(node: torch.fx.Node, seq: int, walk: _Walk) -> bool:
-    """Unfused attention: anything shaped like the [.., s, s] scores and the matmul consuming
-    them (a fused SDPA keeps no scores, so selective recompute has nothing to drop there)."""
-    if (_shape(node) or ())[-2:] == (seq, seq):
+    """Unfused attention core, the work selective recompute repeats: the score-shaped ops and
+    the matmul consuming scores (a fused SDPA keeps no scores: nothing to recompute there)."""
+    if _is_scores(node, seq):
         return True
-    return (
-        _name(node) in MATMUL_OPS
-        and not walk._param_matmul(node)
-        and any((_shape(a) or ())[-2:] == (seq, seq) for a in node.all_input_nodes)
-    )
+    consumes_scores = any(_is_scores(a, seq) for a in node.all_input_nodes)
+    return _name(node) in MATMUL_OPS and not walk._param_matmul(node) and consumes_scores
 
 
 def _saved(node: torch.fx.Node, walk: _Walk) -> list[tuple[object, float]]:
@@ -281,7 +283,7 @@ def _saved_totals(walk: _Walk, regions: dict, seq: int) -> dict[str, float]:
             seen.add(ident)
             owner = ident[0] if isinstance(ident, tuple) else ident
             kind = "post" if region == 2 else (
-                "core" if owner.op == "call_function" and _is_core(owner, seq, walk)
+                "core" if _is_scores(owner, seq)
                 else "inner" if owner in walk.inside else "outer")  # fmt: skip
             totals[kind] += nbytes
     entering = {(walk.keys.get(n), a) for n in regions for a in n.all_input_nodes
