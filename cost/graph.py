@@ -94,17 +94,21 @@ class GraphModel:
     def from_traced(traced, name: str = "traced") -> GraphModel:
         """From a `torch.export.ExportedProgram` or its (lifted or unlifted) `GraphModule`."""
         if isinstance(traced, torch.export.ExportedProgram):
-            gm, params = traced.graph_module, set(traced.graph_signature.inputs_to_parameters)
+            gm, sig = traced.graph_module, traced.graph_signature
+            params, inputs = set(sig.inputs_to_parameters), set(sig.user_inputs)
         elif isinstance(traced, torch.fx.GraphModule):
-            gm = traced
-            params = {n.name for n in gm.graph.nodes
-                      if n.op == "get_attr" or (n.op == "placeholder" and n.name.startswith("p_"))}  # fmt: skip
+            gm, named = traced, dict(traced.named_parameters())
+            nodes = list(gm.graph.nodes)
+            params = {n.name for n in nodes if (n.op == "get_attr" and n.target in named)
+                      or (n.op == "placeholder" and n.name.startswith("p_"))}  # fmt: skip
+            inputs = {n.name for n in nodes if n.op == "placeholder"
+                      and not n.name.startswith(("p_", "b_", "c_"))}  # fmt: skip
         else:
             raise CostInputError(
                 f"cannot price a {type(traced).__name__}: pass a ModelShape, a preset name, or "
                 "torch.export.export(model, args, strict=False) (an ExportedProgram)"
             )
-        return _analyse(gm.graph, params, name)
+        return _analyse(gm.graph, params, inputs, name)
 
     def workload(self, cfg: ParallelConfig, b: int, gpu: GPU) -> Workload:
         """Per-rank, per-micro-batch work of this graph under `cfg` (vectorised roofline)."""
@@ -177,11 +181,14 @@ def _out_bytes(node) -> float:
 class _Walk:
     """Per-graph facts the analysis shares: parameters, alias bases, regions, tp region, core."""
 
-    def __init__(self, graph: torch.fx.Graph, params: set[str]):
+    def __init__(self, graph: torch.fx.Graph, params: set[str], inputs: set[str]):
         self.nodes = [
             n for n in graph.nodes if n.op in ("placeholder", "call_function", "get_attr")
         ]
         self.params = {n for n in self.nodes if n.name in params}
+        self.inputs = [n for n in self.nodes if n.name in inputs]
+        # parameters, buffers and constants: weights to read, never saved activations
+        self.fixed = {n for n in self.nodes if n.op != "call_function" and n.name not in inputs}
         self.keys = {n: _block_key(n) for n in self.nodes if n.op == "call_function"}
         self.base: dict[torch.fx.Node, torch.fx.Node] = {}
         for n in self.nodes:
@@ -236,14 +243,14 @@ def _saved(node: torch.fx.Node, walk: _Walk) -> list[tuple[object, float]]:
     """(identity, bytes) of what autograd saves for this node's backward (params excluded)."""
     name = _name(node)
     if name in ("dropout", "native_dropout"):
-        return [(node, float(sum(v.numel() for v in tensors_of(node.meta.get("val")))))]
+        return [((node, "mask"), float(sum(v.numel() for v in tensors_of(node.meta.get("val")))))]
     if name not in _SAVES:
         return []
     args, output = _SAVES[name]
     if name in ("mul", "div") and not all(isinstance(a, torch.fx.Node) for a in node.args[:2]):
         return []  # scaling by a constant saves nothing
     kept = [node.args[i] for i in args if i < len(node.args)]
-    kept = [a for a in kept if isinstance(a, torch.fx.Node) and a not in walk.params]
+    kept = [a for a in kept if isinstance(a, torch.fx.Node) and a not in walk.fixed]
     out = [(walk.base[a], _out_bytes(walk.base[a])) for a in kept]
     if output:
         out.append((walk.base[node], _out_bytes(walk.base[node])))
@@ -258,7 +265,7 @@ def _node_arrays(walk: _Walk, regions: dict, seq: int) -> dict[str, np.ndarray]:
     rows = []
     for n in regions:
         flops, moved = node_flops_bytes(n)
-        weights = sum(_out_bytes(a) for a in n.all_input_nodes if a in walk.params)
+        weights = sum(_out_bytes(a) for a in n.all_input_nodes if a in walk.fixed)
         eff = node_efficiency(n)
         bwd = 2.5 if _name(n) == "scaled_dot_product_attention" else 2.0
         launch = 1.0 if flops or moved else 0.0
@@ -287,15 +294,15 @@ def _saved_totals(walk: _Walk, regions: dict, seq: int) -> dict[str, float]:
                 else "inner" if owner in walk.inside else "outer")  # fmt: skip
             totals[kind] += nbytes
     entering = {(walk.keys.get(n), a) for n in regions for a in n.all_input_nodes
-                if walk.keys.get(n) and a not in walk.params and walk.keys.get(a) != walk.keys.get(n)}  # fmt: skip
+                if walk.keys.get(n) and a not in walk.fixed and walk.keys.get(a) != walk.keys.get(n)}  # fmt: skip
     totals["inputs"] = sum(_out_bytes(a) for _, a in entering)
     return totals
 
 
-def _analyse(graph: torch.fx.Graph, params: set[str], name: str) -> GraphModel:
+def _analyse(graph: torch.fx.Graph, params: set[str], inputs: set[str], name: str) -> GraphModel:
     """Reduce a graph to a `GraphModel` (module docstring, steps 1–5)."""
-    walk = _Walk(graph, params)
-    users = [n for n in walk.nodes if n.op == "placeholder" and n not in walk.params]
+    walk = _Walk(graph, params, inputs)
+    users = walk.inputs
     if not users or not _shape(users[0]):
         raise CostInputError("the traced graph has no tensor input to read batch and sequence from")
     shape = _shape(users[0])

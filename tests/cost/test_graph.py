@@ -1,0 +1,122 @@
+"""Traced-graph pricing: blocks, the tp region, saved activations against Korthikanti."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cost.config import ParallelConfig
+from cost.errors import CostInputError
+from cost.graph import GraphModel
+from cost.hardware import GPU
+from cost.symbolic import formulas
+
+B, S, H, A, V, LAYERS = 2, 32, 48, 4, 64, 3
+
+
+class MegatronBlock(nn.Module):
+    """GPT layer as in Korthikanti et al.: explicit softmax attention with dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(H), nn.LayerNorm(H)
+        self.qkv, self.proj = nn.Linear(H, 3 * H), nn.Linear(H, H)
+        self.fc1, self.fc2 = nn.Linear(H, 4 * H), nn.Linear(4 * H, H)
+        self.drop = nn.Dropout(0.1)
+        self.register_buffer("mask", torch.ones(S, S, dtype=torch.bool).triu(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = (z.view(b, s, A, h // A).transpose(1, 2)
+                   for z in self.qkv(self.ln1(x)).split(h, -1))  # fmt: skip
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(h // A)).masked_fill(self.mask, -1e4)
+        y = self.drop(torch.softmax(scores, -1)) @ v
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, s, h)))
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, block=MegatronBlock) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.layers = nn.ModuleList(block() for _ in range(LAYERS))
+        self.norm, self.head = nn.LayerNorm(H), nn.Linear(H, V, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+@pytest.fixture(scope="module")
+def traced() -> GraphModel:
+    model = TinyGPT().to(torch.bfloat16).train()
+    ids = torch.zeros(B, S, dtype=torch.long)
+    return GraphModel.from_traced(torch.export.export(model, (ids,), strict=False))
+
+
+def test_blocks_heads_and_parameters(traced):
+    assert (traced.layers, traced.heads, traced.kv_heads, traced.seq, traced.batch) == (
+        LAYERS, 0, 0, S, B)  # fmt: skip
+    layer = 12 * H * H + 13 * H
+    assert traced.params == {"pre": V * H, "block": LAYERS * layer, "post": 2 * H + V * H}
+    assert traced.comm["tp_calls"] == 2  # attention projection and fc2: the row linears
+    assert traced.comm["tp_bytes"] == 2 * B * S * H
+
+
+def test_saved_activations_match_korthikanti(traced):
+    """Graph-derived bytes per layer = s·b·h·(34 + 5·a·s/h) + the LayerNorms' fp32 mean/rstd."""
+    korthikanti = formulas()["activations_per_layer"].evaluate(s=S, b=B, h=H, a=A)
+    stats = 2 * 8 * S * B
+    saved = traced.saved
+    per_layer = (saved["inner"] + saved["outer"] + saved["core"]) / LAYERS
+    assert per_layer == korthikanti + stats
+    assert saved["inner"] / LAYERS == 24 * S * B * H  # inside the tp region: ÷t
+    assert saved["core"] / LAYERS == 5 * A * S * S * B  # what selective recompute drops
+    assert saved["inputs"] / LAYERS == 2 * S * B * H  # what full recompute keeps
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_workload_activations_follow_korthikanti_under_tp(traced, t):
+    gpu = GPU.preset("a100-80gb")
+    f = formulas()
+    stats = 2 * 8 * S * B
+    plain = traced.workload(ParallelConfig(tp=t, global_batch=B, sequence_parallel=False), B, gpu)
+    expected = f["activations_per_layer_tp"].evaluate(s=S, b=B, h=H, a=A, t=t)
+    assert plain.act_bytes["none"] == pytest.approx(expected + stats)
+    sp = traced.workload(ParallelConfig(tp=t, global_batch=B), B, gpu)
+    expected_sp = f["activations_per_layer_tp_sp"].evaluate(s=S, b=B, h=H, a=A, t=t)
+    assert sp.act_bytes["none"] == pytest.approx(expected_sp + stats / t)
+    selective = f["activations_per_layer_selective"].evaluate(s=S, b=B, h=H, t=t)
+    assert sp.act_bytes["selective"] == pytest.approx(selective + stats / t)
+    assert sp.act_bytes["full"] == pytest.approx(2 * S * B * H / t)
+
+
+def test_workload_scales_with_micro_batch_and_tp(traced):
+    gpu = GPU.preset("h100-sxm")
+    one = traced.workload(ParallelConfig(tp=1, global_batch=8), 2, gpu)
+    two = traced.workload(ParallelConfig(tp=1, global_batch=8), 4, gpu)
+    assert two.act_bytes["none"] == pytest.approx(2 * one.act_bytes["none"])
+    assert two.tp_bytes == pytest.approx(2 * one.tp_bytes)
+    tp2 = traced.workload(ParallelConfig(tp=2, global_batch=8), 2, gpu)
+    assert tp2.layer_dense_params == pytest.approx(one.layer_dense_params / 2)
+    assert tp2.boundary_bytes == pytest.approx(one.boundary_bytes / 2)
+
+
+def test_forward_flops_per_token_match_the_graph(traced):
+    layer_matmuls = 2 * 12 * H * H + 4 * S * H  # weights + QKᵀ and PV (no causal skip here)
+    head = 2 * H * V
+    palm, megatron = traced.flops_per_token()
+    elementwise = palm / 3 - LAYERS * layer_matmuls - head
+    assert 0 < elementwise < 0.05 * palm / 3  # norms, softmax, GeLU: a few FLOPs per element
+    assert megatron > palm
+
+
+def test_untraced_module_is_a_clear_error():
+    with pytest.raises(CostInputError, match="torch.export.export"):
+        GraphModel.from_traced(TinyGPT())
