@@ -1,0 +1,94 @@
+"""Memory per rank: model state per ZeRO stage, pipeline in-flight, Korthikanti activations."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cost.config import ParallelConfig
+from cost.hardware import GPU
+from cost.memory import RESERVED_BYTES, in_flight, model_state, rank_memory
+from cost.model import ModelShape
+from cost.symbolic import formulas
+from cost.workload import activation_bytes, shape_workload
+
+PROPERTY = settings(max_examples=80, deadline=None, derandomize=True)
+GPT = ModelShape.gpt(layers=4, hidden=1024, heads=16, seq=2048, vocab=51200)
+
+
+@pytest.mark.parametrize("d", [1, 8, 64])
+def test_model_state_bytes_per_parameter(d):
+    f = formulas()
+    for zero, name in ((0, "model_state_ddp"), (1, "model_state_zero1"),
+                       (2, "model_state_zero2"), (3, "model_state_zero3")):  # fmt: skip
+        assert sum(model_state(1e9, 0.0, zero, d, d)) == pytest.approx(f[name].evaluate(N=1e9, d=d))
+    assert sum(model_state(1.0, 0.0, 0, d, d)) == 18
+
+
+def test_expert_state_shards_over_the_expert_data_group():
+    weights, grads, optim = model_state(0.0, 8e9, 1, 64, 8)
+    assert (weights, grads, optim) == (16e9, 32e9, 12e9)
+
+
+@PROPERTY
+@given(dense=st.floats(0, 1e12), expert=st.floats(0, 1e12), d=st.integers(1, 1024),
+       ep=st.integers(1, 64), z1=st.integers(0, 3), z2=st.integers(0, 3))  # fmt: skip
+def test_memory_falls_as_the_zero_stage_rises(dense, expert, d, ep, z1, z2):
+    lo, hi = sorted((z1, z2))
+    d_expert = max(1, d // ep)
+    assert sum(model_state(dense, expert, hi, d, d_expert)) <= sum(
+        model_state(dense, expert, lo, d, d_expert)
+    ) * (1 + 1e-12)
+
+
+def test_in_flight_micro_batches_per_schedule():
+    assert in_flight("1f1b", 1, 32, 1) == 1
+    assert in_flight("gpipe", 8, 32, 1) == 32
+    assert in_flight("1f1b", 8, 32, 1) == 8
+    assert in_flight("1f1b", 8, 4, 1) == 4
+    assert in_flight("interleaved", 8, 32, 2) == pytest.approx(8 * (1 + 7 / 16))
+
+
+@pytest.mark.parametrize("t", [1, 2, 8])
+def test_shape_activations_match_korthikanti(t):
+    f, s, b, h, a = formulas(), GPT.seq, 2, GPT.hidden, GPT.heads
+    unfused = dict(tp=t, global_batch=8, attention="unfused")
+    plain = activation_bytes(GPT, ParallelConfig(**unfused, sequence_parallel=False), b)
+    assert plain["none"] == pytest.approx(
+        f["activations_per_layer_tp"].evaluate(s=s, b=b, h=h, a=a, t=t)
+    )
+    sp = activation_bytes(GPT, ParallelConfig(**unfused), b)
+    vals = dict(s=s, b=b, h=h, a=a, t=t)
+    assert sp["none"] == pytest.approx(f["activations_per_layer_tp_sp"].evaluate(**vals))
+    assert sp["selective"] == pytest.approx(
+        f["activations_per_layer_selective"].evaluate(s=s, b=b, h=h, t=t)
+    )
+    assert plain["full"] == pytest.approx(f["activations_per_layer_full"].evaluate(s=s, b=b, h=h))
+    assert sp["full"] == pytest.approx(plain["full"] / t)
+
+
+def test_flash_attention_keeps_no_scores():
+    flash = activation_bytes(GPT, ParallelConfig(global_batch=8), 2)
+    s, b, h, a = GPT.seq, 2, GPT.hidden, GPT.heads
+    assert flash["none"] == pytest.approx(34 * s * b * h + 4 * a * s * b)
+    assert flash["selective"] == flash["none"]
+
+
+def test_rank_memory_breakdown_and_fit():
+    gpu = GPU.preset("a100-40gb")
+    cfg = ParallelConfig(tp=1, pp=2, dp=4, global_batch=64, micro_batch=2, schedule="1f1b",
+                         virtual_stages=1, recompute="none")  # fmt: skip
+    work = shape_workload(GPT, cfg, 2, gpu)
+    mem = rank_memory(work, pp=2, zero=1, dp_dense=4, dp_expert=4, schedule="1f1b",
+                      micro_batches=8, virtual=1, recompute="none", capacity=gpu.hbm_bytes)  # fmt: skip
+    params = 2 * GPT.layer_params + GPT.embedding_params  # two layers and one embedding end
+    assert mem.weights == pytest.approx(2 * params)
+    assert mem.optimizer == pytest.approx(12 * params / 4)
+    first = 2 * work.act_bytes["none"] * 2  # 2 layers × p = 2 micro-batches in flight
+    last = 2 * work.act_bytes["none"] + work.post_act_bytes  # one micro-batch + fp32 logits
+    assert work.post_act_bytes == 2 * GPT.seq * GPT.vocab * (2 + 4)
+    assert mem.activations == pytest.approx(max(first, last))
+    assert mem.reserved == RESERVED_BYTES
+    assert mem.total == pytest.approx(sum(v for k, v in mem.rows() if k != "total"))
+    assert mem.fits == (mem.total <= gpu.hbm_bytes)
