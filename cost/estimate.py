@@ -156,7 +156,7 @@ def _candidates(cfg: ParallelConfig, model: Priced) -> Iterator[ParallelConfig]:
     for schedule in schedules:
         virtuals = [cfg.virtual_stages or 1]
         if schedule == "interleaved" and not cfg.virtual_stages:
-            virtuals = [v for v in (2, 3, 4, 6, 8) if per_stage % v == 0] or [1]
+            virtuals = [v for v in range(2, min(per_stage, 16) + 1) if per_stage % v == 0] or [1]
         for b in micro:
             for v in virtuals:
                 for r in recomputes:

@@ -1,0 +1,27 @@
+"""`autopar estimate` command line."""
+
+from __future__ import annotations
+
+from autopar.cli import main
+
+
+def test_estimate_prints_the_table(capsys):
+    argv = ["estimate", "--model", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "8",
+            "--tp", "8", "--pp", "4", "--dp", "2", "--global-batch", "512"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("estimate: llama3-70b on 8 × 8 h100-sxm (64 GPUs)")
+    assert "tp=8 pp=4 dp=2" in out and "tokens/s" in out
+
+
+def test_not_fitting_exits_one(capsys):
+    argv = ["estimate", "--model", "llama3-405b", "--tp", "8", "--global-batch", "8"]
+    assert main(argv) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_bad_input_exits_two_with_the_reason(capsys):
+    argv = ["estimate", "--model", "llama3-8b", "--tp", "8", "--dp", "2", "--global-batch", "8"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: tp·pp·dp·cp = 8·1·2·1 = 16 but the cluster has 8 GPUs" in err
