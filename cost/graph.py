@@ -17,6 +17,9 @@ Algorithm (`GraphModel.from_traced`, once per graph):
    parallelism. Selective recompute drops the attention-core tensors; full recompute keeps the
    block inputs only.
 
+Limits: expert routing in a traced graph is priced as the dense compute it traces (no
+expert-parallel all-to-all); ops outside `cost.compute`'s table cost nothing.
+
 Algorithm (`GraphModel.workload`, per plan, vectorised over nodes):
 1. Scale activation FLOPs and bytes by (b / traced batch) / (t · c), weight bytes by 1/t.
 2. Roofline every node at once (numpy) and sum per region; a block's share is its total over
@@ -110,23 +113,32 @@ class GraphModel:
             )
         return _analyse(gm.graph, params, inputs, name)
 
-    def workload(self, cfg: ParallelConfig, b: int, gpu: GPU) -> Workload:
-        """Per-rank, per-micro-batch work of this graph under `cfg` (vectorised roofline)."""
-        a, t, per = self.arrays, cfg.tp, self.layers
-        share = b / self.batch / cfg.cp  # this rank's sequences / tokens before tp
+    def node_times(self, share: float, t: int, gpu: GPU) -> np.ndarray:
+        """Roofline seconds of every node for `share` of the traced sequences split over t."""
+        a = self.arrays
         compute = a["flops"] * share / t / (gpu.bf16_flops * a["eff"])
         moved = a["act_bytes"] * share / t + a["weight_bytes"] / t
         memory = moved / (gpu.hbm_bw * MEMORY_BW_FRACTION)
         roof = np.maximum(np.maximum(compute, memory), KERNEL_LAUNCH_S)
-        times = np.where(a["launch"] > 0, roof, 0.0)
+        return np.where(a["launch"] > 0, roof, 0.0)
+
+    def workload(self, cfg: ParallelConfig, b: int, gpu: GPU) -> Workload:
+        """Per-rank, per-micro-batch work of this graph under `cfg` (vectorised roofline)."""
+        a, t, per = self.arrays, cfg.tp, self.layers
+        share = b / self.batch / cfg.cp  # this rank's sequences / tokens before tp
+        times = self.node_times(share, t, gpu)
         block = a["region"] == 1
-        fwd = float(times[block].sum()) / per
-        attn = float(times[block & (a["attn"] > 0)].sum()) / per
+
+        def layer_sum(values: np.ndarray, mask: np.ndarray = block) -> float:
+            return float(values[mask].sum()) / per
+
+        fwd = layer_sum(times)
         s, sp = self.saved, t if cfg.sequence_parallel else 1
         kept = share * (s["inner"] / t + s["outer"] / sp) / per
         return Workload(
-            layers=per, layer_fwd_s=fwd, attn_fwd_s=attn, layer_bwd_s=float((times * a["bwd"])[block].sum()) / per,
-            recompute_s={"none": 0.0, "selective": float(times[block & (a["core"] > 0)].sum()) / per,
+            layers=per, layer_fwd_s=fwd, attn_fwd_s=layer_sum(times, block & (a["attn"] > 0)),
+            layer_bwd_s=layer_sum(times * a["bwd"]),
+            recompute_s={"none": 0.0, "selective": layer_sum(times, block & (a["core"] > 0)),
                          "full": fwd},
             pre_s=3 * float(times[a["region"] == 0].sum()),
             post_s=3 * float(times[a["region"] == 2].sum()),
@@ -199,11 +211,11 @@ class _Walk:
                     if (m := self._producer(a, n)) is not None}  # fmt: skip
         self.inside: set[torch.fx.Node] = set()
         for n in self.nodes:
-            column = self._param_matmul(n) and n not in self.row
+            column = self.param_matmul(n) and n not in self.row
             if column or (n not in self.row and any(a in self.inside for a in n.all_input_nodes)):
                 self.inside.add(n)
 
-    def _param_matmul(self, node: torch.fx.Node) -> bool:
+    def param_matmul(self, node: torch.fx.Node) -> bool:
         return _name(node) in MATMUL_OPS and any(a in self.params for a in node.all_input_nodes)
 
     def _producer(self, arg, add: torch.fx.Node) -> torch.fx.Node | None:
@@ -211,7 +223,7 @@ class _Walk:
         output must have the add's shape (a rotary `q·cos + ...` add reshapes, and is no row)."""
         while isinstance(arg, torch.fx.Node) and _name(arg) in _PASS_THROUGH:
             arg = arg.args[0]
-        if not isinstance(arg, torch.fx.Node) or not self._param_matmul(arg):
+        if not isinstance(arg, torch.fx.Node) or not self.param_matmul(arg):
             return None
         return arg if _shape(arg) == _shape(add) else None
 
@@ -236,7 +248,7 @@ def _is_core(node: torch.fx.Node, seq: int, walk: _Walk) -> bool:
     if _is_scores(node, seq):
         return True
     consumes_scores = any(_is_scores(a, seq) for a in node.all_input_nodes)
-    return _name(node) in MATMUL_OPS and not walk._param_matmul(node) and consumes_scores
+    return _name(node) in MATMUL_OPS and not walk.param_matmul(node) and consumes_scores
 
 
 def _saved(node: torch.fx.Node, walk: _Walk) -> list[tuple[object, float]]:

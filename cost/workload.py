@@ -140,8 +140,8 @@ def _edges(shape: ModelShape, cfg: ParallelConfig, b: int, gpu: GPU) -> tuple[fl
     embed = [_stream(2 * BF16 * tokens * h)]
     head = [
         _gemm(tokens, v, h),
-        _stream(tokens * v * (BF16 + 3 * 4)),
-        _stream(4 * BF16 * tokens * h),
+        _stream(tokens * v * (BF16 + 3 * 4)),  # loss: read bf16 logits, fp32 softmax round trip
+        _stream(4 * BF16 * tokens * h),  # final norm
     ]
     return _time(embed, gpu) * 3, _time(head, gpu) + _time(head, gpu, factor=True)  # fmt: skip
 
@@ -184,8 +184,10 @@ def shape_workload(shape: ModelShape, cfg: ParallelConfig, b: int, gpu: GPU) -> 
     attn = [k for k in kernels if k.core or k.attn]
     pre, post = _edges(shape, cfg, b, gpu)
     fwd = _time(kernels, gpu)
-    dense_mlp = shape.expert_params if shape.experts == 1 else 0
-    heads = 1 if cfg.pp > 1 or shape.tied_embeddings else 2
+    moe = shape.experts > 1
+    dense = shape.layer_params - (shape.experts * shape.expert_params if moe else 0)
+    experts = shape.experts // cfg.ep * shape.expert_params if moe else 0
+    tables = 1 if cfg.pp > 1 or shape.tied_embeddings else 2  # embedding (+ LM head) on a stage
     return Workload(
         layers=shape.layers,
         layer_fwd_s=fwd,
@@ -203,10 +205,7 @@ def shape_workload(shape: ModelShape, cfg: ParallelConfig, b: int, gpu: GPU) -> 
         boundary_bytes=BF16 * tokens * h / t,
         act_bytes=activation_bytes(shape, cfg, b),
         post_act_bytes=tokens * shape.vocab / t * (BF16 + 4),
-        layer_dense_params=(shape.layer_params - shape.experts * shape.expert_params + dense_mlp)
-        / t,
-        layer_expert_params=0.0
-        if shape.experts == 1
-        else shape.experts // cfg.ep * shape.expert_params / t,
-        edge_params=heads * shape.embedding_params / t,
+        layer_dense_params=dense / t,
+        layer_expert_params=experts / t,
+        edge_params=tables * shape.embedding_params / t,
     )
