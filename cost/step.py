@@ -11,9 +11,10 @@ Algorithm (`step_time`):
 5. Pipeline: a send and a receive of the boundary activation per micro-batch per virtual
    stage; the bubble is (p−1)/v micro-batch times (GPipe and 1F1B: v = 1).
 6. Data parallelism (gradients of dense weights over dp·cp, of experts over dp·cp/ep): fp32
-   reduce-scatter + bf16 all-gather (ZeRO ≥ 1) or all-reduce (stage 0), once per step, hidden
-   behind the last micro-batch's backward when overlap is on (the last bucket is always
-   exposed); ZeRO-3 gathers weights per micro-batch per pass with prefetch behind compute.
+   reduce-scatter + bf16 all-gather (ZeRO-1/2) or all-reduce (stage 0), once per step, hidden
+   behind the last micro-batch's backward when overlap is on (the last layer's bucket is
+   always exposed). ZeRO-3 gathers bf16 weights per micro-batch per pass and reduce-scatters
+   gradients per micro-batch, prefetched behind compute; the first layer's gather is exposed.
 7. Optimizer: Adam reads and writes ~34 B per local parameter shard at HBM speed.
 """
 
@@ -74,24 +75,22 @@ def _dp_comm(work: Workload, cfg: ParallelConfig, cluster: Cluster, micro_batche
         (per_stage * work.layer_dense_params + work.edge_params, spans["dp"]),
         (per_stage * work.layer_expert_params, spans["dp_expert"]),
     )
-    total = 0.0
-    for params, span in groups:
-        if cfg.zero == 0:
-            total += span_time("all_reduce", 4 * params, cluster, *span)
-        else:
-            total += span_time("reduce_scatter", 4 * params, cluster, *span)
-            total += span_time("all_gather", 2 * params, cluster, *span)
+
+    def each(kind: str, bytes_per_param: int) -> float:
+        return sum(span_time(kind, bytes_per_param * p, cluster, *span) for p, span in groups)
+
+    if cfg.zero == 0:
+        reduce = each("all_reduce", 4)
+    else:
+        reduce = each("reduce_scatter", 4) + (each("all_gather", 2) if cfg.zero < 3 else 0.0)
     if cfg.zero == 3:
-        gathers = (
-            micro_batches
-            * _passes(recompute)
-            * sum(span_time("all_gather", 2 * p, cluster, *s) for p, s in groups)
-        )
-        hidden = micro_batches * per_stage * (work.layer_fwd_s + work.layer_bwd_s)
-        total += max(0.0, gathers - hidden)
+        gather = each("all_gather", 2)
+        streamed = micro_batches * (_passes(recompute) * gather + reduce)
+        busy = micro_batches * per_stage * (work.layer_fwd_s + work.layer_bwd_s)
+        return max(gather / max(per_stage, 1.0), streamed - busy)
     if not cfg.overlap_grad_reduce:
-        return total
-    return max(total / max(per_stage, 1.0), total - per_stage * work.layer_bwd_s)
+        return reduce
+    return max(reduce / max(per_stage, 1.0), reduce - per_stage * work.layer_bwd_s)
 
 
 def step_time(work: Workload, cfg: ParallelConfig, cluster: Cluster, *, micro_batches: int,

@@ -63,11 +63,19 @@ def test_gradient_reduction_overlap_only_hides_time():
 
 
 def test_zero_stages_change_dp_traffic_not_compute():
-    _, ddp = _step(BASE, zero=0)
-    _, z1 = _step(BASE, zero=1)
-    _, z3 = _step(BASE, zero=3)
+    _, ddp = _step(BASE, zero=0, overlap_grad_reduce=False)
+    _, z1 = _step(BASE, zero=1, overlap_grad_reduce=False)
+    work, z3 = _step(BASE, zero=3)
     assert ddp.compute == z1.compute == z3.compute
-    assert z3.comm["dp"] >= z1.comm["dp"]
+    params = 4 * work.layer_dense_params + work.edge_params  # 16 layers / 4 stages
+    span = (8, 2)  # dp groups: stride tp = 8, two ranks
+    assert ddp.comm["dp"] == pytest.approx(span_time("all_reduce", 4 * params, CLUSTER, *span))
+    scatter = span_time("reduce_scatter", 4 * params, CLUSTER, *span)
+    gather = span_time("all_gather", 2 * params, CLUSTER, *span)
+    assert z1.comm["dp"] == pytest.approx(scatter + gather)
+    streamed = 16 * (2 * gather + scatter)  # per micro-batch: forward + backward gathers
+    busy = 16 * 4 * (work.layer_fwd_s + work.layer_bwd_s)
+    assert z3.comm["dp"] == pytest.approx(max(gather / 4, streamed - busy))
     assert z1.optimizer == pytest.approx(ddp.optimizer / 2)  # Adam on a 1/dp shard
 
 
