@@ -62,12 +62,11 @@ class ShapeModel:
     def flops_per_token(self) -> tuple[float, float]:
         """(PaLM, Megatron-2021) training FLOPs per token."""
         m = self.shape
-        attn = 2 * m.layers * m.heads * m.head_dim * m.seq  # QKᵀ + PV forward, per token
+        attn_fwd = 4 * m.layers * m.heads * m.head_dim * m.seq  # QKᵀ and PV, per token
+        body = m.layers * (m.layer_params - (m.experts - m.top_k) * m.expert_params)
         head = m.vocab * m.hidden
-        layer = m.active_params - head * (0 if m.tied_embeddings else 1)
-        body = layer - m.hidden * (2 if m.norm == "layernorm" else 1)  # final norm
-        palm = 6 * (body + head) + 6 * attn
-        megatron = 4 * (2 * body + 2 * attn) + 3 * 2 * head
+        palm = 6 * (body + head) + 3 * attn_fwd
+        megatron = 4 * (2 * body + attn_fwd) + 3 * 2 * head
         return float(palm), float(megatron)
 
 

@@ -148,7 +148,7 @@ def test_traced_model_is_priced_and_cached():
     assert estimate(traced, Cluster.default(), cfg).step_time_s == est.step_time_s
 
 
-@pytest.mark.parametrize("run", _calibration().RUNS, ids=lambda r: r.name)
+@pytest.mark.parametrize("run", _calibration().RUNS + _calibration().HELD_OUT, ids=lambda r: r.name)
 def test_calibration_runs_within_15_percent(run):
     module = _calibration()
     est = module.predict(run)
