@@ -7,7 +7,8 @@ data-parallel axis: dp = dp_expert · ep with ep the inner part.
 Algorithm (`validate`):
 1. Every degree is >= 1 and the product tp·pp·dp·cp equals the cluster's GPU count.
 2. tp fits in a node unless the user allows crossing nodes; heads (and the FFN) divide by tp.
-3. Layers divide into pp·v stages; ep divides dp and the expert count; the sequence divides
+3. Every one of the pp·v pipeline chunks gets a layer (uneven splits are allowed: the slowest
+   stage holds ⌈L/(p·v)⌉·v layers); ep divides dp and the expert count; the sequence divides
    by 2·cp (zig-zag chunks); the global batch divides by dp·micro_batch.
 """
 
@@ -74,6 +75,11 @@ class ParallelConfig:
         return (self.dp or 1) * self.cp
 
 
+def stage_layers(layers: int, pp: int, virtual: int = 1) -> int:
+    """Layers on the most loaded pipeline stage: ⌈L/(p·v)⌉ per chunk, v chunks per stage."""
+    return -(-layers // (pp * virtual)) * virtual
+
+
 def _choice(field: str, value: str | None, allowed: tuple[str, ...]) -> None:
     if value is not None and value not in allowed:
         raise CostInputError(
@@ -99,7 +105,12 @@ def validate(cfg: ParallelConfig, cluster: Cluster, layers: int, heads: int, kv_
     _divides("heads", heads, "tp", cfg.tp)
     if kv_heads >= cfg.tp:
         _divides("kv_heads", kv_heads, "tp", cfg.tp)
-    _divides("layers", layers, "pp·virtual_stages", cfg.pp * (cfg.virtual_stages or 1))
+    chunks = cfg.pp * (cfg.virtual_stages or 1)
+    if layers < chunks:
+        raise CostInputError(
+            f"{layers} layers cannot fill pp·virtual_stages = {chunks} pipeline chunks; "
+            "lower pp or virtual_stages"
+        )
     _divides("seq", seq, "2·cp", 2 * cfg.cp if cfg.cp > 1 else 1)
     _divides("dp", cfg.dp or 1, "ep", cfg.ep)
     _divides("experts", experts, "ep", cfg.ep)

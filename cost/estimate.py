@@ -148,14 +148,15 @@ def _candidates(cfg: ParallelConfig, model: Priced) -> Iterator[ParallelConfig]:
     per_rank = cfg.global_batch // cfg.dp
     micro = [cfg.micro_batch] if cfg.micro_batch else [b for b in range(1, per_rank + 1)
                                                          if per_rank % b == 0]  # fmt: skip
-    schedules = [cfg.schedule] if cfg.schedule else (["interleaved", "1f1b"] if cfg.pp > 1
+    per_stage = -(-model.layers // cfg.pp)
+    interleave = cfg.pp > 1 and per_stage > 1
+    schedules = [cfg.schedule] if cfg.schedule else (["interleaved", "1f1b"] if interleave
                                                      else ["1f1b"])  # fmt: skip
     recomputes = [cfg.recompute] if cfg.recompute else ["none", "selective", "full"]
-    per_stage = model.layers // cfg.pp
     for schedule in schedules:
-        virtuals = [cfg.virtual_stages or 1]
+        virtuals = [cfg.virtual_stages or 1] if schedule == "interleaved" else [1]
         if schedule == "interleaved" and not cfg.virtual_stages:
-            virtuals = [v for v in range(2, min(per_stage, 16) + 1) if per_stage % v == 0] or [1]
+            virtuals = list(range(2, min(per_stage, 16) + 1))  # chunks may be uneven
         for b in micro:
             for v in virtuals:
                 for r in recomputes:

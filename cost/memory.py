@@ -1,7 +1,7 @@
 """Memory per rank: model state, saved activations in flight, runtime reserve.
 
 Algorithm (`rank_memory`):
-1. Parameters on the rank: its stage's L/p layers (dense part ÷ tp, experts ÷ ep·tp) plus the
+1. Parameters on the rank: the most loaded stage's ⌈L/(p·v)⌉·v layers (dense part ÷ tp, experts ÷ ep·tp) plus the
    embedding or LM head shard of an end stage.
 2. Model state with Adam and mixed precision: bf16 weights 2 B, fp32 gradient accumulation
    4 B, fp32 master + two moments 12 B per parameter — 18 B (DDP, stage 0). ZeRO-1 shards the
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cost.config import stage_layers
 from cost.workload import Workload
 
 RESERVED_BYTES = 3 * 2**30  # CUDA context + NCCL channels + fragmentation, per GPU
@@ -76,7 +77,7 @@ def rank_memory(work: Workload, *, pp: int, zero: int, dp_dense: int, dp_expert:
                 schedule: str, micro_batches: int, virtual: int, recompute: str,
                 capacity: float) -> MemoryBreakdown:  # fmt: skip
     """Per-rank memory of the most loaded stage (see the module docstring)."""
-    per_stage = work.layers / pp
+    per_stage = stage_layers(work.layers, pp, virtual)
     dense = per_stage * work.layer_dense_params + work.edge_params
     weights, grads, optim = model_state(
         dense, per_stage * work.layer_expert_params, zero, dp_dense, dp_expert

@@ -1,7 +1,7 @@
 """Step time of a whole plan: compute, exposed communication per mesh axis, pipeline bubble.
 
 Algorithm (`step_time`):
-1. One micro-batch on the bottleneck stage: L/p layers × (forward + backward + recompute
+1. One micro-batch on the bottleneck stage: ⌈L/(p·v)⌉·v layers × (forward + backward + recompute
    forward) plus the end-stage work (embedding; final norm, LM head and loss).
 2. Tensor parallelism: 2 collectives on the [b, s/c, h] activation per layer per pass
    (forward, backward, and the recompute forward under full recompute), on the critical path.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from cost.comm import span_time
 from cost.compute import MEMORY_BW_FRACTION
-from cost.config import ParallelConfig
+from cost.config import ParallelConfig, stage_layers
 from cost.hardware import Cluster
 from cost.workload import Workload
 
@@ -68,9 +68,9 @@ def _layer_comm(work: Workload, cfg: ParallelConfig, cluster: Cluster, recompute
 
 
 def _dp_comm(work: Workload, cfg: ParallelConfig, cluster: Cluster, micro_batches: int,
-             recompute: str) -> float:  # fmt: skip
-    """Exposed data-parallel seconds per step (step 6)."""
-    spans, per_stage = _spans(cfg), work.layers / cfg.pp
+             recompute: str, per_stage: int) -> float:  # fmt: skip
+    """Exposed data-parallel seconds per step (step 6), for `per_stage` layers on the rank."""
+    spans = _spans(cfg)
     groups = (
         (per_stage * work.layer_dense_params + work.edge_params, spans["dp"]),
         (per_stage * work.layer_expert_params, spans["dp_expert"]),
@@ -96,17 +96,17 @@ def _dp_comm(work: Workload, cfg: ParallelConfig, cluster: Cluster, micro_batche
 def step_time(work: Workload, cfg: ParallelConfig, cluster: Cluster, *, micro_batches: int,
               schedule: str, virtual: int, recompute: str) -> StepBreakdown:  # fmt: skip
     """Seconds of one training step of `micro_batches` micro-batches per data-parallel rank."""
-    per_stage = work.layers / cfg.pp
+    v = virtual if schedule == "interleaved" else 1
+    per_stage = stage_layers(work.layers, cfg.pp, v)
     ends = work.pre_s + work.post_s if cfg.pp == 1 else max(work.pre_s, work.post_s)
     layer = work.layer_fwd_s + work.layer_bwd_s + work.recompute_s[recompute]
     compute_mb = per_stage * layer + ends
     comm_mb = {k: per_stage * v for k, v in _layer_comm(work, cfg, cluster, recompute).items()}
-    v = virtual if schedule == "interleaved" else 1
     p2p = span_time("send_recv", work.boundary_bytes, cluster, *_spans(cfg)["pp"])
     comm_mb["pp"] = 2 * v * p2p if cfg.pp > 1 else 0.0
     per_mb = compute_mb + sum(comm_mb.values())
     comm = {k: micro_batches * x for k, x in comm_mb.items()}
-    comm["dp"] = _dp_comm(work, cfg, cluster, micro_batches, recompute)
+    comm["dp"] = _dp_comm(work, cfg, cluster, micro_batches, recompute, per_stage)
     params = per_stage * (work.layer_dense_params + work.layer_expert_params) + work.edge_params
     shard = cfg.data_parallel if cfg.zero >= 1 else 1
     optimizer = ADAM_BYTES_PER_PARAM * params / shard / (cluster.gpu.hbm_bw * MEMORY_BW_FRACTION)

@@ -98,6 +98,9 @@ def test_too_little_memory_is_reported_not_raised():
                           ParallelConfig(tp=8, global_batch=6, micro_batch=4)),
          r"global_batch \(6\) is not divisible by dp·micro_batch \(4\)"),
         (lambda: ParallelConfig(schedule="zb", global_batch=8), "schedule must be one of"),
+        (lambda: estimate(ModelShape.gpt(layers=4, hidden=64, heads=4, seq=64, vocab=100),
+                          Cluster.default(), ParallelConfig(pp=8, global_batch=8)),
+         "4 layers cannot fill pp·virtual_stages = 8"),
         (lambda: estimate(nn.Linear(2, 2)), "cannot price a Linear"),
     ],
 )  # fmt: skip
@@ -105,6 +108,13 @@ def test_bad_input_is_one_clear_value_error(call, message):
     with pytest.raises(CostInputError, match=message) as info:
         call()
     assert isinstance(info.value, ValueError)
+
+
+def test_uneven_layers_per_stage_and_interleaving_are_allowed():
+    est = estimate("llama3-405b", Cluster.preset("dgx-h100", nodes=32),
+                   ParallelConfig(tp=8, pp=16, global_batch=64, micro_batch=1))  # fmt: skip
+    assert est.config.dp == 2 and est.step_time_s > 0
+    assert est.config.schedule == "interleaved" and est.config.virtual_stages > 1
 
 
 def test_tp_across_nodes_when_allowed():

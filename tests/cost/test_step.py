@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from cost.comm import collective_time, span_time
-from cost.config import ParallelConfig
+from cost.config import ParallelConfig, stage_layers
 from cost.hardware import Cluster
 from cost.model import ModelShape
 from cost.step import step_time
@@ -92,3 +92,16 @@ def test_context_parallel_ring_is_hidden_behind_attention_when_it_can_be():
     ring = span_time("send_recv", work.cp_bytes, CLUSTER, 8, 2)
     exposed = max(0.0, ring - work.attn_fwd_s) + max(0.0, 4 * ring - 2 * work.attn_fwd_s)
     assert step.comm["cp"] == pytest.approx(16 * 16 * exposed)
+
+
+def test_uneven_pipeline_stages_price_the_most_loaded_stage():
+    assert stage_layers(126, 16) == 8
+    assert stage_layers(126, 16, 4) == 8  # 2 layers per chunk, 4 chunks
+    assert stage_layers(16, 4, 2) == 4
+    shape = ModelShape.gpt(layers=18, hidden=4096, heads=32, seq=2048, vocab=51200)
+    cfg = replace(BASE, pp=4)
+    work = shape_workload(shape, cfg, 1, CLUSTER.gpu)
+    step = step_time(work, cfg, CLUSTER, micro_batches=16, schedule="1f1b", virtual=1,
+                     recompute="none")  # fmt: skip
+    per_layer = work.layer_fwd_s + work.layer_bwd_s
+    assert step.compute == pytest.approx(16 * (5 * per_layer + max(work.pre_s, work.post_s)))
