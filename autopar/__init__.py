@@ -1,0 +1,38 @@
+"""autopar: an automatic-parallelisation compiler for PyTorch.
+
+``autoparallelize(model, Mesh(tp=4), example_inputs=(x,))`` traces the model, plans its
+layouts with a cost model, rewrites the graph with explicit collectives and returns one
+readable program per rank.  ``verify`` checks it against the single-device model.
+"""
+
+from autopar.api import autoparallelize
+from autopar.errors import (
+    AutoparError,
+    InputError,
+    MeshError,
+    PlanError,
+    ShardingRuleError,
+    TraceError,
+)
+from autopar.layout import Layout, Partial, Replicate, Shard
+from autopar.mesh import Mesh
+from autopar.plan import Collective, Plan
+from autopar.program import Program
+
+__all__ = [
+    "AutoparError",
+    "Collective",
+    "InputError",
+    "Layout",
+    "Mesh",
+    "MeshError",
+    "Partial",
+    "Plan",
+    "PlanError",
+    "Program",
+    "Replicate",
+    "Shard",
+    "ShardingRuleError",
+    "TraceError",
+    "autoparallelize",
+]

@@ -1,0 +1,130 @@
+"""The front door: ``autoparallelize(model, mesh, example_inputs)``.
+
+Algorithm:
+1. Trace the model (and loss) with torch.export (autopar.trace).
+2. Solve the tensor-parallel axis with the cost model (autopar.planner).
+3. Run the pass pipeline (passes.run_pipeline): layouts, lowerings, collectives, local shapes.
+4. Package a :class:`Program` with its :class:`Plan`; given a torch DeviceMesh instead of a
+   virtual :class:`Mesh`, bind the process groups and return this rank's module.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autopar import meta
+from autopar.errors import PlanError
+from autopar.mesh import Mesh
+from autopar.plan import Plan
+from autopar.planner import AxisSolution, PlanOptions, describe_tp_dims, needs_grad, solve_axis
+from autopar.program import Program, collectives_of
+from autopar.trace import Traced, trace
+from passes import PassContext, run_pipeline
+
+
+def autoparallelize(
+    model: nn.Module,
+    mesh: Mesh | Any,
+    example_inputs: Sequence[Any] = (),
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    memory_limit: float | None = None,
+    memory_weight: float = 0.0,
+    strict: bool = False,
+    verbose: bool = False,
+) -> Program | torch.fx.GraphModule:
+    """Compile ``model`` for ``mesh``.
+
+    With a virtual :class:`Mesh`, returns a :class:`Program` (plan, per-rank modules and code).
+    With a torch ``DeviceMesh`` (inside torchrun / spawned ranks), returns this rank's module,
+    trainable with any torch optimizer.  With ``loss_fn``, the traced function is
+    ``loss_fn(model(*example_inputs[:-1], **example_kwargs), example_inputs[-1])``.
+    ``memory_limit`` (bytes per rank) and ``memory_weight`` (seconds per byte) steer the
+    solver toward plans that hold less per rank (e.g. sequence parallelism).
+    """
+    device_mesh = None if isinstance(mesh, Mesh) else mesh
+    virtual = mesh if isinstance(mesh, Mesh) else Mesh.from_device_mesh(mesh)
+    options = PlanOptions(memory_limit=memory_limit, memory_weight=memory_weight, strict=strict)
+    prog = compile_program(
+        model, virtual, example_inputs, loss_fn, example_kwargs, options, verbose
+    )
+    if device_mesh is None:
+        return prog
+    from autopar.runtime import bind_mesh
+
+    return prog.module(bind_mesh(device_mesh, virtual))
+
+
+def compile_program(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
+                    loss_fn: Callable | None, example_kwargs: dict | None,
+                    options: PlanOptions, verbose: bool = False) -> Program:  # fmt: skip
+    """Steps 1-4 on a virtual mesh."""
+    log = _Progress(verbose)
+    traced = trace(model, example_inputs, example_kwargs, loss_fn)
+    log(f"traced {traced.model_name}: {len(traced.gm.graph.nodes)} nodes")
+    axis = "tp"
+    solution = solve_axis(traced, axis, mesh.size(axis), mesh.cluster.axis_link(mesh.axes, axis),
+                          mesh.cluster.gpu, options)  # fmt: skip
+    log(f"solved {axis}={mesh.size(axis)}: {solution.variables} variables, "
+        f"{solution.tied_blocks} nodes tied to an identical block")  # fmt: skip
+    _check_split(traced, solution, mesh, axis)
+    grad = frozenset(n.name for n in needs_grad(traced))
+    ctx = PassContext(mesh=mesh, axis=axis, choice=solution.choice, grad=grad, traced=traced)
+    gm, history = run_pipeline(traced.gm, ctx)
+    for rec in history:
+        log(str(rec))
+    plan = _plan(traced, gm, mesh, solution, axis)
+    return Program(plan=plan, mesh=mesh, graph_module=gm, traced=traced, history=history)
+
+
+def _check_split(traced: Traced, solution: AxisSolution, mesh: Mesh, axis: str) -> None:
+    size = mesh.size(axis)
+    split = [p for p in traced.params if str(solution.choice[p].output) != "R"]
+    if size > 1 and traced.params and not split:
+        raise PlanError(
+            f"no valid plan: {mesh} splits no parameter of {traced.model_name} {size} ways; "
+            f"its sizes are {describe_tp_dims(traced)}; choose a tensor-parallel degree that "
+            "divides the heads, hidden, ffn or vocab size"
+        )
+
+
+def _plan(traced: Traced, gm: torch.fx.GraphModule, mesh: Mesh, sol: AxisSolution,
+          axis: str) -> Plan:  # fmt: skip
+    names = {**traced.params, **traced.buffers}
+    params = tuple(
+        (names[n.name], str(meta.layout(n)))
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and n.name in traced.params
+    )
+    grad = {n.name for n in needs_grad(traced, gm)}
+    notes = (
+        f"solved {axis} exactly (HiGHS) over {sol.variables} variables; "
+        f"{sol.tied_blocks} nodes share the decisions of an identical block",
+    )
+    return Plan(
+        model=traced.model_name,
+        mesh=mesh.axes,
+        hardware=f"{mesh.cluster.gpu.name} ×{mesh.cluster.gpus_per_node}/node",
+        params=params,
+        collectives=tuple(collectives_of(gm, grad, mesh.sizes)),
+        choice=tuple((k, str(v)) for k, v in sol.choice.items()),
+        compute_s=sol.compute_s,
+        comm_s=sol.comm_s,
+        memory_bytes=sol.memory_bytes,
+        notes=notes,
+    )
+
+
+class _Progress:
+    def __init__(self, enabled: bool) -> None:
+        self.enabled, self.start = enabled, time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        if self.enabled:
+            print(f"[autopar {time.perf_counter() - self.start:6.2f}s] {msg}", flush=True)

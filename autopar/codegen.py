@@ -1,0 +1,144 @@
+"""Per-rank programs: fx.GraphModules holding only one rank's parameter shards, and their source.
+
+Algorithm:
+1. Copy the lowered graph; each parameter / buffer placeholder becomes a ``get_attr`` of its
+   original dotted name, so ``module.named_parameters()`` reads like the user's model.
+2. Slice every parameter and buffer to this rank's shard of its layout (mesh coordinates of
+   the rank; blocked dims take the rank's slice of every block).  Meta tensors stay meta.
+3. Copy attributes the graph reads (higher-order-op submodules, constants).
+4. Call signature and return structure follow the user's model (pytree in/out specs).
+5. The printed source carries a header (plan hash, rank, mesh coordinates) and each node's
+   local shape and layout.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
+
+from autopar import meta
+from autopar.layout import Layout
+from autopar.mesh import Mesh
+from autopar.trace import Traced
+
+
+def shard_tensor(
+    t: torch.Tensor, layout: Layout, mesh: Mesh, coords: dict[str, int]
+) -> torch.Tensor:
+    """This rank's shard of ``t`` under ``layout`` (step 2)."""
+    for dim, axes in enumerate(layout.dims):
+        for axis in axes:
+            n, blocks = mesh.size(axis), layout.blocks[dim]
+            moved = t.movedim(dim, 0)
+            size = moved.shape[0]
+            part = moved.reshape(blocks, n, size // (blocks * n), *moved.shape[1:])[:, coords[axis]]
+            t = part.reshape(size // n, *moved.shape[1:]).movedim(0, dim)
+    return t.contiguous()
+
+
+def unshard_tensors(shards: list[torch.Tensor], layout: Layout, mesh: Mesh,
+                    coords: list[dict[str, int]]) -> torch.Tensor:  # fmt: skip
+    """Reassemble a full tensor from every rank's shard (inverse of :func:`shard_tensor`)."""
+    out = shards[0]
+    for dim, axes in enumerate(layout.dims):
+        for axis in axes:
+            n, blocks = mesh.size(axis), layout.blocks[dim]
+            parts = [next(s for s, c in zip(shards, coords, strict=True) if c[axis] == i)
+                     for i in range(n)]  # fmt: skip
+            moved = [p.movedim(dim, 0) for p in parts]
+            local = moved[0].shape[0]
+            stacked = torch.stack(
+                [m.reshape(blocks, local // blocks, *m.shape[1:]) for m in moved], 1
+            )
+            out = stacked.reshape(local * n, *moved[0].shape[1:]).movedim(0, dim)
+    return out
+
+
+def build_module(gm: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> fx.GraphModule:
+    """The rank's GraphModule: local parameter shards plus a copy of the program (steps 1-4)."""
+    coords = mesh.coordinates(rank)
+    graph = copy.deepcopy(gm.graph)
+    graph._tracer_cls = None  # export's tracer class cannot rebuild the module when unpickled
+    root = nn.Module()
+    names = {**traced.params, **traced.buffers}
+    for node in list(graph.nodes):
+        if node.op == "placeholder" and node.name in names:
+            fqn = names[node.name]
+            lay = meta.layout(node) or Layout.replicate(traced.tensors[fqn].dim())
+            local = shard_tensor(traced.tensors[fqn].detach(), lay, mesh, coords)
+            _assign(root, fqn, local, param=node.name in traced.params, traced=traced)
+            with graph.inserting_before(node):
+                attr = graph.get_attr(fqn)
+            attr.meta.update(node.meta)
+            node.replace_all_uses_with(attr)
+            graph.erase_node(node)
+        elif node.op == "get_attr":
+            _copy_attr(gm, root, node.target)
+    _move_attrs_first(graph)
+    user = [n.name for n in graph.nodes if n.op == "placeholder"]
+    graph._codegen = _PyTreeCodeGen(_PyTreeInfo(user, traced.in_spec, traced.out_spec))
+    out = fx.GraphModule(root, graph, class_name=f"{traced.model_name}Rank{rank}")
+    out.meta = {"rank": rank, "coords": coords}
+    return out
+
+
+def _assign(root: nn.Module, fqn: str, value: torch.Tensor, param: bool, traced: Traced) -> None:
+    *path, leaf = fqn.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if param:
+        mod.register_parameter(
+            leaf, nn.Parameter(value.clone(), requires_grad=fqn in traced.trainable)
+        )
+    else:
+        mod.register_buffer(leaf, value.clone())
+
+
+def _copy_attr(src: nn.Module, dst: nn.Module, target: str) -> None:
+    obj = src
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    *path, leaf = target.split(".")
+    mod = dst
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if isinstance(obj, nn.Module):
+        mod.add_module(leaf, copy.deepcopy(obj))
+    else:
+        setattr(mod, leaf, obj)
+
+
+def _move_attrs_first(graph: fx.Graph) -> None:
+    """Parameter reads go right after the placeholders, in a stable order."""
+    anchor = next((n for n in graph.nodes if n.op != "placeholder"), None)
+    for node in [n for n in graph.nodes if n.op == "get_attr"]:
+        if anchor is not None and node is not anchor:
+            anchor.prepend(node)
+
+
+_ASSIGN = re.compile(r"^(\s+)(\w+)(: \"[^\"]*\")? = ")
+
+
+def render(module: fx.GraphModule, header: str) -> str:
+    """Readable source of a rank's program: header, then each line with its layout."""
+    text = module.print_readable(print_output=False, include_stride=False, include_device=False)
+    layouts = {n.name: meta.layout(n) for n in module.graph.nodes}
+    lines = []
+    for line in text.splitlines():
+        m = _ASSIGN.match(line)
+        lay = layouts.get(m.group(2)) if m else None
+        if lay is not None and "#" not in line:
+            shown = ", ".join(map(str, lay)) if isinstance(lay, tuple) else str(lay)
+            line = f"{line}  # {shown}"
+        lines.append(line)
+    return header + "\n".join(lines) + "\n"

@@ -1,0 +1,239 @@
+"""Autograd-aware collectives over the process group bound to a mesh axis.
+
+Each op names its mesh axis and its backward, so a printed program says exactly what crosses
+the wire in both directions:
+
+- ``all_reduce(x, axis, grad)``: partial -> replicated.  Backward: identity, or an all-reduce
+  when the consumers make the gradient partial (Megatron's g / f pair fused).
+- ``all_gather(x, axis, dim, blocks, grad)``: split -> replicated.  Backward: take the local
+  slice, or reduce-scatter when the gradient is partial (Megatron-SP's gather).
+- ``reduce_scatter(x, axis, dim, blocks)``: partial -> split.  Backward: all-gather.
+- ``split(x, axis, dim, blocks)``: replicated -> split, locally.  Backward: all-gather.
+- ``all_to_all(x, axis, src_dim, dst_dim)``: split on one dim -> split on another.
+- ``grad_all_reduce(x, axis)``: identity forward, all-reduce backward (Megatron's f).
+
+A split dim with ``blocks`` > 1 is viewed as ``[blocks, n/blocks]`` and each block is split.
+Groups are bound per axis with :func:`bind` (``autopar.runtime`` does it).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+_GROUPS: dict[str, dist.ProcessGroup] = {}
+
+
+def bind(groups: Mapping[str, dist.ProcessGroup]) -> None:
+    """Bind mesh axis names to process groups for the ops in this module."""
+    _GROUPS.clear()
+    _GROUPS.update(groups)
+
+
+def group(axis: str) -> dist.ProcessGroup:
+    if axis not in _GROUPS:
+        raise RuntimeError(
+            f"mesh axis {axis!r} is not bound to a process group; run the program through "
+            "autopar.autoparallelize(model, device_mesh, ...) or autopar.runtime.bind_mesh()"
+        )
+    return _GROUPS[axis]
+
+
+def axis_rank(axis: str) -> int:
+    return dist.get_rank(group(axis))
+
+
+def axis_size(axis: str) -> int:
+    return dist.get_world_size(group(axis))
+
+
+def graph_op(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn`` a leaf for fx: symbolic tracing (e.g. unpickling a program) records a call
+    to it instead of running it."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        proxy = next((a for a in (*args, *kwargs.values()) if isinstance(a, fx.Proxy)), None)
+        if proxy is not None:
+            return proxy.tracer.create_proxy("call_function", wrapper, args, kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+# ---------------------------------------------------------------- raw (non-autograd) kernels
+
+
+def _all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
+    y = x.contiguous().clone()
+    dist.all_reduce(y, group=group(axis))
+    return y
+
+
+def _gather(x: torch.Tensor, axis: str, dim: int, blocks: int) -> torch.Tensor:
+    t = axis_size(axis)
+    xt = x.movedim(dim, 0)
+    shape = xt.shape
+    xt = xt.reshape(blocks, shape[0] // blocks, *shape[1:]).contiguous()
+    out = xt.new_empty((t * blocks, *xt.shape[1:]))
+    dist.all_gather_into_tensor(out, xt, group=group(axis))
+    out = out.view(t, *xt.shape).transpose(0, 1).reshape(shape[0] * t, *shape[1:])
+    return out.movedim(0, dim)
+
+
+def _scatter(x: torch.Tensor, axis: str, dim: int, blocks: int) -> torch.Tensor:
+    t = axis_size(axis)
+    xt = x.movedim(dim, 0)
+    shape = xt.shape
+    xt = xt.reshape(blocks, t, shape[0] // (blocks * t), *shape[1:]).transpose(0, 1)
+    out = xt.new_empty(xt.shape[1:])
+    dist.reduce_scatter_tensor(out, xt.reshape(t * blocks, *xt.shape[2:]), group=group(axis))
+    return out.reshape(shape[0] // t, *shape[1:]).movedim(0, dim)
+
+
+def _slice(x: torch.Tensor, axis: str, dim: int, blocks: int) -> torch.Tensor:
+    t, r = axis_size(axis), axis_rank(axis)
+    xt = x.movedim(dim, 0)
+    shape = xt.shape
+    part = xt.reshape(blocks, t, shape[0] // (blocks * t), *shape[1:])[:, r]
+    return part.reshape(shape[0] // t, *shape[1:]).movedim(0, dim).contiguous()
+
+
+def _exchange(x: torch.Tensor, axis: str, src_dim: int, dst_dim: int) -> torch.Tensor:
+    t = axis_size(axis)
+    send = torch.stack(x.chunk(t, dim=dst_dim)).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group(axis))
+    return torch.cat(recv.unbind(0), dim=src_dim)
+
+
+# ---------------------------------------------------------------- autograd functions
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: str, grad: str) -> torch.Tensor:
+        ctx.axis, ctx.grad = axis, grad
+        return _all_reduce(x, axis)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return (_all_reduce(g, ctx.axis) if ctx.grad == "all_reduce" else g), None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: str, dim: int, blocks: int, grad: str) -> torch.Tensor:
+        ctx.args = (axis, dim, blocks)
+        ctx.grad = grad
+        return _gather(x, axis, dim, blocks)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        fn = _scatter if ctx.grad == "reduce_scatter" else _slice
+        return fn(g, *ctx.args), None, None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: str, dim: int, blocks: int) -> torch.Tensor:
+        ctx.args = (axis, dim, blocks)
+        return _scatter(x, axis, dim, blocks)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return _gather(g, *ctx.args), None, None, None
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: str, dim: int, blocks: int) -> torch.Tensor:
+        ctx.args = (axis, dim, blocks)
+        return _slice(x, axis, dim, blocks)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return _gather(g, *ctx.args), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: str, src_dim: int, dst_dim: int) -> torch.Tensor:
+        ctx.args = (axis, src_dim, dst_dim)
+        return _exchange(x, axis, src_dim, dst_dim)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        axis, src_dim, dst_dim = ctx.args
+        return _exchange(g, axis, dst_dim, src_dim), None, None, None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: str) -> torch.Tensor:
+        ctx.axis = axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return _all_reduce(g, ctx.axis), None
+
+
+# ---------------------------------------------------------------- graph-facing ops
+
+
+@graph_op
+def all_reduce(x: torch.Tensor, axis: str, grad: str = "identity") -> torch.Tensor:
+    """Sum a partial value over ``axis``; ``grad='all_reduce'`` also sums the gradient."""
+    return _AllReduce.apply(x, axis, grad)
+
+
+@graph_op
+def all_gather(
+    x: torch.Tensor, axis: str, dim: int, blocks: int = 1, grad: str = "split"
+) -> torch.Tensor:
+    """Gather dim ``dim`` over ``axis``; backward slices (or reduce-scatters) the gradient."""
+    return _AllGather.apply(x, axis, dim, blocks, grad)
+
+
+@graph_op
+def reduce_scatter(x: torch.Tensor, axis: str, dim: int, blocks: int = 1) -> torch.Tensor:
+    """Sum a partial value over ``axis`` and keep this rank's slice of dim ``dim``."""
+    return _ReduceScatter.apply(x, axis, dim, blocks)
+
+
+@graph_op
+def split(x: torch.Tensor, axis: str, dim: int, blocks: int = 1) -> torch.Tensor:
+    """Keep this rank's slice of dim ``dim`` of a replicated value; backward all-gathers."""
+    return _Split.apply(x, axis, dim, blocks)
+
+
+@graph_op
+def all_to_all(x: torch.Tensor, axis: str, src_dim: int, dst_dim: int) -> torch.Tensor:
+    """Re-split a value from dim ``src_dim`` to dim ``dst_dim`` over ``axis``."""
+    return _AllToAll.apply(x, axis, src_dim, dst_dim)
+
+
+@graph_op
+def grad_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Identity forward; all-reduce the gradient over ``axis`` in backward."""
+    return _GradAllReduce.apply(x, axis)
+
+
+COLLECTIVES = (all_reduce, all_gather, reduce_scatter, split, all_to_all, grad_all_reduce)
+
+
+@graph_op
+def redistribute(
+    x: torch.Tensor, axis: str, src: str, dst: str, partial_grad: bool
+) -> torch.Tensor:
+    """Abstract re-layout written by propagate_layout; lower_collectives replaces every one."""
+    raise RuntimeError(
+        f"redistribute({src} -> {dst} on {axis!r}) reached run time: the program was not "
+        "lowered (passes.lower_collectives turns it into a named collective)"
+    )

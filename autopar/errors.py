@@ -1,0 +1,27 @@
+"""Errors autopar raises.  Each says what was wrong, where in the user's model, and what to do."""
+
+from __future__ import annotations
+
+
+class AutoparError(ValueError):
+    """Base class of every error autopar raises on bad input."""
+
+
+class TraceError(AutoparError):
+    """torch.export could not capture the model."""
+
+
+class InputError(AutoparError):
+    """The example inputs do not fit the model."""
+
+
+class MeshError(AutoparError):
+    """The mesh is malformed, names an unknown axis, or does not match the world."""
+
+
+class PlanError(AutoparError):
+    """No valid plan exists for the model on this mesh (or a requested plan is invalid)."""
+
+
+class ShardingRuleError(AutoparError):
+    """An op has no sharding rule and ``strict=True`` was given."""

@@ -1,0 +1,129 @@
+"""Layouts: how a tensor is laid out over the named axes of a device mesh.
+
+A layout says, for each tensor dim, which mesh axes split it, plus the mesh axes on which the
+value is still a pending partial sum.  It prints compactly, e.g. ``P(None, 'tp')`` or
+``P(None, None, partial=('tp',))``.  A split dim may be *blocked*: ``'tp:3'`` means the dim is
+viewed as ``[3, n/3]`` and the inner part is split, so each rank holds its slice of each of the
+three blocks (a fused QKV projection's q, k and v columns).
+
+The planner reasons about one mesh axis at a time through :class:`Placement` values (the
+per-axis view of a layout):
+
+1. ``Replicate()`` -- every rank along the axis holds the whole value.
+2. ``Shard(dim, blocks)`` -- dim ``dim`` is split evenly along the axis (per block).
+3. ``Partial()`` -- every rank holds a summand; the value is their sum.
+
+:class:`Layout` is the per-dim form stored on graph nodes and printed in plans and code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every rank along the axis holds the whole value."""
+
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Tensor dim ``dim`` split evenly along the axis; ``blocks`` > 1 splits each block."""
+
+    dim: int
+    blocks: int = 1
+
+    def __str__(self) -> str:
+        return f"S({self.dim})" if self.blocks == 1 else f"S({self.dim}:{self.blocks})"
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Every rank holds a summand; the value is the sum over the axis."""
+
+    def __str__(self) -> str:
+        return "P"
+
+
+Placement = Replicate | Shard | Partial
+R = Replicate()
+PARTIAL = Partial()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """Per tensor dim: the mesh axes splitting it (with block count); plus partial axes."""
+
+    dims: tuple[tuple[str, ...], ...]
+    blocks: tuple[int, ...]
+    partial: tuple[str, ...] = ()
+
+    @staticmethod
+    def replicate(ndim: int) -> Layout:
+        return Layout(dims=((),) * ndim, blocks=(1,) * ndim)
+
+    @staticmethod
+    def from_placements(ndim: int, placements: Mapping[str, Placement]) -> Layout:
+        """Build the per-dim layout from one placement per mesh axis (mesh order)."""
+        dims: list[tuple[str, ...]] = [()] * ndim
+        blocks = [1] * ndim
+        partial: list[str] = []
+        for axis, p in placements.items():
+            if isinstance(p, Shard):
+                dims[p.dim] = (*dims[p.dim], axis)
+                blocks[p.dim] = p.blocks
+            elif isinstance(p, Partial):
+                partial.append(axis)
+        return Layout(dims=tuple(dims), blocks=tuple(blocks), partial=tuple(partial))
+
+    def placement(self, axis: str) -> Placement:
+        """The per-axis view of this layout."""
+        if axis in self.partial:
+            return PARTIAL
+        for d, axes in enumerate(self.dims):
+            if axis in axes:
+                return Shard(d, self.blocks[d])
+        return R
+
+    def local_shape(self, shape: Sequence[int], sizes: Mapping[str, int]) -> tuple[int, ...]:
+        """The per-rank shape of a tensor of global ``shape`` under this layout."""
+        out = []
+        for n, axes in zip(shape, self.dims, strict=True):
+            for a in axes:
+                n //= sizes[a]
+            out.append(n)
+        return tuple(out)
+
+    @property
+    def is_replicated(self) -> bool:
+        return not self.partial and all(not a for a in self.dims)
+
+    def __str__(self) -> str:
+        parts = []
+        for axes, b in zip(self.dims, self.blocks, strict=True):
+            if not axes:
+                parts.append("None")
+                continue
+            names = [f"{a}:{b}" if b > 1 and i == len(axes) - 1 else a for i, a in enumerate(axes)]
+            parts.append(repr(names[0]) if len(names) == 1 else repr(tuple(names)))
+        if self.partial:
+            parts.append(f"partial={self.partial!r}")
+        return f"P({', '.join(parts)})"
+
+    __repr__ = __str__
+
+
+def parse_placement(text: str) -> Placement:
+    """Inverse of ``str(placement)``: 'R', 'P', 'S(2)' or 'S(2:3)'."""
+    if text == "R":
+        return R
+    if text == "P":
+        return PARTIAL
+    if text.startswith("S(") and text.endswith(")"):
+        dim, _, blocks = text[2:-1].partition(":")
+        return Shard(int(dim), int(blocks or 1))
+    raise ValueError(f"not a placement: {text!r} (expected R, P, S(d) or S(d:blocks))")

@@ -1,0 +1,86 @@
+"""The virtual device mesh: named axes and sizes, plus (optionally) the hardware it runs on.
+
+``Mesh(tp=4)`` plans and prints without any process; ``Mesh(pp=2, tp=2, cluster=...)`` orders
+axes outermost first, so the last axis holds contiguous ranks (inside a node when it fits).
+A torch ``DeviceMesh`` with ``mesh_dim_names`` converts with :func:`Mesh.from_device_mesh`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from autopar.errors import MeshError
+from cost.hardware import Cluster
+
+SUPPORTED_AXES = ("pp", "tp")
+KNOWN_AXES = ("dp", "pp", "cp", "ep", "tp")
+
+
+@dataclass(frozen=True, init=False)
+class Mesh:
+    """Named mesh axes (outermost first) and the cluster they are priced on."""
+
+    axes: tuple[tuple[str, int], ...]
+    cluster: Cluster = field(compare=False)
+
+    def __init__(self, cluster: Cluster | None = None, **axes: int) -> None:
+        for name, size in axes.items():
+            if name not in KNOWN_AXES:
+                raise MeshError(
+                    f"unknown mesh axis {name!r}; axes are named {', '.join(KNOWN_AXES)} "
+                    f"(e.g. Mesh(tp=4) or Mesh(pp=2, tp=2))"
+                )
+            if name not in SUPPORTED_AXES:
+                raise MeshError(
+                    f"mesh axis {name!r} is not supported yet; autopar plans "
+                    f"{' and '.join(SUPPORTED_AXES)} today"
+                )
+            if not isinstance(size, int) or size < 1:
+                raise MeshError(f"mesh axis {name!r} needs a positive int size, got {size!r}")
+        if not axes:
+            raise MeshError("a mesh needs at least one axis, e.g. Mesh(tp=2)")
+        object.__setattr__(self, "axes", tuple(axes.items()))
+        object.__setattr__(self, "cluster", cluster or Cluster.default())
+
+    @staticmethod
+    def from_device_mesh(device_mesh: Any, cluster: Cluster | None = None) -> Mesh:
+        """The virtual mesh of a torch DeviceMesh whose dims are named (mesh_dim_names)."""
+        names = device_mesh.mesh_dim_names
+        if not names:
+            raise MeshError(
+                "the DeviceMesh has no mesh_dim_names; build it with "
+                "init_device_mesh(device, (2,), mesh_dim_names=('tp',))"
+            )
+        return Mesh(cluster, **dict(zip(names, device_mesh.mesh.shape, strict=True)))
+
+    def size(self, axis: str) -> int:
+        return dict(self.axes).get(axis, 1)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.axes)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(s for _, s in self.axes)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Mesh coordinates of a global rank (row-major, last axis fastest)."""
+        if not 0 <= rank < self.world_size:
+            raise MeshError(f"rank {rank} is outside a mesh of {self.world_size} ranks")
+        coords = {}
+        for name, size in reversed(self.axes):
+            coords[name] = rank % size
+            rank //= size
+        return {name: coords[name] for name, _ in self.axes}
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        rank = 0
+        for name, size in self.axes:
+            rank = rank * size + coords.get(name, 0)
+        return rank
+
+    def __str__(self) -> str:
+        return "Mesh(" + ", ".join(f"{a}={s}" for a, s in self.axes) + ")"

@@ -1,0 +1,526 @@
+"""Choose each node's sharding strategy on one mesh axis by solving an integer program.
+
+Algorithm (:func:`solve_axis`):
+1. Enumerate every node's strategies (``rules.strategies``); parameters may be replicated or
+   split on any dim that divides; user inputs arrive replicated.
+2. Tie identical blocks: nodes of repeated sibling modules (``layers.0``, ``layers.1``, ...) whose
+   op/shape signature equals the first block's share its decision variables, so a 32-layer model
+   is solved as one layer plus the ends.
+3. Price every (node, strategy): compute share (1 when every rank repeats the op, 1/size when
+   split), collectives inside lowerings, and activation / parameter memory.
+   Every heavy op (at least 1% of the largest op's FLOPs) must be split: an axis exists to
+   divide compute, so a plan that repeats a matmul on every rank is not a plan for it.
+4. Price every edge's re-layout from the producer's output to the consumer's required input,
+   shared per (producer, target layout) as the lowered graph shares it, plus the backward
+   all-reduce (or reduce-scatter) a replicated value needs when a split consumer makes its
+   gradient partial.  Impossible re-layouts (to partial) are forbidden pairs.  Each collective
+   also pays a fixed launch-and-synchronise overhead, so fewer, larger collectives win ties.
+5. Solve exactly with HiGHS (scipy.optimize.milp): binary choice per node, continuous
+   linearisation variables per priced edge pair; optional per-rank memory limit.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.fx as fx
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from autopar.errors import PlanError
+from autopar.layout import Partial, Placement, R, Replicate, Shard
+from autopar.meta import source
+from autopar.rules import RuleContext, Strategy, strategies
+from autopar.trace import Traced, is_getitem, is_tensor, tensor_args
+from cost.comm import collective_time
+from cost.compute import KERNEL_LAUNCH_S, node_flops_bytes, node_time
+from cost.hardware import GPU, Link
+
+ADAM_STATE_FACTOR = 4  # parameter + gradient + two Adam moments, per parameter element
+COLLECTIVE_OVERHEAD_S = 10e-6  # launch + stream synchronisation per collective call
+HEAVY_FRACTION = 0.01  # ops with >= 1% of the largest op's FLOPs must be split
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """Knobs of the solver.  ``memory_limit``: bytes per rank; ``memory_weight``: s/byte."""
+
+    memory_limit: float | None = None
+    memory_weight: float = 0.0
+    strict: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class AxisSolution:
+    """The chosen strategy per node name, with the predicted cost of the choice."""
+
+    choice: dict[str, Strategy]
+    compute_s: float
+    comm_s: float
+    memory_bytes: float
+    tied_blocks: int = 0
+    variables: int = 0
+
+
+@dataclass
+class _Problem:
+    """The integer program under construction (private to this module)."""
+
+    costs: list[float] = field(default_factory=list)
+    integrality: list[int] = field(default_factory=list)
+    rows: list[tuple[dict[int, float], float, float]] = field(default_factory=list)
+    aux: dict[tuple, int] = field(default_factory=dict)
+    aux_groups: dict[tuple, set] = field(default_factory=lambda: defaultdict(set))
+    aux_cost: dict[tuple, float] = field(default_factory=dict)
+    seen_rows: set = field(default_factory=set)
+    mem: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    comm_vars: set[int] = field(default_factory=set)
+    edges: dict[tuple, dict] = field(default_factory=dict)
+    aux_terms: dict[tuple, list[int]] = field(default_factory=lambda: defaultdict(list))
+    upper: list[float] = field(default_factory=list)
+
+    def var(self, cost: float, integer: bool, upper: float = 1.0) -> int:
+        self.costs.append(cost)
+        self.integrality.append(1 if integer else 0)
+        self.upper.append(upper)
+        return len(self.costs) - 1
+
+    def row(self, coeffs: dict[int, float], lo: float, hi: float) -> None:
+        key = (tuple(sorted(coeffs.items())), lo, hi)
+        if key not in self.seen_rows:
+            self.seen_rows.add(key)
+            self.rows.append((coeffs, lo, hi))
+
+
+def solve_axis(
+    traced: Traced,
+    axis: str,
+    size: int,
+    link: Link,
+    gpu: GPU,
+    options: PlanOptions,
+    nodes: list[fx.Node] | None = None,
+) -> AxisSolution:
+    """The cheapest consistent strategy per node of ``traced.gm`` on ``axis`` (step 1-5)."""
+    graph_nodes = nodes if nodes is not None else list(traced.gm.graph.nodes)
+    grad = needs_grad(traced)
+    ctx = RuleContext(size=size, blocks=block_counts(graph_nodes))
+    rep = tie_blocks(graph_nodes, traced)
+    cands = _candidates(graph_nodes, rep, traced, ctx, options.strict)
+    prob = _Problem()
+    pricer = _Pricer(size=size, link=link)
+    xvar = _choice_vars(prob, graph_nodes, rep, cands, grad, gpu, pricer, options)
+    for v in graph_nodes:
+        _price_inputs(prob, v, rep, cands, xvar, grad, pricer)
+    _finish_aux(prob)
+    if size > 1:
+        _require_split(prob, cands, xvar, traced, size)
+    x = _run(prob, options)
+    choice = {
+        n.name: cands[rep[n]][_picked(x, xvar, rep[n], cands)]
+        for n in cands_of(graph_nodes, rep, cands)
+    }
+    compute = sum(
+        prob.costs[i] * x[i]
+        for i in range(len(x))
+        if i not in prob.comm_vars and prob.integrality[i]
+    )
+    comm = sum(prob.costs[i] * x[i] for i in prob.comm_vars)
+    memory = sum(c * x[i] for i, c in prob.mem.items())
+    tied = len({r for n, r in rep.items() if r is not n})
+    return AxisSolution(choice=choice, compute_s=float(compute), comm_s=float(comm),
+                        memory_bytes=float(memory), tied_blocks=tied, variables=len(x))  # fmt: skip
+
+
+def cands_of(nodes: list[fx.Node], rep: dict, cands: dict) -> Iterator[fx.Node]:
+    return (n for n in nodes if rep[n] in cands)
+
+
+def _picked(x: np.ndarray, xvar: dict, node: fx.Node, cands: dict) -> int:
+    vals = [x[xvar[(node, i)]] for i in range(len(cands[node]))]
+    return int(np.argmax(vals))
+
+
+# ---------------------------------------------------------------- step 1: candidates
+
+
+def needs_grad(traced: Traced, gm: fx.GraphModule | None = None) -> set[fx.Node]:
+    """Floating-point values of ``gm`` (default: the traced graph) that depend on a trainable
+    parameter."""
+    trainable = {ph for ph, fqn in traced.params.items() if fqn in traced.trainable}
+    out: set[fx.Node] = set()
+    for n in (gm or traced.gm).graph.nodes:
+        if n.op == "placeholder":
+            if n.name in trainable:
+                out.add(n)
+            continue
+        vals = n.meta.get("val")
+        floating = any(
+            isinstance(v, torch.Tensor) and v.is_floating_point()
+            for v in (vals if isinstance(vals, (tuple, list)) else (vals,))
+        )
+        if floating and any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+def block_counts(nodes: list[fx.Node]) -> tuple[int, ...]:
+    """Block counts worth considering: 1 plus the piece count of equal splits and cats."""
+    found = {1}
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        name = getattr(n.target, "__name__", "")
+        if name.startswith(("split", "chunk")) and isinstance(n.meta.get("val"), (tuple, list)):
+            shapes = {tuple(v.shape) for v in n.meta["val"]}
+            if len(shapes) == 1 and len(n.meta["val"]) > 1:
+                found.add(len(n.meta["val"]))
+    return tuple(sorted(found))
+
+
+def _candidates(nodes: list[fx.Node], rep: dict, traced: Traced, ctx: RuleContext,
+                strict: bool) -> dict[fx.Node, list[Strategy]]:  # fmt: skip
+    cands: dict[fx.Node, list[Strategy]] = {}
+    for n in nodes:
+        if rep[n] is not n or n.op == "output" or is_getitem(n):
+            continue
+        if n.op == "placeholder":
+            cands[n] = _placeholder_strategies(n, traced, ctx)
+        elif n.op == "call_function" and (
+            is_tensor(n) or isinstance(n.meta.get("val"), (tuple, list))
+        ):
+            cands[n] = strategies(n, ctx, strict)
+    return cands
+
+
+def _placeholder_strategies(n: fx.Node, traced: Traced, ctx: RuleContext) -> list[Strategy]:
+    if not is_tensor(n):
+        return [Strategy((), R)]
+    if n.name not in traced.params and n.name not in traced.buffers:
+        return [Strategy((), R)]  # user inputs arrive whole on every rank
+    shape = n.meta["val"].shape
+    found = [Strategy((), R)]
+    for d, dim_size in enumerate(shape):
+        for b in ctx.blocks:
+            if dim_size % (b * ctx.size) == 0 and ctx.size > 1:
+                found.append(Strategy((), Shard(d, b)))
+    return found
+
+
+# ---------------------------------------------------------------- step 2: tie blocks
+
+_INDEXED = re.compile(r"^(.*)\.(\d+)$")
+
+
+def tie_blocks(nodes: list[fx.Node], traced: Traced) -> dict[fx.Node, fx.Node]:
+    """Map each node to the node of the first identical block it mirrors (itself if none)."""
+    rep = {n: n for n in nodes}
+    blocks = _find_blocks(nodes, traced)
+    if len(blocks) < 2:
+        return rep
+    first = blocks[0]
+    sig0 = _signature(first, traced)
+    for block in blocks[1:]:
+        if len(block) == len(first) and _signature(block, traced) == sig0:
+            for a, b in zip(block, first, strict=True):
+                rep[a] = b
+    return rep
+
+
+def _find_blocks(nodes: list[fx.Node], traced: Traced) -> list[list[fx.Node]]:
+    members: dict[str, dict[int, list[fx.Node]]] = defaultdict(lambda: defaultdict(list))
+    for n in nodes:
+        path = traced.params.get(n.name) or traced.buffers.get(n.name) or ""
+        paths = [path.rsplit(".", 1)[0]] if path else _stack_paths(n)
+        for container, idx in _indexed_prefixes(paths):
+            members[container][idx].append(n)
+    if not members:
+        return []
+    container = max(members, key=lambda c: (len(members[c]), -len(c)))
+    by_index = members[container]
+    return [by_index[i] for i in sorted(by_index)]
+
+
+def _stack_paths(n: fx.Node) -> list[str]:
+    stack = n.meta.get("nn_module_stack") or {}
+    from autopar.meta import _clean_path
+
+    return [_clean_path(p) for p, _ in stack.values()]
+
+
+def _indexed_prefixes(paths: list[str]) -> set[tuple[str, int]]:
+    found = set()
+    for path in paths:
+        parts = path.split(".")
+        for i in range(1, len(parts) + 1):
+            m = _INDEXED.match(".".join(parts[:i]))
+            if m:
+                found.add((m.group(1), int(m.group(2))))
+    return found
+
+
+def _signature(block: list[fx.Node], traced: Traced) -> list[tuple]:
+    index = {n: i for i, n in enumerate(block)}
+    sig = []
+    for n in block:
+        val = n.meta.get("val")
+        shape = (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else None
+        args = tuple(("in", index[a]) if a in index else ("ext",) for a in n.all_input_nodes)
+        fqn = traced.params.get(n.name) or traced.buffers.get(n.name) or ""
+        sig.append(
+            (n.op, str(n.target) if n.op != "placeholder" else fqn.split(".")[-1], shape, args)
+        )
+    return sig
+
+
+# ---------------------------------------------------------------- step 3: node prices
+
+
+def _choice_vars(prob: _Problem, nodes: list[fx.Node], rep: dict, cands: dict, grad: set,
+                 gpu: GPU, pricer: _Pricer, options: PlanOptions) -> dict:  # fmt: skip
+    size = pricer.size
+    mult: dict[fx.Node, int] = defaultdict(int)
+    for n in nodes:
+        if rep[n] in cands:
+            mult[rep[n]] += 1
+    xvar = {}
+    for n, strats in cands.items():
+        base = node_time(n, gpu) if n.op == "call_function" else 0.0
+        ids = []
+        for i, s in enumerate(strats):
+            share = 1.0 if s.redundant else 1.0 / size
+            t = max(base * share, min(base, KERNEL_LAUNCH_S)) * (3.0 if n in grad else 1.0)
+            t += sum(pricer.t(kind, nbytes) for kind, nbytes in s.comm)
+            mem = _memory(n, s, size, grad)
+            xvar[(n, i)] = prob.var(mult[n] * (t + options.memory_weight * mem), True)
+            prob.mem[xvar[(n, i)]] = mult[n] * mem
+            ids.append(xvar[(n, i)])
+        prob.row({i: 1.0 for i in ids}, 1.0, 1.0)
+    return xvar
+
+
+def _memory(n: fx.Node, s: Strategy, size: int, grad: set) -> float:
+    """Per-rank bytes: parameter state for parameters, saved output for grad-needing ops."""
+    val = n.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0.0
+    local = val.numel() * val.element_size() / (size if isinstance(s.output, Shard) else 1)
+    if n.op == "placeholder":
+        return local * ADAM_STATE_FACTOR if n in grad else local
+    return local if n in grad else 0.0
+
+
+def _require_split(prob: _Problem, cands: dict, xvar: dict, traced: Traced, size: int) -> None:
+    """Forbid the redundant strategy of every heavy op; no split at all is a PlanError."""
+    flops = {n: node_flops_bytes(n)[0] for n in cands if n.op == "call_function"}
+    top = max(flops.values(), default=0.0)
+    for n, f in flops.items():
+        if top == 0.0 or f < HEAVY_FRACTION * top:
+            continue
+        split = [i for i, s in enumerate(cands[n]) if not s.redundant]
+        if not split:
+            raise PlanError(
+                f"no valid plan splits {n.target} at {source(n)} across {size} ranks: "
+                f"its dims ({_shapes(n)}) do not divide by {size}.  The model's sizes are "
+                f"{describe_tp_dims(traced)}; choose a tensor-parallel degree that divides "
+                "the heads, hidden, ffn or vocab size."
+            )
+        for i, s in enumerate(cands[n]):
+            if s.redundant:
+                prob.row({xvar[(n, i)]: 1.0}, 0.0, 0.0)
+
+
+def _shapes(n: fx.Node) -> str:
+    return ", ".join(str(list(a.meta["val"].shape)) for a in tensor_args(n))
+
+
+# ---------------------------------------------------------------- step 4: edge prices
+
+
+@dataclass(frozen=True)
+class _Pricer:
+    size: int
+    link: Link
+
+    def t(self, kind: str, nbytes: float) -> float:
+        return COLLECTIVE_OVERHEAD_S + collective_time(kind, nbytes, self.size, self.link)
+
+    def relayout(self, have: Placement, want: Placement, nbytes: float, grad: bool) -> float | None:
+        """Forward + backward seconds of a re-layout; None when impossible."""
+        if have == want:
+            return 0.0
+        if isinstance(want, Partial):
+            return None
+        bwd = 1.0 if grad else 0.0
+        if isinstance(have, Replicate):  # local slice; backward all-gathers the gradient
+            return bwd * self.t("all_gather", nbytes)
+        if isinstance(have, Partial):
+            if isinstance(want, Replicate):
+                return self.t("all_reduce", nbytes)
+            return self.t("reduce_scatter", nbytes) + bwd * self.t("all_gather", nbytes)
+        if isinstance(want, Replicate):
+            return self.t("all_gather", nbytes)
+        if have.blocks == 1 and want.blocks == 1:
+            return (1 + bwd) * self.t("all_to_all", nbytes / self.size)
+        return (1 + bwd) * self.t("all_gather", nbytes)
+
+    def grad_reduce(self, have: Placement, nbytes: float) -> float:
+        """Backward cost of a replicated value whose consumers make its gradient partial."""
+        return self.t("reduce_scatter" if isinstance(have, Shard) else "all_reduce", nbytes)
+
+
+def _source(arg: fx.Node) -> tuple[fx.Node, int | None]:
+    if is_getitem(arg):
+        return arg.args[0], arg.args[1]
+    return arg, None
+
+
+def _out(s: Strategy, idx: int | None) -> Placement:
+    return s.output[idx] if idx is not None else s.output
+
+
+def _nbytes(arg: fx.Node) -> float:
+    v = arg.meta["val"]
+    return float(v.numel() * v.element_size())
+
+
+def _price_inputs(prob: _Problem, v: fx.Node, rep: dict, cands: dict, xvar: dict,
+                  grad: set, pricer: _Pricer) -> None:  # fmt: skip
+    """Transport variables z[a, b] per edge (sum_b z = x_u[a], sum_a z = x_v[b]) keep the LP
+    relaxation tight; shared re-layout costs bound them from above per (producer, target)."""
+    if v.op == "output":
+        _price_outputs(prob, v, rep, cands, xvar, pricer)
+        return
+    if rep[v] not in cands:
+        return
+    vr = rep[v]
+    for slot, arg in enumerate(tensor_args(v)):
+        u, idx = _source(arg)
+        ur = rep[u]
+        if ur not in cands:
+            continue
+        edge = (ur, idx, vr, slot)
+        fresh = edge not in prob.edges
+        z = prob.edges.setdefault(edge, {})
+        needs, nbytes = arg in grad, _nbytes(arg)
+        for b, sb in enumerate(cands[vr]):
+            want = sb.inputs[slot]
+            for a, sa in enumerate(cands[ur]):
+                have = _out(sa, idx)
+                cost = pricer.relayout(have, want, nbytes, needs)
+                if fresh:
+                    z[(a, b)] = prob.var(0.0, False, upper=0.0 if cost is None else 1.0)
+                if cost is None:
+                    continue
+                if cost > 0:
+                    _bound_aux(
+                        prob, ("relayout", ur, idx, a, want), (u, idx, want), cost, edge, z[(a, b)]
+                    )
+                if needs and isinstance(want, Replicate) and not sb.redundant:
+                    g = pricer.grad_reduce(have, nbytes)
+                    _bound_aux(prob, ("grad", ur, idx, a), (u, idx), g, edge, z[(a, b)])
+        if fresh:
+            _transport_rows(prob, z, xvar, ur, vr, len(cands[ur]), len(cands[vr]))
+
+
+def _transport_rows(prob: _Problem, z: dict, xvar: dict, ur: fx.Node, vr: fx.Node, na: int,
+                    nb: int) -> None:  # fmt: skip
+    for a in range(na):
+        prob.row({**{z[(a, b)]: 1.0 for b in range(nb)}, xvar[(ur, a)]: -1.0}, 0.0, 0.0)
+    for b in range(nb):
+        prob.row({**{z[(a, b)]: 1.0 for a in range(na)}, xvar[(vr, b)]: -1.0}, 0.0, 0.0)
+
+
+def _price_outputs(prob: _Problem, out: fx.Node, rep: dict, cands: dict, xvar: dict,
+                   pricer: _Pricer) -> None:  # fmt: skip
+    for arg in tensor_args(out):
+        u, idx = _source(arg)
+        ur = rep[u]
+        if ur not in cands:
+            continue
+        for a, sa in enumerate(cands[ur]):
+            if isinstance(_out(sa, idx), Partial):
+                cost = pricer.t("all_reduce", _nbytes(arg))
+                _link_aux(prob, ("relayout", ur, idx, a, R), (u, idx, R), cost, xvar[(ur, a)])
+
+
+def _bound_aux(prob: _Problem, key: tuple, group: tuple, cost: float, edge: tuple,
+               zvar: int) -> None:  # fmt: skip
+    """aux[key] >= sum of the edge's transport variables that need this re-layout."""
+    if key not in prob.aux:
+        prob.aux[key] = prob.var(0.0, False)
+        prob.aux_cost[key] = cost
+        prob.comm_vars.add(prob.aux[key])
+    prob.aux_groups[key].add(group)
+    prob.aux_terms[(key, edge)].append(zvar)
+
+
+def _link_aux(prob: _Problem, key: tuple, group: tuple, cost: float, xa: int) -> None:
+    """aux[key] >= xa: a partial graph output must be all-reduced."""
+    if key not in prob.aux:
+        prob.aux[key] = prob.var(0.0, False)
+        prob.aux_cost[key] = cost
+        prob.comm_vars.add(prob.aux[key])
+    prob.aux_groups[key].add(group)
+    prob.row({xa: 1.0, prob.aux[key]: -1.0}, -np.inf, 0.0)
+
+
+def _finish_aux(prob: _Problem) -> None:
+    for key, z in prob.aux.items():
+        prob.costs[z] = prob.aux_cost[key] * len(prob.aux_groups[key])
+    for (key, _edge), zs in prob.aux_terms.items():
+        prob.row({**{v: 1.0 for v in zs}, prob.aux[key]: -1.0}, -np.inf, 0.0)
+
+
+# ---------------------------------------------------------------- step 5: solve
+
+
+def _run(prob: _Problem, options: PlanOptions) -> np.ndarray:
+    n = len(prob.costs)
+    rows, cols, vals, lo, hi = [], [], [], [], []
+    for r, (coeffs, a, b) in enumerate(prob.rows):
+        for c, v in coeffs.items():
+            rows.append(r)
+            cols.append(c)
+            vals.append(v)
+        lo.append(a)
+        hi.append(b)
+    constraints = [LinearConstraint(coo_matrix((vals, (rows, cols)), shape=(len(lo), n)), lo, hi)]
+    if options.memory_limit is not None:
+        mem = np.zeros(n)
+        for i, c in prob.mem.items():
+            mem[i] = c
+        constraints.append(LinearConstraint(mem[None, :], -np.inf, options.memory_limit))
+    scale = max(max(prob.costs), 1e-30)
+    res = milp(np.array(prob.costs) / scale, integrality=np.array(prob.integrality),
+               bounds=Bounds(0, np.array(prob.upper)), constraints=constraints)  # fmt: skip
+    if res.x is None:
+        raise PlanError(_infeasible_message(prob, options))
+    return np.round(res.x, 6)
+
+
+def _infeasible_message(prob: _Problem, options: PlanOptions) -> str:
+    if options.memory_limit is not None:
+        return (
+            f"no plan fits memory_limit={options.memory_limit / 2**20:.1f} MiB per rank; "
+            "raise the limit or use a larger tensor-parallel degree"
+        )
+    return "the sharding problem has no consistent solution (an internal rule conflict)"
+
+
+def describe_tp_dims(traced: Traced) -> str:
+    """The model sizes a tensor-parallel degree must divide, for error messages."""
+    dims: dict[str, set[int]] = defaultdict(set)
+    for ph, fqn in traced.params.items():
+        del ph
+        t = traced.tensors.get(fqn)
+        if t is None or t.dim() == 0:
+            continue
+        dims[fqn.rsplit(".", 1)[0] or fqn].update(t.shape)
+    sizes = sorted({s for v in dims.values() for s in v})
+    return ", ".join(map(str, sizes[:12])) + (", ..." if len(sizes) > 12 else "")

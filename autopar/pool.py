@@ -1,0 +1,171 @@
+"""A persistent pool of Gloo worker processes for running per-rank programs on this machine.
+
+Starting a torch process costs seconds, so the pool starts ``world`` workers once and reuses
+them for every job (tests and :func:`autopar.verify` share one pool per process).
+
+Algorithm:
+1. Spawn ``world`` processes; each joins one Gloo process group (loopback rendezvous on a free
+   port) and waits on its own task queue.
+2. A job is a picklable function plus per-rank arguments for the first ``n`` ranks.  Before it
+   runs, every worker creates (collectively, once per mesh) the process groups of the job's
+   mesh axes; ranks outside the job skip the function.
+3. Results come back per rank; an exception on any rank is re-raised with that rank's
+   traceback.  A job that does not finish within ``timeout`` kills the pool (never a hang).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.multiprocessing as mp
+
+_POOL: WorkerPool | None = None
+
+
+class WorkerError(RuntimeError):
+    """A job raised on a worker; the message carries that rank's traceback."""
+
+
+class WorkerPool:
+    """``world`` Gloo ranks kept alive across jobs."""
+
+    def __init__(self, world: int, timeout: float = 300.0) -> None:
+        self.world, self.timeout = world, timeout
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(
+                target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True
+            )
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+        self._collect("ready", world)
+
+    def run(self, fn: Callable[..., Any], mesh_axes: Sequence[tuple[str, int]],
+            per_rank_args: Sequence[tuple]) -> list[Any]:  # fmt: skip
+        """Run ``fn(rank, *per_rank_args[rank])`` on ranks 0..n-1 with the mesh's groups bound."""
+        n = len(per_rank_args)
+        if n > self.world:
+            raise ValueError(f"job needs {n} ranks but the pool has {self.world}")
+        for r in range(self.world):
+            args = per_rank_args[r] if r < n else None
+            self.tasks[r].put(pickle.dumps((fn, tuple(mesh_axes), args)))
+        return self._collect("job", self.world)[:n]
+
+    def _collect(self, what: str, count: int) -> list[Any]:
+        out: dict[int, Any] = {}
+        errors = []
+        deadline = time.monotonic() + self.timeout
+        while len(out) + len(errors) < count:
+            try:
+                rank, ok, value = self.results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.close()
+                    why = f"ranks {dead} died" if dead else f"no result in {self.timeout:.0f}s"
+                    raise WorkerError(f"pool {what} failed: {why}; pool stopped") from None
+                continue
+            if ok:
+                out[rank] = value
+            else:
+                errors.append((rank, value))
+        if errors:
+            rank, tb = sorted(errors)[0]
+            raise WorkerError(f"rank {rank} failed:\n{tb}")
+        return [out[r] for r in range(count)]
+
+    def close(self) -> None:
+        for q, p in zip(self.tasks, self.procs, strict=True):
+            if p.is_alive():
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+
+def get_pool(world: int) -> WorkerPool:
+    """The process-wide pool, (re)started when a job needs more ranks than it has."""
+    global _POOL
+    if _POOL is None or _POOL.world < world or not all(p.is_alive() for p in _POOL.procs):
+        if _POOL is not None:
+            _POOL.close()
+        _POOL = WorkerPool(world)
+    return _POOL
+
+
+@atexit.register
+def _shutdown() -> None:
+    if _POOL is not None:
+        _POOL.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))  # fmt: skip
+    results.put((rank, True, None))
+    groups: dict[tuple, dict] = {}
+    while (task := tasks.get()) is not None:
+        try:
+            fn, axes, args = pickle.loads(task)
+            if axes not in groups:
+                groups[axes] = _mesh_groups(axes, rank)
+            value = fn(rank, groups[axes], *args) if args is not None else None
+            results.put((rank, True, value))
+        except Exception:  # noqa: BLE001 - sent back to the parent with the traceback
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+def _mesh_groups(axes: tuple[tuple[str, int], ...], rank: int) -> dict:
+    """Create every axis group of the mesh (all workers take part) and keep this rank's."""
+    import itertools
+
+    import torch.distributed as dist
+
+    sizes = [s for _, s in axes]
+    mine = {}
+    for i, (name, _) in enumerate(axes):
+        others = [range(s) if j != i else [0] for j, s in enumerate(sizes)]
+        for fixed in itertools.product(*others):
+            ranks = []
+            for k in range(sizes[i]):
+                coords = list(fixed)
+                coords[i] = k
+                ranks.append(_flat(coords, sizes))
+            group = dist.new_group(ranks, backend="gloo")
+            if rank in ranks:
+                mine[name] = group
+    return mine
+
+
+def _flat(coords: Sequence[int], sizes: Sequence[int]) -> int:
+    r = 0
+    for c, s in zip(coords, sizes, strict=True):
+        r = r * s + c
+    return r

@@ -1,0 +1,159 @@
+"""A compiled program: the plan, the lowered graph, and per-rank modules and source.
+
+:func:`collectives_of` reads one training step's collectives off the lowered graph: each
+collective op contributes its forward transfer and the backward transfer its ``grad`` mode
+implies (only when the value needs a gradient).
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+
+from autopar import collectives as C
+from autopar import meta, parallel_ops
+from autopar.codegen import build_module, render
+from autopar.mesh import Mesh
+from autopar.plan import Collective, Plan
+from autopar.trace import Traced
+from passes import PassRecord
+
+
+class Program:
+    """What :func:`autopar.autoparallelize` returns on a virtual mesh."""
+
+    def __init__(self, *, plan: Plan, mesh: Mesh, graph_module: fx.GraphModule,
+                 traced: Traced, history: list[PassRecord]) -> None:  # fmt: skip
+        self.plan = plan
+        self.mesh = mesh
+        self.graph_module = graph_module
+        self.traced = traced
+        self.history = history
+        self._modules: dict[int, fx.GraphModule] = {}
+
+    def module(self, rank: int) -> fx.GraphModule:
+        """The GraphModule of ``rank``, holding only that rank's parameter shards."""
+        if rank not in self._modules:
+            self._modules[rank] = build_module(self.graph_module, self.traced, self.mesh, rank)
+        return self._modules[rank]
+
+    def code(self, rank: int = 0) -> str:
+        """Readable generated source of ``rank``'s program."""
+        return render(self.module(rank), self.header(rank))
+
+    def header(self, rank: int) -> str:
+        coords = ", ".join(f"{a}={c}" for a, c in self.mesh.coordinates(rank).items())
+        return (
+            f"# autopar program · plan {self.plan.hash} · rank {rank} of "
+            f"{self.mesh.world_size} · mesh coordinates ({coords})\n"
+            f"# {self.mesh}; comments give each node's local shape and layout "
+            "P(per tensor dim: mesh axes splitting it; partial=axes still to be summed)\n"
+        )
+
+    def collectives(self) -> list[Collective]:
+        """One training step's collectives: kind, axis, shape, dtype, bytes, direction."""
+        return list(self.plan.collectives)
+
+    @cached_property
+    def distinct_programs(self) -> dict[str, list[int]]:
+        """Source text (without header) -> ranks running it."""
+        out: dict[str, list[int]] = {}
+        for rank in range(self.mesh.world_size):
+            out.setdefault(render(self.module(rank), ""), []).append(rank)
+        return out
+
+    def save(self, directory: str | Path) -> list[Path]:
+        """Write one runnable .py per distinct program plus plan.txt and plan.json."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        written = []
+        for i, (_, ranks) in enumerate(self.distinct_programs.items()):
+            path = d / f"program_{i}.py"
+            module = self.module(ranks[0])
+            path.write_text(_preamble(module, ranks) + self.code(ranks[0]))
+            written.append(path)
+        (d / "plan.txt").write_text(str(self.plan) + "\n")
+        (d / "plan.json").write_text(self.plan.to_json())
+        return [*written, d / "plan.txt", d / "plan.json"]
+
+    def __repr__(self) -> str:
+        return f"<autopar.Program {self.plan.model} on {self.mesh}, plan {self.plan.hash}>"
+
+
+def _preamble(module: fx.GraphModule, ranks: list[int]) -> str:
+    """Imports that make the printed class runnable on its own."""
+    code = module.graph.python_code(root_module="self")
+    lines = [f"# runs on ranks {ranks}; load parameters with module.load_state_dict(...)",
+             "import torch", "from torch import device, inf, nan", ""]  # fmt: skip
+    for name, obj in sorted(code.globals.items()):
+        mod, qual = getattr(obj, "__module__", None), getattr(obj, "__name__", None)
+        if mod and qual and name != qual and mod.startswith(("autopar", "passes")):
+            lines.insert(-1, f"from {mod} import {qual} as {name}")
+    return "\n".join(lines) + "\n"
+
+
+_BACKWARD = {
+    (C.all_reduce, "all_reduce"): "all_reduce",
+    (C.all_gather, "reduce_scatter"): "reduce_scatter",
+    (C.reduce_scatter, None): "all_gather",
+    (C.split, None): "all_gather",
+    (C.all_to_all, None): "all_to_all",
+    (C.grad_all_reduce, None): "all_reduce",
+}
+_FORWARD = {
+    C.all_reduce: "all_reduce",
+    C.all_gather: "all_gather",
+    C.reduce_scatter: "reduce_scatter",
+    C.all_to_all: "all_to_all",
+}
+
+
+def collectives_of(gm: fx.GraphModule, grad: set[str], sizes: dict[str, int]) -> list[Collective]:
+    """Forward and backward collectives of the lowered graph (see module docstring)."""
+    found: list[Collective] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is parallel_ops.vocab_parallel_cross_entropy:
+            found += _ce_collectives(node)
+            continue
+        if node.target not in (*_FORWARD, C.split, C.grad_all_reduce):
+            continue
+        x, axis = node.args[0], node.args[1]
+        val = _message(node, sizes[axis])
+        mode = node.args[-1] if node.target in (C.all_reduce, C.all_gather) else None
+        if node.target in _FORWARD:
+            found.append(_record(_FORWARD[node.target], axis, val, "fwd", node))
+        back = _BACKWARD.get((node.target, mode))
+        if back and x.name in grad:
+            found.append(_record(back, axis, val, "bwd", node))
+    return found
+
+
+def _record(kind: str, axis: str, val: torch.Tensor, direction: str, node: fx.Node) -> Collective:
+    nbytes = val.numel() * val.element_size()
+    dtype = str(val.dtype).replace("torch.", "")
+    return Collective(kind=kind, axis=axis, shape=tuple(val.shape), dtype=dtype, bytes=nbytes,
+                      direction=direction, where=meta.module_path(node))  # fmt: skip
+
+
+def _message(node: fx.Node, size: int) -> torch.Tensor:
+    """The full (unsplit) tensor a collective moves, from the local shapes."""
+    x = node.args[0].meta["val"]
+    if node.target in (C.all_reduce, C.all_gather):
+        return node.meta["val"]
+    if node.target is C.all_to_all:
+        shape = list(x.shape)
+        shape[node.args[2]] *= size
+        return x.new_empty(shape, device="meta")
+    return x
+
+
+def _ce_collectives(node: fx.Node) -> list[Collective]:
+    rows = node.args[0].meta["val"].shape[0]
+    axis = node.args[2]
+    stats = [torch.empty(rows, device="meta"), torch.empty(rows, 2, device="meta")]
+    return [_record("all_reduce", axis, s, "fwd", node) for s in stats]

@@ -1,0 +1,220 @@
+"""Capture a model (and its loss) as an ATen-level fx graph with torch.export.
+
+Algorithm:
+1. If ``loss_fn`` is given, wrap the model so the traced function is
+   ``loss_fn(model(*inputs[:-1], **kwargs), inputs[-1])``; parameter names keep the model's.
+2. If any parameter lives on the meta device, move the example inputs there too, so that
+   planning never materialises a weight.
+3. ``torch.export.export(..., strict=False)`` (training IR: linear, layer_norm, sdpa and
+   cross_entropy stay whole ops).  On failure, run the model eagerly to tell "the inputs do not
+   fit the model" from "torch.export cannot trace it", and raise one error quoting the reason and
+   the user's source line.
+4. Drop ``_assert_tensor_metadata`` checks (they assert global metadata) and split each
+   biased ``linear`` into ``linear`` + ``add``: a row-split linear must add its bias once, after
+   the reduction, and as separate nodes the planner prices exactly that.
+5. Record, per placeholder, which parameter, buffer or user input it is.
+"""
+
+from __future__ import annotations
+
+import operator
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from autopar.errors import InputError, TraceError
+
+_ASSERT_OPS = (torch.ops.aten._assert_tensor_metadata.default,)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Traced:
+    """A captured model: the graph plus what each placeholder stands for."""
+
+    gm: fx.GraphModule
+    params: dict[str, str]  # placeholder name -> parameter FQN
+    buffers: dict[str, str]  # placeholder name -> buffer FQN (and lifted constants)
+    user_inputs: tuple[str, ...]  # placeholder names of user inputs, in call order
+    tensors: dict[str, torch.Tensor]  # FQN -> the model's parameter / buffer tensor
+    trainable: frozenset[str]  # FQNs of parameters that require grad
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    model_name: str
+
+
+class _WithLoss(nn.Module):
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.loss_fn(self.model(*args[:-1], **kwargs), args[-1])
+
+
+def trace(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    example_kwargs: dict[str, Any] | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+) -> Traced:
+    """Export ``model`` (plus ``loss_fn``) into a :class:`Traced` graph."""
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    if loss_fn is not None and not args:
+        raise InputError(
+            "loss_fn was given but example_inputs is empty: pass (model inputs..., target) "
+            "so the loss is loss_fn(model(*inputs[:-1]), inputs[-1])."
+        )
+    root = _WithLoss(model, loss_fn) if loss_fn is not None else model
+    if any(p.is_meta for p in model.parameters()):
+        args, kwargs = pytree.tree_map_only(torch.Tensor, _to_meta, (args, kwargs))
+    try:
+        ep = torch.export.export(root, args, kwargs, strict=False)
+    except Exception as exc:  # noqa: BLE001 - re-raised as a clear error below
+        raise _explain_failure(model, root, args, kwargs, exc) from exc
+    prefix = "model." if loss_fn is not None else ""
+    return _collect(ep, model, prefix)
+
+
+def _to_meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t, device="meta") if not t.is_meta else t
+
+
+def _collect(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str) -> Traced:
+    gm = ep.graph_module
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _ASSERT_OPS:
+            gm.graph.erase_node(node)
+        elif node.target is torch.ops.aten.linear.default and _arg(node, 2, "bias") is not None:
+            _split_bias(gm.graph, node)
+        if prefix and "nn_module_stack" in node.meta:
+            node.meta["nn_module_stack"] = {
+                k: (path.removeprefix(prefix), cls)
+                for k, (path, cls) in node.meta["nn_module_stack"].items()
+            }
+    gm.graph.lint()
+    gm.recompile()
+    sig = ep.graph_signature
+    strip = lambda fqn: fqn[len(prefix) :] if fqn.startswith(prefix) else fqn  # noqa: E731
+    params = {k: strip(v) for k, v in sig.inputs_to_parameters.items()}
+    buffers = {k: strip(v) for k, v in sig.inputs_to_buffers.items()}
+    buffers.update({k: strip(v) for k, v in sig.inputs_to_lifted_tensor_constants.items()})
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
+    tensors = {fqn: named[fqn] for fqn in (*params.values(), *buffers.values()) if fqn in named}
+    for fqn in sig.inputs_to_lifted_tensor_constants.values():
+        tensors.setdefault(strip(fqn), ep.constants[fqn])
+    trainable = frozenset(f for f in params.values() if named[f].requires_grad)
+    return Traced(
+        gm=gm,
+        params=params,
+        buffers=buffers,
+        user_inputs=tuple(sig.user_inputs),
+        tensors=tensors,
+        trainable=trainable,
+        in_spec=ep.call_spec.in_spec,
+        out_spec=ep.call_spec.out_spec,
+        model_name=type(model).__name__,
+    )
+
+
+def _arg(node: fx.Node, index: int, name: str) -> Any:
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name)
+
+
+def _split_bias(graph: fx.Graph, node: fx.Node) -> None:
+    """linear(x, w, b) -> add(linear(x, w), b), keeping shapes and source metadata."""
+    x, w, b = node.args[0], node.args[1], _arg(node, 2, "bias")
+    with graph.inserting_after(node):
+        mm = graph.call_function(torch.ops.aten.linear.default, (x, w))
+    with graph.inserting_after(mm):
+        add = graph.call_function(torch.ops.aten.add.Tensor, (mm, b))
+    for new in (mm, add):
+        new.meta.update({k: v for k, v in node.meta.items() if k != "autopar"})
+    node.replace_all_uses_with(add)
+    graph.erase_node(node)
+    mm.name = node.name  # keep the user-facing name on the matmul
+
+
+def _explain_failure(
+    model: nn.Module, root: nn.Module, args: tuple, kwargs: dict, exc: Exception
+) -> Exception:
+    """Turn an export failure into one clear error naming the reason and the source line."""
+    try:
+        with torch.no_grad():
+            root(*args, **kwargs)
+    except Exception as eager_exc:  # noqa: BLE001 - classified and re-raised
+        where = _user_frame(eager_exc, model)
+        return InputError(
+            f"example_inputs do not fit {type(model).__name__}: {_first_line(eager_exc)}\n"
+            f"  at {where}\n"
+            "  what to do: pass inputs with the shapes and dtypes the model's forward expects "
+            "(with loss_fn, the last input is the loss target)."
+        )
+    where = _user_frame(exc, model)
+    return TraceError(
+        f"torch.export could not trace {type(model).__name__}: {_first_line(exc)}\n"
+        f"  at {where}\n"
+        "  what to do: make that code traceable (no data-dependent Python control flow, "
+        "no .item()/.tolist() steering shapes), or wrap it in a torch.cond."
+    )
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    for line in text.splitlines():
+        if line.strip():
+            return f"{type(exc).__name__}: {line.strip()}"
+    return type(exc).__name__
+
+
+def _user_frame(exc: BaseException, model: nn.Module) -> str:
+    """The innermost frame of the user's code in ``exc``'s traceback, with the module path."""
+    names = {id(m): n or "<root>" for n, m in model.named_modules()}
+    best, module = "an unknown location", ""
+    for frame, lineno in traceback.walk_tb(exc.__traceback__):
+        code = frame.f_code
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            module = f" (module '{names[id(owner)]}', {type(owner).__name__})"
+        if _is_user_file(code.co_filename):
+            line = _source_line(code.co_filename, lineno)
+            best = f"{code.co_filename}:{lineno} in {code.co_name}: {line}{module}"
+    return best
+
+
+def _is_user_file(path: str) -> bool:
+    internal = ("/torch/", "/autopar/", "/passes/", "/cost/", "/transformers/utils/")
+    return not any(p in path for p in internal) and not path.startswith("<")
+
+
+def _source_line(path: str, lineno: int) -> str:
+    import linecache
+
+    return linecache.getline(path, lineno).strip()
+
+
+def call_order_outputs(gm: fx.GraphModule) -> list[fx.Node | None]:
+    """The graph's output nodes (flattened), ``None`` where an output is not a node."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return [a if isinstance(a, fx.Node) else None for a in pytree.tree_leaves(out.args[0])]
+
+
+def tensor_args(node: fx.Node) -> list[fx.Node]:
+    """The node's tensor-valued inputs, in argument order, duplicates kept."""
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [a for a in leaves if isinstance(a, fx.Node) and is_tensor(a)]
+
+
+def is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def is_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem

@@ -1,0 +1,150 @@
+"""propagate_layout: give every node its layout; conflicts become explicit ``redistribute``.
+
+Algorithm:
+1. Write each node's chosen strategy and output layout into its record (getitem nodes take
+   their element of the producer's tuple).
+2. For every consumer input whose required placement differs from what its producer makes,
+   insert one ``redistribute(x, axis, src, dst, partial_grad)`` per (producer, target),
+   right after the producer, shared by all consumers that want the same target.
+3. Replicated inputs of split ops get gradients that are partial sums: those consumers read
+   the value through a redistribute with ``partial_grad=True`` (Megatron's f), kept apart from
+   consumers that repeat the op on every rank (whose gradients are already whole).
+4. Graph outputs that are still partial sums are reduced.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from autopar import meta
+from autopar.collectives import redistribute
+from autopar.layout import Layout, Partial, Placement, R, Replicate
+from autopar.rules import Strategy
+from autopar.trace import is_getitem, is_tensor
+from passes import PassContext
+
+
+def propagate_layout(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Annotate layouts and insert abstract re-layouts (steps 1-4)."""
+    graph = gm.graph
+    have: dict[fx.Node, Placement] = {}
+    for node in list(graph.nodes):
+        _annotate(node, ctx, have)
+    wants: dict[fx.Node, dict[tuple[Placement, bool], list[tuple[fx.Node, int]]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
+    for node in list(graph.nodes):
+        for slot, (arg, want, pg) in enumerate(_requirements(node, ctx, have)):
+            if arg is not None and (want != have[arg] or pg):
+                wants[arg][(want, pg)].append((node, slot))
+    for arg, groups in wants.items():
+        _insert(graph, arg, have[arg], groups, ctx)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _annotate(node: fx.Node, ctx: PassContext, have: dict) -> None:
+    if is_getitem(node):
+        parent = meta.layout(node.args[0])
+        if isinstance(parent, tuple):
+            lay = parent[node.args[1]]
+            meta.update(node, layout=lay)
+            have[node] = lay.placement(ctx.axis)
+        return
+    strat = ctx.choice.get(node.name)
+    if strat is None:
+        return
+    val = node.meta.get("val")
+    if isinstance(strat.output, tuple):
+        lay = tuple(_layout(v, p, ctx) for v, p in zip(val, strat.output, strict=True))
+    else:
+        lay = _layout(val, strat.output, ctx)
+        have[node] = strat.output
+    meta.update(node, layout=lay, strategy=str(strat))
+
+
+def _layout(val: torch.Tensor, p: Placement, ctx: PassContext) -> Layout:
+    return Layout.from_placements(val.dim(), {ctx.axis: p})
+
+
+def _requirements(node: fx.Node, ctx: PassContext, have: dict) -> list:
+    """(producer, wanted placement, partial_grad) per tensor-argument slot of ``node``."""
+    args = _tensor_slots(node)
+    if node.op == "output":
+        return [(a, R if isinstance(have.get(a), Partial) else have.get(a), False)
+                if a in have else (None, None, False) for a in args]  # fmt: skip
+    strat: Strategy | None = ctx.choice.get(node.name)
+    if strat is None:
+        return [(None, None, False)] * len(args)
+    out = []
+    for a, want in zip(args, strat.inputs, strict=True):
+        pg = isinstance(want, Replicate) and not strat.redundant and a.name in ctx.grad
+        out.append((a, want, pg) if a in have else (None, None, False))
+    return out
+
+
+def _tensor_slots(node: fx.Node) -> list[fx.Node]:
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [a for a in leaves if isinstance(a, fx.Node) and is_tensor(a)]
+
+
+def _insert(graph: fx.Graph, arg: fx.Node, src: Placement, groups: dict, ctx: PassContext) -> None:
+    """One redistribute per target; replicated targets split by partial_grad (step 2-3)."""
+    made: dict[tuple[Placement, bool], fx.Node] = {}
+    for want, pg in sorted(groups, key=lambda k: (str(k[0]), k[1])):
+        base = arg
+        if pg and not isinstance(src, Replicate) and (want, False) in groups:
+            base = (
+                made[(want, False)]
+                if (want, False) in made
+                else _new(graph, arg, src, want, False, ctx)
+            )
+            made[(want, False)] = base
+            new = _new(graph, base, want, want, True, ctx)
+        else:
+            new = _new(graph, arg, src, want, pg, ctx)
+        made[(want, pg)] = new
+    for key, consumers in groups.items():
+        for consumer, slot in consumers:
+            _replace_slot(consumer, slot, made[key])
+
+
+def _new(graph: fx.Graph, x: fx.Node, src: Placement, dst: Placement, pg: bool,
+         ctx: PassContext) -> fx.Node:  # fmt: skip
+    with graph.inserting_after(_after(x)):
+        node = graph.call_function(redistribute, (x, ctx.axis, str(src), str(dst), pg))
+    node.meta["val"] = x.meta["val"]
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in x.meta:
+            node.meta[key] = x.meta[key]
+    meta.update(node, layout=_layout(x.meta["val"], dst, ctx), origin="propagate_layout")
+    return node
+
+
+def _after(x: fx.Node) -> fx.Node:
+    """Insert after ``x``, but never among the placeholders and attribute reads."""
+    node = x
+    while node.next.op in ("placeholder", "get_attr") and node.op in ("placeholder", "get_attr"):
+        node = node.next
+    return node
+
+
+def _replace_slot(node: fx.Node, slot: int, new: fx.Node) -> None:
+    """Replace the ``slot``-th tensor argument of ``node`` (duplicates counted) with ``new``."""
+    count = -1
+
+    def swap(a: object) -> object:
+        nonlocal count
+        if isinstance(a, fx.Node) and is_tensor(a):
+            count += 1
+            if count == slot:
+                return new
+        return a
+
+    args, kwargs = pytree.tree_map(swap, (node.args, node.kwargs))
+    node.args, node.kwargs = tuple(args), dict(kwargs)

@@ -1,0 +1,173 @@
+"""Small GPT-style and Llama-style models used across the tests, examples and benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 4
+    ffn: int = 128
+    vocab: int = 96
+    seq: int = 16
+    batch: int = 2
+    bias: bool = True
+    tied: bool = False
+    fused_qkv: bool = False
+
+
+class GPTBlock(nn.Module):
+    """Pre-LN block: LayerNorm, (fused or separate) QKV attention, GELU MLP."""
+
+    def __init__(self, c: Config) -> None:
+        super().__init__()
+        self.c = c
+        self.ln1 = nn.LayerNorm(c.hidden, bias=c.bias)
+        if c.fused_qkv:
+            self.qkv = nn.Linear(c.hidden, 3 * c.hidden, bias=c.bias)
+        else:
+            self.q = nn.Linear(c.hidden, c.hidden, bias=c.bias)
+            self.k = nn.Linear(c.hidden, c.hidden, bias=c.bias)
+            self.v = nn.Linear(c.hidden, c.hidden, bias=c.bias)
+        self.proj = nn.Linear(c.hidden, c.hidden, bias=c.bias)
+        self.ln2 = nn.LayerNorm(c.hidden, bias=c.bias)
+        self.fc = nn.Linear(c.hidden, c.ffn, bias=c.bias)
+        self.out = nn.Linear(c.ffn, c.hidden, bias=c.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        a = self.c.heads
+        y = self.ln1(x)
+        if self.c.fused_qkv:
+            q, k, v = self.qkv(y).split(h, dim=-1)
+        else:
+            q, k, v = self.q(y), self.k(y), self.v(y)
+        q, k, v = (t.view(b, s, a, h // a).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, h))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, c: Config) -> None:
+        super().__init__()
+        self.c = c
+        self.wte = nn.Embedding(c.vocab, c.hidden)
+        self.wpe = nn.Embedding(c.seq, c.hidden)
+        self.blocks = nn.ModuleList(GPTBlock(c) for _ in range(c.layers))
+        self.ln_f = nn.LayerNorm(c.hidden, bias=c.bias)
+        self.head = nn.Linear(c.hidden, c.vocab, bias=False)
+        if c.tied:
+            self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaBlock(nn.Module):
+    """RMSNorm, GQA attention with RoPE, SwiGLU MLP."""
+
+    def __init__(self, c: Config) -> None:
+        super().__init__()
+        self.c = c
+        d = c.hidden // c.heads
+        self.attn_norm = RMSNorm(c.hidden)
+        self.wq = nn.Linear(c.hidden, c.heads * d, bias=c.bias)
+        self.wk = nn.Linear(c.hidden, c.kv_heads * d, bias=c.bias)
+        self.wv = nn.Linear(c.hidden, c.kv_heads * d, bias=c.bias)
+        self.wo = nn.Linear(c.heads * d, c.hidden, bias=False)
+        self.mlp_norm = RMSNorm(c.hidden)
+        self.w1 = nn.Linear(c.hidden, c.ffn, bias=False)
+        self.w3 = nn.Linear(c.hidden, c.ffn, bias=False)
+        self.w2 = nn.Linear(c.ffn, c.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        c, d = self.c, self.c.hidden // self.c.heads
+        y = self.attn_norm(x)
+        q = self.wq(y).view(b, s, c.heads, d).transpose(1, 2)
+        k = self.wk(y).view(b, s, c.kv_heads, d).transpose(1, 2)
+        v = self.wv(y).view(b, s, c.kv_heads, d).transpose(1, 2)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=c.kv_heads != c.heads
+        )
+        x = x + self.wo(y.transpose(1, 2).reshape(b, s, c.heads * d))
+        y = self.mlp_norm(x)
+        return x + self.w2(F.silu(self.w1(y)) * self.w3(y))
+
+
+class Llama(nn.Module):
+    def __init__(self, c: Config) -> None:
+        super().__init__()
+        self.c = c
+        d = c.hidden // c.heads
+        self.embed = nn.Embedding(c.vocab, c.hidden)
+        self.layers = nn.ModuleList(LlamaBlock(c) for _ in range(c.layers))
+        self.norm = RMSNorm(c.hidden)
+        self.lm_head = nn.Linear(c.hidden, c.vocab, bias=False)
+        if c.tied:
+            self.lm_head.weight = self.embed.weight
+        inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = torch.arange(idx.shape[1], device=idx.device).float()
+        freqs = torch.outer(t, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def build(kind: str, c: Config, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = (GPT if kind == "gpt" else Llama)(c)
+    for p in model.parameters():  # non-trivial norm weights and biases
+        if p.dim() == 1:
+            nn.init.normal_(p, mean=1.0 if p.shape[0] == c.hidden else 0.0, std=0.1)
+    return model
+
+
+def tokens(c: Config, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, c.vocab, (c.batch, c.seq), generator=g)
+    y = torch.randint(0, c.vocab, (c.batch, c.seq), generator=g)
+    return x, y
+
+
+__all__ = ["Config", "GPT", "Llama", "build", "lm_loss", "tokens"]
