@@ -4,7 +4,7 @@ Algorithm (`node_flops_bytes`, one call_function node of a torch.export graph):
 1. Read the output and tensor-argument shapes from `meta["val"]` (fake tensors).
 2. Dispatch on the op name: matmul family (2·M·K·N, plus M·N for a bias), SDPA (two
    batched matmuls; halved when causal), norms, softmax and cross-entropy (a few FLOPs per
-   element), embedding (a gather: no FLOPs), elementwise and reductions (one FLOP per element).
+   element), embedding and copies (no FLOPs), elementwise and reductions (one FLOP per element).
 3. Bytes moved = every tensor argument read once + the output written once (SDPA assumes a
    fused kernel: the s×s scores never reach HBM). Views and unknown ops cost (0, 0).
 
@@ -42,10 +42,12 @@ _ELEMENTWISE = {"add", "sub", "mul", "div", "neg", "pow", "exp", "log", "sqrt", 
                 "tanh", "sigmoid", "relu", "gelu", "silu", "sin", "cos", "where", "clamp",
                 "masked_fill", "dropout", "native_dropout", "abs", "maximum", "minimum", "erf",
                 "reciprocal", "square", "lt", "gt", "le", "ge", "eq", "ne", "logical_not",
-                "triu", "tril", "clone", "_to_copy", "to", "copy", "contiguous", "fill", "cat",
-                "stack", "index_select", "gather", "scatter", "scatter_add", "index", "type_as",
-                "rsub", "zeros_like", "ones_like", "full_like", "softplus", "hardtanh",
-                "leaky_relu", "elu", "mish", "addcmul", "addcdiv", "lerp"}  # fmt: skip
+                "rsub", "softplus", "hardtanh", "leaky_relu", "elu", "mish", "addcmul",
+                "addcdiv", "lerp", "scatter_add"}  # fmt: skip
+# memory traffic without arithmetic: copies, layout changes, gathers, fills
+_COPIES = {"clone", "_to_copy", "to", "copy", "contiguous", "fill", "cat", "stack", "triu",
+           "tril", "index_select", "gather", "scatter", "index", "type_as", "zeros_like",
+           "ones_like", "full_like"}  # fmt: skip
 
 
 def node_flops_bytes(node: torch.fx.Node) -> tuple[float, float]:
@@ -73,7 +75,7 @@ def node_flops_bytes(node: torch.fx.Node) -> tuple[float, float]:
         return float(ins[0].numel()) if ins else 0.0, moved
     if name in _ELEMENTWISE:
         return out_elems, moved
-    return 0.0, 0.0
+    return (0.0, moved) if name in _COPIES else (0.0, 0.0)
 
 
 def matmul_efficiency(m: float, n: float, k: float) -> float:

@@ -53,8 +53,29 @@ class ShapeModel:
 
     shape: ModelShape
 
-    def __getattr__(self, item: str):
-        return getattr(self.shape, item)
+    @property
+    def name(self) -> str:
+        return self.shape.name
+
+    @property
+    def layers(self) -> int:
+        return self.shape.layers
+
+    @property
+    def heads(self) -> int:
+        return self.shape.heads
+
+    @property
+    def g(self) -> int:
+        return self.shape.g
+
+    @property
+    def seq(self) -> int:
+        return self.shape.seq
+
+    @property
+    def experts(self) -> int:
+        return self.shape.experts
 
     def workload(self, cfg: ParallelConfig, b: int, gpu: GPU) -> Workload:
         return shape_workload(self.shape, cfg, b, gpu)

@@ -49,7 +49,7 @@ class AllOps(nn.Module):
         probs = torch.softmax(bm, -1) + torch.log_softmax(bm, -1)
         loss = F.cross_entropy(a.reshape(16, 32), y)
         return (loss + mm.sum() + am.sum() + mt.sum() + causal.sum() + full.sum() + norms.sum()
-                + probs.sum())  # fmt: skip
+                + probs.sum() + x.to(torch.float16).sum())  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +78,7 @@ def nodes() -> dict[str, torch.fx.Node]:
         ("cross_entropy_loss", 6 * 512, (512 + 1) * F32 + 16 * 8),
         ("add", 256, 3 * 256 * F32),
         ("sum_1", 128, (128 + 1) * F32),
+        ("_to_copy", 0, 256 * F32 + 256 * 2),
         ("reshape", 0, 0),
         ("slice_1", 0, 0),
         ("transpose", 0, 0),
