@@ -7,8 +7,8 @@ Algorithm (`main`):
 1. Parse the subcommand and its options; options left out stay None and are chosen by the
    estimator (micro-batch, schedule, virtual stages, recompute, dp).
 2. Build the model shape (preset name), cluster (preset × nodes) and parallel configuration,
-   price them with `cost.estimate.estimate`, print the table; exit 0 when it fits, 1 when it
-   does not.
+   price them with `cost.estimate.estimate`, print the table (and with --explain the closed
+   formulas behind it); exit 0 when it fits, 1 when it does not.
 3. Bad input (unknown preset, inconsistent degrees) prints the error and exits with status 2.
 """
 
@@ -46,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--no-sequence-parallel", action="store_true")
     est.add_argument("--no-overlap", action="store_true", help="do not overlap dp reduction")
     est.add_argument("--tp-across-nodes", action="store_true")
+    est.add_argument("--explain", action="store_true", help="also print the closed formulas")
     return parser
 
 
@@ -71,6 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"autopar estimate: error: {err}", file=sys.stderr)
         return 2
     print(est)
+    if args.explain:
+        print()
+        print(est.explain())
     return 0 if est.fits else 1
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from cost.config import ParallelConfig, validate
@@ -25,7 +25,7 @@ from cost.graph import GraphModel
 from cost.hardware import GPU, Cluster
 from cost.memory import MemoryBreakdown, rank_memory
 from cost.model import ModelShape
-from cost.report import render
+from cost.report import explain, render
 from cost.step import StepBreakdown, step_time
 from cost.workload import Workload, shape_workload
 
@@ -84,9 +84,9 @@ class ShapeModel:
         """(PaLM, Megatron-2021) training FLOPs per token."""
         m = self.shape
         attn_fwd = 4 * m.layers * m.heads * m.head_dim * m.seq  # QKᵀ and PV, per token
-        body = m.layers * (m.layer_params - (m.experts - m.top_k) * m.expert_params)
-        head = m.vocab * m.hidden
-        palm = 6 * (body + head) + 3 * attn_fwd
+        head = m.embedding_params
+        body = m.active_params - head
+        palm = 6 * m.active_params + 3 * attn_fwd
         megatron = 4 * (2 * body + attn_fwd) + 3 * 2 * head
         return float(palm), float(megatron)
 
@@ -102,6 +102,9 @@ class Estimate:
     step: StepBreakdown
     tokens_per_step: float
     flops_per_token: tuple[float, float]
+    micro_batches: int
+    work: Workload = field(repr=False)
+    shape: ModelShape | None = None
 
     @property
     def step_time_s(self) -> float:
@@ -139,6 +142,10 @@ class Estimate:
 
     def __str__(self) -> str:
         return render(self)
+
+    def explain(self) -> str:
+        """The closed formulas behind this estimate, with this plan's numbers substituted."""
+        return explain(self)
 
 
 _ANALYSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -199,7 +206,8 @@ def price(model: Priced, cluster: Cluster, cfg: ParallelConfig) -> Estimate:
                      virtual=cfg.virtual_stages, recompute=cfg.recompute)  # fmt: skip
     return Estimate(model=model.name, cluster=cluster, config=cfg, memory=memory, step=step,
                     tokens_per_step=float(cfg.global_batch * model.seq),
-                    flops_per_token=model.flops_per_token())  # fmt: skip
+                    flops_per_token=model.flops_per_token(), micro_batches=m, work=work,
+                    shape=getattr(model, "shape", None))  # fmt: skip
 
 
 def estimate(

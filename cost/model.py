@@ -100,9 +100,10 @@ class ModelShape:
 
     @property
     def active_params(self) -> int:
-        """Parameters a token touches, without the input embedding (the PaLM N)."""
-        idle = (self.experts - self.top_k) * self.expert_params * self.layers
-        return self.params - idle - self.embedding_params
+        """The PaLM N: parameters a token multiplies by — every layer's active weights (top-k
+        experts) and the LM head (tied or not), not the input embedding or final norm."""
+        active_layer = self.layer_params - (self.experts - self.top_k) * self.expert_params
+        return self.layers * active_layer + self.embedding_params
 
     def with_seq(self, seq: int) -> ModelShape:
         return replace(self, seq=seq)

@@ -5,9 +5,16 @@ Algorithm (`render`):
 2. Memory per rank, one row per component, with the HBM capacity and FITS / DOES NOT FIT.
 3. Step time: compute, exposed communication per mesh axis, pipeline bubble, optimizer, total.
 4. Throughput: tokens/s, TFLOP/s per GPU and MFU under both FLOP conventions, naming them.
+
+Algorithm (`explain`): pick the closed forms (`cost.symbolic`) that match the plan — tp traffic,
+pipeline boundary and bubble of its schedule, model state of its ZeRO stage, activations of its
+recompute / sequence-parallel mode, FLOP counts — and print each with the plan's values.
 """
 
 from __future__ import annotations
+
+from cost.config import stage_layers
+from cost.symbolic import formulas
 
 GIB = 2**30
 
@@ -50,4 +57,74 @@ def render(est) -> str:
         "  MFU = PaLM model FLOPs (6N + 12·L·a·d·s per token, no recompute); Megatron-2021",
         "  counts the recompute forward (closer to hardware FLOPs utilisation).",
     ]
+    return "\n".join(lines)
+
+
+def _activation_formula(cfg) -> str:
+    if cfg.recompute == "full":
+        return (
+            "activations_per_layer_full_sp"
+            if cfg.sequence_parallel
+            else "activations_per_layer_full"
+        )
+    if cfg.recompute == "selective" and cfg.sequence_parallel:
+        return "activations_per_layer_selective"
+    if cfg.tp == 1:
+        return "activations_per_layer"
+    return "activations_per_layer_tp_sp" if cfg.sequence_parallel else "activations_per_layer_tp"
+
+
+def _explained(est) -> list[tuple[str, float]]:
+    """(formula name, this plan's model value) for the formulas that apply to the plan."""
+    cfg, work, step = est.config, est.work, est.step
+    rows = []
+    if cfg.tp > 1:
+        rows.append(
+            (
+                "tp_traffic_per_layer",
+                2 * work.tp_calls * 2 * (cfg.tp - 1) / cfg.tp * work.tp_bytes / 2,
+            )
+        )
+    if cfg.pp > 1:
+        ideal = step.compute + sum(x for k, x in step.comm.items() if k != "dp")
+        bubble = {"gpipe": "bubble_gpipe", "1f1b": "bubble_1f1b"}.get(
+            cfg.schedule, "bubble_interleaved"
+        )
+        share = (
+            step.bubble / (ideal + step.bubble) if cfg.schedule == "gpipe" else step.bubble / ideal
+        )
+        rows += [("pp_boundary_bytes", work.boundary_bytes), (bubble, share)]
+    state = ("model_state_ddp", "model_state_zero1", "model_state_zero2", "model_state_zero3")
+    mem = est.memory
+    rows += [
+        (state[cfg.zero], mem.weights + mem.grads + mem.optimizer),
+        (_activation_formula(cfg), work.act_bytes[cfg.recompute]),
+        ("megatron_flops", est.flops_per_token[1] * est.tokens_per_step),
+        ("palm_flops_per_token", est.flops_per_token[0]),
+    ]  # fmt: skip
+    return rows
+
+
+def explain(est) -> str:
+    """Each applicable formula with its value at this plan, next to the model's own number
+    (they differ where the closed form is GPT-specific: GQA, gated MLPs, flash attention)."""
+    shape, cfg, work = est.shape, est.config, est.work
+    if shape is None:
+        return "explain: formulas need a ModelShape; this estimate priced a traced graph"
+    v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
+    per_rank = (
+        stage_layers(shape.layers, cfg.pp, v) * (work.layer_dense_params + work.layer_expert_params)
+        + work.edge_params
+    )
+    values = dict(b=cfg.micro_batch, s=shape.seq // cfg.cp, h=shape.hidden, a=shape.heads,
+                  t=cfg.tp, p=cfg.pp, d=cfg.data_parallel, m=est.micro_batches, v=v,
+                  L=shape.layers, V=shape.vocab, B_g=cfg.global_batch, N_r=per_rank,
+                  N=shape.active_params)  # fmt: skip
+    table = formulas()
+    lines = [f"why: {est.model} (N = {shape.active_params:.4g} parameters per token; "
+             f"N_r = {per_rank:.4g} on the most loaded rank)"]  # fmt: skip
+    for name, model_value in _explained(est):
+        f = table[name]
+        closed = f.evaluate(**{x.name: values[x.name] for x in f.symbols})
+        lines += [str(f), f"    = {closed:.4g}   (model: {model_value:.4g})"]
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 """Symbolic form of the cost model: the closed formulas as sympy expressions.
 
 Symbols follow REFERENCE.md: b micro-batch, s sequence, h hidden, a heads, L layers, V vocab,
-t tensor-, p pipeline-, d data-parallel degree, m micro-batches, v virtual stages, N parameters,
+t tensor-, p pipeline-, d data-parallel degree, m micro-batches, v virtual stages, N model
+parameters (without the input embedding), N_r parameters held by one rank,
 n group size, M message bytes, B link bandwidth (B/s), alpha link latency (s), B_g global batch.
 
 Algorithm:
@@ -22,7 +23,7 @@ import sympy as sp
 
 b, s, h, a, L, V = sp.symbols("b s h a L V", positive=True)
 t, p, d, m, v, n = sp.symbols("t p d m v n", positive=True, integer=True)
-N, M, B, alpha, B_g = sp.symbols("N M B alpha B_g", positive=True)
+N, N_r, M, B, alpha, B_g = sp.symbols("N N_r M B alpha B_g", positive=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,10 +83,12 @@ def formulas() -> dict[str, Formula]:
         _f("activations_per_layer_selective", 34 * s * b * h / t, "bytes",
            "Korthikanti: TP + SP + selective recompute"),
         _f("activations_per_layer_full", 2 * s * b * h, "bytes", "full recompute: layer input"),
-        _f("model_state_ddp", 18 * N, "bytes", "bf16 weights + fp32 grads + Adam fp32 state"),
-        _f("model_state_zero1", (6 + 12 / d) * N, "bytes", "optimizer state sharded over d"),
-        _f("model_state_zero2", (2 + 16 / d) * N, "bytes", "+ gradients sharded"),
-        _f("model_state_zero3", 18 * N / d, "bytes", "+ weights sharded (FSDP)"),
+        _f("activations_per_layer_full_sp", 2 * s * b * h / t, "bytes",
+           "full recompute with sequence parallelism: the layer input's [s/t] shard"),
+        _f("model_state_ddp", 18 * N_r, "bytes", "bf16 weights + fp32 grads + Adam fp32 state"),
+        _f("model_state_zero1", (6 + 12 / d) * N_r, "bytes", "optimizer state sharded over d"),
+        _f("model_state_zero2", (2 + 16 / d) * N_r, "bytes", "+ gradients sharded"),
+        _f("model_state_zero3", 18 * N_r / d, "bytes", "+ weights sharded (FSDP)"),
         _f("bubble_gpipe", (p - 1) / (m + p - 1), "fraction of step", "GPipe bubble"),
         _f("bubble_1f1b", (p - 1) / m, "fraction of ideal", "1F1B bubble"),
         _f("bubble_interleaved", (p - 1) / (v * m), "fraction of ideal", "interleaved 1F1B"),

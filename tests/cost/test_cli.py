@@ -12,6 +12,15 @@ def test_estimate_prints_the_table(capsys):
     out = capsys.readouterr().out
     assert out.startswith("estimate: llama3-70b on 8 × 8 h100-sxm (64 GPUs)")
     assert "tp=8 pp=4 dp=2" in out and "tokens/s" in out
+    assert "why:" not in out
+
+
+def test_explain_flag_prints_formulas(capsys):
+    argv = ["estimate", "--model", "gpt3-175b", "--cluster", "dgx-a100", "--nodes", "128",
+            "--tp", "8", "--pp", "8", "--global-batch", "1536", "--explain"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tp_traffic_per_layer = 8*b*h*s*(t - 1)/t" in out
 
 
 def test_not_fitting_exits_one(capsys):

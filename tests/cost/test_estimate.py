@@ -165,3 +165,27 @@ def test_calibration_runs_within_15_percent(run):
     assert est.fits
     error = est.tflops_per_gpu_megatron / run.reported_tflops - 1
     assert abs(error) <= module.TOLERANCE == 0.15
+
+
+@pytest.mark.parametrize(("recompute", "sp", "zero", "schedule"),
+                         [("none", False, 0, "1f1b"), ("selective", True, 1, "interleaved"),
+                          ("full", True, 2, "gpipe"), ("full", False, 3, "1f1b")])  # fmt: skip
+def test_explain_formulas_agree_with_the_model_on_a_gpt(recompute, sp, zero, schedule):
+    shape = ModelShape.gpt(layers=16, hidden=2048, heads=16, seq=2048, vocab=51200)
+    cfg = ParallelConfig(tp=4, pp=2, dp=2, zero=zero, global_batch=32, micro_batch=2,
+                         schedule=schedule, recompute=recompute, sequence_parallel=sp,
+                         attention="unfused")  # fmt: skip
+    text = estimate(shape, Cluster.preset("dgx-a100", nodes=2), cfg).explain()
+    lines = text.splitlines()
+    assert lines[0].startswith("why: gpt (N = ")
+    values = [line for line in lines if line.startswith("    = ")]
+    assert len(values) == 7
+    for line in values:
+        closed, model = (float(x) for x in line[6:].replace(")", "").split("   (model: "))
+        assert closed == pytest.approx(model, rel=1e-3), text
+
+
+def test_explain_needs_a_shape():
+    traced = torch.export.export(nn.Linear(8, 8), (torch.randn(2, 4, 8),), strict=False)
+    est = estimate(traced, Cluster.default(), ParallelConfig(global_batch=8, micro_batch=1))
+    assert est.explain().startswith("explain: formulas need a ModelShape")

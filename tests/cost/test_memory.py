@@ -22,7 +22,9 @@ def test_model_state_bytes_per_parameter(d):
     f = formulas()
     for zero, name in ((0, "model_state_ddp"), (1, "model_state_zero1"),
                        (2, "model_state_zero2"), (3, "model_state_zero3")):  # fmt: skip
-        assert sum(model_state(1e9, 0.0, zero, d, d)) == pytest.approx(f[name].evaluate(N=1e9, d=d))
+        assert sum(model_state(1e9, 0.0, zero, d, d)) == pytest.approx(
+            f[name].evaluate(N_r=1e9, d=d)
+        )
     assert sum(model_state(1.0, 0.0, 0, d, d)) == 18
 
 
