@@ -77,6 +77,8 @@ class _Problem:
     aux: dict[tuple, int] = field(default_factory=dict)
     aux_groups: dict[tuple, set] = field(default_factory=lambda: defaultdict(set))
     aux_cost: dict[tuple, float] = field(default_factory=dict)
+    aux_mem: dict[tuple, float] = field(default_factory=dict)
+    time: list[float] = field(default_factory=list)
     seen_rows: set = field(default_factory=set)
     mem: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     comm_vars: set[int] = field(default_factory=set)
@@ -84,8 +86,9 @@ class _Problem:
     aux_terms: dict[tuple, list[int]] = field(default_factory=lambda: defaultdict(list))
     upper: list[float] = field(default_factory=list)
 
-    def var(self, cost: float, integer: bool, upper: float = 1.0) -> int:
+    def var(self, cost: float, integer: bool, upper: float = 1.0, time: float = 0.0) -> int:
         self.costs.append(cost)
+        self.time.append(time)
         self.integrality.append(1 if integer else 0)
         self.upper.append(upper)
         return len(self.costs) - 1
@@ -117,7 +120,7 @@ def solve_axis(
     xvar = _choice_vars(prob, graph_nodes, rep, cands, grad, gpu, pricer, options)
     for v in graph_nodes:
         _price_inputs(prob, v, rep, cands, xvar, grad, pricer)
-    _finish_aux(prob)
+    _finish_aux(prob, options.memory_weight)
     if size > 1:
         _require_split(prob, cands, xvar, traced, size)
     x = _run(prob, options)
@@ -125,12 +128,8 @@ def solve_axis(
         n.name: cands[rep[n]][_picked(x, xvar, rep[n], cands)]
         for n in cands_of(graph_nodes, rep, cands)
     }
-    compute = sum(
-        prob.costs[i] * x[i]
-        for i in range(len(x))
-        if i not in prob.comm_vars and prob.integrality[i]
-    )
-    comm = sum(prob.costs[i] * x[i] for i in prob.comm_vars)
+    compute = sum(prob.time[i] * x[i] for i in range(len(x)) if prob.integrality[i])
+    comm = sum(prob.time[i] * x[i] for i in prob.comm_vars)
     memory = sum(c * x[i] for i, c in prob.mem.items())
     tied = len({r for n, r in rep.items() if r is not n})
     return AxisSolution(choice=choice, compute_s=float(compute), comm_s=float(comm),
@@ -297,7 +296,9 @@ def _choice_vars(prob: _Problem, nodes: list[fx.Node], rep: dict, cands: dict, g
             t = max(base * share, min(base, KERNEL_LAUNCH_S)) * (3.0 if n in grad else 1.0)
             t += sum(pricer.t(kind, nbytes) for kind, nbytes in s.comm)
             mem = _memory(n, s, size, grad)
-            xvar[(n, i)] = prob.var(mult[n] * (t + options.memory_weight * mem), True)
+            xvar[(n, i)] = prob.var(
+                mult[n] * (t + options.memory_weight * mem), True, time=mult[n] * t
+            )
             prob.mem[xvar[(n, i)]] = mult[n] * mem
             ids.append(xvar[(n, i)])
         prob.row({i: 1.0 for i in ids}, 1.0, 1.0)
@@ -418,12 +419,12 @@ def _price_inputs(prob: _Problem, v: fx.Node, rep: dict, cands: dict, xvar: dict
                 if cost is None:
                     continue
                 if cost > 0:
-                    _bound_aux(
-                        prob, ("relayout", ur, idx, a, want), (u, idx, want), cost, edge, z[(a, b)]
-                    )
+                    mem = _local_bytes(nbytes, want, pricer.size) if needs else 0.0
+                    key = ("relayout", ur, idx, a, want)
+                    _bound_aux(prob, key, (u, idx, want), cost, edge, z[(a, b)], mem)
                 if needs and isinstance(want, Replicate) and not sb.redundant:
                     g = pricer.grad_reduce(have, nbytes)
-                    _bound_aux(prob, ("grad", ur, idx, a), (u, idx), g, edge, z[(a, b)])
+                    _bound_aux(prob, ("grad", ur, idx, a), (u, idx), g, edge, z[(a, b)], 0.0)
         if fresh:
             _transport_rows(prob, z, xvar, ur, vr, len(cands[ur]), len(cands[vr]))
 
@@ -449,12 +450,18 @@ def _price_outputs(prob: _Problem, out: fx.Node, rep: dict, cands: dict, xvar: d
                 _link_aux(prob, ("relayout", ur, idx, a, R), (u, idx, R), cost, xvar[(ur, a)])
 
 
+def _local_bytes(nbytes: float, p: Placement, size: int) -> float:
+    return nbytes / size if isinstance(p, Shard) else nbytes
+
+
 def _bound_aux(prob: _Problem, key: tuple, group: tuple, cost: float, edge: tuple,
-               zvar: int) -> None:  # fmt: skip
-    """aux[key] >= sum of the edge's transport variables that need this re-layout."""
+               zvar: int, mem: float) -> None:  # fmt: skip
+    """aux[key] >= sum of the edge's transport variables that need this re-layout; a
+    re-laid value a gradient needs is saved for backward (``mem`` bytes per rank)."""
     if key not in prob.aux:
         prob.aux[key] = prob.var(0.0, False)
         prob.aux_cost[key] = cost
+        prob.aux_mem[key] = mem
         prob.comm_vars.add(prob.aux[key])
     prob.aux_groups[key].add(group)
     prob.aux_terms[(key, edge)].append(zvar)
@@ -465,14 +472,18 @@ def _link_aux(prob: _Problem, key: tuple, group: tuple, cost: float, xa: int) ->
     if key not in prob.aux:
         prob.aux[key] = prob.var(0.0, False)
         prob.aux_cost[key] = cost
+        prob.aux_mem[key] = 0.0
         prob.comm_vars.add(prob.aux[key])
     prob.aux_groups[key].add(group)
     prob.row({xa: 1.0, prob.aux[key]: -1.0}, -np.inf, 0.0)
 
 
-def _finish_aux(prob: _Problem) -> None:
+def _finish_aux(prob: _Problem, memory_weight: float) -> None:
     for key, z in prob.aux.items():
-        prob.costs[z] = prob.aux_cost[key] * len(prob.aux_groups[key])
+        mult = len(prob.aux_groups[key])
+        prob.time[z] = prob.aux_cost[key] * mult
+        prob.mem[z] = prob.aux_mem[key] * mult
+        prob.costs[z] = prob.time[z] + memory_weight * prob.mem[z]
     for (key, _edge), zs in prob.aux_terms.items():
         prob.row({**{v: 1.0 for v in zs}, prob.aux[key]: -1.0}, -np.inf, 0.0)
 
