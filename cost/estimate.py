@@ -5,7 +5,8 @@ Algorithm (`estimate`):
    the cluster (default: one DGX H100 node); fill dp with the GPUs that tp·pp·cp leave.
 2. Validate the configuration against model and cluster (`cost.config.validate`).
 3. Enumerate the fields left None — micro-batch (divisors of the per-rank batch), schedule,
-   virtual stages, recompute mode — and price each candidate: `Workload` → memory and step.
+   virtual stages, recompute mode — and price each candidate: `Workload` (built once per
+   micro-batch: it does not depend on the others) → memory and step.
 4. Keep the fastest candidate that fits in HBM; if none fits, the one needing least memory,
    reported as not fitting (with its breakdown) rather than raised.
 5. Throughput: tokens/s, and TFLOP/s per GPU and MFU under two conventions — PaLM (model FLOPs
@@ -192,10 +193,12 @@ def _candidates(cfg: ParallelConfig, model: Priced) -> Iterator[ParallelConfig]:
                                   recompute=r)  # fmt: skip
 
 
-def price(model: Priced, cluster: Cluster, cfg: ParallelConfig) -> Estimate:
-    """Price one fully specified configuration (no None fields besides what `estimate` fills)."""
+def price(model: Priced, cluster: Cluster, cfg: ParallelConfig,
+          work: Workload | None = None) -> Estimate:  # fmt: skip
+    """Price one fully specified configuration; `work` may be passed in when already built
+    (it depends on the micro-batch, not on schedule or recompute)."""
     b = cfg.micro_batch
-    work = model.workload(cfg, b, cluster.gpu)
+    work = work or model.workload(cfg, b, cluster.gpu)
     m = cfg.global_batch // (cfg.dp * b)
     dp_expert = cfg.data_parallel // cfg.ep
     memory = rank_memory(work, pp=cfg.pp, zero=cfg.zero, dp_dense=cfg.data_parallel,
@@ -222,8 +225,11 @@ def estimate(
         config = replace(config, dp=max(1, cluster.world_size // rest))
     validate(config, cluster, priced.layers, priced.heads, priced.g, priced.seq, priced.experts)
     best: Estimate | None = None
+    works: dict[int, Workload] = {}
     for cand in _candidates(config, priced):
-        est = price(priced, cluster, cand)
+        if cand.micro_batch not in works:
+            works[cand.micro_batch] = priced.workload(cand, cand.micro_batch, cluster.gpu)
+        est = price(priced, cluster, cand, works[cand.micro_batch])
         if best is None or _better(est, best):
             best = est
     return best
