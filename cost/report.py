@@ -40,7 +40,10 @@ def render(est) -> str:
         f"memory per rank (GiB)          capacity {mem.capacity / GIB:8.2f}",
     ]
     lines += [f"  {name:<28} {value / GIB:8.2f}" for name, value in mem.rows()]
-    lines.append(f"  {'fits' if mem.fits else 'DOES NOT FIT':<28}")
+    spare = (mem.capacity - mem.total) / GIB
+    lines.append(f"  fits, {spare:.2f} GiB spare" if mem.fits else
+                 f"  DOES NOT FIT: {-spare:.2f} GiB over; add GPUs, raise tp/pp/zero, recompute, or "
+                 "shrink the micro-batch")  # fmt: skip
     lines += ["", "step time (s)"]
     rows = [("compute", step.compute)]
     rows += [(f"exposed comm {axis}", t) for axis, t in step.comm.items() if t > 0]
