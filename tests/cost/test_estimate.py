@@ -189,3 +189,17 @@ def test_explain_needs_a_shape():
     traced = torch.export.export(nn.Linear(8, 8), (torch.randn(2, 4, 8),), strict=False)
     est = estimate(traced, Cluster.default(), ParallelConfig(global_batch=8, micro_batch=1))
     assert est.explain().startswith("explain: formulas need a ModelShape")
+
+
+def test_printed_table_is_golden():
+    """The printed estimate is the product: any change to it is deliberate (regenerate the
+    file from this call when the model changes on purpose)."""
+    est = estimate(
+        ModelShape.gpt(layers=80, hidden=12288, heads=96, seq=2048, vocab=51200,
+                       name="gpt-145.6b"),
+        Cluster.preset("dgx-a100", nodes=192),
+        ParallelConfig(tp=8, pp=8, dp=24, zero=1, global_batch=2304, schedule="interleaved",
+                       recompute="full"),
+    )  # fmt: skip
+    golden = (ROOT / "tests/cost/golden/estimate_gpt_145b.txt").read_text()
+    assert f"{est}\n\n{est.explain()}\n" == golden
