@@ -13,7 +13,9 @@ from cost.config import ParallelConfig
 from cost.errors import CostInputError
 from cost.graph import GraphModel
 from cost.hardware import GPU
+from cost.model import ModelShape
 from cost.symbolic import formulas
+from cost.workload import activation_bytes
 
 B, S, H, A, V, LAYERS = 2, 32, 48, 4, 64, 3
 
@@ -120,3 +122,26 @@ def test_forward_flops_per_token_match_the_graph(traced):
 def test_untraced_module_is_a_clear_error():
     with pytest.raises(CostInputError, match="torch.export.export"):
         GraphModel.from_traced(TinyGPT())
+
+
+def test_hf_llama_graph_matches_its_shape():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=688,
+                                      num_hidden_layers=4, num_attention_heads=8,
+                                      num_key_value_heads=2, vocab_size=1000,
+                                      max_position_embeddings=512)  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        ids = torch.zeros(2, 128, dtype=torch.long)
+    traced = torch.export.export(model, (ids,), kwargs={"use_cache": False}, strict=False)
+    graph = GraphModel.from_traced(traced)
+    shape = ModelShape.llama(layers=4, hidden=256, heads=8, kv_heads=2, ffn=688, seq=128,
+                             vocab=1000)  # fmt: skip
+    assert sum(graph.params.values()) == shape.params
+    assert (graph.layers, graph.heads, graph.seq, graph.batch) == (4, 8, 128, 2)
+    assert graph.comm["tp_calls"] == 2  # o_proj and down_proj; rotary adds are not rows
+    assert graph.comm["tp_bytes"] == 2 * 2 * 128 * 256
+    cfg = ParallelConfig(tp=2, global_batch=8, micro_batch=2)
+    work = graph.workload(cfg, 2, GPU.preset("h100-sxm"))
+    ideal = activation_bytes(shape, cfg, 2)["none"]
+    assert ideal < work.act_bytes["none"] < 2 * ideal  # eager RMSNorm keeps fp32 copies
