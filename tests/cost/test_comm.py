@@ -10,7 +10,7 @@ from cost.comm import KINDS, collective_time, hierarchical_time, span_time
 from cost.errors import CostInputError
 from cost.hardware import CLUSTER_PRESETS, Cluster, Link
 
-PROPERTY = settings(max_examples=80, deadline=None, derandomize=True)
+PROPERTY = settings(max_examples=80, deadline=None)
 LINK = Link(name="test", bandwidth=100e9, latency=1e-5, efficiency=1.0)
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from autopar.estimate import Cluster, CostInputError, ModelShape, ParallelConfig, estimate
 
-PROPERTY = settings(max_examples=25, deadline=None, derandomize=True)
+PROPERTY = settings(max_examples=25, deadline=None)
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from cost.errors import CostInputError
 from cost.hardware import CLUSTER_PRESETS, GPU, GPU_PRESETS, Cluster, Link
 
-PROPERTY = settings(max_examples=60, deadline=None, derandomize=True)
+PROPERTY = settings(max_examples=60, deadline=None)
 
 
 def test_gpu_presets_hold_data_sheet_numbers():

@@ -14,7 +14,7 @@ from cost.model import ModelShape
 from cost.symbolic import _compiled, formulas
 from cost.workload import shape_workload
 
-PROPERTY = settings(max_examples=60, deadline=None, derandomize=True)
+PROPERTY = settings(max_examples=60, deadline=None)
 
 
 def test_formulas_print_why():
