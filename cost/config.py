@@ -65,10 +65,6 @@ class ParallelConfig:
         if bad:
             raise CostInputError(f"parallel degrees must be >= 1, got {', '.join(bad)}")
 
-    def mesh_axes(self) -> list[tuple[str, int]]:
-        """(axis, size) outermost first; requires dp to be set."""
-        return [("pp", self.pp), ("dp", self.dp or 1), ("cp", self.cp), ("tp", self.tp)]
-
     @property
     def data_parallel(self) -> int:
         """Ranks that share a dense gradient: dp · cp."""

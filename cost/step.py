@@ -5,8 +5,9 @@ Algorithm (`step_time`):
    forward) plus the end-stage work (embedding; final norm, LM head and loss).
 2. Tensor parallelism: 2 collectives on the [b, s/c, h] activation per layer per pass
    (forward, backward, and the recompute forward under full recompute), on the critical path.
-3. Context parallelism: c−1 ring exchanges of the local K,V forward, c of K,V,dK,dV backward,
-   overlapped with the attention kernels: only the excess over them is exposed.
+3. Context parallelism: c−1 ring exchanges of the local K,V per forward (and recompute
+   forward), c of K,V,dK,dV backward, overlapped with the attention kernels: only the excess
+   over them is exposed.
 4. Expert parallelism: dispatch + combine all-to-alls per layer per pass, exposed.
 5. Pipeline: a send and a receive of the boundary activation per micro-batch per virtual
    stage; the bubble is (p−1)/v micro-batch times (GPipe and 1F1B: v = 1).
@@ -46,7 +47,8 @@ class StepBreakdown:
 
 
 def _spans(cfg: ParallelConfig) -> dict[str, tuple[int, int]]:
-    """(stride, size) in global rank order of each communication group."""
+    """(stride, size) in global rank order of each communication group; mesh pp, dp, cp, tp
+    (outermost first) with ep the inner part of dp."""
     t, c, d, e = cfg.tp, cfg.cp, cfg.dp or 1, cfg.ep
     return {"tp": (1, t), "cp": (t, c), "ep": (t * c, e), "dp": (t, d * c),
             "dp_expert": (t * c * e, d // e), "pp": (t * c * d, cfg.pp)}  # fmt: skip
@@ -63,7 +65,8 @@ def _layer_comm(work: Workload, cfg: ParallelConfig, cluster: Cluster, recompute
     ep = work.ep_calls * span_time("all_to_all", work.ep_bytes, cluster, *spans["ep"])
     ring = span_time("send_recv", work.cp_bytes, cluster, *spans["cp"])
     attn = work.attn_fwd_s
-    cp = max(0.0, work.cp_calls * ring - attn) + max(0.0, 2 * cfg.cp * ring - 2 * attn)
+    forward = max(0.0, work.cp_calls * ring - attn)
+    cp = (passes - 1) * forward + max(0.0, 2 * cfg.cp * ring - 2 * attn)
     return {"tp": passes * tp, "cp": cp if cfg.cp > 1 else 0.0, "ep": passes * ep}
 
 
