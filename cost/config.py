@@ -6,7 +6,8 @@ data-parallel axis: dp = dp_expert · ep with ep the inner part.
 
 Algorithm (`validate`):
 1. Every degree is >= 1 and the product tp·pp·dp·cp equals the cluster's GPU count.
-2. tp fits in a node unless the user allows crossing nodes; heads (and the FFN) divide by tp.
+2. tp fits in a node unless the user allows crossing nodes; heads divide by tp, and so do
+   the KV heads when there are at least tp of them (else they are replicated).
 3. Every one of the pp·v pipeline chunks gets a layer (uneven splits are allowed: the slowest
    stage holds ⌈L/(p·v)⌉·v layers); ep divides dp and the expert count; the sequence divides
    by 2·cp (zig-zag chunks); the global batch divides by dp·micro_batch.

@@ -109,6 +109,7 @@ class Estimate:
 
     @property
     def step_time_s(self) -> float:
+        """Seconds per optimizer step."""
         return self.step.total
 
     @property
@@ -117,6 +118,7 @@ class Estimate:
 
     @property
     def memory_per_rank(self) -> float:
+        """Bytes on the most loaded rank (breakdown: `memory`)."""
         return self.memory.total
 
     @property
@@ -135,6 +137,7 @@ class Estimate:
 
     @property
     def mfu(self) -> float:
+        """Model FLOPs utilisation, PaLM convention (the one `print` leads with)."""
         return self.tflops_per_gpu * 1e12 / self.cluster.gpu.bf16_flops
 
     @property
