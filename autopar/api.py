@@ -112,7 +112,7 @@ def _plan(traced: Traced, gm: torch.fx.GraphModule, mesh: Mesh, sol: AxisSolutio
         mesh=mesh.axes,
         hardware=f"{mesh.cluster.gpu.name} ×{mesh.cluster.gpus_per_node}/node",
         params=params,
-        collectives=tuple(collectives_of(gm, grad, mesh.sizes)),
+        collectives=tuple(collectives_of(gm, grad, mesh.sizes, names)),
         choice=tuple((k, str(v)) for k, v in sol.choice.items()),
         compute_s=sol.compute_s,
         comm_s=sol.comm_s,

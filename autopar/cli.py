@@ -6,7 +6,8 @@
 Algorithm (`main`):
 1. Parse the subcommand and its options; options left out stay None and are chosen by the
    estimator (micro-batch, schedule, virtual stages, recompute, dp).
-2. Build the model shape (preset name), cluster (preset × nodes) and parallel configuration,
+2. Build the model shape (a preset, or gpt/llama dimensions from flags), the cluster (preset ×
+   nodes, optionally with another GPU) and the parallel configuration,
    price them with `cost.estimate.estimate`, print the table (and with --explain the closed
    formulas behind it); exit 0 when it fits, 1 when it does not.
 3. Bad input (unknown preset, inconsistent degrees) prints the error and exits with status 2.
@@ -17,11 +18,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
 from cost.config import ATTENTION, RECOMPUTE, SCHEDULES, ParallelConfig
 from cost.errors import CostInputError
 from cost.estimate import estimate
-from cost.hardware import CLUSTER_PRESETS, Cluster
+from cost.hardware import CLUSTER_PRESETS, GPU, GPU_PRESETS, Cluster
 from cost.model import MODEL_PRESETS, ModelShape
 
 
@@ -29,9 +31,17 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     est = sub.add_parser("estimate", help="price a training configuration")
-    est.add_argument("--model", required=True, help=f"one of {', '.join(sorted(MODEL_PRESETS))}")
+    est.add_argument(
+        "--model",
+        help=f"one of {', '.join(sorted(MODEL_PRESETS))}, or 'gpt' / "
+        "'llama' with --layers --hidden --heads --seq --vocab (llama: --kv-heads, "
+        "--ffn)",
+    )
+    for name in ("layers", "hidden", "heads", "vocab", "kv-heads", "ffn"):
+        est.add_argument(f"--{name}", type=int)
     est.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
     est.add_argument("--cluster", default="dgx-h100", help=f"one of {', '.join(CLUSTER_PRESETS)}")
+    est.add_argument("--gpu", help=f"replace the cluster's GPU: one of {', '.join(GPU_PRESETS)}")
     est.add_argument("--nodes", type=int, default=1)
     for name in ("tp", "pp", "cp", "ep"):
         est.add_argument(f"--{name}", type=int, default=1)
@@ -60,14 +70,32 @@ def _config(args: argparse.Namespace) -> ParallelConfig:
     )  # fmt: skip
 
 
+def _shape(args: argparse.Namespace) -> ModelShape:
+    """A preset (optionally with another sequence length) or a shape built from the flags."""
+    if args.model in ("gpt", "llama"):
+        dims = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+                "seq": args.seq, "vocab": args.vocab}  # fmt: skip
+        if args.model == "llama":
+            dims.update(kv_heads=args.kv_heads, ffn=args.ffn)
+        missing = [f"--{k.replace('_', '-')}" for k, v in dims.items() if v is None]
+        if missing:
+            raise CostInputError(f"--model {args.model} needs {' '.join(missing)}")
+        build = ModelShape.gpt if args.model == "gpt" else ModelShape.llama
+        return build(name=args.model, **dims)
+    shape = ModelShape.preset(args.model or "")
+    return shape.with_seq(args.seq) if args.seq else shape
+
+
+def _cluster(args: argparse.Namespace) -> Cluster:
+    cluster = Cluster.preset(args.cluster, nodes=args.nodes)
+    return replace(cluster, gpu=GPU.preset(args.gpu)) if args.gpu else cluster
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = _parser().parse_args(argv)
     try:
-        shape = ModelShape.preset(args.model)
-        if args.seq:
-            shape = shape.with_seq(args.seq)
-        est = estimate(shape, Cluster.preset(args.cluster, nodes=args.nodes), _config(args))
+        est = estimate(_shape(args), _cluster(args), _config(args))
     except CostInputError as err:
         print(f"autopar estimate: error: {err}", file=sys.stderr)
         return 2

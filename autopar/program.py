@@ -111,7 +111,8 @@ _FORWARD = {
 }
 
 
-def collectives_of(gm: fx.GraphModule, grad: set[str], sizes: dict[str, int]) -> list[Collective]:
+def collectives_of(gm: fx.GraphModule, grad: set[str], sizes: dict[str, int],
+                   names: dict[str, str]) -> list[Collective]:  # fmt: skip
     """Forward and backward collectives of the lowered graph (see module docstring)."""
     found: list[Collective] = []
     for node in gm.graph.nodes:
@@ -125,19 +126,20 @@ def collectives_of(gm: fx.GraphModule, grad: set[str], sizes: dict[str, int]) ->
         x, axis = node.args[0], node.args[1]
         val = _message(node, sizes[axis])
         mode = node.args[-1] if node.target in (C.all_reduce, C.all_gather) else None
+        where = names[x.name].rsplit(".", 1)[0] if x.name in names else meta.module_path(node)
         if node.target in _FORWARD:
-            found.append(_record(_FORWARD[node.target], axis, val, "fwd", node))
+            found.append(_record(_FORWARD[node.target], axis, val, "fwd", where))
         back = _BACKWARD.get((node.target, mode))
         if back and x.name in grad:
-            found.append(_record(back, axis, val, "bwd", node))
+            found.append(_record(back, axis, val, "bwd", where))
     return found
 
 
-def _record(kind: str, axis: str, val: torch.Tensor, direction: str, node: fx.Node) -> Collective:
+def _record(kind: str, axis: str, val: torch.Tensor, direction: str, where: str) -> Collective:
     nbytes = val.numel() * val.element_size()
     dtype = str(val.dtype).replace("torch.", "")
     return Collective(kind=kind, axis=axis, shape=tuple(val.shape), dtype=dtype, bytes=nbytes,
-                      direction=direction, where=meta.module_path(node))  # fmt: skip
+                      direction=direction, where=where)  # fmt: skip
 
 
 def _message(node: fx.Node, size: int) -> torch.Tensor:
@@ -156,4 +158,4 @@ def _ce_collectives(node: fx.Node) -> list[Collective]:
     rows = node.args[0].meta["val"].shape[0]
     axis = node.args[2]
     stats = [torch.empty(rows, device="meta"), torch.empty(rows, 2, device="meta")]
-    return [_record("all_reduce", axis, s, "fwd", node) for s in stats]
+    return [_record("all_reduce", axis, s, "fwd", meta.module_path(node)) for s in stats]

@@ -1,4 +1,4 @@
-"""Small GPT-style and Llama-style models used across the tests, examples and benchmarks."""
+"""Small GPT-style and Llama-style models for tests, examples and benchmarks (random weights)."""
 
 from __future__ import annotations
 

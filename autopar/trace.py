@@ -9,7 +9,8 @@ Algorithm:
    cross_entropy stay whole ops).  On failure, run the model eagerly to tell "the inputs do not
    fit the model" from "torch.export cannot trace it", and raise one error quoting the reason and
    the user's source line.
-4. Drop ``_assert_tensor_metadata`` checks (they assert global metadata) and split each
+4. Drop unused parameter placeholders (the second name of a tied weight), drop
+   ``_assert_tensor_metadata`` checks (they assert global metadata) and split each
    biased ``linear`` into ``linear`` + ``add``: a row-split linear must add its bias once, after
    the reduction, and as separate nodes the planner prices exactly that.
 5. Record, per placeholder, which parameter, buffer or user input it is.
@@ -17,9 +18,11 @@ Algorithm:
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import operator
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,11 +78,24 @@ def trace(
     if any(p.is_meta for p in model.parameters()):
         args, kwargs = pytree.tree_map_only(torch.Tensor, _to_meta, (args, kwargs))
     try:
-        ep = torch.export.export(root, args, kwargs, strict=False)
+        with _quiet_fake_tensor_log():
+            ep = torch.export.export(root, args, kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001 - re-raised as a clear error below
-        raise _explain_failure(model, root, args, kwargs, exc) from exc
+        raise _explain_failure(model, root, args, kwargs, exc) from None
     prefix = "model." if loss_fn is not None else ""
     return _collect(ep, model, prefix)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """torch logs a traceback at ERROR level before raising; our error replaces both."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _to_meta(t: torch.Tensor) -> torch.Tensor:
@@ -88,8 +104,11 @@ def _to_meta(t: torch.Tensor) -> torch.Tensor:
 
 def _collect(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str) -> Traced:
     gm = ep.graph_module
+    lifted = {**ep.graph_signature.inputs_to_parameters, **ep.graph_signature.inputs_to_buffers}
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in _ASSERT_OPS:
+        if node.op == "placeholder" and node.name in lifted and not node.users:
+            gm.graph.erase_node(node)  # a tied weight's second name: the graph reads the first
+        elif node.op == "call_function" and node.target in _ASSERT_OPS:
             gm.graph.erase_node(node)
         elif node.target is torch.ops.aten.linear.default and _arg(node, 2, "bias") is not None:
             _split_bias(gm.graph, node)
@@ -102,8 +121,9 @@ def _collect(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str) ->
     gm.recompile()
     sig = ep.graph_signature
     strip = lambda fqn: fqn[len(prefix) :] if fqn.startswith(prefix) else fqn  # noqa: E731
-    params = {k: strip(v) for k, v in sig.inputs_to_parameters.items()}
-    buffers = {k: strip(v) for k, v in sig.inputs_to_buffers.items()}
+    live = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
+    params = {k: strip(v) for k, v in sig.inputs_to_parameters.items() if k in live}
+    buffers = {k: strip(v) for k, v in sig.inputs_to_buffers.items() if k in live}
     buffers.update({k: strip(v) for k, v in sig.inputs_to_lifted_tensor_constants.items()})
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
@@ -147,7 +167,7 @@ def _explain_failure(
 ) -> Exception:
     """Turn an export failure into one clear error naming the reason and the source line."""
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _quiet_fake_tensor_log():
             root(*args, **kwargs)
     except Exception as eager_exc:  # noqa: BLE001 - classified and re-raised
         where = _user_frame(eager_exc, model)
@@ -185,8 +205,8 @@ def _user_frame(exc: BaseException, model: nn.Module) -> str:
             module = f" (module '{names[id(owner)]}', {type(owner).__name__})"
         if _is_user_file(code.co_filename):
             line = _source_line(code.co_filename, lineno)
-            best = f"{code.co_filename}:{lineno} in {code.co_name}: {line}{module}"
-    return best
+            best = f"{code.co_filename}:{lineno} in {code.co_name}: {line}"
+    return best + module
 
 
 def _is_user_file(path: str) -> bool:

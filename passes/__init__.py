@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from autopar.ir import format_graph
 from autopar.mesh import Mesh
 from autopar.meta import source
 from autopar.rules import Strategy
@@ -79,7 +80,7 @@ def run_pipeline(
             raise PassError(f"pass {p.__name__} failed: {exc}") from exc
         ms = (time.perf_counter() - start) * 1e3
         history.append(PassRecord(name=p.__name__, ms=ms, nodes_before=before,
-                                  nodes_after=len(gm.graph.nodes), graph=str(gm.graph)))  # fmt: skip
+                                  nodes_after=len(gm.graph.nodes), graph=format_graph(gm)))  # fmt: skip
     return gm, history
 
 

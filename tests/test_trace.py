@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autopar import InputError, Mesh, TraceError, autoparallelize
+from autopar.testing import Config, build, lm_loss, tokens
+from autopar.trace import trace
+
+
+def test_trace_records_params_inputs_and_splits_biases(mlp):
+    traced = trace(mlp, (torch.randn(2, 16),))
+    assert set(traced.params.values()) == {"up.weight", "up.bias", "down.weight", "down.bias"}
+    assert len(traced.user_inputs) == 1
+    targets = [n.target for n in traced.gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.aten.linear.default) == 2
+    assert targets.count(torch.ops.aten.add.Tensor) == 2  # biases added after the matmul
+    for node in traced.gm.graph.nodes:
+        if node.target is torch.ops.aten.linear.default:
+            assert len(node.args) == 2
+
+
+def test_trace_with_loss_keeps_model_parameter_names():
+    c = Config(layers=1, hidden=32, heads=2, kv_heads=2, ffn=64, vocab=32, seq=8)
+    model = build("gpt", c)
+    traced = trace(model, tokens(c), loss_fn=lm_loss)
+    assert "blocks.0.q.weight" in traced.params.values()
+    out = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    assert out.args[0][0].meta["val"].shape == ()
+
+
+def test_trace_on_meta_device_materialises_nothing():
+    c = Config(layers=2, hidden=256, heads=4, kv_heads=4, ffn=512, vocab=512, seq=32)
+    with torch.device("meta"):
+        model = build("llama", c)
+    traced = trace(model, tokens(c), loss_fn=lm_loss)
+    assert all(t.is_meta for t in traced.tensors.values())
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent control flow: torch.export cannot trace this
+            return self.lin(x)
+        return x
+
+
+def test_untraceable_model_gets_one_clear_error_with_the_user_line():
+    with pytest.raises(TraceError) as err:
+        autoparallelize(Branchy(), Mesh(tp=2), (torch.randn(2, 8),))
+    msg = str(err.value)
+    assert "torch.export could not trace Branchy" in msg
+    assert "test_trace.py" in msg and "if x.sum() > 0" in msg
+    assert "what to do" in msg
+
+
+def test_inputs_that_do_not_fit_name_the_module(mlp):
+    with pytest.raises(InputError) as err:
+        autoparallelize(mlp, Mesh(tp=2), (torch.randn(2, 5),))
+    msg = str(err.value)
+    assert "example_inputs do not fit MLP" in msg
+    assert "module 'up'" in msg
