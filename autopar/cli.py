@@ -82,7 +82,12 @@ def _shape(args: argparse.Namespace) -> ModelShape:
             raise CostInputError(f"--model {args.model} needs {' '.join(missing)}")
         build = ModelShape.gpt if args.model == "gpt" else ModelShape.llama
         return build(name=args.model, **dims)
-    shape = ModelShape.preset(args.model or "")
+    if args.model is None:
+        raise CostInputError(
+            f"--model is required: one of {', '.join(sorted(MODEL_PRESETS))}, or gpt / llama "
+            "with its dimensions"
+        )
+    shape = ModelShape.preset(args.model)
     return shape.with_seq(args.seq) if args.seq else shape
 
 

@@ -34,3 +34,22 @@ def test_bad_input_exits_two_with_the_reason(capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "error: tp·pp·dp·cp = 8·1·2·1 = 16 but the cluster has 8 GPUs" in err
+
+
+def test_custom_shape_and_gpu(capsys):
+    argv = ["estimate", "--model", "llama", "--layers", "32", "--hidden", "4096", "--heads", "32",
+            "--kv-heads", "8", "--ffn", "14336", "--seq", "8192", "--vocab", "128256",
+            "--gpu", "b200", "--tp", "2", "--global-batch", "64"]  # fmt: skip
+    assert main(argv) == 0
+    assert "estimate: llama on 1 × 8 b200 (8 GPUs)" in capsys.readouterr().out
+
+
+def test_custom_shape_names_missing_dimensions(capsys):
+    argv = ["estimate", "--model", "gpt", "--layers", "4", "--global-batch", "8"]
+    assert main(argv) == 2
+    assert "--model gpt needs --hidden --heads --seq --vocab" in capsys.readouterr().err
+
+
+def test_missing_model_lists_presets(capsys):
+    assert main(["estimate", "--global-batch", "8"]) == 2
+    assert "--model is required: one of gpt3-175b, llama3-405b" in capsys.readouterr().err
