@@ -124,7 +124,7 @@ class Cluster:
 
 
 def _lookup(table: dict, name: str, kind: str):
-    key = name.lower()
+    key = ALIASES.get(name.lower(), name.lower())
     if key not in table:
         raise CostInputError(
             f"unknown {kind} {name!r}; known: {', '.join(sorted(table))}. "
@@ -171,6 +171,11 @@ CLUSTER_PRESETS: dict[str, Cluster] = {
     "dgx-a100-40gb": _node("a100-40gb", NVLINK3, HDR_IB),
     "dgx-h100": _node("h100-sxm", NVLINK4, NDR_IB),
     "dgx-h200": _node("h200", NVLINK4, NDR_IB),
-    "hgx-h800": _node("h800", NVLINK3_H800, NDR_IB),
+    "dgx-h800": _node("h800", NVLINK3_H800, NDR_IB),
     "dgx-b200": _node("b200", NVLINK5, NDR_IB),
 }
+
+# Other spellings users type for the same presets.
+ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "h100-sxm5": "h100-sxm",
+           "hgx-h100": "dgx-h100", "hgx-h200": "dgx-h200", "hgx-h800": "dgx-h800",
+           "hgx-b200": "dgx-b200", "hgx-a100": "dgx-a100"}  # fmt: skip

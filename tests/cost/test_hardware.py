@@ -39,6 +39,8 @@ def test_cluster_preset_scales_nodes_and_default_is_one_dgx_h100():
     default = Cluster.default()
     assert (default.gpu.name, default.nodes, default.gpus_per_node) == ("h100-sxm", 1, 8)
     assert {"dgx-a100", "dgx-h100", "dgx-h200", "dgx-b200"} <= set(CLUSTER_PRESETS)
+    assert Cluster.preset("hgx-h800").gpu == GPU.preset("h800")
+    assert GPU.preset("H100") == GPU.preset("h100-sxm")
 
 
 def test_user_defined_cluster():
