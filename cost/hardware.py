@@ -133,6 +133,11 @@ def _lookup(table: dict, name: str, kind: str):
     return table[key]
 
 
+# Other spellings users type for the same presets.
+ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "h100-sxm5": "h100-sxm",
+           "hgx-h100": "dgx-h100", "hgx-h200": "dgx-h200", "hgx-h800": "dgx-h800",
+           "hgx-b200": "dgx-b200", "hgx-a100": "dgx-a100"}  # fmt: skip
+
 GPU_PRESETS: dict[str, GPU] = {
     g.name: g
     for g in (
@@ -174,8 +179,3 @@ CLUSTER_PRESETS: dict[str, Cluster] = {
     "dgx-h800": _node("h800", NVLINK3_H800, NDR_IB),
     "dgx-b200": _node("b200", NVLINK5, NDR_IB),
 }
-
-# Other spellings users type for the same presets.
-ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "h100-sxm5": "h100-sxm",
-           "hgx-h100": "dgx-h100", "hgx-h200": "dgx-h200", "hgx-h800": "dgx-h800",
-           "hgx-b200": "dgx-b200", "hgx-a100": "dgx-a100"}  # fmt: skip
