@@ -33,14 +33,23 @@ MEMORY_BW_FRACTION = 0.80  # streaming kernels reach ~80% of the HBM data-sheet 
 KERNEL_LAUNCH_S = 4e-6  # eager launch + scheduling floor per kernel
 
 MATMUL_OPS = {"linear", "addmm", "mm", "bmm", "matmul", "baddbmm"}
-_NORMS = {"layer_norm": 8.0, "native_layer_norm": 8.0, "rms_norm": 4.0, "group_norm": 8.0}
-_SOFTMAX = {"softmax": 5.0, "_softmax": 5.0, "log_softmax": 5.0, "_log_softmax": 5.0}
-_LOSSES = {"cross_entropy_loss": 6.0, "nll_loss": 1.0, "nll_loss_forward": 1.0}
+_CANONICAL = {
+    "_scaled_dot_product_flash_attention": "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention_for_cpu": "scaled_dot_product_attention",
+    "_scaled_dot_product_efficient_attention": "scaled_dot_product_attention",
+    "_scaled_dot_product_cudnn_attention": "scaled_dot_product_attention",
+    "native_layer_norm": "layer_norm", "_fused_rms_norm": "rms_norm",
+    "native_group_norm": "group_norm", "_softmax": "softmax", "_log_softmax": "log_softmax",
+    "native_dropout": "dropout", "nll_loss_forward": "nll_loss", "_unsafe_view": "view",
+}  # fmt: skip
+_NORMS = {"layer_norm": 8.0, "rms_norm": 4.0, "group_norm": 8.0}
+_SOFTMAX = {"softmax": 5.0, "log_softmax": 5.0}
+_LOSSES = {"cross_entropy_loss": 6.0, "nll_loss": 1.0}
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "var", "std", "norm", "prod",
                "argmax", "argmin", "logsumexp", "var_mean"}  # fmt: skip
 _ELEMENTWISE = {"add", "sub", "mul", "div", "neg", "pow", "exp", "log", "sqrt", "rsqrt",
                 "tanh", "sigmoid", "relu", "gelu", "silu", "sin", "cos", "where", "clamp",
-                "masked_fill", "dropout", "native_dropout", "abs", "maximum", "minimum", "erf",
+                "masked_fill", "dropout", "abs", "maximum", "minimum", "erf",
                 "reciprocal", "square", "lt", "gt", "le", "ge", "eq", "ne", "logical_not",
                 "rsub", "softplus", "hardtanh", "leaky_relu", "elu", "mish", "addcmul",
                 "addcdiv", "lerp", "scatter_add"}  # fmt: skip
@@ -123,9 +132,22 @@ def node_efficiency(node: torch.fx.Node) -> float:
 
 
 def op_name(node: torch.fx.Node) -> str | None:
+    """The ATen op name of a call_function node, with decomposed / backend variants mapped to
+    the op they implement (`_scaled_dot_product_flash_attention` → SDPA, ...)."""
     if node.op != "call_function":
         return None
-    return getattr(node.target, "_opname", None) or getattr(node.target, "__name__", None)
+    name = getattr(node.target, "_opname", None) or getattr(node.target, "__name__", None)
+    return _CANONICAL.get(name, name)
+
+
+def _arg(node: torch.fx.Node, name: str, default=None):
+    """An argument by schema name, positional or keyword."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema else []
+    index = names.index(name) if name in names else len(node.args)
+    return node.args[index] if index < len(node.args) else default
 
 
 def _val(arg):
@@ -168,7 +190,7 @@ def _matmul_flops(name: str, node: torch.fx.Node, out: torch.Tensor) -> float:
 def _sdpa_flops(node: torch.fx.Node) -> float:
     """QKᵀ and PV: 2·B·H·Sq·Sk·(Dqk + Dv); causal keeps (Sk+1)/(2·Sk) of the score matrix."""
     q, k, v = (_val(a) for a in node.args[:3])
-    causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
+    causal = _arg(node, "is_causal", False)
     sq, sk = q.shape[-2], k.shape[-2]
     heads = q.numel() / (sq * q.shape[-1])
     flops = 2.0 * heads * sq * sk * (q.shape[-1] + v.shape[-1])

@@ -18,7 +18,10 @@ Algorithm (`GraphModel.from_traced`, once per graph):
    block inputs only.
 
 Limits: expert routing in a traced graph is priced as the dense compute it traces (no
-expert-parallel all-to-all); ops outside `cost.compute`'s table cost nothing.
+expert-parallel all-to-all); ops outside `cost.compute`'s table cost nothing. The saved-tensor
+rules are written for the training IR of `torch.export` (before `run_decompositions`): after
+decomposition FLOPs, parameters and communication are unchanged, but copies introduced by the
+decompositions make the saved-activation count approximate.
 
 Algorithm (`GraphModel.workload`, per plan, vectorised over nodes):
 1. Scale activation FLOPs and bytes by (b / traced batch) / (t · c), weight bytes by 1/t.
@@ -28,6 +31,7 @@ Algorithm (`GraphModel.workload`, per plan, vectorised over nodes):
 
 from __future__ import annotations
 
+import math
 import operator
 import re
 from dataclasses import dataclass, field
@@ -50,19 +54,18 @@ from cost.errors import CostInputError
 from cost.hardware import GPU
 from cost.workload import Workload
 
-_VIEWS = {"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "unsqueeze",
+_VIEWS = {"view", "reshape", "permute", "transpose", "t", "unsqueeze",
           "squeeze", "expand", "select", "slice", "split", "split_with_sizes", "chunk",
           "unbind", "alias", "as_strided", "narrow", "unflatten", "flatten", "contiguous",
           "detach", "getitem"}  # fmt: skip
-_PASS_THROUGH = _VIEWS | {"dropout", "native_dropout", "mul", "div", "_to_copy", "to", "clone"}
+_PASS_THROUGH = _VIEWS | {"dropout", "mul", "div", "_to_copy", "to", "clone"}
 # op → (argument indices autograd saves, whether it saves its output); norms and SDPA also
 # save fp32 per-row statistics (_STATS_BYTES per row).
 _SAVES: dict[str, tuple[tuple[int, ...], bool]] = {
     "linear": ((0,), False), "addmm": ((1, 2), False), "mm": ((0, 1), False),
     "bmm": ((0, 1), False), "matmul": ((0, 1), False), "baddbmm": ((1, 2), False),
     "layer_norm": ((0,), False), "rms_norm": ((0,), False), "group_norm": ((0,), False),
-    "softmax": ((), True), "_softmax": ((), True), "log_softmax": ((), True),
-    "_log_softmax": ((), True), "gelu": ((0,), False), "silu": ((0,), False),
+    "softmax": ((), True), "log_softmax": ((), True), "gelu": ((0,), False), "silu": ((0,), False),
     "softplus": ((0,), False), "mish": ((0,), False), "elu": ((), True), "relu": ((), True),
     "tanh": ((), True), "sigmoid": ((), True), "exp": ((), True), "rsqrt": ((), True),
     "sqrt": ((), True), "log": ((0,), False), "pow": ((0,), False), "mul": ((0, 1), False),
@@ -216,16 +219,21 @@ class _Walk:
                 self.inside.add(n)
 
     def param_matmul(self, node: torch.fx.Node) -> bool:
-        return _name(node) in MATMUL_OPS and any(a in self.params for a in node.all_input_nodes)
+        """A matmul with a weight operand (directly or through a view, as `mm(x, t(w))`)."""
+        operands = node.all_input_nodes
+        return _name(node) in MATMUL_OPS and any(self.base.get(a) in self.params for a in operands)
 
     def _producer(self, arg, add: torch.fx.Node) -> torch.fx.Node | None:
-        """The parameter matmul feeding residual `add` through dropout/scale ops, if any: its
-        output must have the add's shape (a rotary `q·cos + ...` add reshapes, and is no row)."""
+        """The parameter matmul feeding residual `add` through dropout/scale/view ops, if any:
+        its output must hold the add's elements with the same last dim (a rotary
+        `q·cos + ...` add works on head-dim rows, and is no row-parallel output)."""
         while isinstance(arg, torch.fx.Node) and _name(arg) in _PASS_THROUGH:
             arg = arg.args[0]
         if not isinstance(arg, torch.fx.Node) or not self.param_matmul(arg):
             return None
-        return arg if _shape(arg) == _shape(add) else None
+        mine, theirs = _shape(arg) or (), _shape(add) or ()
+        same = math.prod(mine) == math.prod(theirs) and mine[-1:] == theirs[-1:]
+        return arg if same else None
 
 
 def _regions(walk: _Walk) -> dict[torch.fx.Node, int]:
@@ -254,8 +262,8 @@ def _is_core(node: torch.fx.Node, seq: int, walk: _Walk) -> bool:
 def _saved(node: torch.fx.Node, walk: _Walk) -> list[tuple[object, float]]:
     """(identity, bytes) of what autograd saves for this node's backward (params excluded)."""
     name = _name(node)
-    if name in ("dropout", "native_dropout"):
-        return [((node, "mask"), float(sum(v.numel() for v in tensors_of(node.meta.get("val")))))]
+    if name == "dropout":  # a 1-byte mask per element of its (first) output
+        return [((node, "mask"), float(tensors_of(node.meta.get("val"))[0].numel()))]
     if name not in _SAVES:
         return []
     args, output = _SAVES[name]
@@ -327,8 +335,8 @@ def _analyse(graph: torch.fx.Graph, params: set[str], inputs: set[str], name: st
     param_region: dict[torch.fx.Node, int] = {}
     for n in regions:
         for a in n.all_input_nodes:
-            if a in walk.params:
-                param_region.setdefault(a, regions[n])
+            if walk.base.get(a) in walk.params:
+                param_region.setdefault(walk.base[a], regions[n])
     numel = {p: _out_bytes(p) / p.meta["val"].element_size() for p in param_region}
     heads = _shape(sdpa[0].args[0])[-3] if sdpa else 0
     kv_heads = _shape(sdpa[0].args[1])[-3] if sdpa else 0

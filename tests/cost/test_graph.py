@@ -145,3 +145,13 @@ def test_hf_llama_graph_matches_its_shape():
     work = graph.workload(cfg, 2, GPU.preset("h100-sxm"))
     ideal = activation_bytes(shape, cfg, 2)["none"]
     assert ideal < work.act_bytes["none"] < 2 * ideal  # eager RMSNorm keeps fp32 copies
+
+
+def test_decomposed_graph_prices_the_same_work():
+    model = TinyGPT().to(torch.bfloat16).train()
+    traced = torch.export.export(model, (torch.zeros(B, S, dtype=torch.long),), strict=False)
+    plain = GraphModel.from_traced(traced)
+    lowered = GraphModel.from_traced(traced.run_decompositions())
+    assert lowered.params == plain.params
+    assert lowered.comm == plain.comm  # mm(x, t(w)) + view is still a row-parallel linear
+    assert lowered.flops_per_token() == pytest.approx(plain.flops_per_token(), rel=0.01)
