@@ -157,6 +157,7 @@ def _val(arg):
 
 
 def tensors_of(val) -> list[torch.Tensor]:
+    """The tensors in a (possibly nested) `meta["val"]`, in order."""
     if isinstance(val, torch.Tensor):
         return [val]
     if isinstance(val, (list, tuple)):

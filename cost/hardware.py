@@ -61,6 +61,7 @@ class Link:
 
     @property
     def achieved_bandwidth(self) -> float:
+        """Bytes/s a collective actually moves per GPU per direction."""
         return self.bandwidth * self.efficiency
 
 

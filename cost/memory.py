@@ -46,6 +46,7 @@ class MemoryBreakdown:
         return self.total <= self.capacity
 
     def rows(self) -> list[tuple[str, float]]:
+        """(component, bytes) in print order, ending with the total."""
         return [("weights", self.weights), ("gradients", self.grads),
                 ("optimizer", self.optimizer), ("activations", self.activations),
                 ("reserved", self.reserved), ("total", self.total)]  # fmt: skip

@@ -94,6 +94,7 @@ class ModelShape:
 
     @property
     def params(self) -> int:
+        """All parameters: layers, embedding, LM head unless tied, final norm."""
         head = 0 if self.tied_embeddings else self.embedding_params
         final_norm = self.hidden * (2 if self.norm == "layernorm" else 1)
         return self.layers * self.layer_params + self.embedding_params + head + final_norm
@@ -106,6 +107,7 @@ class ModelShape:
         return self.layers * active_layer + self.embedding_params
 
     def with_seq(self, seq: int) -> ModelShape:
+        """The same model at another sequence length."""
         return replace(self, seq=seq)
 
     @staticmethod
