@@ -155,3 +155,30 @@ def test_decomposed_graph_prices_the_same_work():
     assert lowered.params == plain.params
     assert lowered.comm == plain.comm  # mm(x, t(w)) + view is still a row-parallel linear
     assert lowered.flops_per_token() == pytest.approx(plain.flops_per_token(), rel=0.01)
+
+
+def test_saved_bytes_equal_what_autograd_saves_on_a_real_run():
+    """Run the model eagerly and record every tensor autograd saves (by storage, parameters
+    excluded); the graph-derived count must match it byte for byte, up to two documented CPU
+    differences: CPU dropout keeps its mask as a bf16 multiplier (CUDA: 1-byte bool) and CPU
+    LayerNorm keeps mean/rstd in bf16 (CUDA: fp32)."""
+    torch.manual_seed(0)
+    model = TinyGPT().to(torch.bfloat16).train()
+    ids = torch.randint(0, V, (B, S))
+    fixed = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in fixed:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids)
+    graph = GraphModel.from_traced(torch.export.export(model, (ids,), strict=False))
+    derived = sum(graph.saved[k] for k in ("inner", "outer", "core", "post"))
+    masks = LAYERS * (2 * S * B * H + A * S * S * B)  # one more byte each on CPU
+    norms = 2 * LAYERS + 1
+    stats = norms * 2 * S * B * (2 - 4)  # mean and rstd per row: bf16 on CPU, fp32 on CUDA
+    token_ids = B * S * 8  # int64 ids saved by the embedding, before the first layer
+    assert sum(saved.values()) == derived + masks + stats + token_ids
