@@ -118,6 +118,6 @@ def validate(cfg: ParallelConfig, cluster: Cluster, layers: int, heads: int, kv_
 def _divides(what: str, value: int, by_name: str, by: int) -> None:
     if value % by:
         raise CostInputError(
-            f"{what} ({value}) is not divisible by {by_name} ({by}); pick a {by_name} that "
-            f"divides {value}"
+            f"{what} ({value}) is not divisible by {by_name} ({by}); choose {by_name} to divide "
+            f"{value}"
         )
