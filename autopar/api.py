@@ -10,6 +10,7 @@ Algorithm:
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -76,7 +77,7 @@ def compile_program(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
     _check_split(traced, solution, mesh, axis)
     grad = frozenset(n.name for n in needs_grad(traced))
     ctx = PassContext(mesh=mesh, axis=axis, choice=solution.choice, grad=grad, traced=traced)
-    gm, history = run_pipeline(traced.gm, ctx)
+    gm, history = run_pipeline(torch.fx.GraphModule(traced.gm, copy.deepcopy(traced.gm.graph)), ctx)
     for rec in history:
         log(str(rec))
     plan = _plan(traced, gm, mesh, solution, axis)

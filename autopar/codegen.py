@@ -24,6 +24,7 @@ from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from autopar import meta
 from autopar.layout import Layout
 from autopar.mesh import Mesh
+from autopar.serialize import RankModule
 from autopar.trace import Traced
 
 
@@ -63,7 +64,6 @@ def build_module(gm: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> f
     """The rank's GraphModule: local parameter shards plus a copy of the program (steps 1-4)."""
     coords = mesh.coordinates(rank)
     graph = copy.deepcopy(gm.graph)
-    graph._tracer_cls = None  # export's tracer class cannot rebuild the module when unpickled
     root = nn.Module()
     names = {**traced.params, **traced.buffers}
     for node in list(graph.nodes):
@@ -82,7 +82,7 @@ def build_module(gm: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> f
     _move_attrs_first(graph)
     user = [n.name for n in graph.nodes if n.op == "placeholder"]
     graph._codegen = _PyTreeCodeGen(_PyTreeInfo(user, traced.in_spec, traced.out_spec))
-    out = fx.GraphModule(root, graph, class_name=f"{traced.model_name}Rank{rank}")
+    out = RankModule(root, graph, class_name=f"{traced.model_name}Rank{rank}")
     out.meta = {"rank": rank, "coords": coords}
     return out
 

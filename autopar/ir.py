@@ -21,13 +21,19 @@ def _line(node: fx.Node) -> str:
     if node.op == "output":
         return f"return {_fmt(node.args[0])}"
     lay = meta.layout(node)
-    tail = f"  # {', '.join(map(str, lay)) if isinstance(lay, tuple) else lay}" if lay is not None else ""
+    tail = (
+        f"  # {', '.join(map(str, lay)) if isinstance(lay, tuple) else lay}"
+        if lay is not None
+        else ""
+    )
     typed = f"{node.name}: {_type(node.meta.get('val'))}"
     if node.op == "placeholder":
         return f"{typed}{tail}"
     if node.op == "get_attr":
         return f"{typed} = self.{node.target}{tail}"
-    args = ", ".join([_fmt(a) for a in node.args] + [f"{k}={_fmt(v)}" for k, v in node.kwargs.items()])
+    args = ", ".join(
+        [_fmt(a) for a in node.args] + [f"{k}={_fmt(v)}" for k, v in node.kwargs.items()]
+    )
     return f"{typed} = {op_name(node.target)}({args}){tail}"
 
 

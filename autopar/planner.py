@@ -8,8 +8,8 @@ Algorithm (:func:`solve_axis`):
    is solved as one layer plus the ends.
 3. Price every (node, strategy): compute share (1 when every rank repeats the op, 1/size when
    split), collectives inside lowerings, and activation / parameter memory.
-   Every heavy op (at least 1% of the largest op's FLOPs) must be split: an axis exists to
-   divide compute, so a plan that repeats a matmul on every rank is not a plan for it.
+   Every heavy matmul-like op (at least 1% of the largest one's FLOPs) must be split: an axis
+   exists to divide compute, so a plan that repeats a matmul on every rank is not a plan for it.
 4. Price every edge's re-layout from the producer's output to the consumer's required input,
    shared per (producer, target layout) as the lowered graph shares it, plus the backward
    all-reduce (or reduce-scatter) a replicated value needs when a split consumer makes its
@@ -43,7 +43,8 @@ from cost.hardware import GPU, Link
 
 ADAM_STATE_FACTOR = 4  # parameter + gradient + two Adam moments, per parameter element
 COLLECTIVE_OVERHEAD_S = 10e-6  # launch + stream synchronisation per collective call
-HEAVY_FRACTION = 0.01  # ops with >= 1% of the largest op's FLOPs must be split
+HEAVY_FRACTION = 0.01  # matmul-like ops with >= 1% of the largest op's FLOPs must be split
+_MATMUL_LIKE = ("linear", "mm", "bmm", "matmul", "addmm", "baddbmm", "scaled_dot_product_attention")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -318,7 +319,8 @@ def _memory(n: fx.Node, s: Strategy, size: int, grad: set) -> float:
 
 def _require_split(prob: _Problem, cands: dict, xvar: dict, traced: Traced, size: int) -> None:
     """Forbid the redundant strategy of every heavy op; no split at all is a PlanError."""
-    flops = {n: node_flops_bytes(n)[0] for n in cands if n.op == "call_function"}
+    flops = {n: node_flops_bytes(n)[0] for n in cands
+             if n.op == "call_function" and getattr(n.target, "_opname", "") in _MATMUL_LIKE}  # fmt: skip
     top = max(flops.values(), default=0.0)
     for n, f in flops.items():
         if top == 0.0 or f < HEAVY_FRACTION * top:

@@ -22,6 +22,7 @@ import queue
 import socket
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -126,6 +127,7 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own deprecations
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=120))  # fmt: skip
     results.put((rank, True, None))

@@ -170,4 +170,27 @@ def tokens(c: Config, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-__all__ = ["Config", "GPT", "Llama", "build", "lm_loss", "tokens"]
+__all__ = [
+    "MLP",
+    "Config",
+    "GPT",
+    "GPTBlock",
+    "Llama",
+    "LlamaBlock",
+    "build",
+    "lm_loss",
+    "rope",
+    "tokens",
+]
+
+
+class MLP(nn.Module):
+    """The smallest Megatron pair: column-split up-projection, row-split down-projection."""
+
+    def __init__(self, d: int = 16, f: int = 32) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, f)
+        self.down = nn.Linear(f, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))

@@ -105,7 +105,8 @@ def _reference(model: nn.Module, args: Sequence[Any], kwargs: dict | None,
     cots = [torch.randn(x.shape, generator=gen, dtype=x.dtype) if _floating(x) else None
             for x in leaves]  # fmt: skip
     _seed_backward(leaves, cots)
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    named = model.named_parameters(remove_duplicate=False)  # a tied weight under every name
+    grads = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
     return [x.detach() for x in leaves], grads, cots
 
 
@@ -191,7 +192,7 @@ def _compare_grads(prog: Program, ref: dict, per_rank: list[dict], rtol: float,
                 )
             )
             continue
-        rows.append(_check(fqn, "grad", ours, layouts[fqn], ref[tied[0]], prog, rtol, scale))
+        rows.append(_check(fqn, "grad", ours, layouts[fqn], ref[fqn], prog, rtol, scale))
     return rows
 
 

@@ -49,6 +49,9 @@ def propagate_layout(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def _annotate(node: fx.Node, ctx: PassContext, have: dict) -> None:
+    if node.target is redistribute:
+        have[node] = meta.layout(node).placement(ctx.axis)
+        return
     if is_getitem(node):
         parent = meta.layout(node.args[0])
         if isinstance(parent, tuple):
@@ -84,6 +87,8 @@ def _requirements(node: fx.Node, ctx: PassContext, have: dict) -> list:
     out = []
     for a, want in zip(args, strat.inputs, strict=True):
         pg = isinstance(want, Replicate) and not strat.redundant and a.name in ctx.grad
+        if a.target is redistribute and a.args[4]:
+            pg = False  # already reads through a partial-gradient re-layout (idempotence)
         out.append((a, want, pg) if a in have else (None, None, False))
     return out
 

@@ -6,8 +6,9 @@ import os
 
 import pytest
 import torch
-import torch.nn as nn
 from hypothesis import HealthCheck, settings
+
+from autopar.testing import MLP
 
 settings.register_profile(
     "ci",
@@ -18,18 +19,6 @@ settings.register_profile(
 )
 settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
-
-
-class MLP(nn.Module):
-    """The smallest Megatron pair: column-split up-projection, row-split down-projection."""
-
-    def __init__(self, d: int = 16, f: int = 32) -> None:
-        super().__init__()
-        self.up = nn.Linear(d, f)
-        self.down = nn.Linear(f, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.nn.functional.gelu(self.up(x)))
 
 
 @pytest.fixture

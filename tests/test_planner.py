@@ -69,8 +69,13 @@ def test_loss_never_gathers_logits(kind):
     assert gathered == []
     head = "head.weight" if kind == "gpt" else "lm_head.weight"
     assert param_layouts(prog)[head] == "P('tp', None)"  # vocab-split LM head
-    small = [x for x in prog.collectives() if x.where in ("", "<top>") or x.shape[0] == c.batch * c.seq]
-    assert {x.shape for x in small if x.kind == "all_reduce"} >= {(c.batch * c.seq,), (c.batch * c.seq, 2)}
+    small = [
+        x for x in prog.collectives() if x.where in ("", "<top>") or x.shape[0] == c.batch * c.seq
+    ]
+    assert {x.shape for x in small if x.kind == "all_reduce"} >= {
+        (c.batch * c.seq,),
+        (c.batch * c.seq, 2),
+    }
 
 
 def test_fused_qkv_keeps_each_ranks_q_k_v_slices():
@@ -131,7 +136,17 @@ def wire_elements(prog, kind: str, layer: int, shape: tuple, t: int) -> float:
 
 
 def test_thirty_two_identical_layers_are_solved_once():
-    c = Config(layers=32, hidden=512, heads=8, kv_heads=8, ffn=1024, vocab=1024, seq=64, batch=1, bias=False)
+    c = Config(
+        layers=32,
+        hidden=512,
+        heads=8,
+        kv_heads=8,
+        ffn=1024,
+        vocab=1024,
+        seq=64,
+        batch=1,
+        bias=False,
+    )
     with torch.device("meta"):
         model = build("llama", c)
     prog = autoparallelize(model, Mesh(tp=8), tokens(c), loss_fn=lm_loss)

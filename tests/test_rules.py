@@ -13,7 +13,9 @@ from autopar.trace import trace
 
 CONFIGS = {
     "gpt": Config(layers=1, hidden=32, heads=4, kv_heads=4, ffn=64, vocab=64, seq=8, tied=True),
-    "gpt-fused": Config(layers=1, hidden=32, heads=4, kv_heads=4, ffn=64, vocab=64, seq=8, fused_qkv=True),
+    "gpt-fused": Config(
+        layers=1, hidden=32, heads=4, kv_heads=4, ffn=64, vocab=64, seq=8, fused_qkv=True
+    ),
     "llama": Config(layers=1, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=64, seq=8, bias=False),
 }
 
