@@ -14,13 +14,21 @@ from autopar.errors import (
     ShardingRuleError,
     TraceError,
 )
+from autopar.estimate import Cluster, ModelShape, ParallelConfig, estimate
 from autopar.layout import Layout, Partial, Replicate, Shard
 from autopar.mesh import Mesh
 from autopar.plan import Collective, Plan
 from autopar.program import Program
+from autopar.verify import VerifyReport, verify
 
 __all__ = [
     "AutoparError",
+    "Cluster",
+    "ModelShape",
+    "ParallelConfig",
+    "VerifyReport",
+    "estimate",
+    "verify",
     "Collective",
     "InputError",
     "Layout",

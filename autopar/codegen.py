@@ -82,7 +82,7 @@ def build_module(gm: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> f
     _move_attrs_first(graph)
     user = [n.name for n in graph.nodes if n.op == "placeholder"]
     graph._codegen = _PyTreeCodeGen(_PyTreeInfo(user, traced.in_spec, traced.out_spec))
-    out = RankModule(root, graph, class_name=f"{traced.model_name}Rank{rank}")
+    out = RankModule(root, graph, class_name=f"{traced.model_name}Program")
     out.meta = {"rank": rank, "coords": coords}
     return out
 

@@ -1,0 +1,82 @@
+"""The Program a user inspects: code, modules, save(), and the runtime's bad-input errors."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from autopar import Mesh, MeshError, Plan, autoparallelize
+from autopar.pool import get_pool
+from autopar.testing import Config, build, lm_loss, tokens
+
+
+@pytest.fixture(scope="module")
+def prog():
+    c = Config(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=64, seq=8, batch=2)
+    return autoparallelize(build("llama", c), Mesh(tp=2), tokens(c), loss_fn=lm_loss)
+
+
+def test_code_has_header_layouts_and_named_collectives(prog):
+    code = prog.code(rank=1)
+    assert code.startswith(f"# autopar program · plan {prog.plan.hash} · rank 1 of 2")
+    assert "mesh coordinates (tp=1)" in code
+    assert "all_reduce(" in code and "grad_all_reduce(" in code
+    assert "# P(None, None, 'tp')" in code
+
+
+def test_module_holds_only_its_shards(prog):
+    m0, m1 = prog.module(0), prog.module(1)
+    full = dict(prog.traced.tensors)
+    for name, p in m0.named_parameters():
+        assert p.numel() <= full[name].numel()
+    q0, q1 = m0.get_parameter("layers.0.wq.weight"), m1.get_parameter("layers.0.wq.weight")
+    assert q0.shape == (32, 64)
+    assert torch.equal(torch.cat([q0, q1]), full["layers.0.wq.weight"])
+
+
+def test_modules_pickle_without_retracing(prog):
+    m = pickle.loads(pickle.dumps(prog.module(1)))
+    assert [n for n, _ in m.named_parameters()] == [n for n, _ in prog.module(1).named_parameters()]
+    assert str(m.graph) == str(prog.module(1).graph)
+
+
+def test_save_writes_one_program_and_a_reloadable_plan(prog, tmp_path):
+    files = prog.save(tmp_path)
+    names = sorted(f.name for f in files)
+    assert names == ["plan.json", "plan.txt", "program_0.py"]  # both tp ranks run one program
+    assert Plan.load(tmp_path / "plan.json") == prog.plan
+    source = (tmp_path / "program_0.py").read_text()
+    namespace: dict = {}
+    exec(compile(source, "program_0.py", "exec"), namespace)  # the saved source is runnable Python
+    assert "LlamaProgram" in namespace
+
+
+def test_collectives_list_kind_axis_bytes_direction(prog):
+    rows = prog.collectives()
+    assert rows and {r.direction for r in rows} == {"fwd", "bwd"}
+    assert all(r.axis == "tp" and r.bytes > 0 for r in rows)
+    assert "collectives of one training step" in str(prog.plan)
+
+
+class _FakeDeviceMesh:
+    mesh_dim_names = ("tp",)
+
+    class mesh:  # noqa: N801 - mimics DeviceMesh.mesh
+        shape = (4,)
+
+
+def _bind_wrong_world(rank: int, groups: dict) -> str:
+    from autopar.runtime import bind_mesh
+
+    try:
+        bind_mesh(_FakeDeviceMesh(), Mesh(tp=4))
+    except MeshError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_world_size_not_matching_the_mesh_is_an_error():
+    msgs = get_pool(2).run(_bind_wrong_world, (("tp", 2),), [(), ()])
+    assert all("the job has 2 processes but Mesh(tp=4) needs 4" in m for m in msgs)
