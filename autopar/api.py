@@ -69,6 +69,12 @@ def compile_program(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
     log = _Progress(verbose)
     traced = trace(model, example_inputs, example_kwargs, loss_fn)
     log(f"traced {traced.model_name}: {len(traced.gm.graph.nodes)} nodes")
+    return compile_traced(traced, mesh, options, log)
+
+
+def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
+                   log: Callable[[str], None] = print) -> Program:  # fmt: skip
+    """Steps 2-4 for an already traced graph (one pipeline stage, or the whole model)."""
     axis = "tp"
     solution = solve_axis(traced, axis, mesh.size(axis), mesh.cluster.axis_link(mesh.axes, axis),
                           mesh.cluster.gpu, options)  # fmt: skip
@@ -76,7 +82,8 @@ def compile_program(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
         f"{solution.tied_blocks} nodes tied to an identical block")  # fmt: skip
     _check_split(traced, solution, mesh, axis)
     grad = frozenset(n.name for n in needs_grad(traced))
-    ctx = PassContext(mesh=mesh, axis=axis, choice=solution.choice, grad=grad, traced=traced)
+    ctx = PassContext(mesh=mesh, axis=axis, choice=solution.choice, grad=grad, traced=traced,
+                      replicate_outputs=options.replicate_outputs)  # fmt: skip
     gm, history = run_pipeline(torch.fx.GraphModule(traced.gm, copy.deepcopy(traced.gm.graph)), ctx)
     for rec in history:
         log(str(rec))

@@ -54,6 +54,7 @@ class PlanOptions:
     memory_limit: float | None = None
     memory_weight: float = 0.0
     strict: bool = False
+    replicate_outputs: bool = False  # graph outputs must be whole (pipeline stage boundaries)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,7 +121,7 @@ def solve_axis(
     pricer = _Pricer(size=size, link=link)
     xvar = _choice_vars(prob, graph_nodes, rep, cands, grad, gpu, pricer, options)
     for v in graph_nodes:
-        _price_inputs(prob, v, rep, cands, xvar, grad, pricer)
+        _price_inputs(prob, v, rep, cands, xvar, grad, pricer, options.replicate_outputs)
     _finish_aux(prob, options.memory_weight)
     if size > 1:
         _require_split(prob, cands, xvar, traced, size)
@@ -393,11 +394,11 @@ def _nbytes(arg: fx.Node) -> float:
 
 
 def _price_inputs(prob: _Problem, v: fx.Node, rep: dict, cands: dict, xvar: dict,
-                  grad: set, pricer: _Pricer) -> None:  # fmt: skip
+                  grad: set, pricer: _Pricer, replicate: bool) -> None:  # fmt: skip
     """Transport variables z[a, b] per edge (sum_b z = x_u[a], sum_a z = x_v[b]) keep the LP
     relaxation tight; shared re-layout costs bound them from above per (producer, target)."""
     if v.op == "output":
-        _price_outputs(prob, v, rep, cands, xvar, pricer)
+        _price_outputs(prob, v, rep, cands, xvar, pricer, replicate)
         return
     if rep[v] not in cands:
         return
@@ -440,15 +441,17 @@ def _transport_rows(prob: _Problem, z: dict, xvar: dict, ur: fx.Node, vr: fx.Nod
 
 
 def _price_outputs(prob: _Problem, out: fx.Node, rep: dict, cands: dict, xvar: dict,
-                   pricer: _Pricer) -> None:  # fmt: skip
+                   pricer: _Pricer, replicate: bool) -> None:  # fmt: skip
+    """Partial outputs are reduced; with ``replicate`` split outputs are gathered too."""
     for arg in tensor_args(out):
         u, idx = _source(arg)
         ur = rep[u]
         if ur not in cands:
             continue
         for a, sa in enumerate(cands[ur]):
-            if isinstance(_out(sa, idx), Partial):
-                cost = pricer.t("all_reduce", _nbytes(arg))
+            have = _out(sa, idx)
+            if isinstance(have, Partial) or (replicate and isinstance(have, Shard)):
+                cost = pricer.relayout(have, R, _nbytes(arg), False)
                 _link_aux(prob, ("relayout", ur, idx, a, R), (u, idx, R), cost, xvar[(ur, a)])
 
 

@@ -29,6 +29,7 @@ class PassContext:
     choice: Mapping[str, Strategy]  # node name -> chosen strategy on ``axis``
     grad: frozenset[str]  # names of values that need a gradient
     traced: Traced
+    replicate_outputs: bool = False  # graph outputs must be whole (pipeline stage boundaries)
 
     @property
     def size(self) -> int:

@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from autopar import meta
 from autopar.collectives import redistribute
-from autopar.layout import Layout, Partial, Placement, R, Replicate
+from autopar.layout import Layout, Partial, Placement, R, Replicate, Shard
 from autopar.rules import Strategy
 from autopar.trace import is_getitem, is_tensor
 from passes import PassContext
@@ -79,8 +79,9 @@ def _requirements(node: fx.Node, ctx: PassContext, have: dict) -> list:
     """(producer, wanted placement, partial_grad) per tensor-argument slot of ``node``."""
     args = _tensor_slots(node)
     if node.op == "output":
-        return [(a, R if isinstance(have.get(a), Partial) else have.get(a), False)
-                if a in have else (None, None, False) for a in args]  # fmt: skip
+        whole = lambda p: isinstance(p, Partial) or (ctx.replicate_outputs and isinstance(p, Shard))  # noqa: E731
+        return [(a, R if whole(have[a]) else have[a], False) if a in have else (None, None, False)
+                for a in args]  # fmt: skip
     strat: Strategy | None = ctx.choice.get(node.name)
     if strat is None:
         return [(None, None, False)] * len(args)

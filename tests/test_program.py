@@ -64,14 +64,14 @@ class _FakeDeviceMesh:
     mesh_dim_names = ("tp",)
 
     class mesh:  # noqa: N801 - mimics DeviceMesh.mesh
-        shape = (4,)
+        shape = (8,)
 
 
 def _bind_wrong_world(rank: int, groups: dict) -> str:
     from autopar.runtime import bind_mesh
 
     try:
-        bind_mesh(_FakeDeviceMesh(), Mesh(tp=4))
+        bind_mesh(_FakeDeviceMesh(), Mesh(tp=8))
     except MeshError as exc:
         return str(exc)
     return "no error"
@@ -79,4 +79,4 @@ def _bind_wrong_world(rank: int, groups: dict) -> str:
 
 def test_world_size_not_matching_the_mesh_is_an_error():
     msgs = get_pool(2).run(_bind_wrong_world, (("tp", 2),), [(), ()])
-    assert all("the job has 2 processes but Mesh(tp=4) needs 4" in m for m in msgs)
+    assert all("processes but Mesh(tp=8) needs 8; launch with torchrun" in m for m in msgs)

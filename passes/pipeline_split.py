@@ -1,0 +1,166 @@
+"""pipeline_split: cut the traced graph into stage sub-graphs and their boundary tensors.
+
+Algorithm:
+1. Cuttable units: the prologue (nodes before the first repeated block), each repeated block
+   (``layers.0``, ``layers.1``, ...; contiguous in execution order) and the epilogue.  A cut
+   can only fall between units -- never inside attention.
+2. Stage s holds the nodes between its cuts.  Its inputs are the values live across the cut
+   before it (for stage 0: the model inputs); its outputs the values live across the cut after
+   it, so a value needed two stages later passes through the stage between (residual streams,
+   RoPE tables, masks, the loss target).  Parameters go to every stage that reads them (a tied
+   weight to two).  The last stage returns the scalar loss.
+3. Each stage becomes a stand-alone graph with lifted parameters, ready for the tensor-parallel
+   planner and passes.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from autopar.planner import _find_blocks
+from autopar.trace import Traced, is_tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class Unit:
+    """A run of consecutive call nodes that a stage cut may not split."""
+
+    name: str  # 'prologue', 'layers.3', 'epilogue'
+    nodes: tuple[fx.Node, ...]
+
+
+def cuttable_units(traced: Traced) -> list[Unit]:
+    """Step 1: prologue, each repeated block, epilogue."""
+    body = [n for n in traced.gm.graph.nodes if n.op == "call_function"]
+    blocks = _find_blocks(list(traced.gm.graph.nodes), traced)
+    owner = {n: i for i, block in enumerate(blocks) for n in block}
+    last = max((i for i, n in enumerate(body) if n in owner), default=-1)
+    units: list[tuple[str, list[fx.Node]]] = []
+    for i, n in enumerate(body):
+        if n in owner:
+            label = _block_name(blocks[owner[n]], owner[n])
+        elif not units or (units[-1][0] == "prologue"):
+            label = "prologue"
+        elif i > last:
+            label = "epilogue"
+        else:
+            label = units[-1][0]  # glue between blocks stays with the block before it
+        if units and units[-1][0] == label:
+            units[-1][1].append(n)
+        else:
+            units.append((label, [n]))
+    return [Unit(name=name, nodes=tuple(nodes)) for name, nodes in units]
+
+
+def _block_name(block: list[fx.Node], i: int) -> str:
+    from autopar.meta import module_path
+
+    paths = [module_path(n) for n in block if n.op == "call_function" and module_path(n)]
+    return min(paths, key=len) if paths else f"block.{i}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageGraph:
+    """One stage (or the loss tail) as a stand-alone traced graph."""
+
+    index: int
+    traced: Traced
+    inputs: tuple[str, ...]  # names (in the full graph) of values received
+    outputs: tuple[str, ...]  # names of values sent on
+    units: tuple[str, ...]
+
+
+def split_stages(traced: Traced, units: Sequence[Unit], cuts: Sequence[int],
+                 loss: fx.Node) -> list[StageGraph]:  # fmt: skip
+    """Steps 2-3: one StageGraph per stage; ``cuts`` are the unit indices where stages start."""
+    bounds = [0, *cuts, len(units)]
+    groups = [[n for u in units[a:b] for n in u.nodes] for a, b in zip(bounds, bounds[1:], strict=False)]
+    stage_of = {n: i for i, g in enumerate(groups) for n in g}
+    live_in = [n for n in traced.gm.graph.nodes if n.op == "placeholder" and n.name in traced.user_inputs]
+    stages = []
+    for i, nodes in enumerate(groups):
+        if i == len(groups) - 1:
+            outs = [loss]
+        else:
+            later = {a for g in groups[i + 1:] for n in g for a in n.all_input_nodes}
+            outs = [n for n in _ordered(set(nodes) | set(live_in), traced)
+                    if n in later and stage_of.get(n, -1) <= i]  # fmt: skip
+        names = [u.name for u in units[bounds[i]:bounds[i + 1]]]
+        stages.append(_stage_graph(i, traced, nodes, live_in, outs, names))
+        live_in = outs
+    return stages
+
+
+def _order(traced: Traced):
+    index = {n: i for i, n in enumerate(traced.gm.graph.nodes)}
+    return lambda n: index[n]
+
+
+def _ordered(nodes: set[fx.Node], traced: Traced) -> list[fx.Node]:
+    return sorted(nodes, key=_order(traced))
+
+
+def _stage_graph(index: int, traced: Traced, nodes: list[fx.Node], ins: list[fx.Node],
+                 outs: list[fx.Node], units: list[str]) -> StageGraph:  # fmt: skip
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    lifted = {**traced.params, **traced.buffers}
+    for n in ins:
+        env[n] = _placeholder(graph, n)
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in env and a.op == "placeholder" and a.name in lifted:
+                env[a] = _placeholder(graph, a)
+            elif a not in env and a.op == "get_attr":
+                env[a] = graph.node_copy(a)
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(tuple(env[n] for n in outs))
+    gm = fx.GraphModule(traced.gm, graph)
+    names = {n.name for n in graph.nodes if n.op == "placeholder"}
+    user = tuple(n.name for n in ins)
+    in_spec = pytree.tree_flatten((tuple(range(len(ins))), {}))[1]
+    out_spec = pytree.tree_flatten(tuple(range(len(outs))))[1]
+    stage = Traced(
+        gm=gm,
+        params={k: v for k, v in traced.params.items() if k in names},
+        buffers={k: v for k, v in traced.buffers.items() if k in names},
+        user_inputs=user,
+        tensors=traced.tensors,
+        trainable=traced.trainable,
+        in_spec=in_spec,
+        out_spec=out_spec,
+        model_name=f"{traced.model_name}Stage{index}",
+    )
+    return StageGraph(index=index, traced=stage, inputs=user,
+                      outputs=tuple(n.name for n in outs), units=tuple(units))  # fmt: skip
+
+
+def _placeholder(graph: fx.Graph, n: fx.Node) -> fx.Node:
+    ph = graph.placeholder(n.name)
+    ph.meta = copy.copy(n.meta)
+    ph.meta.pop("autopar", None)
+    return ph
+
+
+def boundary_bytes(traced: Traced, units: Sequence[Unit]) -> list[float]:
+    """Bytes of the values live across the boundary before each unit (index 0: model inputs)."""
+    unit_of = {n: i for i, u in enumerate(units) for n in u.nodes}
+    later = len(units)  # the graph output reads after every unit
+    uses: dict[fx.Node, int] = {}
+    for n in traced.gm.graph.nodes:
+        at = unit_of.get(n, later)
+        for a in n.all_input_nodes:
+            if is_tensor(a) and (a in unit_of or a.name in traced.user_inputs):
+                uses[a] = max(uses.get(a, -1), at)
+    out = []
+    for cut in range(len(units) + 1):
+        live = [a for a, last in uses.items() if unit_of.get(a, -1) < cut <= last]
+        out.append(float(sum(a.meta["val"].numel() * a.meta["val"].element_size() for a in live)))
+    return out
+
+
