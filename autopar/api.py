@@ -39,7 +39,11 @@ def autoparallelize(
     memory_weight: float = 0.0,
     strict: bool = False,
     verbose: bool = False,
-) -> Program | torch.fx.GraphModule:
+    n_microbatches: int | None = None,
+    schedule: str = "1f1b",
+    virtual_stages: int | None = None,
+    split_points: Sequence[str] = (),
+) -> Any:
     """Compile ``model`` for ``mesh``.
 
     With a virtual :class:`Mesh`, returns a :class:`Program` (plan, per-rank modules and code).
@@ -48,18 +52,34 @@ def autoparallelize(
     ``loss_fn(model(*example_inputs[:-1], **example_kwargs), example_inputs[-1])``.
     ``memory_limit`` (bytes per rank) and ``memory_weight`` (seconds per byte) steer the
     solver toward plans that hold less per rank (e.g. sequence parallelism).
+
+    A mesh with a ``pp`` axis pipelines the model: it must (with ``loss_fn``) return a scalar
+    loss; ``n_microbatches`` (default: chosen), ``schedule`` ('gpipe', '1f1b', 'interleaved',
+    'zero_bubble'), ``virtual_stages`` and ``split_points`` (module paths that must start a
+    stage) shape it.  Returns a PipelineProgram, or with a DeviceMesh this rank's
+    PipelineRunner (``runner.train_step(optimizer_factory)``).
     """
     device_mesh = None if isinstance(mesh, Mesh) else mesh
     virtual = mesh if isinstance(mesh, Mesh) else Mesh.from_device_mesh(mesh)
     options = PlanOptions(memory_limit=memory_limit, memory_weight=memory_weight, strict=strict)
-    prog = compile_program(
-        model, virtual, example_inputs, loss_fn, example_kwargs, options, verbose
-    )
+    if "pp" in virtual.sizes:
+        from autopar.pipeline import compile_pipeline
+
+        prog = compile_pipeline(model, virtual, example_inputs, loss_fn, example_kwargs, options,
+                                n_microbatches, schedule, virtual_stages, split_points,
+                                _Progress(verbose))  # fmt: skip
+    else:
+        prog = compile_program(
+            model, virtual, example_inputs, loss_fn, example_kwargs, options, verbose
+        )
     if device_mesh is None:
         return prog
-    from autopar.runtime import bind_mesh
+    from autopar.runtime import PipelineRunner, bind_mesh
 
-    return prog.module(bind_mesh(device_mesh, virtual))
+    rank = bind_mesh(device_mesh, virtual)
+    if "pp" in virtual.sizes:
+        return PipelineRunner(prog.share(rank), device_mesh.get_group("pp"))
+    return prog.module(rank)
 
 
 def compile_program(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],

@@ -86,6 +86,8 @@ def verify(
     """Compare ``model`` with its parallel programs on ``mesh`` (steps 1-4)."""
     prog = autoparallelize(model, mesh, example_inputs, loss_fn,
                            example_kwargs=example_kwargs, **compile_options)  # fmt: skip
+    if "pp" in mesh.sizes:
+        return _verify_pipeline(prog, model, example_inputs, example_kwargs, loss_fn, rtol)
     ref_out, ref_grads, cots = _reference(model, example_inputs, example_kwargs, loss_fn, seed)
     results = run_ranks(prog, example_inputs, example_kwargs, cots)
     out_scale = _scale(ref_out)
@@ -96,7 +98,8 @@ def verify(
 
 
 def _reference(model: nn.Module, args: Sequence[Any], kwargs: dict | None,
-               loss_fn: Callable | None, seed: int) -> tuple[list, dict, list]:  # fmt: skip
+               loss_fn: Callable | None, seed: int,
+               unit_cotangent: bool = False) -> tuple[list, dict, list]:  # fmt: skip
     model.zero_grad(set_to_none=True)
     kwargs = kwargs or {}
     out = loss_fn(model(*args[:-1], **kwargs), args[-1]) if loss_fn else model(*args, **kwargs)
@@ -104,6 +107,8 @@ def _reference(model: nn.Module, args: Sequence[Any], kwargs: dict | None,
     gen = torch.Generator().manual_seed(seed)
     cots = [torch.randn(x.shape, generator=gen, dtype=x.dtype) if _floating(x) else None
             for x in leaves]  # fmt: skip
+    if unit_cotangent:  # pipelines differentiate the scalar loss alone
+        cots = [torch.ones(()) if _floating(x) and x.dim() == 0 else None for x in leaves]
     _seed_backward(leaves, cots)
     named = model.named_parameters(remove_duplicate=False)  # a tied weight under every name
     grads = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
@@ -214,3 +219,53 @@ def _check(name: str, kind: str, ours: list[torch.Tensor], lay: Layout | None, r
     return TensorCheck(
         name=name, kind=kind, max_abs=worst, max_rel=worst / scale, ok=worst / scale <= rtol
     )
+
+
+def _verify_pipeline(prog: Any, model: nn.Module, args: Sequence[Any], kwargs: dict | None,
+                     loss_fn: Callable | None, rtol: float) -> VerifyReport:  # fmt: skip
+    """Pipelines: the loss over the whole batch (mean of micro-batch losses) and every gradient
+    (every copy of a tied weight) against one full-batch step on one device."""
+    ref_out, ref_grads, _ = _reference(model, args, kwargs, loss_fn, seed=0, unit_cotangent=True)
+    ref_loss = next(x for x in ref_out if x.dim() == 0)
+    world = prog.mesh.world_size
+    jobs = [(prog.share(r), tuple(args), dict(kwargs or {})) for r in range(world)]
+    results = get_pool(world).run(_pipeline_rank_step, prog.mesh.axes, jobs)
+    rows = [_check("loss", "output", [loss for loss, _ in results], None, ref_loss, prog, rtol,
+                   ref_loss.abs().item())]  # fmt: skip
+    scale = _scale(list(ref_grads.values()))
+    for stage_id, stage in enumerate(prog.stages):
+        for ph, fqn in stage.traced.params.items():
+            if fqn not in ref_grads:
+                continue
+            lay = meta.layout(next(n for n in stage.graph_module.graph.nodes if n.name == ph))
+            ranks = [r for r in range(world) if stage_id in results[r][1]]
+            shards = [results[r][1][stage_id].get(fqn) for r in ranks]
+            name = f"{fqn} (stage {stage_id})"
+            if any(g is None for g in shards):
+                rows.append(
+                    TensorCheck(
+                        name=name, kind="grad", max_abs=float("inf"), max_rel=float("inf"), ok=False
+                    )
+                )
+                continue
+            stage_prog = _StageView(stage.mesh)
+            rows.append(_check(name, "grad", shards, lay, ref_grads[fqn], stage_prog, rtol, scale))
+    return VerifyReport(mesh=str(prog.mesh), rtol=rtol, rows=tuple(rows))
+
+
+class _StageView:
+    """The tensor-parallel mesh of one stage, as _check expects of a program."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+
+
+def _pipeline_rank_step(rank: int, groups: dict, share: Any, args: tuple, kwargs: dict) -> tuple:
+    from autopar.runtime import PipelineRunner
+
+    collectives.bind(groups)
+    runner = PipelineRunner(share, groups["pp"])
+    loss = runner.step(*args, **kwargs)
+    grads = {s: {n: p.grad.detach() for n, p in m.named_parameters() if p.grad is not None}
+             for s, m in share.modules.items()}  # fmt: skip
+    return loss, grads

@@ -19,6 +19,7 @@ import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
@@ -79,18 +80,22 @@ def split_stages(traced: Traced, units: Sequence[Unit], cuts: Sequence[int],
                  loss: fx.Node) -> list[StageGraph]:  # fmt: skip
     """Steps 2-3: one StageGraph per stage; ``cuts`` are the unit indices where stages start."""
     bounds = [0, *cuts, len(units)]
-    groups = [[n for u in units[a:b] for n in u.nodes] for a, b in zip(bounds, bounds[1:], strict=False)]
+    groups = [
+        [n for u in units[a:b] for n in u.nodes] for a, b in zip(bounds, bounds[1:], strict=False)
+    ]
     stage_of = {n: i for i, g in enumerate(groups) for n in g}
-    live_in = [n for n in traced.gm.graph.nodes if n.op == "placeholder" and n.name in traced.user_inputs]
+    live_in = [
+        n for n in traced.gm.graph.nodes if n.op == "placeholder" and n.name in traced.user_inputs
+    ]
     stages = []
     for i, nodes in enumerate(groups):
         if i == len(groups) - 1:
             outs = [loss]
         else:
-            later = {a for g in groups[i + 1:] for n in g for a in n.all_input_nodes}
+            later = {a for g in groups[i + 1 :] for n in g for a in n.all_input_nodes}
             outs = [n for n in _ordered(set(nodes) | set(live_in), traced)
                     if n in later and stage_of.get(n, -1) <= i]  # fmt: skip
-        names = [u.name for u in units[bounds[i]:bounds[i + 1]]]
+        names = [u.name for u in units[bounds[i] : bounds[i + 1]]]
         stages.append(_stage_graph(i, traced, nodes, live_in, outs, names))
         live_in = outs
     return stages
@@ -119,7 +124,7 @@ def _stage_graph(index: int, traced: Traced, nodes: list[fx.Node], ins: list[fx.
             elif a not in env and a.op == "get_attr":
                 env[a] = graph.node_copy(a)
         env[n] = graph.node_copy(n, lambda a: env[a])
-    graph.output(tuple(env[n] for n in outs))
+    graph.output(tuple(_contiguous(graph, env[n]) for n in outs))
     gm = fx.GraphModule(traced.gm, graph)
     names = {n.name for n in graph.nodes if n.op == "placeholder"}
     user = tuple(n.name for n in ins)
@@ -138,6 +143,15 @@ def _stage_graph(index: int, traced: Traced, nodes: list[fx.Node], ins: list[fx.
     )
     return StageGraph(index=index, traced=stage, inputs=user,
                       outputs=tuple(n.name for n in outs), units=tuple(units))  # fmt: skip
+
+
+def _contiguous(graph: fx.Graph, n: fx.Node) -> fx.Node:
+    """Values are sent between stages as dense buffers (expanded views are not)."""
+    if not is_tensor(n) or n.op == "placeholder":
+        return n
+    out = graph.call_function(torch.ops.aten.contiguous.default, (n,))
+    out.meta = copy.copy(n.meta)
+    return out
 
 
 def _placeholder(graph: fx.Graph, n: fx.Node) -> fx.Node:
@@ -162,5 +176,3 @@ def boundary_bytes(traced: Traced, units: Sequence[Unit]) -> list[float]:
         live = [a for a, last in uses.items() if unit_of.get(a, -1) < cut <= last]
         out.append(float(sum(a.meta["val"].numel() * a.meta["val"].element_size() for a in live)))
     return out
-
-

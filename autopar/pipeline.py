@@ -1,0 +1,427 @@
+"""Pipeline parallelism: cost-balanced stage cuts, per-stage programs, real schedules.
+
+Algorithm (:func:`compile_pipeline`):
+1. Trace the model (plus loss) on one micro-batch (the batch must divide by the micro-batch
+   count); the traced function must return one scalar loss.
+2. Price each cuttable unit (prologue, each block, epilogue): its forward+backward compute on
+   the stage's tensor-parallel degree, plus the send/recv of the values live across each
+   boundary on the pipeline axis's link.
+3. Choose the cuts exactly: a dynamic program over contiguous partitions minimises the slowest
+   stage (compute + boundary traffic), skipping partitions whose stages do not fit memory
+   (parameters with Adam state + the schedule's in-flight micro-batches of activations);
+   user-pinned cuts (``split_points``) are kept.
+4. Split the graph (passes.pipeline_split) and compile every stage for the tensor-parallel axis
+   with whole (replicated) boundary outputs.
+5. Run with torch.distributed.pipelining's schedules (GPipe, 1F1B, interleaved 1F1B,
+   interleaved zero-bubble); gradients of a weight used on two stages (tied embeddings) are
+   summed between them after each step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from autopar import meta
+from autopar.errors import InputError, PlanError
+from autopar.mesh import Mesh
+from autopar.planner import PlanOptions, needs_grad
+from autopar.program import Program
+from autopar.runtime import RankShare
+from autopar.trace import Traced, trace
+from cost.comm import collective_time
+from cost.compute import node_time
+from passes.pipeline_split import StageGraph, Unit, boundary_bytes, cuttable_units, split_stages
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+ADAM_BYTES_PER_PARAM = 16  # fp32 parameter, gradient and two Adam moments
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageCut:
+    """The chosen cuts and what the cost model predicts for each stage."""
+
+    cuts: tuple[int, ...]  # unit index where each stage after the first starts
+    units: tuple[str, ...]
+    stage_s: tuple[float, ...]  # predicted forward+backward seconds per micro-batch per stage
+    boundary_bytes: tuple[float, ...]  # bytes sent by each stage per micro-batch (forward)
+
+    @property
+    def slowest_s(self) -> float:
+        return max(self.stage_s)
+
+    def describe(self) -> list[str]:
+        bounds = [0, *self.cuts, len(self.units)]
+        rows = []
+        for s, (a, b) in enumerate(itertools.pairwise(bounds)):
+            names = self.units[a:b]
+            span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+            rows.append(f"stage {s}: {span:<34} {self.stage_s[s] * 1e3:8.3f} ms/micro-batch"
+                        f"  sends {self.boundary_bytes[s] / 2**20:8.2f} MiB")  # fmt: skip
+        return rows
+
+
+def balanced_cuts(costs: Sequence[float], boundary: Sequence[float], stages: int,
+                  pinned: Sequence[int] = (), fits: Callable[[int, int], bool] | None = None,
+                  ) -> tuple[list[int], float]:  # fmt: skip
+    """Exact contiguous partition of ``costs`` into ``stages`` minimising the slowest stage.
+
+    A stage over units [a, b) costs sum(costs[a:b]) + boundary[b] (what it sends on; the
+    last stage sends nothing).  No stage may straddle a pinned cut; ``fits(a, b)`` may veto one.
+    Returns (cuts, slowest-stage cost); raises PlanError when no partition exists.
+    """
+    n = len(costs)
+    prefix = [0.0, *itertools.accumulate(costs)]
+    pins = set(pinned)
+    inf = math.inf
+
+    def cost(a: int, b: int) -> float:
+        if any(a < p < b for p in pins) or (fits is not None and not fits(a, b)):
+            return inf
+        return prefix[b] - prefix[a] + (boundary[b] if b < n else 0.0)
+
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    back = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for b in range(k, n + 1):
+            for a in range(k - 1, b):
+                value = max(best[k - 1][a], cost(a, b))
+                if value < best[k][b]:
+                    best[k][b], back[k][b] = value, a
+    if best[stages][n] == inf:
+        raise PlanError(
+            f"no split of {n} units into {stages} stages fits (pinned cuts {sorted(pins)})"
+        )
+    cuts, b = [], n
+    for k in range(stages, 0, -1):
+        b = back[k][b]
+        cuts.append(b)
+    return sorted(cuts)[1:], best[stages][n]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    n_microbatches: int
+    schedule: str
+    virtual_stages: int
+
+    @property
+    def in_flight(self) -> Callable[[int, int], int]:
+        """Micro-batches of activations stage ``s`` of ``p`` holds at its peak."""
+        if self.schedule == "gpipe":
+            return lambda s, p: self.n_microbatches
+        return lambda s, p: min(self.n_microbatches, p - s)
+
+
+def choose_cuts(traced: Traced, units: list[Unit], mesh: Mesh, config: PipelineConfig,
+                split_points: Sequence[str]) -> StageCut:  # fmt: skip
+    """Steps 2-3: price units and boundaries, then cut exactly."""
+    p = mesh.size("pp") * config.virtual_stages
+    if p > len(units):
+        raise PlanError(
+            f"{p} pipeline stages but {traced.model_name} has only {len(units)} cuttable units "
+            f"({', '.join(u.name for u in units)}); use fewer stages or virtual stages"
+        )
+    tp, gpu = mesh.size("tp"), mesh.cluster.gpu
+    grad = needs_grad(traced)
+    costs = [sum(node_time(n, gpu) * (3 if n in grad else 1) for n in u.nodes) / tp for u in units]
+    link = mesh.cluster.axis_link(mesh.axes, "pp")
+    sent = boundary_bytes(traced, units)
+    boundary = [2 * collective_time("send_recv", b, 2, link) if b else 0.0 for b in sent]
+    pinned = [_pin_index(units, name, traced) for name in split_points]
+    fits = _memory_check(traced, units, mesh, config, p)
+    cuts, _ = balanced_cuts(costs, boundary, p, pinned, fits)
+    bounds = [0, *cuts, len(units)]
+    stage_s = tuple(sum(costs[a:b]) + (boundary[b] if b < len(units) else 0.0)
+                    for a, b in itertools.pairwise(bounds))  # fmt: skip
+    out_bytes = tuple(sent[b] if b < len(units) else 0.0 for _, b in itertools.pairwise(bounds))
+    return StageCut(cuts=tuple(cuts), units=tuple(u.name for u in units), stage_s=stage_s,
+                    boundary_bytes=out_bytes)  # fmt: skip
+
+
+def _pin_index(units: list[Unit], name: str, traced: Traced) -> int:
+    for i, u in enumerate(units):
+        if u.name == name or u.name.startswith(name + "."):
+            if i == 0:
+                raise PlanError(
+                    f"split point {name!r} is the first unit: a cut there makes an empty stage"
+                )
+            return i
+    known = ", ".join(u.name for u in units)
+    raise PlanError(
+        f"split point {name!r} is not a cuttable module of {traced.model_name}; "
+        f"cuts can fall before: {known}"
+    )
+
+
+def _memory_check(traced: Traced, units: list[Unit], mesh: Mesh, config: PipelineConfig,
+                  p: int) -> Callable[[int, int], bool]:  # fmt: skip
+    tp = mesh.size("tp")
+    param_bytes = []
+    act_bytes = []
+    for u in units:
+        params = {a for n in u.nodes for a in n.all_input_nodes if a.name in traced.params}
+        param_bytes.append(sum(a.meta["val"].numel() for a in params) * ADAM_BYTES_PER_PARAM / tp)
+        act_bytes.append(sum(_nbytes(n) for n in u.nodes) / tp)
+    capacity = mesh.cluster.gpu.hbm_bytes
+    held = config.in_flight(0, p)  # every stage is checked with the first stage's worst case
+
+    def fits(a: int, b: int) -> bool:
+        return sum(param_bytes[a:b]) + held * sum(act_bytes[a:b]) <= capacity
+
+    return fits
+
+
+def _nbytes(n: fx.Node) -> float:
+    v = n.meta.get("val")
+    return float(v.numel() * v.element_size()) if isinstance(v, torch.Tensor) else 0.0
+
+
+def microbatch(example_inputs: Sequence[Any], example_kwargs: dict | None, m: int) -> tuple:
+    """The first of ``m`` equal micro-batches of every tensor input (dim 0)."""
+
+    def first(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        if t.shape[0] % m:
+            raise InputError(
+                f"n_microbatches={m} does not divide the batch dimension of an input of shape "
+                f"{tuple(t.shape)}; choose a micro-batch count that divides {t.shape[0]}"
+            )
+        return t[: t.shape[0] // m]
+
+    return tuple(first(t) for t in example_inputs), {
+        k: first(v) for k, v in (example_kwargs or {}).items()
+    }
+
+
+def default_microbatches(batch: int, stages: int) -> int:
+    """Smallest divisor of the batch that is at least twice the stage count (else the batch)."""
+    for m in range(2 * stages, batch + 1):
+        if batch % m == 0:
+            return m
+    return batch
+
+
+def loss_output(traced: Traced) -> fx.Node:
+    out = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    leaves = [a for a in torch.utils._pytree.tree_leaves(out.args[0]) if isinstance(a, fx.Node)]
+    scalars = [
+        a
+        for a in leaves
+        if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dim() == 0
+    ]
+    if len(scalars) != 1:
+        raise InputError(
+            f"pipeline parallelism needs {traced.model_name} (with loss_fn) to return one scalar "
+            f"loss; it returns {len(leaves)} outputs, {len(scalars)} of them scalar. Pass "
+            "loss_fn=... (the last example input is its target) or labels to an HF model."
+        )
+    return scalars[0]
+
+
+class PipelinePlan:
+    """The pipeline's plan: stage cuts, schedule, bubble and each stage's tensor-parallel plan."""
+
+    def __init__(self, prog: PipelineProgram) -> None:
+        self.prog = prog
+
+    @property
+    def hash(self) -> str:
+        return "-".join(s.plan.hash[:4] for s in self.prog.stages)
+
+    def __str__(self) -> str:
+        p, c = self.prog, self.prog.config
+        head = [
+            f"autopar pipeline plan {self.hash} · {p.model_name} on {p.mesh} · "
+            f"{len(p.stages)} stages · schedule {c.schedule} · {c.n_microbatches} micro-batches",
+            *p.cut.describe(),
+            f"predicted bubble: {p.timeline().bubble:.1%} (formula "
+            f"{_formula(c, p.mesh.size('pp')):.1%}); slowest stage {p.cut.slowest_s * 1e3:.3f} ms/micro-batch",
+        ]
+        if p.tied:
+            head.append("tied across stages (gradients summed): " + ", ".join(sorted(p.tied)))
+        for i, stage in enumerate(p.stages):
+            head += ["", f"--- stage {i} ---", str(stage.plan)]
+        return "\n".join(head)
+
+
+def _formula(config: PipelineConfig, p: int) -> float:
+    from autopar.schedule import formula_bubble
+
+    return formula_bubble(config.schedule if config.schedule != "zero_bubble" else "interleaved",
+                          p, config.n_microbatches, config.virtual_stages)  # fmt: skip
+
+
+class PipelineProgram:
+    """What :func:`autopar.autoparallelize` returns for a mesh with a ``pp`` axis."""
+
+    def __init__(self, *, mesh: Mesh, stages: list[Program], graphs: list[StageGraph],
+                 cut: StageCut, config: PipelineConfig, model_name: str,
+                 grad_names: frozenset[str]) -> None:  # fmt: skip
+        self.mesh, self.stages, self.graphs, self.cut, self.config = (
+            mesh,
+            stages,
+            graphs,
+            cut,
+            config,
+        )
+        self.grad_names = grad_names
+        self.model_name = model_name
+        self.plan = PipelinePlan(self)
+        uses: dict[str, list[int]] = {}
+        for i, st in enumerate(stages):
+            for fqn in st.traced.params.values():
+                uses.setdefault(fqn, []).append(i)
+        self.tied = {fqn: ix for fqn, ix in uses.items() if len(ix) > 1}
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """Stages held by a pipeline rank: s, s + p, ... (interleaved placement)."""
+        p = self.mesh.size("pp")
+        return list(range(pp_rank, len(self.stages), p))
+
+    def module(self, rank: int, stage: int | None = None) -> fx.GraphModule:
+        """The module of ``stage`` (default: the rank's first stage) for global ``rank``."""
+        coords = self.mesh.coordinates(rank)
+        stage = self.stages_of(coords["pp"])[0] if stage is None else stage
+        return self.stages[stage].module(coords.get("tp", 0))
+
+    def share(self, rank: int) -> RankShare:
+        """What global ``rank`` runs: its stages' modules and the schedule's settings."""
+        coords = self.mesh.coordinates(rank)
+        modules = {
+            s: self.stages[s].module(coords.get("tp", 0)) for s in self.stages_of(coords["pp"])
+        }
+        io = {s: _io(self.stages[s].graph_module, self.graphs[s], self.grad_names) for s in modules}
+        placements = {s: {fqn: lay for fqn, lay in self._tp_placements(s).items() if fqn in self.tied}
+                      for s in modules}  # fmt: skip
+        return RankShare(modules=modules, n_stages=len(self.stages), config=self.config,
+                         tied=self.tied, mesh=self.mesh, coords=coords, io=io,
+                         placements=placements)  # fmt: skip
+
+    def _tp_placements(self, stage: int) -> dict[str, str]:
+        prog = self.stages[stage]
+        return {prog.traced.params[n.name]: str(meta.layout(n).placement("tp"))
+                for n in prog.graph_module.graph.nodes
+                if n.op == "placeholder" and n.name in prog.traced.params}  # fmt: skip
+
+    def code(self, rank: int = 0) -> str:
+        coords = self.mesh.coordinates(rank)
+        return "\n".join(
+            f"# ===== stage {s} of {len(self.stages)} on rank {rank} =====\n"
+            + self.stages[s].code(coords.get("tp", 0))
+            for s in self.stages_of(coords["pp"])
+        )
+
+    def collectives(self) -> list:
+        return [c for st in self.stages for c in st.collectives()]
+
+    def timeline(self):
+        from autopar.schedule import actions, simulate
+
+        c, p = self.config, self.mesh.size("pp")
+        kind = "interleaved" if c.schedule == "zero_bubble" else c.schedule
+        return simulate(actions(kind, p, c.n_microbatches, c.virtual_stages), len(self.stages))
+
+    def train_step(
+        self, optimizer_factory: Callable[[list[nn.Parameter]], Any]
+    ) -> TrainStepPreview:
+        """On a virtual mesh: the schedule this step would run (print it)."""
+        return TrainStepPreview(self, optimizer_factory)
+
+    def save(self, directory: str) -> list:
+        from pathlib import Path
+
+        d = Path(directory)
+        written = []
+        for i, st in enumerate(self.stages):
+            written += st.save(d / f"stage_{i}")
+        (d / "pipeline.txt").write_text(str(self.plan) + "\n\n" + str(self.timeline()) + "\n")
+        return [*written, d / "pipeline.txt"]
+
+    def __repr__(self) -> str:
+        return (
+            f"<autopar.PipelineProgram {self.model_name} on {self.mesh}, {len(self.stages)} stages>"
+        )
+
+
+def _io(gm: fx.GraphModule, stage: StageGraph, grad: frozenset[str]) -> tuple[list, list]:
+    """(shape, dtype, requires_grad) of a stage program's inputs and outputs (local shapes;
+    boundaries are whole); a boundary value carries a gradient when it depends on a weight."""
+    spec = lambda n, name: (tuple(n.meta["val"].shape), n.meta["val"].dtype, name in grad)  # noqa: E731
+    ins = [
+        spec(n, n.name) for n in gm.graph.nodes if n.op == "placeholder" and n.name in stage.inputs
+    ]
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves = torch.utils._pytree.tree_leaves(out.args[0])
+    return ins, [spec(a, name) for a, name in zip(leaves, stage.outputs, strict=True)]
+
+
+class TrainStepPreview:
+    """``prog.train_step(...)`` on a virtual mesh: prints the schedule; runs nowhere."""
+
+    def __init__(self, prog: PipelineProgram, optimizer_factory: Callable) -> None:
+        self.prog, self.optimizer_factory = prog, optimizer_factory
+
+    def __str__(self) -> str:
+        c = self.prog.config
+        t = self.prog.timeline()
+        return (f"{c.schedule} schedule, {c.n_microbatches} micro-batches, {len(self.prog.stages)} stages "
+                f"on {self.prog.mesh.size('pp')} pipeline ranks\n{t}\n"
+                f"formula bubble: {_formula(c, self.prog.mesh.size('pp')):.1%}")  # fmt: skip
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise RuntimeError(
+            "a virtual Mesh has no processes to run on: call autoparallelize(model, device_mesh, "
+            "...) inside torchrun (or autopar.verify) and use the returned runner's train_step"
+        )
+
+
+def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
+                     loss_fn: Callable | None, example_kwargs: dict | None, options: PlanOptions,
+                     n_microbatches: int | None, schedule: str, virtual_stages: int | None,
+                     split_points: Sequence[str], log: Callable[[str], None]) -> PipelineProgram:  # fmt: skip
+    """Steps 1-4 (see the module docstring)."""
+    from autopar.api import compile_traced
+
+    if schedule not in SCHEDULES:
+        raise InputError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    v = virtual_stages or (2 if schedule in ("interleaved", "zero_bubble") else 1)
+    p = mesh.size("pp")
+    batch = _batch_size(example_inputs, example_kwargs)
+    m = n_microbatches or default_microbatches(batch, p * v)
+    config = PipelineConfig(n_microbatches=m, schedule=schedule, virtual_stages=v)
+    args, kwargs = microbatch(example_inputs, example_kwargs, m)
+    traced = trace(model, args, kwargs, loss_fn)
+    loss = loss_output(traced)
+    log(
+        f"traced {traced.model_name} on a micro-batch of {batch // m}: {len(traced.gm.graph.nodes)} nodes"
+    )
+    units = cuttable_units(traced)
+    cut = choose_cuts(traced, units, mesh, config, split_points)
+    log("stage cuts: " + "; ".join(cut.describe()))
+    graphs = split_stages(traced, units, list(cut.cuts), loss)
+    stage_mesh = Mesh(mesh.cluster, tp=mesh.size("tp"))
+    stage_opts = PlanOptions(memory_limit=options.memory_limit, memory_weight=options.memory_weight,
+                             strict=options.strict, replicate_outputs=True)  # fmt: skip
+    stages = [compile_traced(g.traced, stage_mesh, stage_opts, log) for g in graphs]
+    grad = frozenset(n.name for n in needs_grad(traced))
+    return PipelineProgram(mesh=mesh, stages=stages, graphs=graphs, cut=cut, config=config,
+                           model_name=traced.model_name, grad_names=grad)  # fmt: skip
+
+
+def _batch_size(args: Sequence[Any], kwargs: dict | None) -> int:
+    for t in [*args, *(kwargs or {}).values()]:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return t.shape[0]
+    raise InputError(
+        "pipeline parallelism needs a batched tensor input to split into micro-batches"
+    )
