@@ -1,4 +1,4 @@
-"""Train HF LlamaForCausalLM with pipeline x tensor parallelism on 4 CPU ranks; compare with one device.
+"""Train HF Llama with pipeline x tensor parallelism on 4 CPU ranks; compare with one device.
 
 Run from the repository root (after `pip install -e .`, or with `PYTHONPATH=.`):
 
