@@ -93,14 +93,16 @@ def compile_program(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
 
 
 def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
-                   log: Callable[[str], None] = print) -> Program:  # fmt: skip
-    """Steps 2-4 for an already traced graph (one pipeline stage, or the whole model)."""
+                   log: Callable[[str], None] = print, whole_model: bool = True) -> Program:  # fmt: skip
+    """Steps 2-4 for an already traced graph: the whole model, or one pipeline stage (which
+    may hold nothing worth splitting, e.g. only an embedding)."""
     axis = "tp"
     solution = solve_axis(traced, axis, mesh.size(axis), mesh.cluster.axis_link(mesh.axes, axis),
                           mesh.cluster.gpu, options)  # fmt: skip
     log(f"solved {axis}={mesh.size(axis)}: {solution.variables} variables, "
         f"{solution.tied_blocks} nodes tied to an identical block")  # fmt: skip
-    _check_split(traced, solution, mesh, axis)
+    if whole_model:
+        _check_split(traced, solution, mesh, axis)
     grad = frozenset(n.name for n in needs_grad(traced))
     ctx = PassContext(mesh=mesh, axis=axis, choice=solution.choice, grad=grad, traced=traced,
                       replicate_outputs=options.replicate_outputs)  # fmt: skip

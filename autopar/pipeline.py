@@ -130,12 +130,7 @@ def choose_cuts(traced: Traced, units: list[Unit], mesh: Mesh, config: PipelineC
             f"{p} pipeline stages but {traced.model_name} has only {len(units)} cuttable units "
             f"({', '.join(u.name for u in units)}); use fewer stages or virtual stages"
         )
-    tp, gpu = mesh.size("tp"), mesh.cluster.gpu
-    grad = needs_grad(traced)
-    costs = [sum(node_time(n, gpu) * (3 if n in grad else 1) for n in u.nodes) / tp for u in units]
-    link = mesh.cluster.axis_link(mesh.axes, "pp")
-    sent = boundary_bytes(traced, units)
-    boundary = [2 * collective_time("send_recv", b, 2, link) if b else 0.0 for b in sent]
+    costs, boundary, sent = unit_costs(traced, units, mesh)
     pinned = [_pin_index(units, name, traced) for name in split_points]
     fits = _memory_check(traced, units, mesh, config, p)
     cuts, _ = balanced_cuts(costs, boundary, p, pinned, fits)
@@ -145,6 +140,18 @@ def choose_cuts(traced: Traced, units: list[Unit], mesh: Mesh, config: PipelineC
     out_bytes = tuple(sent[b] if b < len(units) else 0.0 for _, b in itertools.pairwise(bounds))
     return StageCut(cuts=tuple(cuts), units=tuple(u.name for u in units), stage_s=stage_s,
                     boundary_bytes=out_bytes)  # fmt: skip
+
+
+def unit_costs(traced: Traced, units: list[Unit], mesh: Mesh) -> tuple[list, list, list]:
+    """Per unit: forward+backward seconds on the stage's tp degree; per boundary: seconds to
+    send the live values forward and their gradients back, and the bytes."""
+    tp, gpu = mesh.size("tp"), mesh.cluster.gpu
+    grad = needs_grad(traced)
+    costs = [sum(node_time(n, gpu) * (3 if n in grad else 1) for n in u.nodes) / tp for u in units]
+    link = mesh.cluster.axis_link(mesh.axes, "pp")
+    sent = boundary_bytes(traced, units)
+    boundary = [2 * collective_time("send_recv", b, 2, link) if b else 0.0 for b in sent]
+    return costs, boundary, sent
 
 
 def _pin_index(units: list[Unit], name: str, traced: Traced) -> int:
@@ -398,6 +405,11 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any]
     p = mesh.size("pp")
     batch = _batch_size(example_inputs, example_kwargs)
     m = n_microbatches or default_microbatches(batch, p * v)
+    if schedule != "gpipe" and m < p:
+        raise InputError(
+            f"the {schedule} schedule needs at least as many micro-batches as pipeline ranks "
+            f"({p}); got n_microbatches={m} (GPipe has no such limit)"
+        )
     config = PipelineConfig(n_microbatches=m, schedule=schedule, virtual_stages=v)
     args, kwargs = microbatch(example_inputs, example_kwargs, m)
     traced = trace(model, args, kwargs, loss_fn)
@@ -412,7 +424,9 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any]
     stage_mesh = Mesh(mesh.cluster, tp=mesh.size("tp"))
     stage_opts = PlanOptions(memory_limit=options.memory_limit, memory_weight=options.memory_weight,
                              strict=options.strict, replicate_outputs=True)  # fmt: skip
-    stages = [compile_traced(g.traced, stage_mesh, stage_opts, log) for g in graphs]
+    stages = [
+        compile_traced(g.traced, stage_mesh, stage_opts, log, whole_model=False) for g in graphs
+    ]
     grad = frozenset(n.name for n in needs_grad(traced))
     return PipelineProgram(mesh=mesh, stages=stages, graphs=graphs, cut=cut, config=config,
                            model_name=traced.model_name, grad_names=grad)  # fmt: skip
