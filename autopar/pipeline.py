@@ -310,8 +310,9 @@ class PipelineProgram:
         io = {s: _io(self.stages[s].graph_module, self.graphs[s], self.grad_names) for s in modules}
         placements = {s: {fqn: lay for fqn, lay in self._tp_placements(s).items() if fqn in self.tied}
                       for s in modules}  # fmt: skip
+        shapes = {fqn: tuple(self.stages[ix[0]].traced.tensors[fqn].shape) for fqn, ix in self.tied.items()}
         return RankShare(modules=modules, n_stages=len(self.stages), config=self.config,
-                         tied=self.tied, mesh=self.mesh, coords=coords, io=io,
+                         tied_shapes=shapes, mesh=self.mesh, coords=coords, io=io,
                          placements=placements)  # fmt: skip
 
     def _tp_placements(self, stage: int) -> dict[str, str]:
@@ -405,6 +406,12 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any]
     p = mesh.size("pp")
     batch = _batch_size(example_inputs, example_kwargs)
     m = n_microbatches or default_microbatches(batch, p * v)
+    if schedule == "zero_bubble" and mesh.size("tp") > 1:
+        raise InputError(
+            "the zero_bubble schedule splits backward into input- and weight-gradient passes, and "
+            "tensor-parallel collectives inside backward then run in a different order on "
+            "different ranks (a deadlock); use schedule='interleaved' or '1f1b' with tp > 1"
+        )
     if schedule != "gpipe" and m < p:
         raise InputError(
             f"the {schedule} schedule needs at least as many micro-batches as pipeline ranks "

@@ -154,6 +154,7 @@ def needs_grad(traced: Traced, gm: fx.GraphModule | None = None) -> set[fx.Node]
     """Floating-point values of ``gm`` (default: the traced graph) that depend on a trainable
     parameter."""
     trainable = {ph for ph, fqn in traced.params.items() if fqn in traced.trainable}
+    trainable |= traced.grad_inputs
     out: set[fx.Node] = set()
     for n in (gm or traced.gm).graph.nodes:
         if n.op == "placeholder":

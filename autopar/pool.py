@@ -39,7 +39,7 @@ class WorkerError(RuntimeError):
 class WorkerPool:
     """``world`` Gloo ranks kept alive across jobs."""
 
-    def __init__(self, world: int, timeout: float = 300.0) -> None:
+    def __init__(self, world: int, timeout: float = float(os.environ.get("AUTOPAR_POOL_TIMEOUT", 300))) -> None:
         self.world, self.timeout = world, timeout
         ctx = mp.get_context("spawn")
         port = _free_port()

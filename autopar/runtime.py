@@ -68,7 +68,6 @@ class PipelineRunner:
             for s in self.stage_ids
         ]  # shapes given up front: inferring them would run a stage on uninitialised ids
         self.schedule = _schedule(share.config, self.stages)
-        self.tie_groups = _tie_groups(share)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for m in self.modules.values() for p in m.parameters()]
@@ -98,15 +97,15 @@ class PipelineRunner:
         return step
 
     def _sum_tied_grads(self) -> None:
-        """Stages may split a tied weight differently: sum whole gradients, re-split each."""
-        for fqn, group in self.tie_groups.items():
+        """Stages may split a tied weight differently: sum whole gradients over the pipeline
+        group (ranks without a copy add zeros, so no extra process group is needed), re-split."""
+        for fqn, shape in sorted(self.share.tied_shapes.items()):
             copies = [(s, self.modules[s].get_parameter(fqn)) for s in self.stage_ids
                       if _has(self.modules[s], fqn)]  # fmt: skip
-            total = sum(
-                _whole(p.grad, self.share.placements[s][fqn]) for s, p in copies
-            ).contiguous()
-            if group is not None:  # (a strided view would be reduced in storage order)
-                dist.all_reduce(total, group=group)
+            total = torch.zeros(shape)
+            for s, p in copies:
+                total += _whole(p.grad, self.share.placements[s][fqn])
+            dist.all_reduce(total, group=self.pp_group)
             for s, p in copies:
                 p.grad = _local(total, self.share.placements[s][fqn])
 
@@ -163,22 +162,6 @@ def _loss_is_output(output: Any, target: Any) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
-def _tie_groups(share: RankShare) -> dict[str, Any]:
-    """Per tied weight: the process group of the pipeline ranks holding it (same tp coordinate),
-    or None when this rank holds every copy.  All ranks create all groups, in one order."""
-    mesh, coords = share.mesh, share.coords
-    p = mesh.size("pp")
-    mine: dict[str, Any] = {}
-    for fqn, stages in sorted(share.tied.items()):
-        pp_ranks = sorted({s % p for s in stages})
-        for tp in range(mesh.size("tp")):
-            ranks = [mesh.rank_of({"pp": r, "tp": tp}) for r in pp_ranks]
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
-            if coords.get("tp", 0) == tp and coords["pp"] in pp_ranks:
-                mine[fqn] = group
-    return mine
-
-
 @dataclass(frozen=True, kw_only=True)
 class RankShare:
     """What one rank of a pipelined program needs to run (picklable)."""
@@ -186,7 +169,7 @@ class RankShare:
     modules: dict[int, Any]  # stage index -> this rank's module of it
     n_stages: int
     config: Any  # autopar.pipeline.PipelineConfig
-    tied: dict[str, list[int]]  # weight -> stages holding a copy
+    tied_shapes: dict[str, tuple[int, ...]]  # weight held by several stages -> full shape
     mesh: Mesh
     coords: dict[str, int]
     io: dict[int, tuple[list, list]]  # stage -> (shape, dtype, requires_grad) of inputs, outputs

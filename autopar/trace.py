@@ -49,6 +49,7 @@ class Traced:
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
     model_name: str
+    grad_inputs: frozenset[str] = frozenset()  # inputs that carry a gradient (stage boundaries)
 
 
 class _WithLoss(nn.Module):

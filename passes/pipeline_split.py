@@ -78,7 +78,11 @@ class StageGraph:
 
 def split_stages(traced: Traced, units: Sequence[Unit], cuts: Sequence[int],
                  loss: fx.Node) -> list[StageGraph]:  # fmt: skip
-    """Steps 2-3: one StageGraph per stage; ``cuts`` are the unit indices where stages start."""
+    """Steps 2-3: one StageGraph per stage; ``cuts`` are the unit indices where stages start.
+    Boundary inputs that depend on a weight carry a gradient back to the stage before."""
+    from autopar.planner import needs_grad
+
+    grad = frozenset(n.name for n in needs_grad(traced))
     bounds = [0, *cuts, len(units)]
     groups = [
         [n for u in units[a:b] for n in u.nodes] for a, b in zip(bounds, bounds[1:], strict=False)
@@ -96,7 +100,7 @@ def split_stages(traced: Traced, units: Sequence[Unit], cuts: Sequence[int],
             outs = [n for n in _ordered(set(nodes) | set(live_in), traced)
                     if n in later and stage_of.get(n, -1) <= i]  # fmt: skip
         names = [u.name for u in units[bounds[i] : bounds[i + 1]]]
-        stages.append(_stage_graph(i, traced, nodes, live_in, outs, names))
+        stages.append(_stage_graph(i, traced, nodes, live_in, outs, names, grad))
         live_in = outs
     return stages
 
@@ -111,7 +115,7 @@ def _ordered(nodes: set[fx.Node], traced: Traced) -> list[fx.Node]:
 
 
 def _stage_graph(index: int, traced: Traced, nodes: list[fx.Node], ins: list[fx.Node],
-                 outs: list[fx.Node], units: list[str]) -> StageGraph:  # fmt: skip
+                 outs: list[fx.Node], units: list[str], grad: frozenset[str]) -> StageGraph:  # fmt: skip
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     lifted = {**traced.params, **traced.buffers}
@@ -140,6 +144,7 @@ def _stage_graph(index: int, traced: Traced, nodes: list[fx.Node], ins: list[fx.
         in_spec=in_spec,
         out_spec=out_spec,
         model_name=f"{traced.model_name}Stage{index}",
+        grad_inputs=frozenset(n.name for n in ins) & grad,
     )
     return StageGraph(index=index, traced=stage, inputs=user,
                       outputs=tuple(n.name for n in outs), units=tuple(units))  # fmt: skip
