@@ -310,7 +310,10 @@ class PipelineProgram:
         io = {s: _io(self.stages[s].graph_module, self.graphs[s], self.grad_names) for s in modules}
         placements = {s: {fqn: lay for fqn, lay in self._tp_placements(s).items() if fqn in self.tied}
                       for s in modules}  # fmt: skip
-        shapes = {fqn: tuple(self.stages[ix[0]].traced.tensors[fqn].shape) for fqn, ix in self.tied.items()}
+        shapes = {
+            fqn: tuple(self.stages[ix[0]].traced.tensors[fqn].shape)
+            for fqn, ix in self.tied.items()
+        }
         return RankShare(modules=modules, n_stages=len(self.stages), config=self.config,
                          tied_shapes=shapes, mesh=self.mesh, coords=coords, io=io,
                          placements=placements)  # fmt: skip

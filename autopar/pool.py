@@ -39,10 +39,12 @@ class WorkerError(RuntimeError):
 class WorkerPool:
     """``world`` Gloo ranks kept alive across jobs."""
 
-    def __init__(self, world: int, timeout: float = float(os.environ.get("AUTOPAR_POOL_TIMEOUT", 300))) -> None:
+    def __init__(
+        self, world: int, timeout: float = float(os.environ.get("AUTOPAR_POOL_TIMEOUT", 300))
+    ) -> None:
         self.world, self.timeout = world, timeout
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         self.procs = [
@@ -115,7 +117,7 @@ def _shutdown() -> None:
         _POOL.close()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

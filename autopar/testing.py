@@ -194,3 +194,19 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.gelu(self.up(x)))
+
+
+def compare_losses(
+    single: list[float], parallel: list[float], label: str, tolerance: float
+) -> bool:
+    """Print two loss curves side by side with the relative difference per step; True when
+    every step is within ``tolerance``."""
+    print(f"\n{'step':>4}  {'single-device':>14}  {label:>18}  {'rel. diff':>9}")
+    worst = 0.0
+    for step, (a, b) in enumerate(zip(single, parallel, strict=True), start=1):
+        rel = abs(a - b) / abs(a)
+        worst = max(worst, rel)
+        print(f"{step:>4}  {a:>14.8f}  {b:>18.8f}  {rel:>9.2e}")
+    ok = worst <= tolerance
+    print(f"max relative difference {worst:.2e} ({'within' if ok else 'EXCEEDS'} {tolerance:g})")
+    return ok

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from autopar import autoparallelize
+from autopar.pool import free_port
 from autopar.testing import Config, LlamaBlock, build, lm_loss, rope, tokens
 
 WORLD, WARMUP, ITERS = 2, 3, 10
@@ -158,12 +158,6 @@ def rank_main(rank: int, port: int) -> None:
                 report_row(c, params, ms, losses)
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

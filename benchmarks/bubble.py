@@ -32,7 +32,6 @@ noisy.  A benchmark, not a test: nothing asserts on time.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -44,6 +43,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from autopar import Mesh, autoparallelize
+from autopar.pool import free_port
 from autopar.schedule import formula_bubble
 from autopar.testing import Config, build, lm_loss, tokens
 
@@ -133,12 +133,6 @@ def rank_main(rank: int, port: int, results: mp.SimpleQueue) -> None:
                 results.put((schedule, m, rank, measure(schedule, m, mesh)))
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def report(predicted: dict[tuple[str, int], float], rows: Rows) -> None:

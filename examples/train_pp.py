@@ -22,7 +22,6 @@ Algorithm:
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -34,6 +33,8 @@ import transformers
 from torch.distributed.device_mesh import init_device_mesh
 
 from autopar import Mesh, autoparallelize
+from autopar.pool import free_port
+from autopar.testing import compare_losses
 
 PP, TP, BATCH, SEQ, VOCAB, MICROBATCHES, SCHEDULE = 2, 2, 8, 16, 128, 4, "1f1b"
 WORLD, STEPS, LR, WEIGHT_DECAY, TOLERANCE = PP * TP, 20, 3e-3, 0.01, 1e-4
@@ -99,26 +100,6 @@ def train_single(log: Callable[[str], None]) -> list[float]:
     return losses
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def report(single: list[float], parallel: list[float]) -> bool:
-    """Step 4: the side-by-side table; True when every step is within TOLERANCE."""
-    label = f"autopar pp={PP} tp={TP}"
-    print(f"\n{'step':>4}  {'single-device':>14}  {label:>18}  {'rel. diff':>9}")
-    worst = 0.0
-    for step, (a, b) in enumerate(zip(single, parallel, strict=True), start=1):
-        rel = abs(a - b) / abs(a)
-        worst = max(worst, rel)
-        print(f"{step:>4}  {a:>14.8f}  {b:>18.8f}  {rel:>9.2e}")
-    ok = worst <= TOLERANCE
-    print(f"max relative difference {worst:.2e} ({'within' if ok else 'EXCEEDS'} {TOLERANCE:g})")
-    return ok
-
-
 def main() -> int:
     start = time.perf_counter()
     print(f"1. compiling HF LlamaForCausalLM for Mesh(pp={PP}, tp={TP}), batch {BATCH} x {SEQ}, "
@@ -141,7 +122,7 @@ def main() -> int:
     print("3. training the unmodified model on one device", flush=True)
     single = train_single(lambda s: print(f"[single] {s}", flush=True))
 
-    ok = report(single, parallel) and agree
+    ok = compare_losses(single, parallel, f"autopar pp={PP} tp={TP}", TOLERANCE) and agree
     print(f"done in {time.perf_counter() - start:.1f} s")
     return 0 if ok else 1
 

@@ -16,7 +16,6 @@ Algorithm:
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -27,7 +26,8 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from autopar import Mesh, autoparallelize
-from autopar.testing import Config, build, lm_loss, tokens
+from autopar.pool import free_port
+from autopar.testing import Config, build, compare_losses, lm_loss, tokens
 
 CONFIG = Config(layers=2, hidden=128, heads=8, kv_heads=4, ffn=256, vocab=256, seq=32, batch=4)
 WORLD, STEPS, LR, WEIGHT_DECAY, TOLERANCE = 4, 20, 3e-3, 0.01, 1e-4
@@ -67,25 +67,6 @@ def rank_main(rank: int, port: int, results: mp.SimpleQueue) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def report(single: list[float], parallel: list[float]) -> bool:
-    """Step 4: the side-by-side table; True when every step is within TOLERANCE."""
-    print(f"\n{'step':>4}  {'single-device':>14}  {f'autopar tp={WORLD}':>14}  {'rel. diff':>9}")
-    worst = 0.0
-    for step, (a, b) in enumerate(zip(single, parallel, strict=True), start=1):
-        rel = abs(a - b) / abs(a)
-        worst = max(worst, rel)
-        print(f"{step:>4}  {a:>14.8f}  {b:>14.8f}  {rel:>9.2e}")
-    ok = worst <= TOLERANCE
-    print(f"max relative difference {worst:.2e} ({'within' if ok else 'EXCEEDS'} {TOLERANCE:g})")
-    return ok
-
-
 def main() -> int:
     start = time.perf_counter()
     print(f"1. compiling the Llama model for Mesh(tp={WORLD}) ({CONFIG})", flush=True)
@@ -103,7 +84,7 @@ def main() -> int:
     single = train(lambda x, y: lm_loss(model(x), y), model.parameters(),
                    lambda s: print(f"[single] {s}", flush=True))  # fmt: skip
 
-    ok = report(single, parallel)
+    ok = compare_losses(single, parallel, f"autopar tp={WORLD}", TOLERANCE)
     print(f"done in {time.perf_counter() - start:.1f} s")
     return 0 if ok else 1
 
