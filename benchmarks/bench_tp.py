@@ -157,6 +157,7 @@ def rank_main(rank: int, port: int) -> None:
             if rank == 0:
                 report_row(c, params, ms, losses)
     finally:
+        dist.barrier()  # no rank tears gloo down while another still talks to it
         dist.destroy_process_group()
 
 

@@ -132,6 +132,7 @@ def rank_main(rank: int, port: int, results: mp.SimpleQueue) -> None:
             for m in MICROBATCHES:
                 results.put((schedule, m, rank, measure(schedule, m, mesh)))
     finally:
+        dist.barrier()  # no rank tears gloo down while another still talks to it
         dist.destroy_process_group()
 
 

@@ -48,7 +48,8 @@ RUNS = (
 )  # fmt: skip
 
 # Held out: the other rows of the same table (Narayanan et al. 2021, Table 1), never looked at
-# while the constants were chosen; printed to show the model generalises.
+# while the constants were chosen; printed to show the model generalises.  These figures were
+# transcribed from the paper from memory, not from REFERENCE.md: check them before relying on them.
 HELD_OUT = (
     Run(name="Narayanan 2021, 3.6B", layers=30, hidden=3072, heads=32, gpus=64, tp=2, pp=1,
         dp=32, global_batch=512, reported_tflops=138),
@@ -99,7 +100,9 @@ def main() -> None:
     print("TFLOP/s per GPU, Megatron-2021 FLOP count (includes the recompute forward);")
     print("MFU = that count over the A100's 312 TFLOP/s dense bf16 peak.\n")
     _table("REFERENCE.md runs", RUNS)
-    _table("held-out runs", HELD_OUT)
+    _table(
+        "held-out runs (figures recalled from the paper, not in REFERENCE.md; unverified)", HELD_OUT
+    )
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ def rank_main(rank: int, port: int, results: mp.SimpleQueue) -> None:
                 print(f"[rank 0] step {i + 1:2d}/{STEPS}  loss {losses[-1]:.6f}", flush=True)
         results.put((rank, losses))
     finally:
+        dist.barrier()  # no rank tears gloo down while another still talks to it
         dist.destroy_process_group()
 
 

@@ -64,6 +64,7 @@ def rank_main(rank: int, port: int, results: mp.SimpleQueue) -> None:
         if rank == 0:
             results.put(losses)
     finally:
+        dist.barrier()  # no rank tears gloo down while another still talks to it
         dist.destroy_process_group()
 
 
