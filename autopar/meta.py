@@ -75,10 +75,10 @@ def module_path(node: fx.Node) -> str:
     if not stack:
         return ""
     path, _cls = list(stack.values())[-1]
-    return _clean_path(path)
+    return clean_path(path)
 
 
-def _clean_path(path: str) -> str:
+def clean_path(path: str) -> str:
     # torch.export writes "L['self'].layers[0].attn" or "layers.0.attn" depending on mode.
     for junk in ("L['self'].", "L['self']"):
         path = path.replace(junk, "")

@@ -34,7 +34,7 @@ from scipy.sparse import coo_matrix
 
 from autopar.errors import PlanError
 from autopar.layout import Partial, Placement, R, Replicate, Shard
-from autopar.meta import source
+from autopar.meta import clean_path, source
 from autopar.rules import RuleContext, Strategy, strategies
 from autopar.trace import Traced, is_getitem, is_tensor, tensor_args
 from cost.comm import collective_time
@@ -250,9 +250,7 @@ def _find_blocks(nodes: list[fx.Node], traced: Traced) -> list[list[fx.Node]]:
 
 def _stack_paths(n: fx.Node) -> list[str]:
     stack = n.meta.get("nn_module_stack") or {}
-    from autopar.meta import _clean_path
-
-    return [_clean_path(p) for p, _ in stack.values()]
+    return [clean_path(p) for p, _ in stack.values()]
 
 
 def _indexed_prefixes(paths: list[str]) -> set[tuple[str, int]]:

@@ -25,9 +25,9 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import ShardingRuleError
-from autopar.layout import PARTIAL, Partial, Placement, R, Replicate, Shard
+from autopar.layout import PARTIAL, Placement, R, Replicate, Shard
 from autopar.meta import source
-from autopar.trace import is_tensor, tensor_args
+from autopar.trace import tensor_args
 
 aten = torch.ops.aten
 Out = Placement | tuple[Placement, ...]
@@ -552,4 +552,3 @@ _REPLICATED_ONLY = [
 for _op in _REPLICATED_ONLY:
     RULES.setdefault(_op, lambda node, ctx: [])
 
-__all__ = ["Partial", "RULES", "RuleContext", "Strategy", "has_rule", "is_tensor", "strategies"]

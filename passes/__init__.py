@@ -95,4 +95,3 @@ def default_pipeline() -> list[Pass]:
     return [propagate_layout, tensor_parallel, lower_collectives, localize, cleanup]
 
 
-__all__ = ["Mapping", "NodeError", "Pass", "PassContext", "PassError", "PassRecord", "run_pipeline"]
