@@ -100,7 +100,7 @@ def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
     solution = solve_axis(traced, axis, mesh.size(axis), mesh.cluster.axis_link(mesh.axes, axis),
                           mesh.cluster.gpu, options)  # fmt: skip
     log(f"solved {axis}={mesh.size(axis)}: {solution.variables} variables, "
-        f"{solution.tied_blocks} nodes tied to an identical block")  # fmt: skip
+        f"{solution.tied_nodes} nodes tied to an identical block")  # fmt: skip
     if whole_model:
         _check_split(traced, solution, mesh, axis)
     grad = frozenset(n.name for n in needs_grad(traced))
@@ -135,7 +135,7 @@ def _plan(traced: Traced, gm: torch.fx.GraphModule, mesh: Mesh, sol: AxisSolutio
     grad = {n.name for n in needs_grad(traced, gm)}
     notes = (
         f"solved {axis} exactly (HiGHS) over {sol.variables} variables; "
-        f"{sol.tied_blocks} nodes share the decisions of an identical block",
+        f"{sol.tied_nodes} nodes share the decisions of an identical block",
     )
     return Plan(
         model=traced.model_name,

@@ -65,7 +65,7 @@ class AxisSolution:
     compute_s: float
     comm_s: float
     memory_bytes: float
-    tied_blocks: int = 0
+    tied_nodes: int = 0  # nodes that reuse the decision of the same node in the first block
     variables: int = 0
 
 
@@ -109,10 +109,9 @@ def solve_axis(
     link: Link,
     gpu: GPU,
     options: PlanOptions,
-    nodes: list[fx.Node] | None = None,
 ) -> AxisSolution:
     """The cheapest consistent strategy per node of ``traced.gm`` on ``axis`` (step 1-5)."""
-    graph_nodes = nodes if nodes is not None else list(traced.gm.graph.nodes)
+    graph_nodes = list(traced.gm.graph.nodes)
     grad = needs_grad(traced)
     ctx = RuleContext(size=size, blocks=block_counts(graph_nodes))
     rep = tie_blocks(graph_nodes, traced)
@@ -133,9 +132,9 @@ def solve_axis(
     compute = sum(prob.time[i] * x[i] for i in range(len(x)) if prob.integrality[i])
     comm = sum(prob.time[i] * x[i] for i in prob.comm_vars)
     memory = sum(c * x[i] for i, c in prob.mem.items())
-    tied = len({r for n, r in rep.items() if r is not n})
+    tied = sum(1 for n, r in rep.items() if r is not n)
     return AxisSolution(choice=choice, compute_s=float(compute), comm_s=float(comm),
-                        memory_bytes=float(memory), tied_blocks=tied, variables=len(x))  # fmt: skip
+                        memory_bytes=float(memory), tied_nodes=tied, variables=len(x))  # fmt: skip
 
 
 def cands_of(nodes: list[fx.Node], rep: dict, cands: dict) -> Iterator[fx.Node]:

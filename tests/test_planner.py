@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from autopar import Mesh, MeshError, PlanError, autoparallelize
+from autopar.planner import PlanOptions, _find_blocks, solve_axis
 from autopar.testing import Config, build, lm_loss, tokens
+from autopar.trace import trace
 
 # Large enough that splitting pays on the default cluster (one DGX H100 node).
 BIG = dict(layers=2, hidden=1024, heads=16, ffn=4096, vocab=8192, seq=1024, batch=2, bias=False)
@@ -136,23 +138,19 @@ def wire_elements(prog, kind: str, layer: int, shape: tuple, t: int) -> float:
 
 
 def test_thirty_two_identical_layers_are_solved_once():
-    c = Config(
-        layers=32,
-        hidden=512,
-        heads=8,
-        kv_heads=8,
-        ffn=1024,
-        vocab=1024,
-        seq=64,
-        batch=1,
-        bias=False,
-    )
+    c = Config(layers=32, hidden=512, heads=8, kv_heads=8, ffn=1024, vocab=1024, seq=64, batch=1, bias=False)
     with torch.device("meta"):
         model = build("llama", c)
-    prog = autoparallelize(model, Mesh(tp=8), tokens(c), loss_fn=lm_loss)
-    assert "31 blocks" in prog.plan.notes[0] or "share the decisions" in prog.plan.notes[0]
-    lays = {lay for fqn, lay in prog.plan.params if fqn.endswith("wq.weight")}
-    assert lays == {"P('tp', None)"}
+    traced = trace(model, tokens(c), loss_fn=lm_loss)
+    blocks = _find_blocks(list(traced.gm.graph.nodes), traced)
+    mesh = Mesh(tp=8)
+    sol = solve_axis(traced, "tp", 8, mesh.cluster.axis_link(mesh.axes, "tp"), mesh.cluster.gpu,
+                     PlanOptions())  # fmt: skip
+    assert len(blocks) == 32
+    assert sol.tied_nodes == sum(len(b) for b in blocks[1:])  # layers 1..31 reuse layer 0
+    lays = {str(sol.choice[n.name].output) for n in traced.gm.graph.nodes
+            if n.name in traced.params and traced.params[n.name].endswith("wq.weight")}  # fmt: skip
+    assert lays == {"S(0)"}
 
 
 def test_mesh_size_that_divides_nothing_has_no_valid_plan():
