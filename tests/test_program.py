@@ -61,22 +61,29 @@ def test_collectives_list_kind_axis_bytes_direction(prog):
 
 
 class _FakeDeviceMesh:
+    """A named one-axis mesh of twice the job's world size (only what bind_mesh reads)."""
+
     mesh_dim_names = ("tp",)
 
-    class mesh:  # noqa: N801 - mimics DeviceMesh.mesh
-        shape = (8,)
+    def __init__(self, size: int) -> None:
+        self.mesh = torch.empty(size)
 
 
 def _bind_wrong_world(rank: int, groups: dict) -> str:
+    import torch.distributed as dist
+
     from autopar.runtime import bind_mesh
 
+    size = 2 * dist.get_world_size()
     try:
-        bind_mesh(_FakeDeviceMesh(), Mesh(tp=8))
+        bind_mesh(_FakeDeviceMesh(size), Mesh(tp=size))
     except MeshError as exc:
         return str(exc)
     return "no error"
 
 
 def test_world_size_not_matching_the_mesh_is_an_error():
-    msgs = get_pool(2).run(_bind_wrong_world, (("tp", 2),), [(), ()])
-    assert all("processes but Mesh(tp=8) needs 8; launch with torchrun" in m for m in msgs)
+    pool = get_pool(2)
+    msgs = pool.run(_bind_wrong_world, (("tp", 2),), [(), ()])
+    size = 2 * pool.world
+    assert all(f"the job has {pool.world} processes but Mesh(tp={size}) needs {size}" in m for m in msgs)
