@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from autopar import meta
-from autopar.errors import PlanError
+from autopar.errors import MeshError, PlanError
 from autopar.mesh import Mesh
 from autopar.plan import Plan
 from autopar.planner import AxisSolution, PlanOptions, describe_tp_dims, needs_grad, solve_axis
@@ -43,6 +43,7 @@ def autoparallelize(
     schedule: str = "1f1b",
     virtual_stages: int | None = None,
     split_points: Sequence[str] = (),
+    plan: Plan | None = None,
 ) -> Any:
     """Compile ``model`` for ``mesh``.
 
@@ -58,10 +59,13 @@ def autoparallelize(
     'zero_bubble'), ``virtual_stages`` and ``split_points`` (module paths that must start a
     stage) shape it.  Returns a PipelineProgram, or with a DeviceMesh this rank's
     PipelineRunner (``runner.train_step(optimizer_factory)``).
+
+    ``plan=Plan.load("out/plan.json")`` reuses a saved plan's strategies instead of solving.
     """
     device_mesh = None if isinstance(mesh, Mesh) else mesh
     virtual = mesh if isinstance(mesh, Mesh) else Mesh.from_device_mesh(mesh)
-    options = PlanOptions(memory_limit=memory_limit, memory_weight=memory_weight, strict=strict)
+    options = PlanOptions(memory_limit=memory_limit, memory_weight=memory_weight, strict=strict,
+                          fixed=_reused(plan, virtual))  # fmt: skip
     if "pp" in virtual.sizes:
         from autopar.pipeline import compile_pipeline
 
@@ -111,6 +115,14 @@ def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
         log(str(rec))
     plan = _plan(traced, gm, mesh, solution, axis)
     return Program(plan=plan, mesh=mesh, graph_module=gm, traced=traced, history=history)
+
+
+def _reused(plan: Plan | None, mesh: Mesh) -> tuple[tuple[str, str], ...]:
+    if plan is None:
+        return ()
+    if plan.mesh != mesh.axes:
+        raise MeshError(f"the plan was made for Mesh{dict(plan.mesh)} but the mesh is {mesh}")
+    return plan.choice
 
 
 def _check_split(traced: Traced, solution: AxisSolution, mesh: Mesh, axis: str) -> None:

@@ -55,6 +55,7 @@ class PlanOptions:
     memory_weight: float = 0.0
     strict: bool = False
     replicate_outputs: bool = False  # graph outputs must be whole (pipeline stage boundaries)
+    fixed: tuple[tuple[str, str], ...] = ()  # (node, strategy) pairs to keep (a reloaded Plan)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +125,7 @@ def solve_axis(
     _finish_aux(prob, options.memory_weight)
     if size > 1:
         _require_split(prob, cands, xvar, traced, size)
+    _fix(prob, cands, xvar, dict(options.fixed))
     x = _run(prob, options)
     choice = {
         n.name: cands[rep[n]][_picked(x, xvar, rep[n], cands)]
@@ -335,6 +337,20 @@ def _require_split(prob: _Problem, cands: dict, xvar: dict, traced: Traced, size
         for i, s in enumerate(cands[n]):
             if s.redundant:
                 prob.row({xvar[(n, i)]: 1.0}, 0.0, 0.0)
+
+
+def _fix(prob: _Problem, cands: dict, xvar: dict, fixed: dict[str, str]) -> None:
+    """Pin the strategies a reloaded plan chose; the solve then only prices them."""
+    for n, strats in cands.items():
+        if n.name not in fixed:
+            continue
+        names = [str(s) for s in strats]
+        if fixed[n.name] not in names:
+            raise PlanError(
+                f"the plan does not fit this model: node '{n.name}' at {source(n)} has no strategy "
+                f"{fixed[n.name]} (it has {', '.join(names)}); re-plan without plan="
+            )
+        prob.row({xvar[(n, names.index(fixed[n.name]))]: 1.0}, 1.0, 1.0)
 
 
 def _shapes(n: fx.Node) -> str:

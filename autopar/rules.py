@@ -330,10 +330,8 @@ def _remap(p: Placement, fn: Callable[[int], int | None]) -> Placement | None:
 @rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
 def split(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     src = _shape(node.args[0])
-    default_dim = 0
-    at = _dim(node.args[2] if len(node.args) > 2 else default_dim, len(src))
-    if node.target is aten.unbind.int:
-        at = _dim(node.args[1] if len(node.args) > 1 else 0, len(src))
+    pos = 1 if node.target is aten.unbind.int else 2  # unbind(x, dim); split/chunk(x, n, dim)
+    at = _dim(node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", 0), len(src))
     outs = [v.shape for v in node.meta["val"]]
     n = len(outs)
     found = [Strategy((PARTIAL,), (PARTIAL,) * n)]

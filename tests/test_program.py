@@ -87,3 +87,18 @@ def test_world_size_not_matching_the_mesh_is_an_error():
     msgs = pool.run(_bind_wrong_world, (("tp", 2),), [(), ()])
     size = 2 * pool.world
     assert all(f"the job has {pool.world} processes but Mesh(tp={size}) needs {size}" in m for m in msgs)
+
+
+def test_saved_plan_reloads_and_recompiles_to_the_same_program(prog, tmp_path):
+    prog.save(tmp_path)
+    c = Config(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=64, seq=8, batch=2)
+    again = autoparallelize(build("llama", c), Mesh(tp=2), tokens(c), loss_fn=lm_loss,
+                            plan=Plan.load(tmp_path / "plan.json"))  # fmt: skip
+    assert again.plan == prog.plan
+    assert again.code(1) == prog.code(1)
+
+
+def test_plan_for_another_mesh_is_refused(prog):
+    c = Config(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=64, seq=8, batch=2)
+    with pytest.raises(MeshError, match=r"the plan was made for Mesh\{'tp': 2\} but the mesh is Mesh\(tp=4\)"):
+        autoparallelize(build("llama", c), Mesh(tp=4), tokens(c), loss_fn=lm_loss, plan=prog.plan)
