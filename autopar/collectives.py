@@ -81,7 +81,7 @@ def _gather(x: torch.Tensor, axis: str, dim: int, blocks: int) -> torch.Tensor:
     shape = xt.shape
     xt = xt.reshape(blocks, shape[0] // blocks, *shape[1:]).contiguous()
     out = xt.new_empty((t * blocks, *xt.shape[1:]))
-    dist.all_gather_into_tensor(out, xt, group=group(axis))
+    dist.all_gather_single(out, xt, group=group(axis))
     out = out.view(t, *xt.shape).transpose(0, 1).reshape(shape[0] * t, *shape[1:])
     return out.movedim(0, dim)
 
@@ -92,7 +92,7 @@ def _scatter(x: torch.Tensor, axis: str, dim: int, blocks: int) -> torch.Tensor:
     shape = xt.shape
     xt = xt.reshape(blocks, t, shape[0] // (blocks * t), *shape[1:]).transpose(0, 1)
     out = xt.new_empty(xt.shape[1:])
-    dist.reduce_scatter_tensor(out, xt.reshape(t * blocks, *xt.shape[2:]), group=group(axis))
+    dist.reduce_scatter_single(out, xt.reshape(t * blocks, *xt.shape[2:]), group=group(axis))
     return out.reshape(shape[0] // t, *shape[1:]).movedim(0, dim)
 
 
