@@ -25,6 +25,7 @@ from autopar.plan import Plan
 from autopar.planner import AxisSolution, PlanOptions, describe_tp_dims, needs_grad, solve_axis
 from autopar.program import Program, collectives_of
 from autopar.trace import Traced, trace
+from cost.hardware import Cluster
 from passes import PassContext, run_pipeline
 
 
@@ -44,6 +45,7 @@ def autoparallelize(
     virtual_stages: int | None = None,
     split_points: Sequence[str] = (),
     plan: Plan | None = None,
+    cluster: Cluster | None = None,
 ) -> Any:
     """Compile ``model`` for ``mesh``.
 
@@ -61,9 +63,11 @@ def autoparallelize(
     PipelineRunner (``runner.train_step(optimizer_factory)``).
 
     ``plan=Plan.load("out/plan.json")`` reuses a saved plan's strategies instead of solving.
+    ``cluster`` prices a DeviceMesh's plan (default: one DGX H100 node; a virtual Mesh carries
+    its own, e.g. ``Mesh(Cluster.preset("dgx-a100", nodes=2), pp=2, tp=8)``).
     """
     device_mesh = None if isinstance(mesh, Mesh) else mesh
-    virtual = mesh if isinstance(mesh, Mesh) else Mesh.from_device_mesh(mesh)
+    virtual = mesh if isinstance(mesh, Mesh) else Mesh.from_device_mesh(mesh, cluster)
     options = PlanOptions(memory_limit=memory_limit, memory_weight=memory_weight, strict=strict,
                           fixed=_reused(plan, virtual))  # fmt: skip
     if "pp" in virtual.sizes:

@@ -2,7 +2,8 @@
 
 Run from the repository root (after `pip install -e .`, or with `PYTHONPATH=.`):
 
-    python benchmarks/bench_tp.py
+    python benchmarks/bench_tp.py                      # plans priced for a DGX H100 node
+    python benchmarks/bench_tp.py --cluster dgx-a100   # or any other cluster preset
 
 Algorithm:
 1. Spawn WORLD Gloo ranks forming one tensor-parallel mesh, one compute thread each.
@@ -30,6 +31,7 @@ from __future__ import annotations
 import copy
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -41,7 +43,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from autopar import autoparallelize
+from autopar import Cluster, autoparallelize
 from autopar.pool import free_port
 from autopar.testing import Config, LlamaBlock, build, lm_loss, rope, tokens
 
@@ -93,11 +95,11 @@ def timed_step(loss_fn: Callable[[], torch.Tensor], module: nn.Module) -> tuple[
     return (time.perf_counter() - start) * 1e3, loss.item()
 
 
-def measure(rank: int, mesh: DeviceMesh, c: Config) -> tuple[dict, dict, int]:
+def measure(rank: int, mesh: DeviceMesh, c: Config, cluster: str) -> tuple[dict, dict, int]:
     """Steps 2-3 for one size: median ms per step and last loss of each variant, parameters."""
     x, y = tokens(c)
     model = build("llama", c)
-    local = autoparallelize(model, mesh, (x, y), loss_fn=lm_loss)
+    local = autoparallelize(model, mesh, (x, y), loss_fn=lm_loss, cluster=Cluster.preset(cluster))
     baseline = dtensor_model(model, c, mesh)
     steps = {
         "single": (lambda: lm_loss(model(x), y), model),
@@ -141,7 +143,7 @@ def report_row(c: Config, params: int, ms: dict[str, float], loss: dict[str, flo
           flush=True)  # fmt: skip
 
 
-def rank_main(rank: int, port: int) -> None:
+def rank_main(rank: int, port: int, cluster: str) -> None:
     """Steps 1-4 on one rank."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -153,7 +155,7 @@ def rank_main(rank: int, port: int) -> None:
             report_header()
         for hidden, seq in SIZES:
             c = config(hidden, seq)
-            ms, losses, params = measure(rank, mesh, c)
+            ms, losses, params = measure(rank, mesh, c, cluster)
             if rank == 0:
                 report_row(c, params, ms, losses)
     finally:
@@ -162,4 +164,6 @@ def rank_main(rank: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    mp.spawn(rank_main, args=(free_port(),), nprocs=WORLD)
+    name = sys.argv[sys.argv.index("--cluster") + 1] if "--cluster" in sys.argv else "dgx-h100"
+    print(f"plans priced for cluster preset {name!r}")
+    mp.spawn(rank_main, args=(free_port(), name), nprocs=WORLD)
