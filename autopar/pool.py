@@ -16,6 +16,7 @@ Algorithm:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import pickle
 import queue
@@ -23,7 +24,7 @@ import socket
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -173,3 +174,23 @@ def _flat(coords: Sequence[int], sizes: Sequence[int]) -> int:
     for c, s in zip(coords, sizes, strict=True):
         r = r * s + c
     return r
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, port: int, shape: tuple[int, ...],
+              names: tuple[str, ...]) -> Iterator[Any]:  # fmt: skip
+    """One CPU rank of a local Gloo job (examples, benchmarks): one compute thread, the named
+    DeviceMesh; at exit a barrier, so no rank tears gloo down while another still talks to it."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(world))  # fmt: skip
+    dist.init_process_group("gloo")
+    try:
+        yield init_device_mesh("cpu", shape, mesh_dim_names=names)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()

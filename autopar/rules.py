@@ -549,4 +549,3 @@ _REPLICATED_ONLY = [
 ]  # fmt: skip
 for _op in _REPLICATED_ONLY:
     RULES.setdefault(_op, lambda node, ctx: [])
-

@@ -29,7 +29,6 @@ nothing asserts on time.
 from __future__ import annotations
 
 import copy
-import os
 import statistics
 import sys
 import time
@@ -40,11 +39,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from autopar import Cluster, autoparallelize
-from autopar.pool import free_port
+from autopar.pool import free_port, gloo_rank
 from autopar.testing import Config, LlamaBlock, build, lm_loss, rope, tokens
 
 WORLD, WARMUP, ITERS = 2, 3, 10
@@ -145,12 +144,7 @@ def report_row(c: Config, params: int, ms: dict[str, float], loss: dict[str, flo
 
 def rank_main(rank: int, port: int, cluster: str) -> None:
     """Steps 1-4 on one rank."""
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      RANK=str(rank), WORLD_SIZE=str(WORLD))  # fmt: skip
-    dist.init_process_group("gloo")
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    with gloo_rank(rank, WORLD, port, (WORLD,), ("tp",)) as mesh:
         if rank == 0:
             report_header()
         for hidden, seq in SIZES:
@@ -158,9 +152,6 @@ def rank_main(rank: int, port: int, cluster: str) -> None:
             ms, losses, params = measure(rank, mesh, c, cluster)
             if rank == 0:
                 report_row(c, params, ms, losses)
-    finally:
-        dist.barrier()  # no rank tears gloo down while another still talks to it
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

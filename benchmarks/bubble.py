@@ -31,7 +31,6 @@ noisy.  A benchmark, not a test: nothing asserts on time.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -40,10 +39,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.device_mesh import init_device_mesh
 
 from autopar import Mesh, autoparallelize
-from autopar.pool import free_port
+from autopar.pool import free_port, gloo_rank
 from autopar.schedule import formula_bubble
 from autopar.testing import Config, build, lm_loss, tokens
 
@@ -122,18 +120,10 @@ def measure(schedule: str, m: int, mesh: Any) -> dict[str, Any]:
 
 
 def rank_main(rank: int, port: int, results: mp.SimpleQueue) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      RANK=str(rank), WORLD_SIZE=str(WORLD))  # fmt: skip
-    dist.init_process_group("gloo")
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("pp",))
+    with gloo_rank(rank, WORLD, port, (WORLD,), ("pp",)) as mesh:
         for schedule in SCHEDULES:
             for m in MICROBATCHES:
                 results.put((schedule, m, rank, measure(schedule, m, mesh)))
-    finally:
-        dist.barrier()  # no rank tears gloo down while another still talks to it
-        dist.destroy_process_group()
 
 
 def report(predicted: dict[tuple[str, int], float], rows: Rows) -> None:

@@ -21,19 +21,16 @@ Algorithm:
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
-from torch.distributed.device_mesh import init_device_mesh
 
 from autopar import Mesh, autoparallelize
-from autopar.pool import free_port
+from autopar.pool import free_port, gloo_rank
 from autopar.testing import compare_losses
 
 PP, TP, BATCH, SEQ, VOCAB, MICROBATCHES, SCHEDULE = 2, 2, 8, 16, 128, 4, "1f1b"
@@ -64,12 +61,7 @@ def optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
 
 def rank_main(rank: int, port: int, results: mp.SimpleQueue) -> None:
     """Step 2 on one rank: compile for the device mesh, train, and report this rank's losses."""
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      RANK=str(rank), WORLD_SIZE=str(WORLD))  # fmt: skip
-    dist.init_process_group("gloo")
-    try:
-        mesh = init_device_mesh("cpu", (PP, TP), mesh_dim_names=("pp", "tp"))
+    with gloo_rank(rank, WORLD, port, (PP, TP), ("pp", "tp")) as mesh:
         ids, labels = batch()
         runner = autoparallelize(tiny_llama(), mesh, (ids,), example_kwargs={"labels": labels},
                                  n_microbatches=MICROBATCHES, schedule=SCHEDULE)  # fmt: skip
@@ -80,9 +72,6 @@ def rank_main(rank: int, port: int, results: mp.SimpleQueue) -> None:
             if rank == 0:
                 print(f"[rank 0] step {i + 1:2d}/{STEPS}  loss {losses[-1]:.6f}", flush=True)
         results.put((rank, losses))
-    finally:
-        dist.barrier()  # no rank tears gloo down while another still talks to it
-        dist.destroy_process_group()
 
 
 def train_single(log: Callable[[str], None]) -> list[float]:

@@ -15,18 +15,15 @@ Algorithm:
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.device_mesh import init_device_mesh
 
 from autopar import Mesh, autoparallelize
-from autopar.pool import free_port
+from autopar.pool import free_port, gloo_rank
 from autopar.testing import Config, build, compare_losses, lm_loss, tokens
 
 CONFIG = Config(layers=2, hidden=128, heads=8, kv_heads=4, ffn=256, vocab=256, seq=32, batch=4)
@@ -51,21 +48,13 @@ def train(model: Callable[..., torch.Tensor], params: Iterable[torch.nn.Paramete
 
 def rank_main(rank: int, port: int, results: mp.SimpleQueue) -> None:
     """Step 2 on one rank: compile for the device mesh, train, and report rank 0's losses."""
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      RANK=str(rank), WORLD_SIZE=str(WORLD))  # fmt: skip
-    dist.init_process_group("gloo")
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    with gloo_rank(rank, WORLD, port, (WORLD,), ("tp",)) as mesh:
         local = autoparallelize(build("llama", CONFIG), mesh, tokens(CONFIG), loss_fn=lm_loss)
         log = (lambda s: print(f"[rank 0] {s}", flush=True)) if rank == 0 else (lambda s: None)
         log(f"compiled; training {STEPS} steps on {WORLD} ranks")
         losses = train(local, local.parameters(), log)
         if rank == 0:
             results.put(losses)
-    finally:
-        dist.barrier()  # no rank tears gloo down while another still talks to it
-        dist.destroy_process_group()
 
 
 def main() -> int:
