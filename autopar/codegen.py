@@ -24,7 +24,7 @@ from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from autopar import meta
 from autopar.layout import Layout
 from autopar.mesh import Mesh
-from autopar.serialize import RankModule
+from autopar.serialize import RankModule, owner_module
 from autopar.trace import Traced
 
 
@@ -88,12 +88,7 @@ def build_module(gm: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> f
 
 
 def _assign(root: nn.Module, fqn: str, value: torch.Tensor, param: bool, traced: Traced) -> None:
-    *path, leaf = fqn.split(".")
-    mod = root
-    for part in path:
-        if not hasattr(mod, part):
-            mod.add_module(part, nn.Module())
-        mod = getattr(mod, part)
+    mod, leaf = owner_module(root, fqn), fqn.rsplit(".", 1)[-1]
     if param:
         mod.register_parameter(
             leaf, nn.Parameter(value.clone(), requires_grad=fqn in traced.trainable)
@@ -106,12 +101,7 @@ def _copy_attr(src: nn.Module, dst: nn.Module, target: str) -> None:
     obj = src
     for part in target.split("."):
         obj = getattr(obj, part)
-    *path, leaf = target.split(".")
-    mod = dst
-    for part in path:
-        if not hasattr(mod, part):
-            mod.add_module(part, nn.Module())
-        mod = getattr(mod, part)
+    mod, leaf = owner_module(dst, target), target.rsplit(".", 1)[-1]
     if isinstance(obj, nn.Module):
         mod.add_module(leaf, copy.deepcopy(obj))
     else:

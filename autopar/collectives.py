@@ -225,9 +225,6 @@ def grad_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     return _GradAllReduce.apply(x, axis)
 
 
-COLLECTIVES = (all_reduce, all_gather, reduce_scatter, split, all_to_all, grad_all_reduce)
-
-
 @graph_op
 def redistribute(
     x: torch.Tensor, axis: str, src: str, dst: str, partial_grad: bool

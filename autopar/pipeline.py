@@ -113,12 +113,17 @@ class PipelineConfig:
     schedule: str
     virtual_stages: int
 
-    @property
-    def in_flight(self) -> Callable[[int, int], int]:
-        """Micro-batches of activations stage ``s`` of ``p`` holds at its peak."""
+    def in_flight(self, stage: int, stages: int) -> int:
+        """Micro-batches of activations ``stage`` of ``stages`` holds at its peak."""
         if self.schedule == "gpipe":
-            return lambda s, p: self.n_microbatches
-        return lambda s, p: min(self.n_microbatches, p - s)
+            return self.n_microbatches
+        return min(self.n_microbatches, stages - stage)
+
+    @property
+    def order(self) -> str:
+        """The action order simulated for this schedule (zero-bubble runs interleaved's F/B
+        order; its split of B into input and weight passes fills the bubble further)."""
+        return "interleaved" if self.schedule == "zero_bubble" else self.schedule
 
 
 def choose_cuts(traced: Traced, units: list[Unit], mesh: Mesh, config: PipelineConfig,
@@ -264,8 +269,7 @@ class PipelinePlan:
 def _formula(config: PipelineConfig, p: int) -> float:
     from autopar.schedule import formula_bubble
 
-    return formula_bubble(config.schedule if config.schedule != "zero_bubble" else "interleaved",
-                          p, config.n_microbatches, config.virtual_stages)  # fmt: skip
+    return formula_bubble(config.order, p, config.n_microbatches, config.virtual_stages)
 
 
 class PipelineProgram:
@@ -339,8 +343,7 @@ class PipelineProgram:
         from autopar.schedule import actions, simulate
 
         c, p = self.config, self.mesh.size("pp")
-        kind = "interleaved" if c.schedule == "zero_bubble" else c.schedule
-        return simulate(actions(kind, p, c.n_microbatches, c.virtual_stages), len(self.stages))
+        return simulate(actions(c.order, p, c.n_microbatches, c.virtual_stages), len(self.stages))
 
     def train_step(
         self, optimizer_factory: Callable[[list[nn.Parameter]], Any]

@@ -66,11 +66,11 @@ def load_module(state: dict[str, Any]) -> RankModule:
     """Step 3: rebuild the module described by :func:`dump_module`."""
     root = nn.Module()
     for fqn, (t, grad) in state["params"].items():
-        _owner(root, fqn).register_parameter(
+        owner_module(root, fqn).register_parameter(
             fqn.rsplit(".", 1)[-1], nn.Parameter(t, requires_grad=grad)
         )
     for fqn, t in state["buffers"].items():
-        _owner(root, fqn).register_buffer(fqn.rsplit(".", 1)[-1], t)
+        owner_module(root, fqn).register_buffer(fqn.rsplit(".", 1)[-1], t)
     for name, sub in state["subs"].items():
         root.add_module(name, load_module(sub))
     graph = fx.Graph()
@@ -88,7 +88,8 @@ def load_module(state: dict[str, Any]) -> RankModule:
     return module
 
 
-def _owner(root: nn.Module, fqn: str) -> nn.Module:
+def owner_module(root: nn.Module, fqn: str) -> nn.Module:
+    """The module that holds dotted name ``fqn`` under ``root``, created on the way if missing."""
     mod = root
     for part in fqn.split(".")[:-1]:
         if not hasattr(mod, part):

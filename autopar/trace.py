@@ -221,12 +221,6 @@ def _source_line(path: str, lineno: int) -> str:
     return linecache.getline(path, lineno).strip()
 
 
-def call_order_outputs(gm: fx.GraphModule) -> list[fx.Node | None]:
-    """The graph's output nodes (flattened), ``None`` where an output is not a node."""
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    return [a if isinstance(a, fx.Node) else None for a in pytree.tree_leaves(out.args[0])]
-
-
 def tensor_args(node: fx.Node) -> list[fx.Node]:
     """The node's tensor-valued inputs, in argument order, duplicates kept."""
     leaves = pytree.tree_leaves((node.args, node.kwargs))

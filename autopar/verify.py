@@ -171,7 +171,7 @@ def _compare_outputs(prog: Program, ref: list, per_rank: list[list], rtol: float
             continue
         ours = [outs[i] for outs in per_rank]
         name = f"output[{i}] {tuple(r.shape)}"
-        rows.append(_check(name, "output", ours, lay, r, prog, rtol, scale))
+        rows.append(_check(name, "output", ours, lay, r, prog.mesh, rtol, scale))
     return rows
 
 
@@ -197,17 +197,17 @@ def _compare_grads(prog: Program, ref: dict, per_rank: list[dict], rtol: float,
                 )
             )
             continue
-        rows.append(_check(fqn, "grad", ours, layouts[fqn], ref[fqn], prog, rtol, scale))
+        rows.append(_check(fqn, "grad", ours, layouts[fqn], ref[fqn], prog.mesh, rtol, scale))
     return rows
 
 
 def _check(name: str, kind: str, ours: list[torch.Tensor], lay: Layout | None, ref: torch.Tensor,
-           prog: Program, rtol: float, kind_scale: float) -> TensorCheck:  # fmt: skip
-    coords = [prog.mesh.coordinates(r) for r in range(prog.mesh.world_size)]
+           mesh: Mesh, rtol: float, kind_scale: float) -> TensorCheck:  # fmt: skip
+    coords = [mesh.coordinates(r) for r in range(mesh.world_size)]
     if lay is None or lay.is_replicated:
         candidates = ours  # every replica must match
     else:
-        candidates = [unshard_tensors(ours, lay, prog.mesh, coords)]
+        candidates = [unshard_tensors(ours, lay, mesh, coords)]
     scale = max(ref.abs().max().item() + 1e-3 * kind_scale, 1e-30)
     worst = 0.0
     for c in candidates:
@@ -230,7 +230,7 @@ def _verify_pipeline(prog: Any, model: nn.Module, args: Sequence[Any], kwargs: d
     world = prog.mesh.world_size
     jobs = [(prog.share(r), tuple(args), dict(kwargs or {})) for r in range(world)]
     results = get_pool(world).run(_pipeline_rank_step, prog.mesh.axes, jobs)
-    rows = [_check("loss", "output", [loss for loss, _ in results], None, ref_loss, prog, rtol,
+    rows = [_check("loss", "output", [loss for loss, _ in results], None, ref_loss, prog.mesh, rtol,
                    ref_loss.abs().item())]  # fmt: skip
     scale = _scale(list(ref_grads.values()))
     for stage_id, stage in enumerate(prog.stages):
@@ -248,16 +248,8 @@ def _verify_pipeline(prog: Any, model: nn.Module, args: Sequence[Any], kwargs: d
                     )
                 )
                 continue
-            stage_prog = _StageView(stage.mesh)
-            rows.append(_check(name, "grad", shards, lay, ref_grads[fqn], stage_prog, rtol, scale))
+            rows.append(_check(name, "grad", shards, lay, ref_grads[fqn], stage.mesh, rtol, scale))
     return VerifyReport(mesh=str(prog.mesh), rtol=rtol, rows=tuple(rows))
-
-
-class _StageView:
-    """The tensor-parallel mesh of one stage, as _check expects of a program."""
-
-    def __init__(self, mesh: Mesh) -> None:
-        self.mesh = mesh
 
 
 def _pipeline_rank_step(rank: int, groups: dict, share: Any, args: tuple, kwargs: dict) -> tuple:
