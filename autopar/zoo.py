@@ -396,8 +396,12 @@ def _worst(report: Any) -> str:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text[:240]}"
+    """The exception in one line; a worker's traceback shrinks to its first and last line."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    if any(ln.startswith("Traceback") for ln in lines):
+        lines = [lines[0], lines[-1]]
+    text = " ".join(" ".join(lines).split())
+    return f"{type(exc).__name__}: {text[:300]}"
 
 
 # ---------------------------------------------------------------------------------------------
