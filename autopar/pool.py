@@ -25,6 +25,7 @@ import atexit
 import collections
 import contextlib
 import functools
+import importlib.util
 import io
 import os
 import pickle
@@ -176,7 +177,17 @@ def worker_importable(module: str | None) -> bool:
     if module in _MAIN_NAMES:
         return False
     mod = sys.modules.get(module or "builtins")
-    return mod is None or getattr(mod, "__spec__", None) is not None or hasattr(mod, "__file__")
+    if mod is None:
+        return _findable(module)
+    return getattr(mod, "__spec__", None) is not None or hasattr(mod, "__file__")
+
+
+@functools.cache
+def _findable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 @functools.cache
