@@ -187,6 +187,8 @@ def _unregistered(qualname: str, providers: dict[str, str]) -> str:
     module = providers.get(qualname)
     where = (f"its registering module {module!r} was imported but did not register it"
              if module else "no module registering it could be found when the program was saved")
+    if module in ("__main__", "__mp_main__"):
+        where = "it is registered by your script or notebook (__main__), which workers do not run"
     return (f"custom operator {qualname} is not registered in this process: {where}. Register "
             "the operator at import time of a module file (not in your script's __main__ or a "
             "notebook cell), and import that module from the code that defines your model.")
