@@ -22,6 +22,7 @@ from autopar import meta
 from autopar.analysis import needs_grad
 from autopar.errors import MeshError, PlanError
 from autopar.mesh import Mesh
+from autopar.pad import pad_vocab
 from autopar.plan import Plan
 from autopar.planner import AxisSolution, PlanOptions, describe_tp_dims, solve_axis
 from autopar.program import Program, collectives_of
@@ -107,6 +108,7 @@ def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
     """Steps 2-4 for an already traced graph: the whole model, or one pipeline stage (which
     may hold nothing worth splitting, e.g. only an embedding)."""
     axis = "tp"
+    traced = pad_vocab(traced, mesh.size(axis))
     solution = solve_axis(traced, axis, mesh.size(axis), mesh.cluster.axis_link(mesh.axes, axis),
                           mesh.cluster.gpu, options)  # fmt: skip
     log(f"solved {axis}={mesh.size(axis)}: {solution.variables} variables, "

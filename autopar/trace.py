@@ -23,7 +23,7 @@ import logging
 import operator
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,6 +50,7 @@ class Traced:
     out_spec: pytree.TreeSpec
     model_name: str
     grad_inputs: frozenset[str] = frozenset()  # inputs that carry a gradient (stage boundaries)
+    padded: dict[str, int] = field(default_factory=dict)  # FQN -> dim-0 size before padding
 
 
 class _WithLoss(nn.Module):
