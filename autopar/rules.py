@@ -459,14 +459,14 @@ def linear(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
 
 @rule(aten.mm.default, aten.bmm.default, aten.matmul.default)
 def matmul(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
-    """a[..., m, k] @ b[..., k, n]: batch, m, n and k (-> partial) splits."""
+    """a[..., m, k] @ b[..., k, n]: batch, m, n (blocked: fused QKV) and k (-> partial)."""
     a, b = _shape(node.args[0]), _shape(node.args[1])
     out = _shape(node)
     if len(a) < 2 or len(b) < 2:
         return []
     found = [
         Strategy((Shard(len(a) - 2), R), Shard(len(out) - 2)),
-        Strategy((R, Shard(len(b) - 1)), Shard(len(out) - 1)),
+        *[Strategy((R, Shard(len(b) - 1, n)), Shard(len(out) - 1, n)) for n in ctx.blocks],
         Strategy((Shard(len(a) - 1), Shard(len(b) - 2)), PARTIAL),
         Strategy((PARTIAL, R), PARTIAL),
         Strategy((R, PARTIAL), PARTIAL),
