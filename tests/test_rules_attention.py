@@ -1,5 +1,6 @@
 """Matmul / attention rules on real architectures: GPT-2 Conv1D (addmm, fused QKV), BLOOM
-(ALiBi through baddbmm over [batch * heads]), GPT-NeoX (head-interleaved fused QKV)."""
+(ALiBi through baddbmm over [batch * heads]), GPT-NeoX (head-interleaved fused QKV), and the
+vision-transformer idiom (fused QKV reshaped, permuted and unbound)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from autopar import Mesh, autoparallelize
 from autopar.rules import RuleContext, strategies, view_block_counts
@@ -129,3 +132,31 @@ def test_bloom_realistic_plan_is_megatron():
     chosen = {n.meta["autopar"].strategy for n in prog.graph_module.graph.nodes
               if n.target is aten.baddbmm.default}  # fmt: skip
     assert chosen == {"(S(0),S(0),S(0))->S(0)"}  # batch 1: [batch * heads] split is by heads
+
+
+class UnbindAttention(nn.Module):
+    """timm / ViT: qkv(x).reshape(b, s, 3, heads, d).permute(2, 0, 3, 1, 4).unbind(0)."""
+
+    def __init__(self, hidden: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        qkv = self.qkv(x).reshape(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(out.transpose(1, 2).reshape(b, s, h))
+
+
+def test_unbind_of_fused_qkv_is_three_blocks():
+    torch.manual_seed(0)
+    model, x = UnbindAttention(), torch.randn(2, 16, 64)
+    prog = autoparallelize(model, Mesh(tp=2), (x,))
+    assert dict(prog.plan.params)["qkv.weight"] == "P('tp:3', None)"  # its q, k and v heads
+    assert [(c.kind, c.direction) for c in prog.collectives()] == [("all_reduce", "fwd")]
+    report = verify(model, Mesh(tp=2), (x,))
+    assert report.ok, str(report)
+    assert report.max_rel_error < 1e-5
