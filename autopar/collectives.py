@@ -78,22 +78,26 @@ def _all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
 def _gather(x: torch.Tensor, axis: str, dim: int, blocks: int) -> torch.Tensor:
     t = axis_size(axis)
     xt = x.movedim(dim, 0)
-    shape = xt.shape
-    xt = xt.reshape(blocks, shape[0] // blocks, *shape[1:]).contiguous()
+    n, rest = xt.shape[0], xt.shape[1:]
+    if blocks == 1 and dim == 0:  # every rank's shard lands in place: no re-arrangement
+        out = xt.new_empty((t * n, *rest))
+        dist.all_gather_single(out, xt.contiguous(), group=group(axis))
+        return out
+    xt = xt.reshape(blocks, n // blocks, *rest).contiguous()
     out = xt.new_empty((t * blocks, *xt.shape[1:]))
     dist.all_gather_single(out, xt, group=group(axis))
-    out = out.view(t, *xt.shape).transpose(0, 1).reshape(shape[0] * t, *shape[1:])
-    return out.movedim(0, dim)
+    out = out.view(t, *xt.shape).transpose(0, 1).reshape(n * t, *rest)
+    return _fresh(out.movedim(0, dim))
 
 
 def _scatter(x: torch.Tensor, axis: str, dim: int, blocks: int) -> torch.Tensor:
     t = axis_size(axis)
     xt = x.movedim(dim, 0)
-    shape = xt.shape
-    xt = xt.reshape(blocks, t, shape[0] // (blocks * t), *shape[1:]).transpose(0, 1)
-    out = xt.new_empty(xt.shape[1:])
-    dist.reduce_scatter_single(out, xt.reshape(t * blocks, *xt.shape[2:]), group=group(axis))
-    return out.reshape(shape[0] // t, *shape[1:]).movedim(0, dim)
+    n, rest = xt.shape[0], xt.shape[1:]
+    send = xt.reshape(blocks, t, n // (blocks * t), *rest).transpose(0, 1).contiguous()
+    out = xt.new_empty((n // t, *rest))  # this rank's blocks, in order
+    dist.reduce_scatter_single(out, send.view(n, *rest), group=group(axis))
+    return _fresh(out.movedim(0, dim)) if dim else out
 
 
 def _slice(x: torch.Tensor, axis: str, dim: int, blocks: int) -> torch.Tensor:
@@ -101,7 +105,7 @@ def _slice(x: torch.Tensor, axis: str, dim: int, blocks: int) -> torch.Tensor:
     xt = x.movedim(dim, 0)
     shape = xt.shape
     part = xt.reshape(blocks, t, shape[0] // (blocks * t), *shape[1:])[:, r]
-    return part.reshape(shape[0] // t, *shape[1:]).movedim(0, dim).contiguous()
+    return _fresh(part.reshape(shape[0] // t, *shape[1:]).movedim(0, dim))
 
 
 def _exchange(x: torch.Tensor, axis: str, src_dim: int, dst_dim: int) -> torch.Tensor:
@@ -109,7 +113,18 @@ def _exchange(x: torch.Tensor, axis: str, src_dim: int, dst_dim: int) -> torch.T
     send = torch.stack(x.chunk(t, dim=dst_dim)).contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group(axis))
-    return torch.cat(recv.unbind(0), dim=src_dim)
+    return _fresh(torch.cat(recv.unbind(0), dim=src_dim))
+
+
+def _fresh(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a contiguous tensor that owns its memory.
+
+    A collective's output feeds code written for the global tensor: a ``view`` there assumes
+    row-major strides, and an in-place op is refused by autograd on a custom Function's output
+    that is a view.  So raw kernels copy only when their result is strided or a view."""
+    if not x.is_contiguous():
+        return x.contiguous()
+    return x.clone() if x._is_view() else x
 
 
 # ---------------------------------------------------------------- autograd functions

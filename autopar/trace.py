@@ -14,6 +14,9 @@ Algorithm:
    biased ``linear`` into ``linear`` + ``add``: a row-split linear must add its bias once, after
    the reduction, and as separate nodes the planner prices exactly that.
 5. Record, per placeholder, which parameter, buffer or user input it is.
+6. Refuse a graph with a data-dependent shape (a size torch.export could not make a number,
+   read from values by ``.tolist()``, ``.item()``, ``nonzero`` ...): plans are made for fixed
+   shapes, so the error names the op and the user's source line that reads the size.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from autopar.errors import InputError, TraceError
+from autopar.meta import source
 
 _ASSERT_OPS = (torch.ops.aten._assert_tensor_metadata.default,)
 
@@ -85,7 +89,9 @@ def trace(
     except Exception as exc:  # noqa: BLE001 - re-raised as a clear error below
         raise _explain_failure(model, root, args, kwargs, exc) from None
     prefix = "model." if loss_fn is not None else ""
-    return _collect(ep, model, prefix)
+    traced = _collect(ep, model, prefix)
+    _require_static_shapes(traced.gm, type(model).__name__)
+    return traced
 
 
 @contextlib.contextmanager
@@ -146,6 +152,41 @@ def _collect(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str) ->
         out_spec=ep.call_spec.out_spec,
         model_name=type(model).__name__,
     )
+
+
+def _require_static_shapes(gm: fx.GraphModule, model_name: str) -> None:
+    """Raise if a tensor's shape holds a symbol rather than a number (step 6), naming the op
+    that read the symbol from tensor values."""
+    nodes = list(gm.graph.nodes)
+    shaped = next((n for n in nodes if _symbolic_dims(n)), None)
+    if shaped is None:
+        return
+    dim = _symbolic_dims(shaped)[0]
+    names = {str(s) for s in dim.node.expr.free_symbols}
+    origin = next((n for n in nodes if isinstance(n.meta.get("val"), torch.SymInt)
+                   and str(n.meta["val"]) in names), shaped)  # fmt: skip
+    shape = list(shaped.meta["val"].shape)
+    raise TraceError(
+        f"{model_name} has a data-dependent shape: {_op(shaped)} makes a tensor of shape "
+        f"{shape}, and {dim} is a number {_op(origin)} reads from tensor values at run time\n"
+        f"  at {source(origin)}\n"
+        "  autopar plans fixed shapes: every size must follow from the example inputs' shapes.\n"
+        "  what to do: compute that size from shapes alone (for a mixture of experts, a fixed "
+        "expert capacity instead of per-expert token counts)."
+    )
+
+
+def _op(node: fx.Node) -> str:
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return f"{_op(node.args[0])}[{node.args[1]}]"
+    return str(node.target)
+
+
+def _symbolic_dims(node: fx.Node) -> list[torch.SymInt]:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return []
+    return [d for d in val.shape if isinstance(d, torch.SymInt)]
 
 
 def _arg(node: fx.Node, index: int, name: str) -> Any:

@@ -5,7 +5,9 @@ Algorithm:
    along the split dims of its layout), so printed programs show what each rank holds.
 2. Ops that carry sizes as arguments get their local sizes: view / reshape / expand take the
    local output shape (no -1 left); split and split_with_sizes on a split dim divide the piece
-   sizes by the axis size.
+   sizes by the axis size.  A ``view`` stays a ``view``: every collective returns a fresh
+   row-major tensor (``autopar.collectives``), so a view valid on the global tensor's strides
+   is valid on the local one.
 3. Anything else whose size argument would change is an error naming the node, never a
    silently wrong shape.
 """

@@ -58,6 +58,31 @@ def test_untraceable_model_gets_one_clear_error_with_the_user_line():
     assert "what to do" in msg
 
 
+class Routed(nn.Module):
+    """Token counts per group read from values, as a mixture-of-experts router does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, 2)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = self.router(x).argmax(-1)
+        order = choice.argsort()
+        sizes = nn.functional.one_hot(choice, 2).sum(0).tolist()
+        parts = x[order].split(sizes)
+        return torch.cat([self.lin(p) for p in parts])
+
+
+def test_data_dependent_shape_is_a_trace_error_naming_the_line():
+    with pytest.raises(TraceError) as err:
+        autoparallelize(Routed(), Mesh(tp=2), (torch.randn(6, 8),))
+    msg = str(err.value)
+    assert "Routed has a data-dependent shape" in msg
+    assert "test_trace.py" in msg and ".tolist()" in msg
+    assert "what to do" in msg
+
+
 def test_inputs_that_do_not_fit_name_the_module(mlp):
     with pytest.raises(InputError) as err:
         autoparallelize(mlp, Mesh(tp=2), (torch.randn(2, 5),))
