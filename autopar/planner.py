@@ -128,7 +128,45 @@ def solve_axis(
     gpu: GPU,
     options: PlanOptions,
 ) -> AxisSolution:
-    """The cheapest consistent strategy per node of ``traced.gm`` on ``axis`` (step 1-5)."""
+    """The cheapest consistent strategy per node of ``traced.gm`` on ``axis`` (step 1-5).
+
+    On a ``tp`` axis split weights are used where they lie; if some op can only use a weight
+    whole (it has no rule that splits it), the solve is repeated with weight gathers allowed
+    and a warning says so."""
+    if axis != "tp" or size == 1:
+        return _solve(traced, axis, size, link, gpu, options, frozenset())
+    try:
+        return _solve(traced, axis, size, link, gpu, options, weight_views(traced))
+    except PlanError:
+        if options.memory_limit is not None:
+            raise
+    warnings.warn(
+        f"no plan on {axis}={size} uses every split weight where it lies (an op reads a weight "
+        "whole: see the 'no sharding rule' warnings); some weights are all-gathered before use",
+        stacklevel=2,
+    )
+    return _solve(traced, axis, size, link, gpu, options, frozenset())
+
+
+_WEIGHT_VIEWS = {"t", "transpose", "permute", "view", "reshape", "_unsafe_view", "_to_copy",
+                 "numpy_T", "alias", "detach", "clone", "contiguous", "unsqueeze", "squeeze",
+                 "expand", "to", "type_as"}  # fmt: skip
+
+
+def weight_views(traced: Traced) -> frozenset[str]:
+    """Parameters and the views / casts of them (a transposed expert weight is still it)."""
+    found = set(traced.params)
+    for n in traced.gm.graph.nodes:
+        name = getattr(n.target, "_opname", "")
+        if n.op == "call_function" and name in _WEIGHT_VIEWS and n.args:
+            first = n.args[0]
+            if isinstance(first, fx.Node) and first.name in found:
+                found.add(n.name)
+    return frozenset(found)
+
+
+def _solve(traced: Traced, axis: str, size: int, link: Link, gpu: GPU, options: PlanOptions,
+           in_place: frozenset[str]) -> AxisSolution:  # fmt: skip
     graph_nodes = list(traced.gm.graph.nodes)
     grad = needs_grad(traced)
     ctx = RuleContext(size=size, blocks=block_counts(graph_nodes))
@@ -140,8 +178,7 @@ def solve_axis(
     if weight is None:
         weight = MEMORY_PRICE_S / gpu.hbm_bytes
     prob = _Problem()
-    params = frozenset(traced.params) if axis == "tp" else frozenset()
-    pricer = _Pricer(size=size, link=link, fixed_params=params)
+    pricer = _Pricer(size=size, link=link, fixed_params=in_place)
     xvar = _choice_vars(prob, graph_nodes, rep, cands, grad, gpu, pricer, weight)
     for v in graph_nodes:
         _price_inputs(prob, v, rep, cands, xvar, grad, pricer, options.replicate_outputs)
@@ -322,7 +359,7 @@ def _fix(prob: _Problem, cands: dict, xvar: dict, fixed: dict[str, str]) -> None
 class _Pricer:
     size: int
     link: Link
-    fixed_params: frozenset[str] = frozenset()  # split parameters are used as split, never moved
+    fixed_params: frozenset[str] = frozenset()  # split weights (and views) are never moved
 
     def t(self, kind: str, nbytes: float) -> float:
         return COLLECTIVE_OVERHEAD_S + collective_time(kind, nbytes, self.size, self.link)

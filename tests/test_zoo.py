@@ -24,6 +24,15 @@ pytest.importorskip("transformers")
 TP = 2
 NAMES = [f.name for f in zoo.families()]
 UNTRACEABLE: dict[str, str] = {}  # family -> why torch.export cannot capture it
+# (family, check) -> why autopar misses the hand design today.  Each is a strict xfail: it
+# fails the suite once fixed, so the list only ever shrinks (see NOTES.md, open work).
+KNOWN_GAPS: dict[tuple[str, str], str] = {}
+
+
+def known_gap(request: pytest.FixtureRequest, name: str, check: str) -> None:
+    reason = KNOWN_GAPS.get((name, check))
+    if reason:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
 
 
 @functools.cache
@@ -68,21 +77,24 @@ def test_traces(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_verify_tp2_matches_single_device(name):
+def test_verify_tp2_matches_single_device(name, request):
+    known_gap(request, name, "verify")
     r = traced_row(name)
     assert r.verify_ok, r.verify_reason
     assert r.verify_error is not None and r.verify_error < 1e-4
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_forward_communication_within_hand_design(name):
+def test_forward_communication_within_hand_design(name, request):
+    known_gap(request, name, "comm")
     r = traced_row(name)
     assert r.comm is not None, r.comm_reason
     assert r.comm.ok, f"{r.comm}; layer 0: {r.comm.actual.detail(0)}"
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_rank0_holds_its_share_of_layer_parameters(name):
+def test_rank0_holds_its_share_of_layer_parameters(name, request):
+    known_gap(request, name, "share")
     r = traced_row(name)
     assert r.param_fraction is not None, r.comm_reason
     assert r.param_fraction == pytest.approx(1 / TP, rel=0.1)
