@@ -32,7 +32,8 @@ MATMUL_TILE = 128  # output tile edge of a tensor-core GEMM kernel
 MEMORY_BW_FRACTION = 0.80  # streaming kernels reach ~80% of the HBM data-sheet bandwidth
 KERNEL_LAUNCH_S = 4e-6  # eager launch + scheduling floor per kernel
 
-MATMUL_OPS = {"linear", "addmm", "mm", "bmm", "matmul", "baddbmm"}
+MATMUL_OPS = {"linear", "addmm", "mm", "bmm", "matmul", "baddbmm",
+              "_grouped_mm", "grouped_mm_fallback"}  # fmt: skip
 _CANONICAL = {
     "_scaled_dot_product_flash_attention": "scaled_dot_product_attention",
     "_scaled_dot_product_flash_attention_for_cpu": "scaled_dot_product_attention",
