@@ -100,7 +100,13 @@ def _hoistable_input(y: fx.Node, g: fx.Node, ctx: PassContext) -> fx.Node | None
         return None
     if schema is None or schema.is_mutable:
         return None
-    ins = [a for a in dict.fromkeys(tensor_args(y)) if a.name in ctx.grad]
+    ins = [a for a in dict.fromkeys(tensor_args(y)) if _may_need_grad(a, ctx)]
     if len(ins) != 1 or ins[0].meta["val"].numel() > y.meta["val"].numel():
         return None
     return ins[0]
+
+
+def _may_need_grad(a: fx.Node, ctx: PassContext) -> bool:
+    """Floating values the plan says need a gradient, and every value the plan does not know
+    (collectives written by this pass carry their input's gradient)."""
+    return a.meta["val"].is_floating_point() and (a.name in ctx.grad or a.name not in ctx.choice)
