@@ -439,10 +439,32 @@ def _price_inputs(prob: _Problem, v: fx.Node, rep: dict, cands: dict, xvar: dict
                     key = ("relayout", ur, idx, a, want)
                     _bound_aux(prob, key, (u, idx, want), cost, edge, z[(a, b)], mem)
                 if needs and isinstance(want, Replicate) and not sb.redundant:
-                    g = pricer.grad_reduce(have, nbytes)
+                    late = _deferred_bytes(u, arg, idx, grad) if sa.redundant else nbytes
+                    g = pricer.grad_reduce(have, min(nbytes, late))
                     _bound_aux(prob, ("grad", ur, idx, a), (u, idx), g, edge, z[(a, b)], 0.0)
         if fresh:
             _transport_rows(prob, z, xvar, ur, vr, len(cands[ur]), len(cands[vr]))
+
+
+def _deferred_bytes(u: fx.Node, arg: fx.Node, idx: int | None, grad: set) -> float:
+    """Bytes of the partial gradient a replicated ``u`` passes up to where it is cheapest to
+    reduce (``lower_collectives`` step 6 hoists the reduction there): back through ops with one
+    user and one input that needs a gradient, while that input is not larger (a routed gather
+    ``x[index]`` reduces [T, h] instead of its [T*k, h] rows)."""
+    if idx is not None:
+        return _nbytes(arg)
+    node = u
+    while node.op == "call_function" and len(node.users) == 1 and not _mutates(node):
+        ins = [a for a in tensor_args(node) if a in grad]
+        if len(ins) != 1 or _nbytes(ins[0]) > _nbytes(node):
+            break
+        node = ins[0]
+    return _nbytes(node)
+
+
+def _mutates(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is None or schema.is_mutable
 
 
 def _transport_rows(prob: _Problem, z: dict, xvar: dict, ur: fx.Node, vr: fx.Node, na: int,

@@ -32,7 +32,8 @@ MATMUL_TILE = 128  # output tile edge of a tensor-core GEMM kernel
 MEMORY_BW_FRACTION = 0.80  # streaming kernels reach ~80% of the HBM data-sheet bandwidth
 KERNEL_LAUNCH_S = 4e-6  # eager launch + scheduling floor per kernel
 
-MATMUL_OPS = {"linear", "addmm", "mm", "bmm", "matmul", "baddbmm"}
+MATMUL_OPS = {"linear", "addmm", "mm", "bmm", "matmul", "baddbmm",
+              "_grouped_mm", "grouped_mm_fallback"}  # fmt: skip
 _CANONICAL = {
     "_scaled_dot_product_flash_attention": "scaled_dot_product_attention",
     "_scaled_dot_product_flash_attention_for_cpu": "scaled_dot_product_attention",
@@ -53,6 +54,7 @@ _ELEMENTWISE = {"add", "sub", "mul", "div", "neg", "pow", "exp", "log", "sqrt", 
                 "reciprocal", "square", "lt", "gt", "le", "ge", "eq", "ne", "logical_not",
                 "rsub", "softplus", "hardtanh", "leaky_relu", "elu", "mish", "addcmul",
                 "addcdiv", "lerp", "scatter_add"}  # fmt: skip
+_ALIASING_CASTS = {"to", "type_as"}  # return their input when the dtype already matches
 # memory traffic without arithmetic: copies, layout changes, gathers, fills
 _COPIES = {"clone", "_to_copy", "to", "copy", "contiguous", "fill", "cat", "stack", "triu",
            "tril", "index_select", "gather", "scatter", "index", "type_as", "zeros_like",
@@ -69,6 +71,12 @@ def node_flops_bytes(node: torch.fx.Node) -> tuple[float, float]:
     ins = tensors_of([_val(a) for a in node.args]) + tensors_of(
         [_val(a) for a in node.kwargs.values()]
     )
+    if (
+        name in _ALIASING_CASTS
+        and ins
+        and (ins[0].dtype, ins[0].device) == (out[0].dtype, out[0].device)
+    ):
+        return 0.0, 0.0  # `x.to(x.dtype)` returns x itself: no kernel
     moved = float(sum(_nbytes(t) for t in ins + out))
     out_elems = float(sum(t.numel() for t in out))
     if name in MATMUL_OPS:
