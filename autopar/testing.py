@@ -143,8 +143,8 @@ class Llama(nn.Module):
         t = torch.arange(idx.shape[1], device=idx.device).float()
         freqs = torch.outer(t, self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
         x = self.embed(idx)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
