@@ -397,6 +397,32 @@ def split(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     return found
 
 
+@rule(aten.index.Tensor)
+def index(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """x[..., idx, ...] with replicated index tensors: dims not indexed keep their split (the
+    indexed dims' result goes where the indices were when they are adjacent, else first)."""
+    src = _shape(node.args[0])
+    if any(a.meta["val"].dtype in (torch.bool, torch.uint8) for a in tensor_args(node)[1:]):
+        return []  # a mask index consumes several dims and has a data-dependent size
+    slots = list(node.args[1]) + [None] * (len(src) - len(node.args[1]))
+    indexed = [d for d, i in enumerate(slots) if i is not None]
+    n_idx = len(tensor_args(node)) - 1
+    idx_nd = len(_shape(node)) - (len(src) - len(indexed))
+    adjacent = indexed == list(range(indexed[0], indexed[-1] + 1)) if indexed else True
+    free = [d for d in range(len(src)) if d not in indexed]
+
+    def out_dim(d: int) -> int:
+        if not adjacent:
+            return idx_nd + free.index(d)
+        return d if not indexed or d < indexed[0] else d - len(indexed) + idx_nd
+
+    found = [Strategy((PARTIAL,) + (R,) * n_idx, PARTIAL)]
+    for d in free:
+        for b in ctx.blocks:
+            found.append(Strategy((Shard(d, b),) + (R,) * n_idx, Shard(out_dim(d), b)))
+    return found
+
+
 @rule(aten.cat.default)
 def cat(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     ins = [_shape(a) for a in tensor_args(node)]
@@ -617,7 +643,7 @@ _REPLICATED_ONLY = [
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default,
     aten.ones.default, aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default,
     aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
-    aten.pad.default, aten.index.Tensor, aten.index_select.default, aten.gather.default,
+    aten.pad.default, aten.index_select.default, aten.gather.default,
     aten.nll_loss_forward.default, aten.nll_loss.default, aten.nll_loss_nd.default,
     aten.item.default, aten._local_scalar_dense.default, aten.constant_pad_nd.default,
     aten.repeat.default, aten.outer.default,
