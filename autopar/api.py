@@ -19,12 +19,14 @@ import torch
 import torch.nn as nn
 
 from autopar import meta
+from autopar.analysis import needs_grad
 from autopar.errors import MeshError, PlanError
 from autopar.mesh import Mesh
 from autopar.plan import Plan
-from autopar.planner import AxisSolution, PlanOptions, describe_tp_dims, needs_grad, solve_axis
+from autopar.planner import AxisSolution, PlanOptions, describe_tp_dims, solve_axis
 from autopar.program import Program, collectives_of
 from autopar.trace import Traced, trace
+from cost.comm import collective_time
 from cost.hardware import Cluster
 from passes import PassContext, run_pipeline
 
@@ -37,7 +39,7 @@ def autoparallelize(
     *,
     example_kwargs: dict[str, Any] | None = None,
     memory_limit: float | None = None,
-    memory_weight: float = 0.0,
+    memory_weight: float | None = None,
     strict: bool = False,
     verbose: bool = False,
     n_microbatches: int | None = None,
@@ -134,7 +136,8 @@ def _check_split(traced: Traced, solution: AxisSolution, mesh: Mesh, axis: str) 
     split = [p for p in traced.params if str(solution.choice[p].output) != "R"]
     if size > 1 and traced.params and not split:
         raise PlanError(
-            f"no valid plan: {mesh} splits no parameter of {traced.model_name} {size} ways; "
+            f"no valid plan: no parameter of {traced.model_name} splits across {size} ranks "
+            f"of {mesh}; "
             f"its sizes are {describe_tp_dims(traced)}; choose a tensor-parallel degree that "
             "divides the heads, hidden, ffn or vocab size"
         )
@@ -152,6 +155,7 @@ def _plan(traced: Traced, gm: torch.fx.GraphModule, mesh: Mesh, sol: AxisSolutio
     notes = (
         f"solved {axis} exactly (HiGHS) over {sol.variables} variables; "
         f"{sol.tied_nodes} nodes share the decisions of an identical block",
+        *_why(sol, mesh, axis),
     )
     return Plan(
         model=traced.model_name,
@@ -165,6 +169,30 @@ def _plan(traced: Traced, gm: torch.fx.GraphModule, mesh: Mesh, sol: AxisSolutio
         memory_bytes=sol.memory_bytes,
         notes=notes,
     )
+
+
+def _why(sol: AxisSolution, mesh: Mesh, axis: str) -> list[str]:
+    """What the cost model says about this axis beyond the chosen plan."""
+    size, out = mesh.size(axis), []
+    if axis == "tp" and size > 1:
+        out.append(f"{axis} splits the weights (never the batch): rank 0 holds "
+                   f"{sol.memory_bytes / 2**30:.2f} GiB of priced memory")  # fmt: skip
+        link = mesh.cluster.axis_link(mesh.axes, axis)
+        dp = sol.single_s / size + collective_time("all_reduce", sol.param_bytes, size, link)
+        tp = sol.compute_s + sol.comm_s
+        if dp < tp:
+            out.append(
+                f"the cost model predicts Mesh(dp={size}) (data parallelism: the batch split, "
+                f"gradients all-reduced) at {dp * 1e3:.3g} ms per step vs {tp * 1e3:.3g} ms for "
+                f"this plan ({tp / dp:.2f}x faster); split as asked"
+            )
+    if sol.unsplit:
+        out.append(f"stay whole (no even split on {size} ranks): {', '.join(sol.unsplit)}")
+    cap = mesh.cluster.gpu.hbm_bytes
+    if sol.memory_bytes > cap:
+        out.append(f"does not fit: {sol.memory_bytes / 2**30:.1f} GiB per rank > "
+                   f"{cap / 2**30:.0f} GiB on {mesh.cluster.gpu.name}")  # fmt: skip
+    return out
 
 
 class _Progress:

@@ -30,9 +30,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar import meta
+from autopar.analysis import needs_grad
 from autopar.errors import InputError, PlanError
 from autopar.mesh import Mesh
-from autopar.planner import PlanOptions, needs_grad
+from autopar.planner import PlanOptions
 from autopar.program import Program
 from autopar.runtime import RankShare
 from autopar.trace import Traced, trace

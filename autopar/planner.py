@@ -2,15 +2,22 @@
 
 Algorithm (:func:`solve_axis`):
 1. Enumerate every node's strategies (``rules.strategies``); parameters may be replicated or
-   split on any dim that divides; user inputs arrive replicated.
+   split on any dim that divides; user inputs arrive replicated.  On a ``tp`` axis, strategies
+   that split the batch are dropped (``analysis.batch_dims``): splitting the batch is the data
+   axis's job, a tensor-parallel axis exists to split the weights.
 2. Tie identical blocks: nodes of repeated sibling modules (``layers.0``, ``layers.1``, ...) whose
    op/shape signature equals the first block's share its decision variables, so a 32-layer model
    is solved as one layer plus the ends.
 3. Price every (node, strategy): compute share (1 when every rank repeats the op, 1/size when
-   split), collectives inside lowerings, and activation / parameter memory.
-   Every heavy matmul-like op (at least 1% of the largest one's FLOPs) must be split: an axis
-   exists to divide compute, so a plan that repeats a matmul on every rank is not a plan for it.
-4. Price every edge's re-layout from the producer's output to the consumer's required input,
+   split), collectives inside lowerings, and activation / parameter memory.  Memory is priced by
+   default: holding the GPU's whole capacity costs ``MEMORY_PRICE_S`` seconds, so replicating a
+   weight is never free.  Every matrix of a block (or outside blocks) must be split unless it is
+   ``SMALL_MATRIX_RATIO`` times smaller than the block's median matrix: the user chose the axis
+   to divide the weights; whether small ones stay whole (a multi-query key projection, a
+   router) is the cost model's call.
+4. Price every edge's re-layout from the producer's output to the consumer's required input
+   (on a ``tp`` axis a split parameter is used where it lies: gathering weights is ZeRO-3's
+   job on the data axis, not tensor parallelism),
    shared per (producer, target layout) as the lowered graph shares it, plus the backward
    all-reduce (or reduce-scatter) a replicated value needs when a split consumer makes its
    gradient partial.  Impossible re-layouts (to partial) are forbidden pairs.  Each collective
@@ -18,10 +25,9 @@ Algorithm (:func:`solve_axis`):
 5. Solve exactly with HiGHS (scipy.optimize.milp): binary choice per node, continuous
    linearisation variables per priced edge pair; optional per-rank memory limit.
 """
-
 from __future__ import annotations
 
-import re
+import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,27 +38,35 @@ import torch.fx as fx
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
+from autopar.analysis import (
+    batch_dims,
+    block_of,
+    needs_grad,
+    strategy_splits_batch,
+    tie_blocks,
+)
 from autopar.errors import PlanError
 from autopar.layout import Partial, Placement, R, Replicate, Shard
-from autopar.meta import clean_path, source
+from autopar.meta import source
 from autopar.rules import RuleContext, Strategy, strategies
 from autopar.trace import Traced, is_getitem, is_tensor, tensor_args
 from cost.comm import collective_time
-from cost.compute import KERNEL_LAUNCH_S, node_flops_bytes, node_time
+from cost.compute import KERNEL_LAUNCH_S, node_time
 from cost.hardware import GPU, Link
 
 ADAM_STATE_FACTOR = 4  # parameter + gradient + two Adam moments, per parameter element
 COLLECTIVE_OVERHEAD_S = 10e-6  # launch + stream synchronisation per collective call
-HEAVY_FRACTION = 0.01  # matmul-like ops with >= 1% of the largest op's FLOPs must be split
-_MATMUL_LIKE = ("linear", "mm", "bmm", "matmul", "addmm", "baddbmm", "scaled_dot_product_attention")
+SMALL_MATRIX_RATIO = 8  # a matrix 8x smaller than its block's median one may stay whole
+MEMORY_PRICE_S = 1e-3  # default price of holding the GPU's whole memory, in seconds of step time
 
 
 @dataclass(frozen=True, kw_only=True)
 class PlanOptions:
-    """Knobs of the solver.  ``memory_limit``: bytes per rank; ``memory_weight``: s/byte."""
+    """Knobs of the solver.  ``memory_limit``: bytes per rank; ``memory_weight``: s/byte
+    (None: ``MEMORY_PRICE_S`` per GPU capacity)."""
 
     memory_limit: float | None = None
-    memory_weight: float = 0.0
+    memory_weight: float | None = None
     strict: bool = False
     replicate_outputs: bool = False  # graph outputs must be whole (pipeline stage boundaries)
     fixed: tuple[tuple[str, str], ...] = ()  # (node, strategy) pairs to keep (a reloaded Plan)
@@ -68,6 +82,9 @@ class AxisSolution:
     memory_bytes: float
     tied_nodes: int = 0  # nodes that reuse the decision of the same node in the first block
     variables: int = 0
+    single_s: float = 0.0  # forward + backward seconds of the whole graph on one device
+    param_bytes: float = 0.0  # bytes of the trainable parameters (whole)
+    unsplit: tuple[str, ...] = ()  # large weights no strategy could split (they stay whole)
 
 
 @dataclass
@@ -117,14 +134,19 @@ def solve_axis(
     ctx = RuleContext(size=size, blocks=block_counts(graph_nodes))
     rep = tie_blocks(graph_nodes, traced)
     cands = _candidates(graph_nodes, rep, traced, ctx, options.strict)
+    if axis == "tp" and size > 1:
+        _drop_batch_splits(cands, traced, size)
+    weight = options.memory_weight
+    if weight is None:
+        weight = MEMORY_PRICE_S / gpu.hbm_bytes
     prob = _Problem()
-    pricer = _Pricer(size=size, link=link)
-    xvar = _choice_vars(prob, graph_nodes, rep, cands, grad, gpu, pricer, options)
+    params = frozenset(traced.params) if axis == "tp" else frozenset()
+    pricer = _Pricer(size=size, link=link, fixed_params=params)
+    xvar = _choice_vars(prob, graph_nodes, rep, cands, grad, gpu, pricer, weight)
     for v in graph_nodes:
         _price_inputs(prob, v, rep, cands, xvar, grad, pricer, options.replicate_outputs)
-    _finish_aux(prob, options.memory_weight)
-    if size > 1:
-        _require_split(prob, cands, xvar, traced, size)
+    _finish_aux(prob, weight)
+    unsplit = _require_weight_split(prob, cands, xvar, traced, size) if size > 1 else ()
     _fix(prob, cands, xvar, dict(options.fixed))
     x = _run(prob, options)
     choice = {
@@ -135,8 +157,12 @@ def solve_axis(
     comm = sum(prob.time[i] * x[i] for i in prob.comm_vars)
     memory = sum(c * x[i] for i, c in prob.mem.items())
     tied = sum(1 for n, r in rep.items() if r is not n)
+    single = sum(node_time(n, gpu) * (3.0 if n in grad else 1.0)
+                 for n in graph_nodes if n.op == "call_function")  # fmt: skip
+    pbytes = sum(_nbytes(n) for n in graph_nodes if n in grad and n.op == "placeholder")
     return AxisSolution(choice=choice, compute_s=float(compute), comm_s=float(comm),
-                        memory_bytes=float(memory), tied_nodes=tied, variables=len(x))  # fmt: skip
+                        memory_bytes=float(memory), tied_nodes=tied, variables=len(x),
+                        single_s=single, param_bytes=pbytes, unsplit=unsplit)  # fmt: skip
 
 
 def cands_of(nodes: list[fx.Node], rep: dict, cands: dict) -> Iterator[fx.Node]:
@@ -149,27 +175,6 @@ def _picked(x: np.ndarray, xvar: dict, node: fx.Node, cands: dict) -> int:
 
 
 # ---------------------------------------------------------------- step 1: candidates
-
-
-def needs_grad(traced: Traced, gm: fx.GraphModule | None = None) -> set[fx.Node]:
-    """Floating-point values of ``gm`` (default: the traced graph) that depend on a trainable
-    parameter."""
-    trainable = {ph for ph, fqn in traced.params.items() if fqn in traced.trainable}
-    trainable |= traced.grad_inputs
-    out: set[fx.Node] = set()
-    for n in (gm or traced.gm).graph.nodes:
-        if n.op == "placeholder":
-            if n.name in trainable:
-                out.add(n)
-            continue
-        vals = n.meta.get("val")
-        floating = any(
-            isinstance(v, torch.Tensor) and v.is_floating_point()
-            for v in (vals if isinstance(vals, (tuple, list)) else (vals,))
-        )
-        if floating and any(a in out for a in n.all_input_nodes):
-            out.add(n)
-    return out
 
 
 def block_counts(nodes: list[fx.Node]) -> tuple[int, ...]:
@@ -215,75 +220,22 @@ def _placeholder_strategies(n: fx.Node, traced: Traced, ctx: RuleContext) -> lis
     return found
 
 
-# ---------------------------------------------------------------- step 2: tie blocks
-
-_INDEXED = re.compile(r"^(.*)\.(\d+)$")
-
-
-def tie_blocks(nodes: list[fx.Node], traced: Traced) -> dict[fx.Node, fx.Node]:
-    """Map each node to the node of the first identical block it mirrors (itself if none)."""
-    rep = {n: n for n in nodes}
-    blocks = _find_blocks(nodes, traced)
-    if len(blocks) < 2:
-        return rep
-    first = blocks[0]
-    sig0 = _signature(first, traced)
-    for block in blocks[1:]:
-        if len(block) == len(first) and _signature(block, traced) == sig0:
-            for a, b in zip(block, first, strict=True):
-                rep[a] = b
-    return rep
-
-
-def _find_blocks(nodes: list[fx.Node], traced: Traced) -> list[list[fx.Node]]:
-    members: dict[str, dict[int, list[fx.Node]]] = defaultdict(lambda: defaultdict(list))
-    for n in nodes:
-        path = traced.params.get(n.name) or traced.buffers.get(n.name) or ""
-        paths = [path.rsplit(".", 1)[0]] if path else _stack_paths(n)
-        for container, idx in _indexed_prefixes(paths):
-            members[container][idx].append(n)
-    if not members:
-        return []
-    container = max(members, key=lambda c: (len(members[c]), -len(c)))
-    by_index = members[container]
-    return [by_index[i] for i in sorted(by_index)]
-
-
-def _stack_paths(n: fx.Node) -> list[str]:
-    stack = n.meta.get("nn_module_stack") or {}
-    return [clean_path(p) for p, _ in stack.values()]
-
-
-def _indexed_prefixes(paths: list[str]) -> set[tuple[str, int]]:
-    found = set()
-    for path in paths:
-        parts = path.split(".")
-        for i in range(1, len(parts) + 1):
-            m = _INDEXED.match(".".join(parts[:i]))
-            if m:
-                found.add((m.group(1), int(m.group(2))))
-    return found
-
-
-def _signature(block: list[fx.Node], traced: Traced) -> list[tuple]:
-    index = {n: i for i, n in enumerate(block)}
-    sig = []
-    for n in block:
-        val = n.meta.get("val")
-        shape = (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else None
-        args = tuple(("in", index[a]) if a in index else ("ext",) for a in n.all_input_nodes)
-        fqn = traced.params.get(n.name) or traced.buffers.get(n.name) or ""
-        sig.append(
-            (n.op, str(n.target) if n.op != "placeholder" else fqn.split(".")[-1], shape, args)
-        )
-    return sig
+def _drop_batch_splits(cands: dict[fx.Node, list[Strategy]], traced: Traced, size: int) -> None:
+    """Keep only strategies that leave every batch element on every rank (step 1)."""
+    batch, dims = batch_dims(traced)
+    if batch == 1:
+        return
+    for n, strats in cands.items():
+        if n.op == "call_function":
+            kept = [s for s in strats if not strategy_splits_batch(n, s, dims, size, batch)]
+            cands[n] = kept or strats[:1]
 
 
 # ---------------------------------------------------------------- step 3: node prices
 
 
 def _choice_vars(prob: _Problem, nodes: list[fx.Node], rep: dict, cands: dict, grad: set,
-                 gpu: GPU, pricer: _Pricer, options: PlanOptions) -> dict:  # fmt: skip
+                 gpu: GPU, pricer: _Pricer, memory_weight: float) -> dict:  # fmt: skip
     size = pricer.size
     mult: dict[fx.Node, int] = defaultdict(int)
     for n in nodes:
@@ -299,7 +251,7 @@ def _choice_vars(prob: _Problem, nodes: list[fx.Node], rep: dict, cands: dict, g
             t += sum(pricer.t(kind, nbytes) for kind, nbytes in s.comm)
             mem = _memory(n, s, size, grad)
             xvar[(n, i)] = prob.var(
-                mult[n] * (t + options.memory_weight * mem), True, time=mult[n] * t
+                mult[n] * (t + memory_weight * mem), True, time=mult[n] * t
             )
             prob.mem[xvar[(n, i)]] = mult[n] * mem
             ids.append(xvar[(n, i)])
@@ -318,25 +270,34 @@ def _memory(n: fx.Node, s: Strategy, size: int, grad: set) -> float:
     return local if n in grad else 0.0
 
 
-def _require_split(prob: _Problem, cands: dict, xvar: dict, traced: Traced, size: int) -> None:
-    """Forbid the redundant strategy of every heavy op; no split at all is a PlanError."""
-    flops = {n: node_flops_bytes(n)[0] for n in cands
-             if n.op == "call_function" and getattr(n.target, "_opname", "") in _MATMUL_LIKE}  # fmt: skip
-    top = max(flops.values(), default=0.0)
-    for n, f in flops.items():
-        if top == 0.0 or f < HEAVY_FRACTION * top:
+def _require_weight_split(prob: _Problem, cands: dict, xvar: dict, traced: Traced,
+                          size: int) -> tuple[str, ...]:  # fmt: skip
+    """Forbid replicating every large matrix (step 3); return those no strategy can split
+    (they stay whole, with a warning)."""
+    mats = [n for n in cands if n.name in traced.params and n.meta["val"].dim() >= 2]
+    sizes: dict[str, list[int]] = defaultdict(list)
+    for n in mats:
+        sizes[block_of(traced.params[n.name])].append(n.meta["val"].numel())
+    unsplit = []
+    for n in mats:
+        fqn = traced.params[n.name]
+        group = sorted(sizes[block_of(fqn)])
+        if n.meta["val"].numel() * SMALL_MATRIX_RATIO <= group[len(group) // 2]:
+            continue  # small next to its block's typical matrix: the cost model decides
+        if all(s.redundant for s in cands[n]):
+            unsplit.append(fqn)
             continue
-        split = [i for i, s in enumerate(cands[n]) if not s.redundant]
-        if not split:
-            raise PlanError(
-                f"no valid plan splits {n.target} at {source(n)} across {size} ranks: "
-                f"its dims ({_shapes(n)}) do not divide by {size}.  The model's sizes are "
-                f"{describe_tp_dims(traced)}; choose a tensor-parallel degree that divides "
-                "the heads, hidden, ffn or vocab size."
-            )
         for i, s in enumerate(cands[n]):
             if s.redundant:
                 prob.row({xvar[(n, i)]: 1.0}, 0.0, 0.0)
+    if unsplit:
+        warnings.warn(
+            f"{len(unsplit)} weight(s) cannot be split {size} ways and stay whole on every "
+            f"rank: {', '.join(unsplit[:4])}{' ...' if len(unsplit) > 4 else ''} (sizes "
+            f"{describe_tp_dims(traced)}); a degree that divides their dims splits them",
+            stacklevel=3,
+        )
+    return tuple(unsplit)
 
 
 def _fix(prob: _Problem, cands: dict, xvar: dict, fixed: dict[str, str]) -> None:
@@ -353,10 +314,6 @@ def _fix(prob: _Problem, cands: dict, xvar: dict, fixed: dict[str, str]) -> None
         prob.row({xvar[(n, names.index(fixed[n.name]))]: 1.0}, 1.0, 1.0)
 
 
-def _shapes(n: fx.Node) -> str:
-    return ", ".join(str(list(a.meta["val"].shape)) for a in tensor_args(n))
-
-
 # ---------------------------------------------------------------- step 4: edge prices
 
 
@@ -364,6 +321,7 @@ def _shapes(n: fx.Node) -> str:
 class _Pricer:
     size: int
     link: Link
+    fixed_params: frozenset[str] = frozenset()  # split parameters are used as split, never moved
 
     def t(self, kind: str, nbytes: float) -> float:
         return COLLECTIVE_OVERHEAD_S + collective_time(kind, nbytes, self.size, self.link)
@@ -426,11 +384,14 @@ def _price_inputs(prob: _Problem, v: fx.Node, rep: dict, cands: dict, xvar: dict
         fresh = edge not in prob.edges
         z = prob.edges.setdefault(edge, {})
         needs, nbytes = arg in grad, _nbytes(arg)
+        moves = u.name not in pricer.fixed_params
         for b, sb in enumerate(cands[vr]):
             want = sb.inputs[slot]
             for a, sa in enumerate(cands[ur]):
                 have = _out(sa, idx)
                 cost = pricer.relayout(have, want, nbytes, needs)
+                if not moves and isinstance(have, Shard) and have != want:
+                    cost = None
                 if fresh:
                     z[(a, b)] = prob.var(0.0, False, upper=0.0 if cost is None else 1.0)
                 if cost is None:

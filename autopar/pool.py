@@ -4,25 +4,37 @@ Starting a torch process costs seconds, so the pool starts ``world`` workers onc
 them for every job (tests and :func:`autopar.verify` share one pool per process).
 
 Algorithm:
-1. Spawn ``world`` processes; each joins one Gloo process group (loopback rendezvous on a free
-   port) and waits on its own task queue.
-2. A job is a picklable function plus per-rank arguments for the first ``n`` ranks.  Before it
-   runs, every worker creates (collectively, once per mesh) the process groups of the job's
-   mesh axes; ranks outside the job skip the function.
-3. Results come back per rank; an exception on any rank is re-raised with that rank's
+1. Spawn ``world`` processes with the user's ``__main__`` hidden from multiprocessing's
+   preparation data, so workers never import (re-run) the calling script or notebook: a script
+   without an ``if __name__ == "__main__":`` guard works.  Each worker joins one Gloo process
+   group (loopback rendezvous on a free port) and waits on its own task queue.
+2. A job is a picklable function plus per-rank arguments for the first ``n`` ranks, pickled in
+   the parent by a pickler that refuses (with the fix in the message) any class or function
+   the workers cannot import: one defined in ``__main__`` or in a module without a spec
+   (``exec``-ed notebook code).  A namedtuple class from such a module travels as its name and
+   fields instead.
+3. Before a job runs, every worker creates (collectively, once per mesh) the process groups of
+   the job's mesh axes; ranks outside the job skip the function.
+4. Results come back per rank; an exception on any rank is re-raised with that rank's
    traceback.  A job that does not finish within ``timeout`` kills the pool (never a hang).
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
+import functools
+import importlib.util
+import io
 import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
+import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -54,8 +66,9 @@ class WorkerPool:
             )
             for r in range(world)
         ]
-        for p in self.procs:
-            p.start()
+        with _main_hidden():
+            for p in self.procs:
+                p.start()
         self._collect("ready", world)
 
     def run(self, fn: Callable[..., Any], mesh_axes: Sequence[tuple[str, int]],
@@ -66,7 +79,7 @@ class WorkerPool:
             raise ValueError(f"job needs {n} ranks but the pool has {self.world}")
         for r in range(self.world):
             args = per_rank_args[r] if r < n else None
-            self.tasks[r].put(pickle.dumps((fn, tuple(mesh_axes), args)))
+            self.tasks[r].put(dumps((fn, tuple(mesh_axes), args)))
         return self._collect("job", self.world)[:n]
 
     def _collect(self, what: str, count: int) -> list[Any]:
@@ -116,6 +129,72 @@ def get_pool(world: int) -> WorkerPool:
 def _shutdown() -> None:
     if _POOL is not None:
         _POOL.close()
+
+
+@contextlib.contextmanager
+def _main_hidden() -> Iterator[None]:
+    """Step 1: multiprocessing's spawn re-imports ``__main__`` in every child (by its module
+    spec, else its file); a stand-in ``__main__`` without either keeps the children from
+    running the user's script while they start."""
+    main = sys.modules.get("__main__")
+    stand_in = types.ModuleType("__main__")
+    stand_in.__spec__ = None
+    sys.modules["__main__"] = stand_in
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
+def dumps(obj: Any) -> bytes:
+    """Step 2: pickle a job for the workers, refusing what they cannot import."""
+    buf = io.BytesIO()
+    _JobPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+class _JobPickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if not isinstance(obj, type | types.FunctionType) or worker_importable(obj.__module__):
+            return NotImplemented
+        if isinstance(obj, type) and issubclass(obj, tuple) and hasattr(obj, "_fields"):
+            return _namedtuple, (obj.__module__, obj.__qualname__, tuple(obj._fields))
+        where = ("the script being run (__main__)" if obj.__module__ in _MAIN_NAMES
+                 else f"module {obj.__module__!r}, which has no file to import it from")  # fmt: skip
+        raise pickle.PicklingError(
+            f"{obj.__qualname__} is defined in {where}: autopar's worker processes do not run "
+            f"your script or notebook, so they cannot load it. Move {obj.__qualname__} into a "
+            "module file next to your script and import it from there."
+        )
+
+
+_MAIN_NAMES = ("__main__", "__mp_main__")
+
+
+def worker_importable(module: str | None) -> bool:
+    """Whether a fresh worker can import ``module`` by name."""
+    if module in _MAIN_NAMES:
+        return False
+    mod = sys.modules.get(module or "builtins")
+    if mod is None:
+        return _findable(module)
+    return getattr(mod, "__spec__", None) is not None or hasattr(mod, "__file__")
+
+
+@functools.cache
+def _findable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@functools.cache
+def _namedtuple(module: str, qualname: str, fields: tuple[str, ...]) -> type:
+    cls = collections.namedtuple(qualname.rsplit(".", 1)[-1], fields)  # noqa: PYI024
+    cls.__module__ = module
+    return cls
 
 
 def free_port() -> int:

@@ -6,17 +6,26 @@ instead.
 
 Algorithm:
 1. Record every node as (op, name, target reference, args, kwargs) with node references
-   replaced by names; targets are ATen overloads by qualified name, higher-order ops by name,
-   Python functions by module and name.
-2. Record parameters (with ``requires_grad``), buffers and nested graph submodules by dotted
+   replaced by names; targets are operator overloads by qualified name, higher-order ops by
+   name, Python functions by reference (pickled by module and qualified name).
+2. For every operator outside torch's own namespaces (a custom op such as
+   ``transformers::grouped_mm_fallback``), record what registers it: the module of the
+   ``torch.library.custom_op`` function, else the Python file named by the dispatcher's
+   registration record, else the namespace itself when it is an importable package; plus
+   torch's loaded C++ operator libraries.
+3. Record parameters (with ``requires_grad``), buffers and nested graph submodules by dotted
    name; the call signature by its pytree in/out specs.
-3. Loading rebuilds the graph in order, re-resolves targets, and re-creates the module.
+4. Loading (in another process, too) first imports the recorded modules and libraries, then
+   rebuilds the graph in order, re-resolves targets, and re-creates the module.
 """
 
 from __future__ import annotations
 
 import importlib
-import operator
+import importlib.util
+import re
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,11 +68,61 @@ def dump_module(gm: fx.GraphModule) -> dict[str, Any]:
         info = codegen.pytree_info
         specs = (list(info.orig_args), info.in_spec, info.out_spec)
     return {"nodes": nodes, "params": params, "buffers": buffers, "subs": subs, "specs": specs,
-            "name": type(gm).__name__, "meta": dict(getattr(gm, "meta", {}))}  # fmt: skip
+            "name": type(gm).__name__, "meta": dict(getattr(gm, "meta", {})),
+            "providers": op_providers(gm)}  # fmt: skip
+
+
+_TORCH_NAMESPACES = frozenset({"aten", "prims", "higher_order"})
+
+
+def op_providers(gm: fx.GraphModule) -> dict[str, list[str]]:
+    """Step 2: the modules (by name) and C++ libraries (by path) that register the custom
+    operators of ``gm``, and which op needs which module."""
+    custom = {n.target for n in gm.graph.nodes if n.op == "call_function"
+              and isinstance(n.target, torch._ops.OpOverload)
+              and n.target.namespace not in _TORCH_NAMESPACES}  # fmt: skip
+    modules = {op._schema.name: m for op in custom if (m := _registering_module(op))}
+    return {"modules": sorted(set(modules.values())), "ops": sorted(modules.items()),
+            "libraries": sorted(torch.ops.loaded_libraries) if custom else []}  # fmt: skip
+
+
+def _registering_module(op: torch._ops.OpOverload) -> str | None:
+    from torch._library.custom_ops import OPDEFS
+
+    qualname = op._schema.name
+    if qualname in OPDEFS:
+        return OPDEFS[qualname]._init_fn.__module__
+    path = _registration_file(qualname)
+    torch_dir = Path(torch.__file__).parent
+    if path is not None and path.suffix == ".py" and torch_dir not in path.parents:
+        for name, mod in list(sys.modules.items()):
+            if getattr(mod, "__file__", None) and Path(mod.__file__).resolve() == path:
+                return name
+    ns = op.namespace
+    return ns if not ns.startswith("_") and importlib.util.find_spec(ns) else None
+
+
+def _registration_file(qualname: str) -> Path | None:
+    """The source file of the operator's schema registration, from the dispatcher's record."""
+    try:
+        dump = torch._C._dispatch_dump(qualname)
+    except RuntimeError:
+        return None
+    found = re.search(r"^debug: registered at (.+):\d+$", dump, re.MULTILINE)
+    return Path(found.group(1)).resolve() if found and Path(found.group(1)).is_file() else None
+
+
+def _load_providers(providers: dict[str, list[str]]) -> None:
+    for path in providers["libraries"]:
+        if path not in torch.ops.loaded_libraries:
+            torch.ops.load_library(path)
+    for name in providers["modules"]:
+        importlib.import_module(name)
 
 
 def load_module(state: dict[str, Any]) -> RankModule:
     """Step 3: rebuild the module described by :func:`dump_module`."""
+    _load_providers(state["providers"])
     root = nn.Module()
     for fqn, (t, grad) in state["params"].items():
         owner_module(root, fqn).register_parameter(
@@ -79,7 +138,8 @@ def load_module(state: dict[str, Any]) -> RankModule:
         args, kwargs = pytree.tree_map(
             lambda a: env[a.name] if isinstance(a, _Ref) else a, (args, kwargs)
         )
-        node = graph.create_node(op, _resolve(op, target), tuple(args), dict(kwargs), name=name)
+        target = _resolve(op, target, dict(state["providers"]["ops"]))
+        node = graph.create_node(op, target, tuple(args), dict(kwargs), name=name)
         env[name] = node
     if state["specs"] is not None:
         graph._codegen = _PyTreeCodeGen(_PyTreeInfo(*state["specs"]))
@@ -105,18 +165,30 @@ def _target_ref(op: str, target: Any) -> Any:
         return ("aten_op", target.namespace, target._opname, target._overloadname)
     if isinstance(target, torch._ops.HigherOrderOperator):
         return ("hop", target.__name__)
-    if target is operator.getitem:
-        return ("py", "operator", "getitem")
-    return ("py", target.__module__, target.__name__)
+    return ("py", target)
 
 
-def _resolve(op: str, ref: Any) -> Any:
+def _resolve(op: str, ref: Any, providers: dict[str, str]) -> Any:
     if op != "call_function":
         return ref
     kind = ref[0]
     if kind == "aten_op":
         _, ns, name, overload = ref
-        return getattr(getattr(getattr(torch.ops, ns), name), overload)
+        try:
+            return getattr(getattr(getattr(torch.ops, ns), name), overload)
+        except (AttributeError, RuntimeError) as exc:
+            raise RuntimeError(_unregistered(f"{ns}::{name}", providers)) from exc
     if kind == "hop":
         return getattr(torch.ops.higher_order, ref[1])
-    return getattr(importlib.import_module(ref[1]), ref[2])
+    return ref[1]
+
+
+def _unregistered(qualname: str, providers: dict[str, str]) -> str:
+    module = providers.get(qualname)
+    where = (f"its registering module {module!r} was imported but did not register it"
+             if module else "no module registering it could be found when the program was saved")
+    if module in ("__main__", "__mp_main__"):
+        where = "it is registered by your script or notebook (__main__), which workers do not run"
+    return (f"custom operator {qualname} is not registered in this process: {where}. Register "
+            "the operator at import time of a module file (not in your script's __main__ or a "
+            "notebook cell), and import that module from the code that defines your model.")

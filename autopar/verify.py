@@ -7,9 +7,12 @@ Algorithm:
    output leaf, with cotangents drawn from a fixed seed (with a scalar loss this is the loss
    scaled by one random number).
 3. Ranks: each rank of a persistent Gloo worker pool runs its module on the same inputs with
-   its shard of the same cotangents, and returns its outputs and parameter gradients.
+   its shard of the same cotangents, and returns its outputs and parameter gradients.  The
+   job runs twice; any output or gradient that is not bitwise identical across the two runs
+   fails as nondeterministic (uninitialised memory, a race, a stray in-place update).
 4. Reassemble split outputs and gradients by their layouts; compare every replica of a
-   replicated one.  Relative error = max |ours - ref| / (max |ref| + 1e-3 * S), S the largest
+   replicated one.  A NaN or infinity in ours or in the reference fails as non-finite.
+   Relative error = max |ours - ref| / (max |ref| + 1e-3 * S), S the largest finite
    reference magnitude among tensors of the same kind: a tensor whose exact value is zero
    (a key bias's gradient: softmax ignores a constant shift) is judged against rounding
    noise of its neighbours, not divided by its own noise.
@@ -17,6 +20,7 @@ Algorithm:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,10 +47,12 @@ class TensorCheck:
     max_abs: float
     max_rel: float
     ok: bool
+    note: str = ""  # why it failed beyond the error: non-finite, nondeterministic, shape
 
     def __str__(self) -> str:
         mark = "ok " if self.ok else "BAD"
-        return f"{mark} {self.kind:<6} {self.name:<52} abs {self.max_abs:9.2e}  rel {self.max_rel:9.2e}"
+        row = f"{mark} {self.kind:<6} {self.name:<52} abs {self.max_abs:9.2e}  rel {self.max_rel:9.2e}"
+        return f"{row}  {self.note}" if self.note else row
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,10 +96,13 @@ def verify(
         return _verify_pipeline(prog, model, example_inputs, example_kwargs, loss_fn, rtol)
     ref_out, ref_grads, cots = _reference(model, example_inputs, example_kwargs, loss_fn, seed)
     results = run_ranks(prog, example_inputs, example_kwargs, cots)
+    again = run_ranks(prog, example_inputs, example_kwargs, cots)
     out_scale = _scale(ref_out)
     grad_scale = _scale(list(ref_grads.values()))
     rows = _compare_outputs(prog, ref_out, [r[0] for r in results], rtol, out_scale)
     rows += _compare_grads(prog, ref_grads, [r[1] for r in results], rtol, grad_scale)
+    unstable = unstable_names(prog, results, again)
+    rows = [_mark_unstable(r) if r.name in unstable else r for r in rows]
     return VerifyReport(mesh=str(mesh), rtol=rtol, rows=tuple(rows))
 
 
@@ -154,9 +163,41 @@ def _rank_step(rank: int, groups: dict, module: torch.fx.GraphModule, args: tupl
     return [x.detach() for x in leaves], grads
 
 
+def unstable_names(prog: Program, first: list, second: list) -> set[str]:
+    """Row names of the outputs and gradients that differ bitwise between two identical runs
+    on any rank (step 3)."""
+    names = set()
+    for (outs_a, grads_a), (outs_b, grads_b) in zip(first, second, strict=True):
+        names |= {_output_name(i, a) for i, (a, b) in enumerate(zip(outs_a, outs_b, strict=True))
+                  if not bitwise_equal(a, b)}  # fmt: skip
+        names |= {n for n in grads_a.keys() | grads_b.keys()
+                  if not bitwise_equal(grads_a.get(n), grads_b.get(n))}  # fmt: skip
+    return names
+
+
+def bitwise_equal(a: Any, b: Any) -> bool:
+    """Same dtype, shape and bytes (NaN payloads included); non-tensors by ``==``."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return a is b or (type(a) is type(b) and a == b)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    as_bytes = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
+    return torch.equal(*as_bytes)
+
+
+def _mark_unstable(row: TensorCheck) -> TensorCheck:
+    note = "; ".join(filter(None, [row.note, "nondeterministic across identical runs"]))
+    return dataclasses.replace(row, ok=False, note=note)
+
+
+def _output_name(i: int, ref: Any) -> str:
+    return f"output[{i}] {tuple(ref.shape)}" if isinstance(ref, torch.Tensor) else f"output[{i}]"
+
+
 def _scale(tensors: list) -> float:
+    """Largest finite magnitude among floating tensors (non-finite ones fail on their own)."""
     mags = [
-        t.abs().max().item()
+        t.detach().abs().nan_to_num(nan=0.0, posinf=0.0).max().item()
         for t in tensors
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
     ]
@@ -170,7 +211,7 @@ def _compare_outputs(prog: Program, ref: list, per_rank: list[list], rtol: float
         if not isinstance(r, torch.Tensor) or not r.is_floating_point():
             continue
         ours = [outs[i] for outs in per_rank]
-        name = f"output[{i}] {tuple(r.shape)}"
+        name = _output_name(i, r)
         rows.append(_check(name, "output", ours, lay, r, prog.mesh, rtol, scale))
     return rows
 
@@ -191,11 +232,7 @@ def _compare_grads(prog: Program, ref: dict, per_rank: list[dict], rtol: float,
             continue
         ours = [grads.get(fqn) for grads in per_rank]
         if any(g is None for g in ours):
-            rows.append(
-                TensorCheck(
-                    name=fqn, kind="grad", max_abs=float("inf"), max_rel=float("inf"), ok=False
-                )
-            )
+            rows.append(_failed(fqn, "grad", "no gradient on some rank"))
             continue
         rows.append(_check(fqn, "grad", ours, layouts[fqn], ref[fqn], prog.mesh, rtol, scale))
     return rows
@@ -208,17 +245,25 @@ def _check(name: str, kind: str, ours: list[torch.Tensor], lay: Layout | None, r
         candidates = ours  # every replica must match
     else:
         candidates = [unshard_tensors(ours, lay, mesh, coords)]
-    scale = max(ref.abs().max().item() + 1e-3 * kind_scale, 1e-30)
-    worst = 0.0
-    for c in candidates:
-        if c.shape != ref.shape:
-            return TensorCheck(
-                name=name, kind=kind, max_abs=float("inf"), max_rel=float("inf"), ok=False
-            )
-        worst = max(worst, (c.double() - ref.double()).abs().max().item())
+    bad = [f"shape {tuple(c.shape)}, expected {tuple(ref.shape)}"
+           for c in candidates if c.shape != ref.shape]  # fmt: skip
+    if bad:
+        return _failed(name, kind, bad[0])
+    where = [w for w, ts in (("ours", candidates), ("reference", [ref]))
+             if not all(torch.isfinite(t).all() for t in ts)]  # fmt: skip
+    if where:
+        return _failed(name, kind, f"non-finite (NaN/inf) in {' and '.join(where)}")
+    scale = max(_scale([ref]) + 1e-3 * kind_scale, 1e-30)
+    worst = max((c.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
+                for c in candidates)  # fmt: skip
     return TensorCheck(
         name=name, kind=kind, max_abs=worst, max_rel=worst / scale, ok=worst / scale <= rtol
     )
+
+
+def _failed(name: str, kind: str, note: str) -> TensorCheck:
+    inf = float("inf")
+    return TensorCheck(name=name, kind=kind, max_abs=inf, max_rel=inf, ok=False, note=note)
 
 
 def _verify_pipeline(prog: Any, model: nn.Module, args: Sequence[Any], kwargs: dict | None,
@@ -230,6 +275,8 @@ def _verify_pipeline(prog: Any, model: nn.Module, args: Sequence[Any], kwargs: d
     world = prog.mesh.world_size
     jobs = [(prog.share(r), tuple(args), dict(kwargs or {})) for r in range(world)]
     results = get_pool(world).run(_pipeline_rank_step, prog.mesh.axes, jobs)
+    again = get_pool(world).run(_pipeline_rank_step, prog.mesh.axes, jobs)
+    unstable = _unstable_pipeline(results, again)
     rows = [_check("loss", "output", [loss for loss, _ in results], None, ref_loss, prog.mesh, rtol,
                    ref_loss.abs().item())]  # fmt: skip
     scale = _scale(list(ref_grads.values()))
@@ -242,14 +289,20 @@ def _verify_pipeline(prog: Any, model: nn.Module, args: Sequence[Any], kwargs: d
             shards = [results[r][1][stage_id].get(fqn) for r in ranks]
             name = f"{fqn} (stage {stage_id})"
             if any(g is None for g in shards):
-                rows.append(
-                    TensorCheck(
-                        name=name, kind="grad", max_abs=float("inf"), max_rel=float("inf"), ok=False
-                    )
-                )
+                rows.append(_failed(name, "grad", "no gradient on some rank"))
                 continue
             rows.append(_check(name, "grad", shards, lay, ref_grads[fqn], stage.mesh, rtol, scale))
+    rows = [_mark_unstable(r) if r.name in unstable else r for r in rows]
     return VerifyReport(mesh=str(prog.mesh), rtol=rtol, rows=tuple(rows))
+
+
+def _unstable_pipeline(first: list, second: list) -> set[str]:
+    names = set()
+    for (loss_a, grads_a), (loss_b, grads_b) in zip(first, second, strict=True):
+        names |= set() if bitwise_equal(loss_a, loss_b) else {"loss"}
+        names |= {f"{fqn} (stage {s})" for s, grads in grads_a.items() for fqn, g in grads.items()
+                  if not bitwise_equal(g, grads_b.get(s, {}).get(fqn))}  # fmt: skip
+    return names
 
 
 def _pipeline_rank_step(rank: int, groups: dict, share: Any, args: tuple, kwargs: dict) -> tuple:

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar.planner import _find_blocks
+from autopar.analysis import find_blocks
 from autopar.trace import Traced, is_tensor
 
 
@@ -38,7 +38,7 @@ class Unit:
 def cuttable_units(traced: Traced) -> list[Unit]:
     """Step 1: prologue, each repeated block, epilogue."""
     body = [n for n in traced.gm.graph.nodes if n.op == "call_function"]
-    blocks = _find_blocks(list(traced.gm.graph.nodes), traced)
+    blocks = find_blocks(list(traced.gm.graph.nodes), traced)
     owner = {n: i for i, block in enumerate(blocks) for n in block}
     last = max((i for i, n in enumerate(body) if n in owner), default=-1)
     units: list[tuple[str, list[fx.Node]]] = []
@@ -80,7 +80,7 @@ def split_stages(traced: Traced, units: Sequence[Unit], cuts: Sequence[int],
                  loss: fx.Node) -> list[StageGraph]:  # fmt: skip
     """Steps 2-3: one StageGraph per stage; ``cuts`` are the unit indices where stages start.
     Boundary inputs that depend on a weight carry a gradient back to the stage before."""
-    from autopar.planner import needs_grad
+    from autopar.analysis import needs_grad
 
     grad = frozenset(n.name for n in needs_grad(traced))
     bounds = [0, *cuts, len(units)]

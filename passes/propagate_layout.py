@@ -5,7 +5,10 @@ Algorithm:
    their element of the producer's tuple).
 2. For every consumer input whose required placement differs from what its producer makes,
    insert one ``redistribute(x, axis, src, dst, partial_grad)`` per (producer, target),
-   right after the producer, shared by all consumers that want the same target.
+   right after the producer, shared by all consumers that want the same target.  A value
+   written in place (``copy_`` into a slice of a ``new_empty`` buffer, ``index_put_``, ...)
+   is read where its consumer reads it: after the last in-place write to it or to a view
+   of it that precedes the consumer, one redistribute per such write.
 3. Replicated inputs of split ops get gradients that are partial sums: those consumers read
    the value through a redistribute with ``partial_grad=True`` (Megatron's f), kept apart from
    consumers that repeat the op on every rank (whose gradients are already whole).
@@ -34,15 +37,20 @@ def propagate_layout(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     have: dict[fx.Node, Placement] = {}
     for node in list(graph.nodes):
         _annotate(node, ctx, have)
-    wants: dict[fx.Node, dict[tuple[Placement, bool], list[tuple[fx.Node, int]]]] = defaultdict(
+    wants: dict[tuple, dict[tuple[Placement, bool], list[tuple[fx.Node, int]]]] = defaultdict(
         lambda: defaultdict(list)
     )
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    writes: dict[fx.Node, list[fx.Node]] = {}
     for node in list(graph.nodes):
         for slot, (arg, want, pg) in enumerate(_requirements(node, ctx, have)):
             if arg is not None and (want != have[arg] or pg):
-                wants[arg][(want, pg)].append((node, slot))
-    for arg, groups in wants.items():
-        _insert(graph, arg, have[arg], groups, ctx)
+                if arg not in writes:
+                    writes[arg] = _writes(arg, order)
+                last = [w for w in writes[arg] if order[w] < order[node]]
+                wants[(arg, last[-1] if last else None)][(want, pg)].append((node, slot))
+    for (arg, written), groups in wants.items():
+        _insert(graph, arg, have[arg], groups, ctx, written)
     graph.lint()
     gm.recompile()
     return gm
@@ -99,8 +107,46 @@ def _tensor_slots(node: fx.Node) -> list[fx.Node]:
     return [a for a in leaves if isinstance(a, fx.Node) and is_tensor(a)]
 
 
-def _insert(graph: fx.Graph, arg: fx.Node, src: Placement, groups: dict, ctx: PassContext) -> None:
-    """One redistribute per target; replicated targets split by partial_grad (step 2-3)."""
+def _writes(x: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node]:
+    """In graph order, the nodes that write in place to ``x``'s storage: through ``x``, the
+    value it is a view of, or any view of either (views and writes read off op schemas)."""
+    root = x
+    while _aliases_input(root):
+        root = root.args[0]
+    seen, todo, found = {root}, [root], []
+    while todo:
+        for user in todo.pop().users:
+            if _writes_to(user, seen):
+                found.append(user)
+            if user not in seen and _aliases_input(user) and user.args[0] in seen:
+                seen.add(user)
+                todo.append(user)
+    return sorted(set(found), key=order.__getitem__)
+
+
+def _aliases_input(node: fx.Node) -> bool:
+    """``node``'s output is a view of (or is) its first argument."""
+    if is_getitem(node):
+        return isinstance(node.args[0], fx.Node) and _aliases_input(node.args[0])
+    schema = getattr(node.target, "_schema", None)
+    return (node.op == "call_function" and schema is not None and bool(node.args)
+            and isinstance(node.args[0], fx.Node)
+            and any(r.alias_info is not None for r in schema.returns))  # fmt: skip
+
+
+def _writes_to(node: fx.Node, values: set[fx.Node]) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None:
+        return False
+    written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    bound = dict(zip((a.name for a in schema.arguments), node.args, strict=False)) | node.kwargs
+    return any(isinstance(bound.get(n), fx.Node) and bound[n] in values for n in written)
+
+
+def _insert(graph: fx.Graph, arg: fx.Node, src: Placement, groups: dict, ctx: PassContext,
+            written: fx.Node | None = None) -> None:  # fmt: skip
+    """One redistribute per target; replicated targets split by partial_grad (step 2-3), read
+    after ``written``, the last in-place write before the consumers, when there is one."""
     made: dict[tuple[Placement, bool], fx.Node] = {}
     for want, pg in sorted(groups, key=lambda k: (str(k[0]), k[1])):
         base = arg
@@ -108,12 +154,12 @@ def _insert(graph: fx.Graph, arg: fx.Node, src: Placement, groups: dict, ctx: Pa
             base = (
                 made[(want, False)]
                 if (want, False) in made
-                else _new(graph, arg, src, want, False, ctx)
+                else _new(graph, arg, src, want, False, ctx, written)
             )
             made[(want, False)] = base
             new = _new(graph, base, want, want, True, ctx)
         else:
-            new = _new(graph, arg, src, want, pg, ctx)
+            new = _new(graph, arg, src, want, pg, ctx, written)
         made[(want, pg)] = new
     for key, consumers in groups.items():
         for consumer, slot in consumers:
@@ -121,8 +167,8 @@ def _insert(graph: fx.Graph, arg: fx.Node, src: Placement, groups: dict, ctx: Pa
 
 
 def _new(graph: fx.Graph, x: fx.Node, src: Placement, dst: Placement, pg: bool,
-         ctx: PassContext) -> fx.Node:  # fmt: skip
-    with graph.inserting_after(_after(x)):
+         ctx: PassContext, written: fx.Node | None = None) -> fx.Node:  # fmt: skip
+    with graph.inserting_after(written or _after(x)):
         node = graph.call_function(redistribute, (x, ctx.axis, str(src), str(dst), pg))
     node.meta["val"] = x.meta["val"]
     for key in ("nn_module_stack", "stack_trace"):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from autopar import Mesh, MeshError, PlanError, autoparallelize
-from autopar.planner import PlanOptions, _find_blocks, solve_axis
+from autopar.analysis import find_blocks
+from autopar.planner import PlanOptions, solve_axis
 from autopar.testing import Config, build, lm_loss, tokens
 from autopar.trace import trace
 
@@ -142,7 +143,7 @@ def test_thirty_two_identical_layers_are_solved_once():
     with torch.device("meta"):
         model = build("llama", c)
     traced = trace(model, tokens(c), loss_fn=lm_loss)
-    blocks = _find_blocks(list(traced.gm.graph.nodes), traced)
+    blocks = find_blocks(list(traced.gm.graph.nodes), traced)
     mesh = Mesh(tp=8)
     sol = solve_axis(traced, "tp", 8, mesh.cluster.axis_link(mesh.axes, "tp"), mesh.cluster.gpu,
                      PlanOptions())  # fmt: skip

@@ -6,8 +6,8 @@ import torch
 from golden import assert_golden
 
 from autopar import meta
+from autopar.analysis import needs_grad
 from autopar.collectives import redistribute
-from autopar.planner import needs_grad
 from passes import PassContext
 from passes.propagate_layout import propagate_layout
 

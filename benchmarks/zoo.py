@@ -1,0 +1,44 @@
+"""The model zoo table: every registered HF causal-LM family under tensor parallelism.
+
+Algorithm:
+1. For each family of ``autopar.zoo.families()`` (or those named with ``--only``), run
+   ``autopar.zoo.check(family, tp)``: verify of the tiny config on the Gloo worker pool, and
+   the realistic config (hidden 2048, seq 2048, vocab 32000) compiled on the meta device.
+2. Print one row per family as it finishes (traced?, max relative error, forward collectives
+   of layer 0 and outside the layers next to the hand-designed ones, all-reduce equivalents,
+   per-GPU traffic relative to the hand design, rank 0's share of the layer parameters,
+   seconds), then every failure with its one-line reason.
+
+A measurement, not a test (tests/test_zoo.py asserts the same checks).
+
+Run: PYTHONPATH=. python benchmarks/zoo.py [--tp 4] [--only llama gpt2] [--no-verify]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import warnings
+
+from autopar import zoo
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
+    parser.add_argument("--only", nargs="*", default=None, help="family names (default: all)")
+    parser.add_argument("--no-verify", action="store_true", help="skip the tiny verify runs")
+    args = parser.parse_args()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    entries = [zoo.family(n) for n in args.only] if args.only else zoo.families()
+    rows = []
+    for entry in entries:
+        rows.append(zoo.check(entry, args.tp, run_verify=not args.no_verify))
+        print(zoo.table(rows[-1:]).splitlines()[2], flush=True)
+    print()
+    print(zoo.table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""verify() itself: garbage (NaN/inf, run-to-run differences) fails by name; it works from a
+script without a main guard and from exec()-ed notebook code; workers load the modules that
+register custom operators; a value written in place is re-laid out after the writes."""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from verify_ops_fixture import ScaledMLP
+
+import autopar
+from autopar import Mesh, autoparallelize
+from autopar.pool import dumps
+from autopar.serialize import op_providers
+from autopar.verify import _check, bitwise_equal, verify
+
+REPO = Path(autopar.__file__).resolve().parents[1]
+
+
+class LogOfLinear(nn.Module):
+    """Its output is NaN where the linear is negative, on one device and on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x).log()
+
+
+class Jitter(nn.Module):
+    """Adds noise far below the tolerance: only run-to-run comparison can tell."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        return self.b(h + 1e-6 * torch.rand_like(h))
+
+
+class FilledBuffer(nn.Module):
+    """Fills a ``new_empty`` buffer slice by slice with ``copy_`` (as DeepSeek-V3's attention
+    builds its keys) and feeds it to a split linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        buf = h.new_empty(x.shape[0], 16)
+        buf[:, :8].copy_(h[:, 8:])
+        buf[:, 8:].copy_(torch.relu(h[:, :8]))
+        return self.b(buf)
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+
+
+def test_nan_in_output_fails_as_non_finite():
+    torch.manual_seed(0)
+    report = verify(LogOfLinear(), Mesh(tp=2), (_x(),))
+    bad = [r for r in report.rows if not r.ok]
+    assert not report.ok
+    assert [r.name for r in bad] == ["output[0] (4, 16)"]
+    assert "non-finite (NaN/inf) in ours and reference" in str(report)
+
+
+@pytest.mark.parametrize(
+    ("ours", "ref", "where"),
+    [
+        ([torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0])], torch.ones(2), "ours"),
+        ([torch.ones(2), torch.ones(2)], torch.tensor([1.0, float("inf")]), "reference"),
+        ([torch.ones(2), torch.tensor([float("-inf"), 1.0])], torch.ones(2), "ours"),
+    ],
+)
+def test_check_names_where_the_non_finite_value_is(ours, ref, where):
+    row = _check("t", "output", ours, None, ref, Mesh(tp=2), 1e-4, 1.0)
+    assert not row.ok
+    assert row.note == f"non-finite (NaN/inf) in {where}"
+    assert "BAD" in str(row) and "non-finite" in str(row)
+
+
+def test_program_that_differs_between_identical_runs_fails():
+    torch.manual_seed(0)
+    report = verify(Jitter(), Mesh(tp=2), (_x(),))
+    bad = [r for r in report.rows if not r.ok]
+    assert bad, str(report)
+    assert all(r.note == "nondeterministic across identical runs" for r in bad)
+    assert all(r.max_rel < report.rtol for r in bad)  # the tolerance alone would have passed
+
+
+def test_bitwise_equal():
+    nan = torch.tensor([float("nan"), 1.0])
+    assert bitwise_equal(nan, nan.clone())
+    assert not bitwise_equal(torch.tensor(0.0), torch.tensor(-0.0))
+    assert not bitwise_equal(torch.ones(2), torch.ones(2, dtype=torch.float64))
+    assert not bitwise_equal(torch.ones(2), None)
+
+
+def test_in_place_filled_buffer_is_relaid_out_after_its_writes():
+    torch.manual_seed(0)
+    report = verify(FilledBuffer(), Mesh(tp=2), (_x(),))
+    assert report.ok, str(report)
+
+
+SCRIPT = """\
+import torch, torch.nn as nn, autopar
+class M(nn.Module):
+    def __init__(s): super().__init__(); s.a = nn.Linear(8, 16); s.b = nn.Linear(16, 8)
+    def forward(s, x): return s.b(torch.relu(s.a(x)))
+r = autopar.verify(M(), autopar.Mesh(tp=2), (torch.randn(4, 8),)); print(r); assert r.ok
+"""
+
+
+def test_script_without_main_guard(tmp_path):
+    script = tmp_path / "user_script.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "verify on Mesh(tp=2): OK" in done.stdout
+
+
+NOTEBOOK = """\
+import collections
+import torch, torch.nn as nn
+Out = collections.namedtuple("Out", "y total")
+class M(nn.Module):
+    def __init__(s): super().__init__(); s.a = nn.Linear(8, 16); s.b = nn.Linear(16, 8)
+    def forward(s, x):
+        y = s.b(torch.relu(s.a(x)))
+        return Out(y, y.sum())
+"""
+
+
+def test_notebook_code_run_with_exec():
+    cell = types.ModuleType("notebook_cell")  # no __file__, not importable by a worker
+    exec(NOTEBOOK, cell.__dict__)  # noqa: S102 - what a notebook kernel does
+    torch.manual_seed(0)
+    report = verify(cell.M(), Mesh(tp=2), (_x(),))
+    assert report.ok, str(report)
+    assert len([r for r in report.rows if r.kind == "output"]) == 2
+
+
+def test_job_referencing_a_class_from_main_fails_fast_with_the_fix():
+    thing = type("Thing", (), {"__module__": "__main__"})
+    with pytest.raises(pickle.PicklingError, match=r"Thing is defined in the script being run "
+                       r"\(__main__\).*Move Thing into a module file"):  # fmt: skip
+        dumps(((), [thing()]))
+
+
+def test_namedtuple_from_main_travels_by_name_and_fields():
+    point = collections.namedtuple("Point", "x y")
+    point.__module__ = "__main__"
+    back = pickle.loads(dumps(point(1, 2)))
+    assert type(back).__name__ == "Point" and back._fields == ("x", "y") and tuple(back) == (1, 2)
+
+
+def test_custom_op_registered_with_library_runs_on_workers():
+    torch.manual_seed(0)
+    model = ScaledMLP()
+    prog = autoparallelize(model, Mesh(tp=2), (_x(),))
+    assert op_providers(prog.module(0))["modules"] == ["verify_ops_fixture"]
+    report = verify(model, Mesh(tp=2), (_x(),))
+    assert report.ok, str(report)
+
+
+def _ids() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 128, (2, 16), generator=g), torch.randint(0, 128, (2, 16), generator=g)
+
+
+def test_hf_mixtral_custom_grouped_mm_op_verifies():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MixtralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg)
+    ids, labels = _ids()
+    prog = autoparallelize(model, Mesh(tp=2), (ids,), example_kwargs={"labels": labels})
+    assert "transformers.integrations.moe" in op_providers(prog.module(0))["modules"]
+    report = verify(model, Mesh(tp=2), (ids,), example_kwargs={"labels": labels})
+    assert report.ok, str(report)
+
+
+def test_hf_deepseek_v3_verifies_deterministically():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16,
+        qk_nope_head_dim=16, n_group=2, topk_group=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, max_position_embeddings=64, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ids, labels = _ids()
+    report = verify(transformers.DeepseekV3ForCausalLM(cfg), Mesh(tp=2), (ids,),
+                    example_kwargs={"labels": labels})  # fmt: skip
+    assert report.ok, str(report)
+    assert report.max_rel_error < 1e-5
