@@ -19,9 +19,10 @@ import torch
 import torch.nn as nn
 
 from autopar import meta
-from autopar.analysis import needs_grad
+from autopar.analysis import block_of, needs_grad
 from autopar.errors import MeshError, PlanError
 from autopar.mesh import Mesh
+from autopar.pad import pad_vocab
 from autopar.plan import Plan
 from autopar.planner import AxisSolution, PlanOptions, describe_tp_dims, solve_axis
 from autopar.program import Program, collectives_of
@@ -107,6 +108,7 @@ def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
     """Steps 2-4 for an already traced graph: the whole model, or one pipeline stage (which
     may hold nothing worth splitting, e.g. only an embedding)."""
     axis = "tp"
+    traced = pad_vocab(traced, mesh.size(axis))
     solution = solve_axis(traced, axis, mesh.size(axis), mesh.cluster.axis_link(mesh.axes, axis),
                           mesh.cluster.gpu, options)  # fmt: skip
     log(f"solved {axis}={mesh.size(axis)}: {solution.variables} variables, "
@@ -132,14 +134,17 @@ def _reused(plan: Plan | None, mesh: Mesh) -> tuple[tuple[str, str], ...]:
 
 
 def _check_split(traced: Traced, solution: AxisSolution, mesh: Mesh, axis: str) -> None:
+    """A tp degree must split some layer weight (any weight, in a model without layers);
+    splitting only a padded vocabulary is not tensor parallelism."""
     size = mesh.size(axis)
-    split = [p for p in traced.params if str(solution.choice[p].output) != "R"]
-    if size > 1 and traced.params and not split:
+    layered = [p for p, fqn in traced.params.items() if block_of(fqn)]
+    params = layered or list(traced.params)
+    if size > 1 and params and all(str(solution.choice[p].output) == "R" for p in params):
+        what = "layer weight" if layered else "parameter"
         raise PlanError(
-            f"no valid plan: no parameter of {traced.model_name} splits across {size} ranks "
-            f"of {mesh}; "
-            f"its sizes are {describe_tp_dims(traced)}; choose a tensor-parallel degree that "
-            "divides the heads, hidden, ffn or vocab size"
+            f"no valid plan: no {what} of {traced.model_name} splits across {size} ranks "
+            f"of {mesh}; its sizes are {describe_tp_dims(traced)}; choose a tensor-parallel "
+            "degree that divides the heads, hidden or ffn size"
         )
 
 

@@ -44,7 +44,7 @@ class _VocabParallelCE(torch.autograd.Function):
         local = target - start
         hit = (local >= 0) & (local < rows) & (target != ignore_index)
         idx = local.clamp(0, rows - 1)
-        picked = x.gather(1, idx[:, None]).squeeze(1) * hit
+        picked = torch.where(hit, x.gather(1, idx[:, None]).squeeze(1), 0.0)  # -inf pads
         both = torch.stack([e.sum(dim=1), picked], dim=1)
         dist.all_reduce(both, group=group(axis))
         lse = torch.log(both[:, 0]) + m

@@ -48,7 +48,7 @@ from autopar.analysis import (
 from autopar.errors import PlanError
 from autopar.layout import Partial, Placement, R, Replicate, Shard
 from autopar.meta import source
-from autopar.rules import RuleContext, Strategy, strategies
+from autopar.rules import RuleContext, Strategy, strategies, view_block_counts
 from autopar.trace import Traced, is_getitem, is_tensor, tensor_args
 from cost.comm import collective_time
 from cost.compute import KERNEL_LAUNCH_S, node_time
@@ -188,6 +188,7 @@ def block_counts(nodes: list[fx.Node]) -> tuple[int, ...]:
             shapes = {tuple(v.shape) for v in n.meta["val"]}
             if len(shapes) == 1 and len(n.meta["val"]) > 1:
                 found.add(len(n.meta["val"]))
+        found |= view_block_counts(n)
     return tuple(sorted(found))
 
 

@@ -423,6 +423,24 @@ def index(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     return found
 
 
+def view_block_counts(node: fx.Node) -> set[int]:
+    """Block counts a view or unbind puts in play: a split of an inner dim of a merged leading
+    group (heads in [batch * heads], sequence in [batch * seq]) is a blocked split of the
+    merge; unbinding n pieces (a ViT's [3, heads, ...]) makes n blocks of the fused dim."""
+    if node.target is aten.unbind.int and len(node.meta.get("val", ())) > 1:
+        return {len(node.meta["val"])}
+    if node.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        return set()
+    found = set()
+    for side in _view_groups(_shape(node.args[0]), _shape(node)):
+        for dims, shape in zip(side, (_shape(node.args[0]), _shape(node)), strict=True):
+            if not dims or dims[0] != 0:
+                continue  # inner merges ([heads, d] -> [h]) only offer splits inside a head
+            prefix = (math.prod(shape[k] for k in dims[:i]) for i in range(1, len(dims)))
+            found.update(p for p in prefix if p > 1)
+    return found
+
+
 @rule(aten.cat.default)
 def cat(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     ins = [_shape(a) for a in tensor_args(node)]
@@ -563,21 +581,39 @@ def linear(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
 
 @rule(aten.mm.default, aten.bmm.default, aten.matmul.default)
 def matmul(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
-    """a[..., m, k] @ b[..., k, n]: batch, m, n and k (-> partial) splits."""
+    """a[..., m, k] @ b[..., k, n]: batch, m, n (blocked: fused QKV) and k (-> partial)."""
     a, b = _shape(node.args[0]), _shape(node.args[1])
     out = _shape(node)
     if len(a) < 2 or len(b) < 2:
         return []
     found = [
         Strategy((Shard(len(a) - 2), R), Shard(len(out) - 2)),
-        Strategy((R, Shard(len(b) - 1)), Shard(len(out) - 1)),
+        *[Strategy((R, Shard(len(b) - 1, n)), Shard(len(out) - 1, n)) for n in ctx.blocks],
         Strategy((Shard(len(a) - 1), Shard(len(b) - 2)), PARTIAL),
         Strategy((PARTIAL, R), PARTIAL),
         Strategy((R, PARTIAL), PARTIAL),
     ]
     for d in range(len(out) - 2):
-        pa, pb = (_broadcast_placement(s[:-2], out[:-2], d, 1) for s in (a, b))
-        found.append(Strategy((pa, pb), Shard(d)))
+        for n in ctx.blocks:
+            pa, pb = (_broadcast_placement(s[:-2], out[:-2], d, n) for s in (a, b))
+            found.append(Strategy((pa, pb), Shard(d, n)))
+    return found
+
+
+@rule(aten.baddbmm.default)
+def baddbmm(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """beta * c + alpha * (a[B, m, k] @ b[B, k, n]), c broadcast to [B, m, n] (ALiBi scores).
+
+    Splits the batch dim (blocked: [batch * heads] split by heads), m or n; c follows the
+    output where it is not broadcast.  No k split: each rank would add its own c.
+    """
+    c, out = _shape(node.args[0]), _shape(node)
+    found = []
+    for n in ctx.blocks:
+        found.append(Strategy((_broadcast_placement(c, out, 0, n), Shard(0, n), Shard(0, n)),
+                              Shard(0, n)))  # fmt: skip
+    found.append(Strategy((_broadcast_placement(c, out, 1, 1), Shard(1), R), Shard(1)))
+    found.append(Strategy((_broadcast_placement(c, out, 2, 1), R, Shard(2)), Shard(2)))
     return found
 
 

@@ -23,7 +23,7 @@ import logging
 import operator
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,6 +50,7 @@ class Traced:
     out_spec: pytree.TreeSpec
     model_name: str
     grad_inputs: frozenset[str] = frozenset()  # inputs that carry a gradient (stage boundaries)
+    padded: dict[str, int] = field(default_factory=dict)  # FQN -> dim-0 size before padding
 
 
 class _WithLoss(nn.Module):
@@ -113,6 +114,8 @@ def _collect(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str) ->
             gm.graph.erase_node(node)
         elif node.target is torch.ops.aten.linear.default and _arg(node, 2, "bias") is not None:
             _split_bias(gm.graph, node)
+        elif node.target is torch.ops.aten.addmm.default and _plain_addmm(node):
+            _split_addmm(gm.graph, node)
         if prefix and "nn_module_stack" in node.meta:
             node.meta["nn_module_stack"] = {
                 k: (path.removeprefix(prefix), cls)
@@ -161,6 +164,25 @@ def _split_bias(graph: fx.Graph, node: fx.Node) -> None:
     node.replace_all_uses_with(add)
     graph.erase_node(node)
     mm.name = node.name  # keep the user-facing name on the matmul
+
+
+def _plain_addmm(node: fx.Node) -> bool:
+    """addmm(b, x, w) with beta = alpha = 1 (Conv1D projections: GPT-2, GPTBigCode)."""
+    return _arg(node, 3, "beta") in (None, 1) and _arg(node, 4, "alpha") in (None, 1)
+
+
+def _split_addmm(graph: fx.Graph, node: fx.Node) -> None:
+    """addmm(b, x, w) -> add(mm(x, w), b): like a linear's bias, added once after a row split."""
+    b, x, w = node.args[:3]
+    with graph.inserting_after(node):
+        mm = graph.call_function(torch.ops.aten.mm.default, (x, w))
+    with graph.inserting_after(mm):
+        add = graph.call_function(torch.ops.aten.add.Tensor, (mm, b))
+    for new in (mm, add):
+        new.meta.update({k: v for k, v in node.meta.items() if k != "autopar"})
+    node.replace_all_uses_with(add)
+    graph.erase_node(node)
+    mm.name = node.name
 
 
 def _explain_failure(

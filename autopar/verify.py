@@ -234,17 +234,23 @@ def _compare_grads(prog: Program, ref: dict, per_rank: list[dict], rtol: float,
         if any(g is None for g in ours):
             rows.append(_failed(fqn, "grad", "no gradient on some rank"))
             continue
-        rows.append(_check(fqn, "grad", ours, layouts[fqn], ref[fqn], prog.mesh, rtol, scale))
+        rows.append(_check(fqn, "grad", ours, layouts[fqn], ref[fqn], prog.mesh, rtol, scale,
+                           prog.traced.padded.get(fqn)))  # fmt: skip
     return rows
 
 
 def _check(name: str, kind: str, ours: list[torch.Tensor], lay: Layout | None, ref: torch.Tensor,
-           mesh: Mesh, rtol: float, kind_scale: float) -> TensorCheck:  # fmt: skip
+           mesh: Mesh, rtol: float, kind_scale: float,
+           rows: int | None = None) -> TensorCheck:  # fmt: skip
+    """Compare (every replica of, or the reassembled) ``ours`` with ``ref``; ``rows`` cuts a
+    padded vocabulary back to its size."""
     coords = [mesh.coordinates(r) for r in range(mesh.world_size)]
     if lay is None or lay.is_replicated:
         candidates = ours  # every replica must match
     else:
         candidates = [unshard_tensors(ours, lay, mesh, coords)]
+    if rows is not None:
+        candidates = [c[:rows] for c in candidates]
     bad = [f"shape {tuple(c.shape)}, expected {tuple(ref.shape)}"
            for c in candidates if c.shape != ref.shape]  # fmt: skip
     if bad:
