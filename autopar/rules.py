@@ -147,11 +147,31 @@ _POINTWISE = [
     "bitwise_not.default", "zeros_like.default", "ones_like.default", "full_like.default",
     "empty_like.default", "type_as.default", "softplus.default", "square.default",
     "mish.default", "leaky_relu.default", "hardtanh.default", "fill.Scalar",
+    "where.ScalarOther", "where.ScalarSelf", "where.Scalar", "min.other", "max.other",
+    "minimum.default", "maximum.default", "clamp_min.default", "clamp_max.default",
+    "clamp.Tensor", "expm1.default", "log1p.default", "exp2.default", "log2.default",
+    "pow.Scalar", "sign.default", "floor.default", "ceil.default", "round.default",
+    "trunc.default", "remainder.Scalar", "remainder.Tensor", "floor_divide.default",
+    "bitwise_and.Tensor", "bitwise_or.Tensor", "bitwise_xor.Tensor", "__xor__.Tensor",
+    "logical_xor.default", "isnan.default", "isinf.default", "nan_to_num.default",
+    "elu.default", "selu.default", "celu.default", "hardswish.default", "hardsigmoid.default",
+    "tan.default", "atan.default", "sinh.default", "cosh.default", "logit.default",
+    "threshold.default", "rsub.Scalar", "rsub.Tensor", "lerp.Scalar", "addcmul.default",
+    "addcdiv.default", "polar.default", "complex.default", "real.default", "imag.default",
+    "conj.default", "_conj.default", "resolve_conj.default", "add_.Tensor", "sub_.Tensor",
+    "mul_.Tensor", "mul_.Scalar", "div_.Tensor", "div_.Scalar", "neg_.default",
+    "detach_.default", "masked_fill_.Scalar", "relu_.default", "silu_.default",
+    "gelu_.default", "sigmoid_.default", "tanh_.default", "clamp_.default",
 ]  # fmt: skip
 _LINEAR_ALL_P = {"add.Tensor", "sub.Tensor", "neg.default", "clone.default", "_to_copy.default",
                  "to.dtype", "to.dtype_layout", "to.device", "alias.default", "contiguous.default",
-                 "detach.default", "lift_fresh_copy.default", "type_as.default"}  # fmt: skip
-_LINEAR_ONE_P = {"mul.Tensor", "mul.Scalar", "div.Tensor", "div.Scalar"}
+                 "detach.default", "lift_fresh_copy.default", "type_as.default", "add_.Tensor",
+                 "sub_.Tensor", "neg_.default", "detach_.default", "complex.default",
+                 "real.default", "imag.default", "conj.default", "_conj.default",
+                 "resolve_conj.default"}  # fmt: skip
+_LINEAR_ONE_P = {"mul.Tensor", "mul.Scalar", "div.Tensor", "div.Scalar", "mul_.Tensor",
+                 "mul_.Scalar", "div_.Tensor", "div_.Scalar"}  # fmt: skip
+_WITH_SCALAR = {"add.Tensor", "sub.Tensor", "add_.Tensor", "sub_.Tensor"}
 
 
 def _aten(name: str) -> object:
@@ -182,7 +202,7 @@ def _broadcast_placement(shape: Sequence[int], out: Sequence[int], d: int, b: in
 def _partial_pointwise(node: fx.Node, n_in: int) -> list[Strategy]:
     name = f"{node.target._opname}.{node.target._overloadname}"
     non_tensor = [a for a in node.args[1:] if not isinstance(a, fx.Node)]
-    if name in _LINEAR_ALL_P and not (name in ("add.Tensor", "sub.Tensor") and non_tensor):
+    if name in _LINEAR_ALL_P and not (name in _WITH_SCALAR and non_tensor):
         return [Strategy((PARTIAL,) * n_in, PARTIAL)]
     if name in _LINEAR_ONE_P:
         firsts = range(1) if name.startswith("div") else range(n_in)
@@ -253,7 +273,7 @@ def _unary_map(node: fx.Node, ctx: RuleContext, fn: Callable[[Placement], Out | 
     return found
 
 
-@rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+@rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints)
 def view(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     src, dst = _shape(node.args[0]), _shape(node)
     return _unary_map(node, ctx, lambda p: map_view(src, dst, p, ctx.size))
@@ -272,6 +292,37 @@ def permute(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     nd = len(_shape(node))
     perm = [_dim(d, nd) for d in node.args[1]]
     return _unary_map(node, ctx, lambda p: _remap(p, perm.index))
+
+
+@rule(aten.numpy_T.default)
+def numpy_t(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    nd = len(_shape(node))
+    return _unary_map(node, ctx, lambda p: _remap(p, lambda d: nd - 1 - d))
+
+
+@rule(aten.view_as_complex.default, aten.view_as_real.default)
+def complex_view(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """[..., 2] real <-> [...] complex: every dim but the pair passes through unchanged."""
+    n_src = len(_shape(node.args[0]))
+    pair = n_src - 1 if node.target is aten.view_as_complex.default else None
+    return _unary_map(node, ctx, lambda p: _remap(p, lambda d: None if d == pair else d))
+
+
+@rule(aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor)
+def repeat_interleave(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """Each element repeated in place along ``dim``: other dims pass through; so does ``dim``
+    itself (rank r's rows repeat into its own contiguous output rows) when the repeat count is
+    one integer and no global ``output_size`` is given."""
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if dim is None:
+        return []  # flattens the input first
+    at = _dim(dim, len(_shape(node)))
+    whole = node.target is aten.repeat_interleave.self_int and not _output_size(node)
+    return _unary_map(node, ctx, lambda p: _remap(p, lambda d: None if d == at and not whole else d))
+
+
+def _output_size(node: fx.Node) -> object:
+    return node.args[3] if len(node.args) > 3 else node.kwargs.get("output_size")
 
 
 @rule(aten.t.default)
@@ -308,7 +359,7 @@ def slice_select(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     )
 
 
-@rule(aten.expand.default)
+@rule(aten.expand.default, aten.broadcast_to.default)
 def expand(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     src, dst = _shape(node.args[0]), _shape(node)
     off = len(dst) - len(src)
@@ -380,6 +431,19 @@ def cat(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     return found
 
 
+@rule(aten.stack.default)
+def stack(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """Inputs of equal shape stacked along a new dim: split inputs stay split around it."""
+    n = len(tensor_args(node))
+    nd = len(_shape(node))
+    at = _dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), nd)
+    found = [Strategy((PARTIAL,) * n, PARTIAL)]
+    for d in range(nd - 1):
+        for b in ctx.blocks:
+            found.append(Strategy((Shard(d, b),) * n, Shard(d + (d >= at), b)))
+    return found
+
+
 # ---------------------------------------------------------------- reductions, softmax, norms
 
 
@@ -409,6 +473,8 @@ def reduction(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
             if d in dims:
                 if node.target in (aten.sum.dim_IntList, aten.sum.default):
                     found.append(Strategy((Shard(d, b),), PARTIAL))
+                elif node.target in (aten.mean.dim, aten.mean.default):
+                    found.append(Strategy((Shard(d, b),), PARTIAL, "partial_mean"))
                 continue
             out_d = d if keep else d - sum(1 for r in dims if r < d)
             found.append(Strategy((Shard(d, b),), wrap(Shard(out_d, b))))
@@ -438,14 +504,26 @@ def along_dim(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
 
 @rule(aten.layer_norm.default, aten.rms_norm.default)
 def norm(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
-    nd = len(_shape(node.args[0]))
-    normed = len(node.args[1])
+    """Split a batch dim (weights replicated), or a normalized dim: the distributed norm
+    all-reduces [..., 1] statistics (sum of squares; layer_norm first the sum) and splits the
+    weight and bias the same way."""
+    shape = _shape(node.args[0])
+    nd, normed = len(shape), len(node.args[1])
     n_in = len(tensor_args(node))
-    return [
+    found = [
         Strategy((Shard(d, b),) + (R,) * (n_in - 1), Shard(d, b))
         for d in range(nd - normed)
         for b in ctx.blocks
     ]
+    rows = math.prod(shape[: nd - normed]) * 4  # fp32 statistics per row
+    stats = 1 if node.target is aten.rms_norm.default else 2
+    comm = (("all_reduce", rows),) * (2 * stats)  # forward and backward
+    for d in range(nd - normed, nd):
+        for b in ctx.blocks:
+            w = Shard(d - (nd - normed), b)
+            found.append(Strategy((Shard(d, b),) + (w,) * (n_in - 1), Shard(d, b),
+                                  "distributed_norm", comm))  # fmt: skip
+    return found
 
 
 @rule(aten.triu.default, aten.tril.default)
@@ -575,11 +653,10 @@ _REPLICATED_ONLY = [
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default,
     aten.ones.default, aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default,
     aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
-    aten.pad.default, aten.index.Tensor, aten.index_select.default, aten.gather.default,
+    aten.pad.default, aten.index_select.default, aten.gather.default,
     aten.nll_loss_forward.default, aten.nll_loss.default, aten.nll_loss_nd.default,
     aten.item.default, aten._local_scalar_dense.default, aten.constant_pad_nd.default,
-    aten.repeat.default, aten.outer.default, aten.stack.default, aten.polar.default,
-    aten.view_as_complex.default, aten.view_as_real.default,
+    aten.repeat.default, aten.outer.default,
     torch.ops.higher_order.wrap_with_set_grad_enabled, torch.ops.higher_order.wrap_with_autocast,
     operator.getitem,
 ]  # fmt: skip

@@ -3,11 +3,11 @@
 Algorithm:
 1. Every node's ``meta["val"]`` becomes a meta tensor of its local shape (global shape divided
    along the split dims of its layout), so printed programs show what each rank holds.
-2. Ops that carry sizes as arguments get their local sizes: view / reshape / expand take the
-   local output shape (no -1 left); split and split_with_sizes on a split dim divide the piece
-   sizes by the axis size.  A ``view`` stays a ``view``: every collective returns a fresh
-   row-major tensor (``autopar.collectives``), so a view valid on the global tensor's strides
-   is valid on the local one.
+2. Ops that carry sizes as arguments get their local sizes: view / reshape / expand /
+   broadcast_to take the local output shape (no -1 left); split and split_with_sizes on a split
+   dim divide the piece sizes by the axis size.  A ``view`` stays a ``view``: every collective
+   returns a fresh row-major tensor (``autopar.collectives``), so a view valid on the global
+   tensor's strides is valid on the local one.
 3. Anything else whose size argument would change is an error naming the node, never a
    silently wrong shape.
 """
@@ -23,7 +23,7 @@ from passes import NodeError, PassContext
 
 aten = torch.ops.aten
 _SHAPE_ARG = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-              aten.expand.default)  # fmt: skip
+              aten.expand.default, aten.broadcast_to.default)  # fmt: skip
 _SIZED = (aten.new_ones.default, aten.new_zeros.default, aten.new_full.default,
           aten.new_empty.default, aten.repeat.default)  # fmt: skip
 

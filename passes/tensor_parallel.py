@@ -7,18 +7,31 @@ Algorithm:
    over the axis, the logits are never gathered.
 3. ``replicated_kv_heads``: attention with fewer KV heads than ranks reads, on each rank, the
    KV head its query heads use (``local_kv_heads``), with ``enable_gqa``.
+4. ``partial_mean``: a mean over a split dim becomes the local sum divided by the global
+   count, a partial sum of the mean.
+5. ``distributed_norm``: rms_norm / layer_norm over a split normalized dim, written out in
+   ATen ops: local sums over the normalized dims, one ``all_reduce`` of the [..., 1] sum of
+   squares (layer_norm: first of the sum, for the mean), then the local normalisation with
+   this rank's slice of the weight and bias.  The all-reduces also sum their gradients, since
+   split consumers make those partial.
 """
 
 from __future__ import annotations
 
+import math
+
+import torch
 import torch.fx as fx
 
-from autopar import meta, parallel_ops
+from autopar import collectives, meta, parallel_ops
+from autopar.layout import PARTIAL, Layout, Placement, R
 from passes import NodeError, PassContext
+
+aten = torch.ops.aten
 
 
 def tensor_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Replace nodes whose strategy names a lowering (steps 1-3)."""
+    """Replace nodes whose strategy names a lowering (steps 1-5)."""
     for node in list(gm.graph.nodes):
         strat = ctx.choice.get(node.name)
         if strat is None or strat.lowering is None:
@@ -62,8 +75,94 @@ def _kv_heads(graph: fx.Graph, node: fx.Node, axis: str) -> None:
     node.kwargs = {**node.kwargs, "enable_gqa": True}
 
 
+def _partial_mean(graph: fx.Graph, node: fx.Node, axis: str) -> None:
+    x = node.args[0].meta["val"]
+    dims = _mean_dims(node, x.dim())
+    count = math.prod(x.shape[d] for d in dims)
+    node.target = aten.sum.default if node.target is aten.mean.default else aten.sum.dim_IntList
+    with graph.inserting_after(node):
+        out = _emit(graph, node, aten.div.Scalar, (node, count), node.meta["val"], PARTIAL, axis)
+    node.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
+
+
+def _mean_dims(node: fx.Node, ndim: int) -> list[int]:
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims is None or dims == []:
+        return list(range(ndim))
+    return [d % ndim for d in ([dims] if isinstance(dims, int) else dims)]
+
+
+def _distributed_norm(graph: fx.Graph, node: fx.Node, axis: str) -> None:
+    rms = node.target is aten.rms_norm.default
+    args = list(node.args) + [None] * (5 - len(node.args))
+    x, normalized, weight = args[0], args[1], args[2]
+    bias, eps = (None, args[3]) if rms else (args[3], args[4] if args[4] is not None else 1e-5)
+    val = x.meta["val"]
+    dims = list(range(val.dim() - len(normalized), val.dim()))
+    count = math.prod(val.shape[d] for d in dims)
+    dtype = torch.float32 if val.dtype in (torch.float16, torch.bfloat16) else val.dtype
+    eps = torch.finfo(dtype).eps if eps is None else eps
+    split = meta.layout(node).placement(axis)
+    emit = _Emitter(graph, node, axis, val.shape, dtype, dims)
+    with graph.inserting_before(node):
+        xf = x if dtype == val.dtype else emit.op(aten._to_copy.default, (x,), split,
+                                                  dtype=dtype)  # fmt: skip
+        if not rms:
+            mean = emit.op(aten.div.Scalar, (emit.total(xf), count), R, stats=True)
+            xf = emit.op(aten.sub.Tensor, (xf, mean), split)
+        square = emit.op(aten.mul.Tensor, (xf, xf), split)
+        var = emit.op(aten.div.Scalar, (emit.total(square), count), R, stats=True)
+        var = emit.op(aten.add.Scalar, (var, eps), R, stats=True)
+        out = emit.op(aten.mul.Tensor, (xf, emit.op(aten.rsqrt.default, (var,), R, stats=True)),
+                      split)  # fmt: skip
+        if dtype != val.dtype:
+            out = emit.op(aten._to_copy.default, (out,), split, dtype=val.dtype, out_dtype=True)
+        for param, op in ((weight, aten.mul.Tensor), (bias, aten.add.Tensor)):
+            if param is not None:
+                out = emit.op(op, (out, param), split, out_dtype=True)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+
+
+class _Emitter:
+    """Writes the ATen nodes of one lowering with their global ``val`` and layout."""
+
+    def __init__(self, graph: fx.Graph, like: fx.Node, axis: str, shape: torch.Size,
+                 dtype: torch.dtype, dims: list[int]) -> None:  # fmt: skip
+        self.graph, self.like, self.axis = graph, like, axis
+        self.shape, self.dtype, self.dims = shape, dtype, dims
+        self.out_dtype = like.meta["val"].dtype
+
+    def op(self, target: object, args: tuple, p: Placement, stats: bool = False,
+           out_dtype: bool = False, **kwargs: object) -> fx.Node:  # fmt: skip
+        shape = [1 if stats and d in self.dims else n for d, n in enumerate(self.shape)]
+        dtype = self.out_dtype if out_dtype else self.dtype
+        val = torch.empty(shape, dtype=dtype, device="meta")
+        return _emit(self.graph, self.like, target, args, val, p, self.axis, kwargs)
+
+    def total(self, x: fx.Node) -> fx.Node:
+        """Sum over the normalized dims, all-reduced over the axis ([..., 1] statistics)."""
+        local = self.op(aten.sum.dim_IntList, (x, self.dims, True), PARTIAL, stats=True)
+        return self.op(collectives.all_reduce, (local, self.axis, "all_reduce"), R, stats=True)
+
+
+def _emit(graph: fx.Graph, like: fx.Node, target: object, args: tuple, val: torch.Tensor,
+          p: Placement, axis: str, kwargs: dict | None = None) -> fx.Node:  # fmt: skip
+    """A new node at the graph's insertion point, with ``like``'s source and the layout ``p``."""
+    node = graph.call_function(target, args, kwargs or {})
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in like.meta:
+            node.meta[key] = like.meta[key]
+    node.meta["val"] = val
+    meta.update(node, layout=Layout.from_placements(val.dim(), {axis: p}),
+                origin="tensor_parallel")  # fmt: skip
+    return node
+
+
 _LOWERINGS = {
     "vocab_parallel_embedding": _embedding,
     "vocab_parallel_cross_entropy": _cross_entropy,
     "replicated_kv_heads": _kv_heads,
+    "partial_mean": _partial_mean,
+    "distributed_norm": _distributed_norm,
 }
