@@ -195,16 +195,7 @@ def _arg(node: fx.Node, index: int, name: str) -> Any:
 
 def _split_bias(graph: fx.Graph, node: fx.Node) -> None:
     """linear(x, w, b) -> add(linear(x, w), b), keeping shapes and source metadata."""
-    x, w, b = node.args[0], node.args[1], _arg(node, 2, "bias")
-    with graph.inserting_after(node):
-        mm = graph.call_function(torch.ops.aten.linear.default, (x, w))
-    with graph.inserting_after(mm):
-        add = graph.call_function(torch.ops.aten.add.Tensor, (mm, b))
-    for new in (mm, add):
-        new.meta.update({k: v for k, v in node.meta.items() if k != "autopar"})
-    node.replace_all_uses_with(add)
-    graph.erase_node(node)
-    mm.name = node.name  # keep the user-facing name on the matmul
+    _bias_after(graph, node, torch.ops.aten.linear.default, node.args[:2], _arg(node, 2, "bias"))
 
 
 def _plain_addmm(node: fx.Node) -> bool:
@@ -214,11 +205,16 @@ def _plain_addmm(node: fx.Node) -> bool:
 
 def _split_addmm(graph: fx.Graph, node: fx.Node) -> None:
     """addmm(b, x, w) -> add(mm(x, w), b): like a linear's bias, added once after a row split."""
-    b, x, w = node.args[:3]
+    _bias_after(graph, node, torch.ops.aten.mm.default, node.args[1:3], node.args[0])
+
+
+def _bias_after(graph: fx.Graph, node: fx.Node, matmul: object, operands: tuple,
+                bias: fx.Node) -> None:  # fmt: skip
+    """Replace ``node`` by ``add(matmul(*operands), bias)``; the matmul keeps the user's name."""
     with graph.inserting_after(node):
-        mm = graph.call_function(torch.ops.aten.mm.default, (x, w))
+        mm = graph.call_function(matmul, tuple(operands))
     with graph.inserting_after(mm):
-        add = graph.call_function(torch.ops.aten.add.Tensor, (mm, b))
+        add = graph.call_function(torch.ops.aten.add.Tensor, (mm, bias))
     for new in (mm, add):
         new.meta.update({k: v for k, v in node.meta.items() if k != "autopar"})
     node.replace_all_uses_with(add)
