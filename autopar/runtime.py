@@ -174,3 +174,93 @@ class RankShare:
     coords: dict[str, int]
     io: dict[int, tuple[list, list]]  # stage -> (shape, dtype, requires_grad) of inputs, outputs
     placements: dict[int, dict[str, str]]  # stage -> tied weight -> its placement on 'tp'
+
+
+class DataParallelModule(torch.nn.Module):
+    """This rank's sub-mesh module wrapped for the data axis with torch's own engines.
+
+    Algorithm:
+    1. ZeRO 0 and 1: torch DDP over the dp process group (gradients all-reduced in buckets as
+       they fill during backward); ZeRO 1 adds ZeroRedundancyOptimizer (:meth:`optimizer`).
+       ZeRO 2 and 3: FSDP2 ``fully_shard`` over the dp sub-mesh, parameters resharded after
+       forward only for 3.
+    2. A loss that is a sum over the batch has its gradients summed over dp, not averaged.
+    3. Every floating scalar output (the loss) returns its global value (mean or sum over dp:
+       one scalar all-reduce) while its gradient stays this rank's, so ``loss.backward()``
+       computes the right gradient.
+    """
+
+    def __init__(self, module: torch.nn.Module, *, group: Any, dp_mesh: Any, zero: int,
+                 reduction: str) -> None:  # fmt: skip
+        super().__init__()
+        self.group, self.zero, self.reduction = group, zero, reduction
+        self.dp = dist.get_world_size(group)
+        if zero <= 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.engine = DistributedDataParallel(module, process_group=group,
+                                                  broadcast_buffers=False)  # fmt: skip
+            if reduction == "sum":
+                self.engine.register_comm_hook(group, _sum_hook)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            self.engine = fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3)
+            if reduction == "sum":
+                self.engine.set_gradient_divide_factor(1.0)
+
+    @property
+    def local(self) -> torch.nn.Module:
+        """The wrapped sub-mesh module."""
+        return self.engine.module if self.zero <= 1 else self.engine
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.engine(*args, **kwargs)
+        return torch.utils._pytree.tree_map(self._global_scalar, out)
+
+    def _global_scalar(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.dim() or not x.is_floating_point():
+            return x
+        total = x.detach().clone()
+        dist.all_reduce(total, group=self.group)
+        if self.reduction == "mean":
+            total /= self.dp
+        return x + (total - x.detach())  # the global value; the gradient stays this rank's
+
+    def optimizer(self, cls: type, **kwargs: Any) -> torch.optim.Optimizer:
+        """``cls(parameters, **kwargs)`` with its state sharded over dp for ZeRO >= 1."""
+        if self.zero == 1:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=cls,
+                                           process_group=self.group, **kwargs)  # fmt: skip
+        return cls(self.parameters(), **kwargs)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Every parameter's gradient on this rank's sub-mesh coordinate (ZeRO shards gathered)."""
+        out = {}
+        for name, p in self.local.named_parameters():
+            if p.grad is None:
+                continue
+            g = p.grad
+            out[name] = g.full_tensor() if hasattr(g, "full_tensor") else g.detach()
+        return out
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole (ZeRO-3 shards gathered)."""
+        return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+                for name, p in self.local.named_parameters()}  # fmt: skip
+
+
+def _sum_hook(group: Any, bucket: Any) -> Any:
+    """DDP comm hook: sum the bucket over dp (DDP's default averages)."""
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def wrap_data_parallel(device_mesh: Any, prog: Any, mesh: Mesh) -> DataParallelModule:
+    """Bind the mesh and wrap this rank's sub-mesh module for its dp group."""
+    rank = bind_mesh(device_mesh, mesh)
+    return DataParallelModule(prog.module(rank), group=device_mesh.get_group("dp"),
+                              dp_mesh=device_mesh["dp"], zero=prog.plan.zero,
+                              reduction=prog.plan.reduction)  # fmt: skip
