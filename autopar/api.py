@@ -118,6 +118,10 @@ def _data_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any, example_input
     """The dp branch: compile the sub-mesh program on B/dp, wrap it for the data axis."""
     from autopar.data_parallel import compile_data_parallel
 
+    if device_mesh is not None:
+        from autopar.runtime import check_world
+
+        check_world(mesh)  # before compiling: a wrong world would hang in the first collective
     if device_mesh is not None and "pp" in mesh.sizes:
         raise MeshError(f"{mesh}: dp combined with pp is not supported at run time yet; "
                         "use dp with tp, or pp with tp")  # fmt: skip

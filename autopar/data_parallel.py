@@ -11,8 +11,11 @@ Algorithm (:func:`compile_data_parallel`):
    the saved activations of the sub-mesh plan) and pick the lowest stage that fits the memory
    limit (the GPU's memory unless ``memory_limit`` is given); a forced stage that does not fit
    is an error naming the stage that would.
-5. List the gradient reduction per step over dp: an all-reduce per gradient (ZeRO 0/1), a
-   reduce-scatter (ZeRO 2), plus parameter all-gathers forward and backward (ZeRO 3).
+5. List the data-axis traffic per step as torch's engines run it: ZeRO-0 one all-reduce per
+   gradient; ZeRO-1 the same plus the updated shards gathered after the optimizer step
+   (ZeroRedundancyOptimizer broadcasts them); ZeRO-2 a forward all-gather of the parameters
+   and a reduce-scatter of the gradients (= one all-reduce); ZeRO-3 also re-gathers the
+   parameters in backward (1.5x DDP).
 The runtime (autopar.runtime.DataParallelModule) reuses torch's engines for the reduction.
 """
 
@@ -192,9 +195,11 @@ def _reduction_arg(node: fx.Node) -> int:
 
 def dp_collectives(grads: dict[str, tuple[tuple[int, ...], torch.dtype]], stage: int,
                    ) -> list[Collective]:  # fmt: skip
-    """Step 5: per parameter needing a gradient (local shape on its tp/pp coordinate)."""
-    kinds = {0: [("bwd", "all_reduce")], 1: [("bwd", "all_reduce")],
-             2: [("bwd", "reduce_scatter")],
+    """Step 5: per parameter needing a gradient (local shape on its tp/pp coordinate);
+    direction 'step' is after the optimizer step."""
+    kinds = {0: [("bwd", "all_reduce")],
+             1: [("bwd", "all_reduce"), ("step", "all_gather")],
+             2: [("fwd", "all_gather"), ("bwd", "reduce_scatter")],
              3: [("fwd", "all_gather"), ("bwd", "all_gather"), ("bwd", "reduce_scatter")]}[stage]  # fmt: skip
     out = []
     for fqn, (shape, dtype) in grads.items():

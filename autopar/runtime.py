@@ -24,6 +24,15 @@ from autopar.mesh import Mesh
 
 def bind_mesh(device_mesh: Any, mesh: Mesh) -> int:
     """Bind ``device_mesh``'s named dims to the collectives and return this rank (steps 1-3)."""
+    check_world(mesh)
+    names = device_mesh.mesh_dim_names
+    collectives.bind({name: device_mesh.get_group(name) for name in names})
+    coords = {name: device_mesh.get_local_rank(name) for name in names}
+    return mesh.rank_of(coords)
+
+
+def check_world(mesh: Mesh) -> None:
+    """Step 1: the job's world size must equal the mesh size."""
     if not dist.is_initialized():
         raise MeshError("torch.distributed is not initialised; launch with torchrun")
     world = dist.get_world_size()
@@ -32,10 +41,6 @@ def bind_mesh(device_mesh: Any, mesh: Mesh) -> int:
             f"the job has {world} processes but {mesh} needs {mesh.world_size}; launch "
             f"with torchrun --nproc-per-node={mesh.world_size} (or resize the mesh)"
         )
-    names = device_mesh.mesh_dim_names
-    collectives.bind({name: device_mesh.get_group(name) for name in names})
-    coords = {name: device_mesh.get_local_rank(name) for name in names}
-    return mesh.rank_of(coords)
 
 
 class PipelineRunner:
@@ -184,7 +189,8 @@ class DataParallelModule(torch.nn.Module):
        they fill during backward); ZeRO 1 adds ZeroRedundancyOptimizer (:meth:`optimizer`).
        ZeRO 2 and 3: FSDP2 ``fully_shard`` over the dp sub-mesh, parameters resharded after
        forward only for 3.
-    2. A loss that is a sum over the batch has its gradients summed over dp, not averaged.
+    2. A loss that is a sum over the batch has its gradients summed over dp, not averaged
+       (a DDP comm hook; under FSDP2 the outputs' gradients are scaled by dp).
     3. Every floating scalar output (the loss) returns its global value (mean or sum over dp:
        one scalar all-reduce) while its gradient stays this rank's, so ``loss.backward()``
        computes the right gradient.
@@ -206,8 +212,9 @@ class DataParallelModule(torch.nn.Module):
             from torch.distributed.fsdp import fully_shard
 
             self.engine = fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3)
-            if reduction == "sum":
-                self.engine.set_gradient_divide_factor(1.0)
+        # FSDP2 averages; a sum-factor reduce-scatter needs PREMUL_SUM, which Gloo lacks, so
+        # the outputs' gradients are scaled by dp instead (exact for power-of-two dp)
+        self.grad_scale = self.dp if reduction == "sum" and zero >= 2 else 1
 
     @property
     def local(self) -> torch.nn.Module:
@@ -216,7 +223,14 @@ class DataParallelModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.engine(*args, **kwargs)
+        if self.grad_scale != 1:
+            out = torch.utils._pytree.tree_map(self._scale_grad, out)
         return torch.utils._pytree.tree_map(self._global_scalar, out)
+
+    def _scale_grad(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or not x.requires_grad:
+            return x
+        return _ScaleGrad.apply(x, self.grad_scale)
 
     def _global_scalar(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor) or x.dim() or not x.is_floating_point():
@@ -252,7 +266,18 @@ class DataParallelModule(torch.nn.Module):
                 for name, p in self.local.named_parameters()}  # fmt: skip
 
 
-def _sum_hook(group: Any, bucket: Any) -> Any:
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g * ctx.scale, None
+
+
+def _sum_hook(group, bucket):  # noqa: ANN001, ANN202 - DDP rejects string annotations
     """DDP comm hook: sum the bucket over dp (DDP's default averages)."""
     fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
