@@ -205,7 +205,7 @@ class DataParallelModule(torch.nn.Module):
             from torch.nn.parallel import DistributedDataParallel
 
             self.engine = DistributedDataParallel(module, process_group=group,
-                                                  broadcast_buffers=False)  # fmt: skip
+                                                  forward_sync_buffers=False)  # fmt: skip
             if reduction == "sum":
                 self.engine.register_comm_hook(group, _sum_hook)
         else:
