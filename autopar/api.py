@@ -122,9 +122,6 @@ def _data_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any, example_input
         from autopar.runtime import check_world
 
         check_world(mesh)  # before compiling: a wrong world would hang in the first collective
-    if device_mesh is not None and "pp" in mesh.sizes:
-        raise MeshError(f"{mesh}: dp combined with pp is not supported at run time yet; "
-                        "use dp with tp, or pp with tp")  # fmt: skip
 
     def inner(sub: Mesh, args: tuple, kwargs: dict) -> Any:
         return autoparallelize(model, sub, args, loss_fn, example_kwargs=kwargs or None,

@@ -40,7 +40,7 @@ _LOSSES = {"cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d_for
            "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
            "binary_cross_entropy_with_logits", "kl_div"}  # fmt: skip
 _PASS_THROUGH = {"div", "mul", "neg", "clone", "alias", "view", "reshape", "squeeze", "to",
-                 "_to_copy", "add", "sub"}  # fmt: skip
+                 "_to_copy", "add", "sub", "contiguous", "detach"}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,7 +144,7 @@ def batch_slices(t: torch.Tensor, dp: int) -> list[torch.Tensor]:
     return list(t.chunk(dp, dim=0)) if t.dim() else [t] * dp
 
 
-def loss_reduction(gm: fx.GraphModule) -> str:
+def loss_reduction(gm: fx.GraphModule, model_name: str = "the model") -> str:
     """Step 3: 'mean' or 'sum' for a graph whose only output is a scalar loss reduced over the
     batch; 'sum' for any other output (the gradient of a sum over batch elements adds up)."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
@@ -155,7 +155,7 @@ def loss_reduction(gm: fx.GraphModule) -> str:
     found = {_reduction_of(s) for s in scalars}
     if None in found or len(found) > 1:
         warnings.warn(
-            f"autopar could not tell whether the scalar output of {gm.__class__.__name__} is a "
+            f"autopar could not tell whether the scalar output of {model_name} is a "
             "mean or a sum over the batch (its last op is not a loss, mean or sum); treating it "
             "as a mean: gradients are averaged over dp",
             stacklevel=3,
@@ -323,7 +323,7 @@ def compile_data_parallel(mesh: Mesh, example_inputs: Sequence[Any], example_kwa
     batch = _batch(example_inputs, example_kwargs)
     plan = DataParallelPlan(
         inner=inner.plan, mesh=mesh.axes, links=tuple(mesh.describe()), zero=stage,
-        reduction=loss_reduction(_graph(inner)), batch=batch, memory=table, memory_limit=limit,
+        reduction=loss_reduction(_graph(inner), _model_name(inner)), batch=batch, memory=table, memory_limit=limit,
         collectives=tuple(dp_collectives(grads, stage)), notes=(why, *_engine_note(stage)),
     )  # fmt: skip
     return DataParallelProgram(inner=inner, mesh=mesh, plan=plan)

@@ -54,15 +54,20 @@ class PipelineRunner:
     3. The mean micro-batch loss is broadcast from the last stage, so every rank returns it.
     """
 
-    def __init__(self, share: RankShare, pp_group: Any, device: str = "cpu") -> None:
+    def __init__(self, share: RankShare, pp_group: Any, device: str = "cpu",
+                 data: DataAxis | None = None) -> None:  # fmt: skip
         from torch.distributed.pipelining import PipelineStage
 
-        self.share, self.pp_group = share, pp_group
+        self.share, self.pp_group, self.data = share, pp_group, data
         self.stage_ids = sorted(share.modules)
         self.modules = share.modules
+        if data is not None and data.zero >= 2 and share.tied_shapes:
+            raise MeshError("ZeRO-2/3 with pipeline stages that share a tied weight is not "
+                            "supported yet; use zero=0 or 1, or untie the weights")  # fmt: skip
+        wrapped = {s: data.wrap(m) if data else m for s, m in self.modules.items()}
         self.stages = [
             PipelineStage(
-                self.modules[s],
+                wrapped[s],
                 s,
                 share.n_stages,
                 torch.device(device),
@@ -87,7 +92,15 @@ class PipelineRunner:
         else:
             self.schedule.step(target=dummy, losses=losses, return_outputs=False)
         self._sum_tied_grads()
-        return self._broadcast_loss(losses)
+        loss = self._broadcast_loss(losses)
+        if self.data is not None:
+            dist.all_reduce(loss, group=self.data.group)
+            loss /= self.data.size if self.data.reduction == "mean" else 1
+        return loss
+
+    def optimizer(self, cls: type, **kwargs: Any) -> torch.optim.Optimizer:
+        """``cls`` over this rank's stage parameters (state sharded over dp for ZeRO-1)."""
+        return make_optimizer(self.parameters(), cls, self.data, **kwargs)
 
     def train_step(self, optimizer_factory: Any) -> Any:
         """A callable ``step(*batch) -> loss`` that also updates the parameters."""
@@ -283,9 +296,53 @@ def _sum_hook(group, bucket):  # noqa: ANN001, ANN202 - DDP rejects string annot
     return fut.then(lambda f: f.value()[0])
 
 
-def wrap_data_parallel(device_mesh: Any, prog: Any, mesh: Mesh) -> DataParallelModule:
-    """Bind the mesh and wrap this rank's sub-mesh module for its dp group."""
+def wrap_data_parallel(device_mesh: Any, prog: Any, mesh: Mesh) -> Any:
+    """Bind the mesh and wrap this rank's sub-mesh module (or pipeline stages) for dp."""
     rank = bind_mesh(device_mesh, mesh)
+    if "pp" in mesh.sizes:
+        data = DataAxis(group=device_mesh.get_group("dp"), mesh=device_mesh["dp"],
+                        zero=prog.plan.zero, reduction=prog.plan.reduction)  # fmt: skip
+        return PipelineRunner(prog.inner.share(prog.inner_rank(rank)),
+                              device_mesh.get_group("pp"), data=data)  # fmt: skip
     return DataParallelModule(prog.module(rank), group=device_mesh.get_group("dp"),
                               dp_mesh=device_mesh["dp"], zero=prog.plan.zero,
                               reduction=prog.plan.reduction)  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataAxis:
+    """The dp process group (and its 1-D DeviceMesh) a pipeline rank's stages reduce over."""
+
+    group: Any
+    mesh: Any
+    zero: int
+    reduction: str
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        """DDP (ZeRO 0/1) or FSDP2 (2/3) around one stage module; the pipeline schedule
+        defers their gradient reduction to the last micro-batch."""
+        if self.zero <= 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ddp = DistributedDataParallel(module, process_group=self.group,
+                                          forward_sync_buffers=False)  # fmt: skip
+            if self.reduction == "sum":
+                ddp.register_comm_hook(self.group, _sum_hook)
+            return ddp
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard(module, mesh=self.mesh, reshard_after_forward=self.zero == 3)
+
+
+def make_optimizer(params: Any, cls: type, data: DataAxis | None, **kwargs: Any) -> Any:
+    """``cls(params, **kwargs)``; ZeroRedundancyOptimizer over dp for ZeRO-1."""
+    if data is not None and data.zero == 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=data.group,
+                                       **kwargs)  # fmt: skip
+    return cls(params, **kwargs)
