@@ -220,3 +220,19 @@ def test_mesh_size_not_world_size_is_a_mesh_error():
     jobs = [(build("gpt", c), x, y)] * 4
     out = get_pool(4).run(_wrong_world, (("dp", 2), ("tp", 2)), jobs)
     assert all("the job has 4 processes but Mesh(dp=2) needs 2" in s for s in out), out
+
+
+@pytest.mark.parametrize(("axes", "zero"), [({"dp": 2, "pp": 2}, 0), ({"dp": 2, "pp": 2}, 3),
+                                            ({"dp": 2, "pp": 2, "tp": 2}, 1)])  # fmt: skip
+def test_pipeline_stages_under_dp_equal_single_device(axes, zero):
+    c = Config(layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=48, seq=8, batch=8)
+    report = verify(build("llama", c), Mesh(**axes), tokens(c), loss_fn=lm_loss, zero=zero,
+                    n_microbatches=2, rtol=RTOL[axes.get("tp", 1)])  # fmt: skip
+    assert report.ok, f"{axes} zero={zero}\n{report}"
+
+
+def test_batch_must_divide_by_dp_times_microbatches():
+    c = Config(layers=2, batch=6)
+    with pytest.raises(InputError, match=r"dp=2 x 2 micro-batches.*multiple of 4"):
+        autoparallelize(build("llama", c), Mesh(dp=2, pp=2), tokens(c), loss_fn=lm_loss,
+                        n_microbatches=2)  # fmt: skip
