@@ -195,13 +195,15 @@ def _reduction_arg(node: fx.Node) -> int:
 
 def dp_collectives(grads: dict[str, tuple[tuple[int, ...], torch.dtype]], stage: int,
                    ) -> list[Collective]:  # fmt: skip
-    """Step 5: per parameter needing a gradient (local shape on its tp/pp coordinate);
-    direction 'step' is after the optimizer step."""
+    """Step 5: the scalar loss all-reduce, then per parameter needing a gradient (local shape
+    on its tp/pp coordinate); direction 'step' is after the optimizer step."""
     kinds = {0: [("bwd", "all_reduce")],
              1: [("bwd", "all_reduce"), ("step", "all_gather")],
              2: [("fwd", "all_gather"), ("bwd", "reduce_scatter")],
              3: [("fwd", "all_gather"), ("bwd", "all_gather"), ("bwd", "reduce_scatter")]}[stage]  # fmt: skip
-    out = []
+    loss = Collective(kind="all_reduce", axis="dp", shape=(), dtype="float32", bytes=4,
+                      direction="fwd", where="loss")  # every rank returns the global loss
+    out = [loss]
     for fqn, (shape, dtype) in grads.items():
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         for direction, kind in kinds:
@@ -250,7 +252,7 @@ class DataParallelPlan:
                f"ZeRO stage {self.zero}; per-rank memory by stage "
                f"(limit {_fmt_bytes(self.memory_limit)}):"]  # fmt: skip
         out += [f"  {'*' if m.stage == self.zero else ' '} {m}" for m in self.memory]
-        out.append("dp gradient reduction of one training step (message = local shard):")
+        out.append("data-axis traffic of one training step (message = local shard):")
         groups: dict[tuple[str, str], list[int]] = {}
         for c in self.collectives:
             groups.setdefault((str(c), _pattern(c.where + ".").rstrip(".")), []).append(c.bytes)

@@ -86,14 +86,18 @@ def test_tp_collectives_unchanged_by_dp_and_zero3_moves_1_5x_ddp_bytes():
              for z in (0, 1, 2, 3)}  # fmt: skip
     for prog in progs.values():
         assert [c for c in prog.collectives() if c.axis == "tp"] == tp.collectives()
-    wire = {z: sum(wire_bytes(c, 2) for c in p.collectives() if c.axis == "dp")
-            for z, p in progs.items()}  # fmt: skip
+    wire = {z: sum(wire_bytes(c, 2) for c in _dp_traffic(p)) for z, p in progs.items()}
     n_grads = len([p for p in progs[0].module(0).parameters()])
-    ddp = [c for c in progs[0].collectives() if c.axis == "dp"]
+    ddp = _dp_traffic(progs[0])
     assert len(ddp) == n_grads and {c.kind for c in ddp} == {"all_reduce"}
     assert wire[2] == wire[0]  # reduce-scatter + all-gather = one all-reduce
     # torch's ZeroRedundancyOptimizer all-reduces, then broadcasts the updated shards
     assert wire[1] == wire[3] == pytest.approx(1.5 * wire[0])
+
+
+def _dp_traffic(prog):
+    """The dp collectives that move parameters or gradients (not the scalar loss)."""
+    return [c for c in prog.collectives() if c.axis == "dp" and c.shape != ()]
 
 
 def _count_ddp_reduction(rank, groups, module, x, y):
@@ -236,3 +240,62 @@ def test_batch_must_divide_by_dp_times_microbatches():
     with pytest.raises(InputError, match=r"dp=2 x 2 micro-batches.*multiple of 4"):
         autoparallelize(build("llama", c), Mesh(dp=2, pp=2), tokens(c), loss_fn=lm_loss,
                         n_microbatches=2)  # fmt: skip
+
+
+def _measure_step(rank, groups, module, x, y, zero):
+    """Two warm-up steps (DDP rebuilds its buckets after the first), then one step under a
+    dispatch mode that logs every c10d call, and the model state bytes this rank holds."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from autopar import collectives
+    from autopar.runtime import DataParallelModule
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket)
+            if name.startswith("c10d."):
+                tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+                calls.append((name, max(t.numel() for t in tensors) * 4))
+            return func(*args, **(kwargs or {}))
+
+    def local_bytes(ts):
+        return sum((t.to_local() if hasattr(t, "to_local") else t).numel() * 4 for t in ts)
+
+    collectives.bind({a: g for a, g in groups.items() if a != "dp"})
+    dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
+    wrapped = DataParallelModule(module, group=groups["dp"], dp_mesh=dp_mesh, zero=zero,
+                                 reduction="mean")  # fmt: skip
+    opt = wrapped.optimizer(torch.optim.AdamW, lr=1e-3)
+    for _ in range(2):
+        wrapped(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    calls = []
+    with Log():
+        loss = wrapped(x, y)
+        weights = local_bytes(wrapped.local.parameters())  # at the peak, inside the step
+        loss.backward()
+        grads = local_bytes(p.grad for p in wrapped.local.parameters())
+        opt.step()  # ZeRO-1 broadcasts the updated shards here
+    state = getattr(opt, "optim", opt).state.values()
+    optimizer = local_bytes(t for s in state for t in s.values() if t.dim())
+    return calls, (weights, grads, optimizer)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_measured_traffic_and_state_bytes_equal_the_plan(zero):
+    c = Config(batch=4)
+    x, y = tokens(c)
+    prog = autoparallelize(build("gpt", c), Mesh(dp=2), (x, y), loss_fn=lm_loss, zero=zero)
+    jobs = [(prog.module(r), x.chunk(2)[r], y.chunk(2)[r], zero) for r in range(2)]
+    results = get_pool(2).run(_measure_step, prog.mesh.axes, jobs)
+    predicted = prog.plan.memory[zero]
+    for part, want in enumerate((predicted.weights, predicted.grads, predicted.optimizer)):
+        # ZeroRedundancyOptimizer balances whole parameters: the average is exact
+        assert sum(r[1][part] for r in results) == 2 * want, (part, [r[1] for r in results])
+    full = {"c10d.allreduce_": 2, "c10d._allgather_base_": 1, "c10d._reduce_scatter_base_": 1,
+            "c10d.broadcast_": 1}  # ring factor x the full message (the gathered side)
+    measured = sum(full[name] * nbytes / 2 for name, nbytes in results[0][0])
+    assert measured == sum(wire_bytes(c, 2) for c in prog.collectives() if c.axis == "dp")
