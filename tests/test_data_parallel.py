@@ -67,6 +67,26 @@ def test_mesh_axes_are_canonical_and_print_their_links():
     text = str(prog.plan)
     assert "dp=2 over nvlink" in text and "tp=2 over nvlink" in text
     assert "loss is a mean over the batch" in text and "why: ZeRO-0" in text
+    assert prog.code(3).startswith("# data-parallel rank 3 of 4 (dp=1, tp=1)")
+    assert "rank 1 of 2" in prog.code(3)  # the tp program's rank 1
+
+
+def test_save_writes_the_sub_mesh_programs_and_the_dp_plan(tmp_path):
+    c = Config(batch=4)
+    prog = autoparallelize(build("gpt", c), Mesh(dp=2, tp=2), tokens(c), loss_fn=lm_loss)
+    names = {p.name for p in prog.save(tmp_path)}
+    assert {"program_0.py", "plan.json", "plan_dp.txt"} <= names
+    assert (tmp_path / "plan_dp.txt").read_text() == str(prog.plan) + "\n"
+
+
+def test_state_bytes_per_parameter_follow_reference():
+    from autopar.data_parallel import StateBytes, zero_memory
+
+    bf16 = StateBytes.for_dtype(torch.bfloat16)
+    psi, d = 7e9, 64
+    table = [zero_memory(int(psi), d, s, bf16, 0.0).total / 1e9 for s in range(4)]
+    # REFERENCE.md with fp32 gradients: 18 psi; ZeRO-1 6 + 12/d; ZeRO-2 2 + 16/d; ZeRO-3 18/d
+    assert table == pytest.approx([18 * 7, 7 * (6 + 12 / d), 7 * (2 + 16 / d), 7 * 18 / d])
 
 
 def test_loss_reduction_is_read_off_the_graph():
