@@ -255,13 +255,10 @@ class DataParallelModule(torch.nn.Module):
         return x + (total - x.detach())  # the global value; the gradient stays this rank's
 
     def optimizer(self, cls: type, **kwargs: Any) -> torch.optim.Optimizer:
-        """``cls(parameters, **kwargs)`` with its state sharded over dp for ZeRO >= 1."""
-        if self.zero == 1:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=cls,
-                                           process_group=self.group, **kwargs)  # fmt: skip
-        return cls(self.parameters(), **kwargs)
+        """``cls(parameters, **kwargs)`` with its state sharded over dp for ZeRO >= 1 (FSDP2's
+        parameters are already dp shards for ZeRO 2/3)."""
+        data = DataAxis(group=self.group, mesh=None, zero=self.zero, reduction=self.reduction)
+        return make_optimizer(self.parameters(), cls, data, **kwargs)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every parameter's gradient on this rank's sub-mesh coordinate (ZeRO shards gathered)."""
