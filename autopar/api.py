@@ -49,6 +49,8 @@ def autoparallelize(
     split_points: Sequence[str] = (),
     plan: Plan | None = None,
     cluster: Cluster | None = None,
+    zero: int | None = None,
+    param_dtype: torch.dtype = torch.float32,
 ) -> Any:
     """Compile ``model`` for ``mesh``.
 
@@ -68,9 +70,25 @@ def autoparallelize(
     ``plan=Plan.load("out/plan.json")`` reuses a saved plan's strategies instead of solving.
     ``cluster`` prices a DeviceMesh's plan (default: one DGX H100 node; a virtual Mesh carries
     its own, e.g. ``Mesh(Cluster.preset("dgx-a100", nodes=2), pp=2, tp=8)``).
+
+    A mesh with a ``dp`` axis splits the batch (dim 0 of the inputs) over dp and runs the
+    program of the other axes on each slice (autopar.data_parallel): ``zero`` forces a ZeRO
+    stage (default: the lowest whose per-rank memory fits ``memory_limit`` or the GPU;
+    ``param_dtype`` prices the model state).  Returns a DataParallelProgram, or with a
+    DeviceMesh this rank's DataParallelModule (DDP or FSDP2 over the dp group).
     """
     device_mesh = None if isinstance(mesh, Mesh) else mesh
     virtual = mesh if isinstance(mesh, Mesh) else Mesh.from_device_mesh(mesh, cluster)
+    if "dp" in virtual.sizes:
+        return _data_parallel(model, virtual, device_mesh, example_inputs, loss_fn,
+                              example_kwargs=example_kwargs, zero=zero, memory_limit=memory_limit,
+                              param_dtype=param_dtype, n_microbatches=n_microbatches,
+                              memory_weight=memory_weight, strict=strict, verbose=verbose,
+                              schedule=schedule, virtual_stages=virtual_stages,
+                              split_points=split_points)  # fmt: skip
+    if zero is not None:
+        raise PlanError(f"zero={zero} shards over the data axis, but {virtual} has no dp axis; "
+                        "use e.g. Mesh(dp=2, tp=2)")  # fmt: skip
     options = PlanOptions(memory_limit=memory_limit, memory_weight=memory_weight, strict=strict,
                           fixed=_reused(plan, virtual))  # fmt: skip
     if "pp" in virtual.sizes:
@@ -91,6 +109,32 @@ def autoparallelize(
     if "pp" in virtual.sizes:
         return PipelineRunner(prog.share(rank), device_mesh.get_group("pp"))
     return prog.module(rank)
+
+
+def _data_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any, example_inputs: Sequence[Any],
+                   loss_fn: Callable | None, *, example_kwargs: dict | None, zero: int | None,
+                   memory_limit: float | None, param_dtype: torch.dtype,
+                   n_microbatches: int | None, **inner_options: Any) -> Any:  # fmt: skip
+    """The dp branch: compile the sub-mesh program on B/dp, wrap it for the data axis."""
+    from autopar.data_parallel import compile_data_parallel
+
+    if device_mesh is not None:
+        from autopar.runtime import check_world
+
+        check_world(mesh)  # before compiling: a wrong world would hang in the first collective
+
+    def inner(sub: Mesh, args: tuple, kwargs: dict) -> Any:
+        return autoparallelize(model, sub, args, loss_fn, example_kwargs=kwargs or None,
+                               n_microbatches=n_microbatches, **inner_options)  # fmt: skip
+
+    prog = compile_data_parallel(mesh, example_inputs, example_kwargs, inner, zero=zero,
+                                 memory_limit=memory_limit, param_dtype=param_dtype,
+                                 micro=n_microbatches or 1)  # fmt: skip
+    if device_mesh is None:
+        return prog
+    from autopar.runtime import wrap_data_parallel
+
+    return wrap_data_parallel(device_mesh, prog, mesh)
 
 
 def compile_program(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],

@@ -1,8 +1,10 @@
 """The virtual device mesh: named axes and sizes, plus (optionally) the hardware it runs on.
 
-``Mesh(tp=4)`` plans and prints without any process; ``Mesh(pp=2, tp=2, cluster=...)`` orders
-axes outermost first, so the last axis holds contiguous ranks (inside a node when it fits).
-A torch ``DeviceMesh`` with ``mesh_dim_names`` converts with :func:`Mesh.from_device_mesh`.
+``Mesh(tp=4)`` plans and prints without any process.  A virtual mesh orders its axes
+canonically outermost first (dp, pp, cp, ep, tp, whatever order they are written in), so the
+last axis holds contiguous ranks (tp inside a node when it fits, dp across nodes).  A torch
+``DeviceMesh`` with ``mesh_dim_names`` converts with :func:`Mesh.from_device_mesh`, keeping the
+DeviceMesh's own order (its ranks are laid out that way).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 from autopar.errors import MeshError
 from cost.hardware import Cluster
 
-SUPPORTED_AXES = ("pp", "tp")
+SUPPORTED_AXES = ("dp", "pp", "tp")
 KNOWN_AXES = ("dp", "pp", "cp", "ep", "tp")
 
 
@@ -41,8 +43,26 @@ class Mesh:
                 raise MeshError(f"mesh axis {name!r} needs a positive int size, got {size!r}")
         if not axes:
             raise MeshError("a mesh needs at least one axis, e.g. Mesh(tp=2)")
-        object.__setattr__(self, "axes", tuple(axes.items()))
+        ordered = sorted(axes.items(), key=lambda a: KNOWN_AXES.index(a[0]))
+        object.__setattr__(self, "axes", tuple(ordered))
         object.__setattr__(self, "cluster", cluster or Cluster.default())
+
+    @staticmethod
+    def ordered(axes: tuple[tuple[str, int], ...], cluster: Cluster | None = None) -> Mesh:
+        """A mesh with exactly this axis order (a DeviceMesh's, or a plan's)."""
+        mesh = Mesh(cluster, **dict(axes))
+        object.__setattr__(mesh, "axes", tuple(axes))
+        return mesh
+
+    def without(self, axis: str) -> Mesh:
+        """The sub-mesh of the other axes (``Mesh(tp=1)`` when ``axis`` is the only one)."""
+        rest = tuple(a for a in self.axes if a[0] != axis) or (("tp", 1),)
+        return Mesh.ordered(rest, self.cluster)
+
+    def describe(self) -> list[str]:
+        """Each axis's degree and the link its groups ride on the cluster."""
+        return [f"{a}={s} over {self.cluster.axis_link(self.axes, a).name}"
+                for a, s in self.axes]  # fmt: skip
 
     @staticmethod
     def from_device_mesh(device_mesh: Any, cluster: Cluster | None = None) -> Mesh:
@@ -53,7 +73,7 @@ class Mesh:
                 "the DeviceMesh has no mesh_dim_names; build it with "
                 "init_device_mesh(device, (2,), mesh_dim_names=('tp',))"
             )
-        return Mesh(cluster, **dict(zip(names, device_mesh.mesh.shape, strict=True)))
+        return Mesh.ordered(tuple(zip(names, device_mesh.mesh.shape, strict=True)), cluster)
 
     def size(self, axis: str) -> int:
         return dict(self.axes).get(axis, 1)

@@ -24,6 +24,15 @@ from autopar.mesh import Mesh
 
 def bind_mesh(device_mesh: Any, mesh: Mesh) -> int:
     """Bind ``device_mesh``'s named dims to the collectives and return this rank (steps 1-3)."""
+    check_world(mesh)
+    names = device_mesh.mesh_dim_names
+    collectives.bind({name: device_mesh.get_group(name) for name in names})
+    coords = {name: device_mesh.get_local_rank(name) for name in names}
+    return mesh.rank_of(coords)
+
+
+def check_world(mesh: Mesh) -> None:
+    """Step 1: the job's world size must equal the mesh size."""
     if not dist.is_initialized():
         raise MeshError("torch.distributed is not initialised; launch with torchrun")
     world = dist.get_world_size()
@@ -32,10 +41,6 @@ def bind_mesh(device_mesh: Any, mesh: Mesh) -> int:
             f"the job has {world} processes but {mesh} needs {mesh.world_size}; launch "
             f"with torchrun --nproc-per-node={mesh.world_size} (or resize the mesh)"
         )
-    names = device_mesh.mesh_dim_names
-    collectives.bind({name: device_mesh.get_group(name) for name in names})
-    coords = {name: device_mesh.get_local_rank(name) for name in names}
-    return mesh.rank_of(coords)
 
 
 class PipelineRunner:
@@ -49,15 +54,20 @@ class PipelineRunner:
     3. The mean micro-batch loss is broadcast from the last stage, so every rank returns it.
     """
 
-    def __init__(self, share: RankShare, pp_group: Any, device: str = "cpu") -> None:
+    def __init__(self, share: RankShare, pp_group: Any, device: str = "cpu",
+                 data: DataAxis | None = None) -> None:  # fmt: skip
         from torch.distributed.pipelining import PipelineStage
 
-        self.share, self.pp_group = share, pp_group
+        self.share, self.pp_group, self.data = share, pp_group, data
         self.stage_ids = sorted(share.modules)
         self.modules = share.modules
+        if data is not None and data.zero >= 2 and share.tied_shapes:
+            raise MeshError("ZeRO-2/3 with pipeline stages that share a tied weight is not "
+                            "supported yet; use zero=0 or 1, or untie the weights")  # fmt: skip
+        wrapped = {s: data.wrap(m) if data else m for s, m in self.modules.items()}
         self.stages = [
             PipelineStage(
-                self.modules[s],
+                wrapped[s],
                 s,
                 share.n_stages,
                 torch.device(device),
@@ -82,7 +92,15 @@ class PipelineRunner:
         else:
             self.schedule.step(target=dummy, losses=losses, return_outputs=False)
         self._sum_tied_grads()
-        return self._broadcast_loss(losses)
+        loss = self._broadcast_loss(losses)
+        if self.data is not None:
+            dist.all_reduce(loss, group=self.data.group)
+            loss /= self.data.size if self.data.reduction == "mean" else 1
+        return loss
+
+    def optimizer(self, cls: type, **kwargs: Any) -> torch.optim.Optimizer:
+        """``cls`` over this rank's stage parameters (state sharded over dp for ZeRO-1)."""
+        return make_optimizer(self.parameters(), cls, self.data, **kwargs)
 
     def train_step(self, optimizer_factory: Any) -> Any:
         """A callable ``step(*batch) -> loss`` that also updates the parameters."""
@@ -174,3 +192,154 @@ class RankShare:
     coords: dict[str, int]
     io: dict[int, tuple[list, list]]  # stage -> (shape, dtype, requires_grad) of inputs, outputs
     placements: dict[int, dict[str, str]]  # stage -> tied weight -> its placement on 'tp'
+
+
+class DataParallelModule(torch.nn.Module):
+    """This rank's sub-mesh module wrapped for the data axis with torch's own engines.
+
+    Algorithm:
+    1. ZeRO 0 and 1: torch DDP over the dp process group (gradients all-reduced in buckets as
+       they fill during backward); ZeRO 1 adds ZeroRedundancyOptimizer (:meth:`optimizer`).
+       ZeRO 2 and 3: FSDP2 ``fully_shard`` over the dp sub-mesh, parameters resharded after
+       forward only for 3.
+    2. A loss that is a sum over the batch has its gradients summed over dp, not averaged
+       (a DDP comm hook; under FSDP2 the outputs' gradients are scaled by dp).
+    3. Every floating scalar output (the loss) returns its global value (mean or sum over dp:
+       one scalar all-reduce) while its gradient stays this rank's, so ``loss.backward()``
+       computes the right gradient.
+    """
+
+    def __init__(self, module: torch.nn.Module, *, group: Any, dp_mesh: Any, zero: int,
+                 reduction: str) -> None:  # fmt: skip
+        super().__init__()
+        self.group, self.zero, self.reduction = group, zero, reduction
+        self.dp = dist.get_world_size(group)
+        if zero <= 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.engine = DistributedDataParallel(module, process_group=group,
+                                                  forward_sync_buffers=False)  # fmt: skip
+            if reduction == "sum":
+                self.engine.register_comm_hook(group, _sum_hook)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            self.engine = fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3)
+        # FSDP2 averages; a sum-factor reduce-scatter needs PREMUL_SUM, which Gloo lacks, so
+        # the outputs' gradients are scaled by dp instead (exact for power-of-two dp)
+        self.grad_scale = self.dp if reduction == "sum" and zero >= 2 else 1
+
+    @property
+    def local(self) -> torch.nn.Module:
+        """The wrapped sub-mesh module."""
+        return self.engine.module if self.zero <= 1 else self.engine
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.engine(*args, **kwargs)
+        if self.grad_scale != 1:
+            out = torch.utils._pytree.tree_map(self._scale_grad, out)
+        return torch.utils._pytree.tree_map(self._global_scalar, out)
+
+    def _scale_grad(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or not x.requires_grad:
+            return x
+        return _ScaleGrad.apply(x, self.grad_scale)
+
+    def _global_scalar(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.dim() or not x.is_floating_point():
+            return x
+        total = x.detach().clone()
+        dist.all_reduce(total, group=self.group)
+        if self.reduction == "mean":
+            total /= self.dp
+        return x + (total - x.detach())  # the global value; the gradient stays this rank's
+
+    def optimizer(self, cls: type, **kwargs: Any) -> torch.optim.Optimizer:
+        """``cls(parameters, **kwargs)`` with its state sharded over dp for ZeRO >= 1 (FSDP2's
+        parameters are already dp shards for ZeRO 2/3)."""
+        data = DataAxis(group=self.group, mesh=None, zero=self.zero, reduction=self.reduction)
+        return make_optimizer(self.parameters(), cls, data, **kwargs)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Every parameter's gradient on this rank's sub-mesh coordinate (ZeRO shards gathered)."""
+        out = {}
+        for name, p in self.local.named_parameters():
+            if p.grad is None:
+                continue
+            g = p.grad
+            out[name] = g.full_tensor() if hasattr(g, "full_tensor") else g.detach()
+        return out
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole (ZeRO-3 shards gathered)."""
+        return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+                for name, p in self.local.named_parameters()}  # fmt: skip
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g * ctx.scale, None
+
+
+def _sum_hook(group, bucket):  # noqa: ANN001, ANN202 - DDP rejects string annotations
+    """DDP comm hook: sum the bucket over dp (DDP's default averages)."""
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def wrap_data_parallel(device_mesh: Any, prog: Any, mesh: Mesh) -> Any:
+    """Bind the mesh and wrap this rank's sub-mesh module (or pipeline stages) for dp."""
+    rank = bind_mesh(device_mesh, mesh)
+    if "pp" in mesh.sizes:
+        data = DataAxis(group=device_mesh.get_group("dp"), mesh=device_mesh["dp"],
+                        zero=prog.plan.zero, reduction=prog.plan.reduction)  # fmt: skip
+        return PipelineRunner(prog.inner.share(prog.inner_rank(rank)),
+                              device_mesh.get_group("pp"), data=data)  # fmt: skip
+    return DataParallelModule(prog.module(rank), group=device_mesh.get_group("dp"),
+                              dp_mesh=device_mesh["dp"], zero=prog.plan.zero,
+                              reduction=prog.plan.reduction)  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataAxis:
+    """The dp process group (and its 1-D DeviceMesh) a pipeline rank's stages reduce over."""
+
+    group: Any
+    mesh: Any
+    zero: int
+    reduction: str
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        """DDP (ZeRO 0/1) or FSDP2 (2/3) around one stage module; the pipeline schedule
+        defers their gradient reduction to the last micro-batch."""
+        if self.zero <= 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ddp = DistributedDataParallel(module, process_group=self.group,
+                                          forward_sync_buffers=False)  # fmt: skip
+            if self.reduction == "sum":
+                ddp.register_comm_hook(self.group, _sum_hook)
+            return ddp
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard(module, mesh=self.mesh, reshard_after_forward=self.zero == 3)
+
+
+def make_optimizer(params: Any, cls: type, data: DataAxis | None, **kwargs: Any) -> Any:
+    """``cls(params, **kwargs)``; ZeroRedundancyOptimizer over dp for ZeRO-1."""
+    if data is not None and data.zero == 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=data.group,
+                                       **kwargs)  # fmt: skip
+    return cls(params, **kwargs)

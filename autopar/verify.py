@@ -92,6 +92,9 @@ def verify(
     """Compare ``model`` with its parallel programs on ``mesh`` (steps 1-4)."""
     prog = autoparallelize(model, mesh, example_inputs, loss_fn,
                            example_kwargs=example_kwargs, **compile_options)  # fmt: skip
+    if "dp" in mesh.sizes:
+        return _verify_data_parallel(prog, model, example_inputs, example_kwargs, loss_fn, rtol,
+                                     seed)  # fmt: skip
     if "pp" in mesh.sizes:
         return _verify_pipeline(prog, model, example_inputs, example_kwargs, loss_fn, rtol)
     ref_out, ref_grads, cots = _reference(model, example_inputs, example_kwargs, loss_fn, seed)
@@ -282,6 +285,13 @@ def _verify_pipeline(prog: Any, model: nn.Module, args: Sequence[Any], kwargs: d
     jobs = [(prog.share(r), tuple(args), dict(kwargs or {})) for r in range(world)]
     results = get_pool(world).run(_pipeline_rank_step, prog.mesh.axes, jobs)
     again = get_pool(world).run(_pipeline_rank_step, prog.mesh.axes, jobs)
+    rows = _pipeline_rows(prog, results, again, ref_loss, ref_grads, rtol)
+    return VerifyReport(mesh=str(prog.mesh), rtol=rtol, rows=tuple(rows))
+
+
+def _pipeline_rows(prog: Any, results: list, again: list, ref_loss: torch.Tensor,
+                   ref_grads: dict, rtol: float) -> list[TensorCheck]:  # fmt: skip
+    world = prog.mesh.world_size
     unstable = _unstable_pipeline(results, again)
     rows = [_check("loss", "output", [loss for loss, _ in results], None, ref_loss, prog.mesh, rtol,
                    ref_loss.abs().item())]  # fmt: skip
@@ -298,8 +308,7 @@ def _verify_pipeline(prog: Any, model: nn.Module, args: Sequence[Any], kwargs: d
                 rows.append(_failed(name, "grad", "no gradient on some rank"))
                 continue
             rows.append(_check(name, "grad", shards, lay, ref_grads[fqn], stage.mesh, rtol, scale))
-    rows = [_mark_unstable(r) if r.name in unstable else r for r in rows]
-    return VerifyReport(mesh=str(prog.mesh), rtol=rtol, rows=tuple(rows))
+    return [_mark_unstable(r) if r.name in unstable else r for r in rows]
 
 
 def _unstable_pipeline(first: list, second: list) -> set[str]:
@@ -320,3 +329,140 @@ def _pipeline_rank_step(rank: int, groups: dict, share: Any, args: tuple, kwargs
     grads = {s: {n: p.grad.detach() for n, p in m.named_parameters() if p.grad is not None}
              for s, m in share.modules.items()}  # fmt: skip
     return loss, grads
+
+
+def _verify_data_parallel(prog: Any, model: nn.Module, args: Sequence[Any], kwargs: dict | None,
+                          loss_fn: Callable | None, rtol: float, seed: int) -> VerifyReport:  # fmt: skip
+    """Data axis: every rank runs its sub-mesh module on its batch slice under DDP / FSDP2;
+    batched outputs are concatenated along the batch, scalar ones (the loss, all-reduced) and
+    every gradient (after the dp reduction, ZeRO shards gathered) must match on each dp
+    replica.  A mean loss averages gradients over dp, so the cotangents of batched outputs
+    are scaled by dp to keep their single-device weight."""
+    if "pp" in prog.mesh.sizes:
+        return _verify_dp_pipeline(prog, model, args, kwargs, loss_fn, rtol)
+    ref_out, ref_grads, cots = _reference(model, args, kwargs, loss_fn, seed)
+    jobs = [_dp_job(prog, rank, args, kwargs, cots) for rank in range(prog.mesh.world_size)]
+    pool = get_pool(prog.mesh.world_size)
+    results = pool.run(_dp_rank_step, prog.mesh.axes, jobs)
+    again = pool.run(_dp_rank_step, prog.mesh.axes, jobs)
+    unstable = unstable_names(prog.inner, results, again)
+    out_scale, grad_scale = _scale(ref_out), _scale(list(ref_grads.values()))
+    worst: dict[str, TensorCheck] = {}
+    for d in range(prog.mesh.size("dp")):
+        per_inner = _dp_replica(prog, results, d)
+        rows = _compare_outputs(prog.inner, ref_out, [r[0] for r in per_inner], rtol, out_scale)
+        rows += _compare_grads(prog.inner, ref_grads, [r[1] for r in per_inner], rtol, grad_scale)
+        for row in rows:
+            if row.name not in worst or _worse(row, worst[row.name]):
+                worst[row.name] = row
+    rows = [_mark_unstable(r) if r.name in unstable else r for r in worst.values()]
+    return VerifyReport(mesh=str(prog.mesh), rtol=rtol, rows=tuple(rows))
+
+
+def _worse(a: TensorCheck, b: TensorCheck) -> bool:
+    return (not a.ok and b.ok) or a.max_rel > b.max_rel
+
+
+def _dp_job(prog: Any, rank: int, args: Sequence[Any], kwargs: dict | None, cots: list) -> tuple:
+    from autopar.data_parallel import batch_slices
+
+    dp, d = prog.mesh.size("dp"), prog.mesh.coordinates(rank)["dp"]
+    inner_coords = prog.inner_mesh.coordinates(prog.inner_rank(rank))
+    scale = dp if prog.plan.reduction == "mean" else 1
+
+    def mine(t: Any) -> Any:
+        return batch_slices(t, dp)[d] if isinstance(t, torch.Tensor) and t.dim() else t
+
+    local = []
+    for c, lay in zip(cots, output_layouts(prog.inner), strict=True):
+        if c is not None and c.dim():
+            c = mine(c) * scale
+            c = shard_tensor(c, lay, prog.inner_mesh, inner_coords) if lay is not None else c
+        local.append(c)
+    return (prog.module(rank), tuple(mine(a) for a in args),
+            {k: mine(v) for k, v in (kwargs or {}).items()}, local, prog.plan.zero,
+            prog.plan.reduction)  # fmt: skip
+
+
+def _dp_replica(prog: Any, results: list, d: int) -> list[tuple[list, dict]]:
+    """Per sub-mesh rank: outputs (batched ones concatenated over dp, scalars of replica d)
+    and the gradients of replica ``d``."""
+    ranks = {}
+    for rank in range(prog.mesh.world_size):
+        ranks[(prog.mesh.coordinates(rank)["dp"], prog.inner_rank(rank))] = rank
+    out = []
+    for r in range(prog.inner_mesh.world_size):
+        parts = [results[ranks[(e, r)]][0] for e in range(prog.mesh.size("dp"))]
+        mine = results[ranks[(d, r)]]
+        outs = [torch.cat([p[i] for p in parts]) if isinstance(x, torch.Tensor) and x.dim()
+                else x for i, x in enumerate(mine[0])]  # fmt: skip
+        out.append((outs, mine[1]))
+    return out
+
+
+def _dp_rank_step(rank: int, groups: dict, module: torch.fx.GraphModule, args: tuple,
+                  kwargs: dict, cots: list, zero: int, reduction: str) -> tuple[list, dict]:  # fmt: skip
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autopar.runtime import DataParallelModule
+
+    collectives.bind({a: g for a, g in groups.items() if a != "dp"})
+    dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
+    wrapped = DataParallelModule(module, group=groups["dp"], dp_mesh=dp_mesh, zero=zero,
+                                 reduction=reduction)  # fmt: skip
+    leaves = pytree.tree_leaves(wrapped(*args, **kwargs))
+    _seed_backward(leaves, cots)
+    return [x.detach() for x in leaves], wrapped.full_grads()
+
+
+def _verify_dp_pipeline(prog: Any, model: nn.Module, args: Sequence[Any], kwargs: dict | None,
+                        loss_fn: Callable | None, rtol: float) -> VerifyReport:  # fmt: skip
+    """dp x pp: every rank runs its pipeline share on its batch slice with its stages under
+    DDP / FSDP2; each dp replica's loss (all-reduced) and gradients match one device."""
+    from autopar.data_parallel import batch_slices
+
+    ref_out, ref_grads, _ = _reference(model, args, kwargs, loss_fn, seed=0, unit_cotangent=True)
+    ref_loss = next(x for x in ref_out if x.dim() == 0)
+    dp, jobs = prog.mesh.size("dp"), []
+    for rank in range(prog.mesh.world_size):
+        d = prog.mesh.coordinates(rank)["dp"]
+
+        def mine(t: Any, d: int = d) -> Any:
+            return batch_slices(t, dp)[d] if isinstance(t, torch.Tensor) and t.dim() else t
+
+        jobs.append((prog.inner.share(prog.inner_rank(rank)), tuple(mine(a) for a in args),
+                     {k: mine(v) for k, v in (kwargs or {}).items()}, prog.plan.zero,
+                     prog.plan.reduction))  # fmt: skip
+    pool = get_pool(prog.mesh.world_size)
+    results = pool.run(_dp_pipeline_rank_step, prog.mesh.axes, jobs)
+    again = pool.run(_dp_pipeline_rank_step, prog.mesh.axes, jobs)
+    worst: dict[str, TensorCheck] = {}
+    for d in range(dp):
+        ranks = sorted((prog.inner_rank(r), r) for r in range(prog.mesh.world_size)
+                       if prog.mesh.coordinates(r)["dp"] == d)  # fmt: skip
+        rows = _pipeline_rows(prog.inner, [results[r] for _, r in ranks],
+                              [again[r] for _, r in ranks], ref_loss, ref_grads, rtol)  # fmt: skip
+        for row in rows:
+            if row.name not in worst or _worse(row, worst[row.name]):
+                worst[row.name] = row
+    return VerifyReport(mesh=str(prog.mesh), rtol=rtol, rows=tuple(worst.values()))
+
+
+def _dp_pipeline_rank_step(rank: int, groups: dict, share: Any, args: tuple, kwargs: dict,
+                           zero: int, reduction: str) -> tuple:  # fmt: skip
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autopar.runtime import DataAxis, PipelineRunner
+
+    collectives.bind({a: g for a, g in groups.items() if a != "dp"})
+    dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
+    data = DataAxis(group=groups["dp"], mesh=dp_mesh, zero=zero, reduction=reduction)
+    runner = PipelineRunner(share, groups["pp"], data=data)
+    loss = runner.step(*args, **kwargs)
+    grads = {s: {n: _whole_grad(p.grad) for n, p in m.named_parameters() if p.grad is not None}
+             for s, m in share.modules.items()}  # fmt: skip
+    return loss, grads
+
+
+def _whole_grad(g: torch.Tensor) -> torch.Tensor:
+    return g.full_tensor() if hasattr(g, "full_tensor") else g.detach()

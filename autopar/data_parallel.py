@@ -1,0 +1,370 @@
+"""The data axis: each dp rank runs the program of the mesh without dp on its slice of the batch.
+
+Algorithm (:func:`compile_data_parallel`):
+1. Split the global batch: dim 0 of every tensor input (and keyword input) must divide by dp
+   (times the micro-batch count under pp); the example inputs are sliced to B/dp.
+2. Compile the sub-mesh program (tp and/or pp) on the sliced inputs; every dp rank runs it.
+3. Read the loss's meaning off the traced graph's final reduction (a cross-entropy's reduction
+   argument, a mean or a sum): a mean over the global batch stays a mean (gradients averaged
+   over dp), a sum stays a sum (gradients summed).
+4. Price model state per rank for each ZeRO stage (weights, gradients, optimizer state, with
+   the saved activations of the sub-mesh plan) and pick the lowest stage that fits the memory
+   limit (the GPU's memory unless ``memory_limit`` is given); a forced stage that does not fit
+   is an error naming the stage that would.
+5. List the data-axis traffic per step as torch's engines run it: ZeRO-0 one all-reduce per
+   gradient; ZeRO-1 the same plus the updated shards gathered after the optimizer step
+   (ZeroRedundancyOptimizer broadcasts them); ZeRO-2 a forward all-gather of the parameters
+   and a reduce-scatter of the gradients (= one all-reduce); ZeRO-3 also re-gathers the
+   parameters in backward (1.5x DDP).
+The runtime (autopar.runtime.DataParallelModule) reuses torch's engines for the reduction.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autopar.errors import InputError, PlanError
+from autopar.mesh import Mesh
+from autopar.plan import Collective, _fmt_bytes, _pattern
+
+ZERO_STAGES = (0, 1, 2, 3)
+_MEAN, _SUM = 1, 2  # aten's reduction enum
+_LOSSES = {"cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d_forward",
+           "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+           "binary_cross_entropy_with_logits", "kl_div"}  # fmt: skip
+_PASS_THROUGH = {"div", "mul", "neg", "clone", "alias", "view", "reshape", "squeeze", "to",
+                 "_to_copy", "add", "sub", "contiguous", "detach"}  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateBytes:
+    """Bytes per parameter of each part of the model state (Adam)."""
+
+    weights: float
+    grads: float
+    optimizer: float
+
+    @staticmethod
+    def for_dtype(param_dtype: torch.dtype) -> StateBytes:
+        """fp32: weight, gradient, two moments (4+4+8).  16-bit: 2-byte weights, fp32 gradients
+        and fp32 master + two moments (2+4+12 = REFERENCE.md's 18 bytes)."""
+        if param_dtype == torch.float32:
+            return StateBytes(weights=4, grads=4, optimizer=8)
+        return StateBytes(weights=2, grads=4, optimizer=12)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroMemory:
+    """Per-rank bytes under one ZeRO stage."""
+
+    stage: int
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+    def __str__(self) -> str:
+        parts = (f"weights {_fmt_bytes(self.weights)}, gradients {_fmt_bytes(self.grads)}, "
+                 f"optimizer {_fmt_bytes(self.optimizer)}, activations "
+                 f"{_fmt_bytes(self.activations)}")  # fmt: skip
+        return f"ZeRO-{self.stage}: {_fmt_bytes(self.total):>10} per rank ({parts})"
+
+
+def zero_memory(params: int, dp: int, stage: int, per: StateBytes,
+                activations: float) -> ZeroMemory:  # fmt: skip
+    """Step 4: stage 1 shards the optimizer state over dp, 2 also gradients, 3 also weights."""
+
+    def part(nbytes: float, from_stage: int) -> float:
+        return params * nbytes / (dp if stage >= from_stage else 1)
+
+    return ZeroMemory(stage=stage, weights=part(per.weights, 3), grads=part(per.grads, 2),
+                      optimizer=part(per.optimizer, 1), activations=activations)  # fmt: skip
+
+
+def choose_zero(table: Sequence[ZeroMemory], limit: float, forced: int | None,
+                where: str) -> tuple[int, str]:  # fmt: skip
+    """Step 4: the lowest stage that fits ``limit``, or the forced one (checked); and why."""
+    fitting = [m.stage for m in table if m.total <= limit]
+    if forced is not None:
+        if forced not in ZERO_STAGES:
+            raise PlanError(f"zero={forced!r}: ZeRO stages are 0 (DDP), 1, 2 and 3")
+        if table[forced].total > limit:
+            fix = (f"zero={fitting[0]} fits" if fitting
+                   else "no ZeRO stage fits; add ranks or tensor/pipeline parallelism")  # fmt: skip
+            raise PlanError(
+                f"zero={forced} does not fit {where}: {table[forced]} > limit "
+                f"{_fmt_bytes(limit)}; {fix}"
+            )
+        return forced, f"ZeRO-{forced} as asked ({_fmt_bytes(table[forced].total)} per rank)"
+    if not fitting:
+        raise PlanError(
+            f"no ZeRO stage fits {where} in {_fmt_bytes(limit)} per rank; the smallest is "
+            f"{table[-1]}; add ranks or tensor/pipeline parallelism"
+        )
+    stage = fitting[0]
+    why = f"ZeRO-{stage}: the lowest stage whose {_fmt_bytes(table[stage].total)} per rank fits "
+    why += f"{_fmt_bytes(limit)}"
+    if stage:
+        why += f" (ZeRO-{stage - 1} needs {_fmt_bytes(table[stage - 1].total)})"
+    return stage, why
+
+
+def split_batch(example_inputs: Sequence[Any], example_kwargs: dict | None, dp: int,
+                micro: int = 1) -> tuple[tuple, dict]:  # fmt: skip
+    """Step 1: the first of ``dp`` slices of every tensor input along dim 0."""
+
+    def first(t: Any, name: str) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        if t.shape[0] % (dp * micro):
+            times = f" x {micro} micro-batches" if micro > 1 else ""
+            raise InputError(
+                f"the global batch of {name} (shape {tuple(t.shape)}, batch = dim 0) does not "
+                f"divide by dp={dp}{times}; use a batch that is a multiple of {dp * micro}"
+            )
+        return t[: t.shape[0] // dp]
+
+    args = tuple(first(t, f"example_inputs[{i}]") for i, t in enumerate(example_inputs))
+    return args, {k: first(v, f"example_kwargs[{k!r}]") for k, v in (example_kwargs or {}).items()}
+
+
+def batch_slices(t: torch.Tensor, dp: int) -> list[torch.Tensor]:
+    """Every dp rank's slice of a batched tensor (dim 0)."""
+    return list(t.chunk(dp, dim=0)) if t.dim() else [t] * dp
+
+
+def loss_reduction(gm: fx.GraphModule, model_name: str = "the model") -> str:
+    """Step 3: 'mean' or 'sum' for a graph whose only output is a scalar loss reduced over the
+    batch; 'sum' for any other output (the gradient of a sum over batch elements adds up)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves = [a for a in torch.utils._pytree.tree_leaves(out.args[0]) if isinstance(a, fx.Node)]
+    scalars = [a for a in leaves if _is_scalar(a)]
+    if not scalars:
+        return "sum"
+    found = {_reduction_of(s) for s in scalars}
+    if None in found or len(found) > 1:
+        warnings.warn(
+            f"autopar could not tell whether the scalar output of {model_name} is a "
+            "mean or a sum over the batch (its last op is not a loss, mean or sum); treating it "
+            "as a mean: gradients are averaged over dp",
+            stacklevel=3,
+        )
+        return "mean"
+    return found.pop()
+
+
+def _is_scalar(n: fx.Node) -> bool:
+    v = n.meta.get("val")
+    return isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point()
+
+
+def _reduction_of(node: fx.Node) -> str | None:
+    for _ in range(16):
+        if node.op != "call_function":
+            return None
+        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        if name in _LOSSES:
+            value = node.kwargs.get("reduction", _reduction_arg(node))
+            return {_MEAN: "mean", _SUM: "sum"}.get(value)
+        if name in ("mean", "sum"):
+            return name
+        args = [a for a in node.args if isinstance(a, fx.Node) and _is_scalar(a)]
+        if name not in _PASS_THROUGH or len(args) != 1:
+            return None
+        node = args[0]
+    return None
+
+
+def _reduction_arg(node: fx.Node) -> int:
+    schema = node.target._schema  # type: ignore[union-attr]
+    names = [a.name for a in schema.arguments]
+    i = names.index("reduction")
+    return node.args[i] if len(node.args) > i else schema.arguments[i].default_value
+
+
+def dp_collectives(grads: dict[str, tuple[tuple[int, ...], torch.dtype]], stage: int,
+                   ) -> list[Collective]:  # fmt: skip
+    """Step 5: the scalar loss all-reduce, then per parameter needing a gradient (local shape
+    on its tp/pp coordinate); direction 'step' is after the optimizer step."""
+    kinds = {0: [("bwd", "all_reduce")],
+             1: [("bwd", "all_reduce"), ("step", "all_gather")],
+             2: [("fwd", "all_gather"), ("bwd", "reduce_scatter")],
+             3: [("fwd", "all_gather"), ("bwd", "all_gather"), ("bwd", "reduce_scatter")]}[stage]  # fmt: skip
+    loss = Collective(kind="all_reduce", axis="dp", shape=(), dtype="float32", bytes=4,
+                      direction="fwd", where="loss")  # every rank returns the global loss
+    out = [loss]
+    for fqn, (shape, dtype) in grads.items():
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        for direction, kind in kinds:
+            out.append(Collective(kind=kind, axis="dp", shape=tuple(shape),
+                                  dtype=str(dtype).replace("torch.", ""), bytes=nbytes,
+                                  direction=direction, where=fqn.rsplit(".", 1)[0]))  # fmt: skip
+    return out
+
+
+def wire_bytes(c: Collective, size: int) -> float:
+    """Bytes one rank sends for ``c`` on a ring of ``size`` ranks (REFERENCE.md)."""
+    factor = 2 if c.kind == "all_reduce" else 1
+    return factor * (size - 1) / size * c.bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataParallelPlan:
+    """The sub-mesh plan plus the data axis: ZeRO stage, reduction, memory per stage, why."""
+
+    inner: Any  # Plan or PipelinePlan of the mesh without dp
+    mesh: tuple[tuple[str, int], ...]
+    links: tuple[str, ...]  # per axis: "dp=2 over ib", ...
+    zero: int
+    reduction: str
+    batch: int  # global batch
+    memory: tuple[ZeroMemory, ...]
+    memory_limit: float
+    collectives: tuple[Collective, ...]  # the dp gradient reduction
+    notes: tuple[str, ...]
+
+    @property
+    def dp(self) -> int:
+        return dict(self.mesh)["dp"]
+
+    @property
+    def hash(self) -> str:
+        return f"{self.inner.hash}-dp{self.dp}z{self.zero}"
+
+    def __str__(self) -> str:
+        mesh = ", ".join(f"{a}={s}" for a, s in self.mesh)
+        out = [f"autopar data-parallel plan {self.hash} on Mesh({mesh})",
+               "mesh axes (outermost first): " + "; ".join(self.links),
+               f"data axis: dp={self.dp}, global batch {self.batch} -> {self.batch // self.dp} "
+               f"per rank; loss is a {self.reduction} over the batch: gradients "
+               f"{'averaged' if self.reduction == 'mean' else 'summed'} over dp",
+               f"ZeRO stage {self.zero}; per-rank memory by stage "
+               f"(limit {_fmt_bytes(self.memory_limit)}):"]  # fmt: skip
+        out += [f"  {'*' if m.stage == self.zero else ' '} {m}" for m in self.memory]
+        out.append("data-axis traffic of one training step (message = local shard):")
+        groups: dict[tuple[str, str], list[int]] = {}
+        for c in self.collectives:
+            groups.setdefault((str(c), _pattern(c.where + ".").rstrip(".")), []).append(c.bytes)
+        for (text, where), sizes in groups.items():
+            out.append(f"  {text:<44} {_fmt_bytes(sizes[0]):>10}  x{len(sizes):<3} {where}")
+        wire = sum(wire_bytes(c, self.dp) for c in self.collectives)
+        out.append(f"  total {_fmt_bytes(wire)} sent per rank per step (ring)")
+        out += [f"why: {n}" for n in self.notes]
+        out.append("sub-mesh program (every dp rank runs it on its batch slice):")
+        out.append(str(self.inner))
+        return "\n".join(out)
+
+
+class DataParallelProgram:
+    """What :func:`autopar.autoparallelize` returns for a mesh with a ``dp`` axis."""
+
+    def __init__(self, *, inner: Any, mesh: Mesh, plan: DataParallelPlan) -> None:
+        self.inner, self.mesh, self.plan = inner, mesh, plan
+        self.inner_mesh = inner.mesh
+
+    def inner_rank(self, rank: int) -> int:
+        """The sub-mesh rank that global ``rank`` plays (its non-dp coordinates)."""
+        coords = self.mesh.coordinates(rank)
+        return self.inner_mesh.rank_of({a: coords.get(a, 0) for a, _ in self.inner_mesh.axes})
+
+    def module(self, rank: int) -> Any:
+        """The rank's sub-mesh module (every dp replica runs the same one)."""
+        return self.inner.module(self.inner_rank(rank))
+
+    def code(self, rank: int = 0) -> str:
+        coords = ", ".join(f"{a}={c}" for a, c in self.mesh.coordinates(rank).items())
+        head = (f"# data-parallel rank {rank} of {self.mesh.world_size} ({coords}): the "
+                f"program below on batch slice dp={self.mesh.coordinates(rank)['dp']}, "
+                f"gradients reduced over dp with ZeRO-{self.plan.zero}\n")  # fmt: skip
+        return head + self.inner.code(self.inner_rank(rank))
+
+    def collectives(self) -> list[Collective]:
+        """The sub-mesh program's collectives plus the dp gradient reduction."""
+        return [*self.inner.collectives(), *self.plan.collectives]
+
+    def save(self, directory: str | Path) -> list[Path]:
+        written = self.inner.save(directory)
+        path = Path(directory) / "plan_dp.txt"
+        path.write_text(str(self.plan) + "\n")
+        return [*written, path]
+
+    def __repr__(self) -> str:
+        return f"<autopar.DataParallelProgram on {self.mesh}, ZeRO-{self.plan.zero}>"
+
+
+def compile_data_parallel(mesh: Mesh, example_inputs: Sequence[Any], example_kwargs: dict | None,
+                          compile_inner: Callable[[Mesh, tuple, dict], Any], *,
+                          zero: int | None, memory_limit: float | None,
+                          param_dtype: torch.dtype = torch.float32,
+                          micro: int = 1) -> DataParallelProgram:  # fmt: skip
+    """Steps 1-5 (see the module docstring)."""
+    dp = mesh.size("dp")
+    args, kwargs = split_batch(example_inputs, example_kwargs, dp, micro)
+    inner_mesh = mesh.without("dp")
+    inner = compile_inner(inner_mesh, args, kwargs)
+    grads = _grad_shapes(inner)
+    params = sum(torch.Size(s).numel() for s, _ in grads.values())
+    activations = max(0.0, inner.plan.memory_bytes - 16.0 * params) if hasattr(
+        inner.plan, "memory_bytes") else 0.0  # fmt: skip
+    per = StateBytes.for_dtype(param_dtype)
+    table = tuple(zero_memory(params, dp, s, per, activations) for s in ZERO_STAGES)
+    limit = memory_limit if memory_limit is not None else mesh.cluster.gpu.hbm_bytes
+    where = f"{_model_name(inner)} on {mesh}"
+    stage, why = choose_zero(table, limit, zero, where)
+    batch = _batch(example_inputs, example_kwargs)
+    plan = DataParallelPlan(
+        inner=inner.plan, mesh=mesh.axes, links=tuple(mesh.describe()), zero=stage,
+        reduction=loss_reduction(_graph(inner), _model_name(inner)), batch=batch, memory=table, memory_limit=limit,
+        collectives=tuple(dp_collectives(grads, stage)), notes=(why, *_engine_note(stage)),
+    )  # fmt: skip
+    return DataParallelProgram(inner=inner, mesh=mesh, plan=plan)
+
+
+def _engine_note(stage: int) -> list[str]:
+    engine = {0: "torch DDP (bucketed all-reduce overlapped with backward)",
+              1: "torch DDP + ZeroRedundancyOptimizer (optimizer state sharded over dp)",
+              2: "torch FSDP2 fully_shard(reshard_after_forward=False): gradients "
+                 "reduce-scattered, parameters kept whole between forward and backward",
+              3: "torch FSDP2 fully_shard(reshard_after_forward=True): parameters gathered "
+                 "in forward and again in backward, gradients reduce-scattered"}  # fmt: skip
+    return [f"runs on {engine[stage]}"]
+
+
+def _graph(inner: Any) -> fx.GraphModule:
+    if hasattr(inner, "traced"):
+        return inner.traced.gm
+    return inner.stages[-1].traced.gm
+
+
+def _model_name(inner: Any) -> str:
+    return inner.traced.model_name if hasattr(inner, "traced") else inner.model_name
+
+
+def _batch(example_inputs: Sequence[Any], example_kwargs: dict | None) -> int:
+    for t in (*example_inputs, *(example_kwargs or {}).values()):
+        if isinstance(t, torch.Tensor) and t.dim():
+            return t.shape[0]
+    return 0
+
+
+def _grad_shapes(inner: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Local shape and dtype of each trainable parameter on sub-mesh rank 0 (every stage)."""
+    programs = inner.stages if hasattr(inner, "stages") else [inner]
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for prog in programs:
+        for name, p in prog.module(0).named_parameters():
+            if p.requires_grad:
+                out.setdefault(name, (tuple(p.shape), p.dtype))
+    return out
+

@@ -1,0 +1,131 @@
+"""Step time of autopar's data axis next to torch DDP and torch FSDP2 on the same model.
+
+Run from the repository root (after `pip install -e .`, or with `PYTHONPATH=.`):
+
+    python benchmarks/bench_dp.py
+
+Algorithm:
+1. Spawn WORLD Gloo ranks forming one data-parallel mesh, one compute thread each.
+2. For each size, every rank builds the same autopar.testing Llama (fp32, seed 0) and from it
+   a. autopar ZeRO-0: ``autoparallelize(model, device_mesh, (x, y), loss_fn=lm_loss, zero=0)``
+      (the traced program under torch DDP, gradients averaged, the loss all-reduced);
+   b. torch DDP on the eager model, ``lm_loss`` applied outside;
+   c. autopar ZeRO-3 (the traced program under FSDP2 ``fully_shard``, resharded after forward);
+   d. torch FSDP2 with ``fully_shard`` on every block and on the root (eager model).
+   Each variant takes AdamW steps on its rank's half of one fixed global batch.
+3. Warm up WARMUP rounds, then time ITERS rounds of one training step (forward, backward,
+   optimizer) of each variant, interleaved; a distributed step costs its slowest rank's time.
+   autopar's step includes the scalar all-reduce that returns the global-batch loss.
+4. Rank 0 prints the median ms per step and the ratios autopar/DDP (goal <= 1.05) and
+   autopar ZeRO-3 / FSDP2 (goal <= 1.0), with the last loss of each variant (they agree).
+
+A benchmark, not a test: nothing asserts on time.  Other load on the machine inflates every
+column; interleaving keeps the ratios comparable.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from autopar import autoparallelize
+from autopar.pool import free_port, gloo_rank
+from autopar.testing import Config, build, lm_loss, tokens
+
+WORLD, WARMUP, ITERS = 2, 3, 10
+SIZES = ((128, 64), (256, 64), (512, 64))  # (hidden, seq)
+VARIANTS = ("autopar-zero0", "ddp", "autopar-zero3", "fsdp2")
+
+
+def config(hidden: int, seq: int) -> Config:
+    return Config(layers=4, hidden=hidden, heads=8, kv_heads=4, ffn=3 * hidden, vocab=2048,
+                  seq=seq, batch=8, bias=False)  # fmt: skip
+
+
+def variants(c: Config, mesh: object) -> dict[str, Callable[[], float]]:
+    """Step 2: one training-step closure per variant, each on this rank's batch slice."""
+    x, y = tokens(c)
+    d = mesh.get_local_rank("dp")
+    xs, ys = x.chunk(WORLD)[d], y.chunk(WORLD)[d]
+    group = mesh.get_group("dp")
+    steps = {}
+    for zero in (0, 3):
+        ours = autoparallelize(build("llama", c), mesh, (x, y), loss_fn=lm_loss, zero=zero)
+        steps[f"autopar-zero{zero}"] = _step(lambda m=ours: m(xs, ys),
+                                             ours.optimizer(torch.optim.AdamW, lr=1e-3))  # fmt: skip
+    ddp = DistributedDataParallel(build("llama", c), process_group=group, forward_sync_buffers=False)
+    steps["ddp"] = _step(lambda: lm_loss(ddp(xs), ys), torch.optim.AdamW(ddp.parameters(), 1e-3))
+    fsdp = build("llama", c)
+    for layer in fsdp.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(fsdp, mesh=mesh)
+    steps["fsdp2"] = _step(lambda: lm_loss(fsdp(xs), ys), torch.optim.AdamW(fsdp.parameters(), 1e-3))
+    return steps
+
+
+def _step(loss_of: Callable[[], torch.Tensor], opt: torch.optim.Optimizer) -> Callable[[], float]:
+    def step() -> float:
+        loss = loss_of()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+def timed(step: Callable[[], float]) -> tuple[float, float]:
+    """One step's seconds on the slowest rank, and its loss."""
+    dist.barrier()
+    start = time.perf_counter()
+    loss = step()
+    elapsed = torch.tensor(time.perf_counter() - start)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item(), loss
+
+
+def rank_main(rank: int, port: int) -> None:
+    """Steps 2-4 on one rank."""
+    with gloo_rank(rank, WORLD, port, (WORLD,), ("dp",)) as mesh:
+        for hidden, seq in SIZES:
+            steps = variants(config(hidden, seq), mesh)
+            times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            losses: dict[str, float] = {}
+            for i in range(WARMUP + ITERS):
+                for v in VARIANTS:
+                    t, losses[v] = timed(steps[v])
+                    if i >= WARMUP:
+                        times[v].append(t)
+            for v in ("ddp", "fsdp2"):  # torch's losses are this rank's; autopar's are global
+                total = torch.tensor(losses[v])
+                dist.all_reduce(total)
+                losses[v] = total.item() / WORLD
+            if rank == 0:
+                report(hidden, seq, {v: statistics.median(ts) for v, ts in times.items()}, losses)
+
+
+def report(hidden: int, seq: int, ms: dict[str, float], losses: dict[str, float]) -> None:
+    cols = "  ".join(f"{v} {ms[v] * 1e3:7.2f} ms" for v in VARIANTS)
+    print(f"hidden {hidden:4d} seq {seq}: {cols}", flush=True)
+    print(f"  autopar/DDP {ms['autopar-zero0'] / ms['ddp']:.3f} (goal <= 1.05)   "
+          f"autopar ZeRO-3/FSDP2 {ms['autopar-zero3'] / ms['fsdp2']:.3f} (goal <= 1.0)   "
+          "last losses " + " ".join(f"{losses[v]:.5f}" for v in VARIANTS), flush=True)  # fmt: skip
+
+
+def main() -> int:
+    print(f"{WORLD} Gloo ranks, data-parallel, fp32, AdamW; median of {ITERS} interleaved steps",
+          flush=True)  # fmt: skip
+    mp.spawn(rank_main, args=(free_port(),), nprocs=WORLD)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
