@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--no-sequence-parallel", action="store_true")
     est.add_argument("--no-overlap", action="store_true", help="do not overlap dp reduction")
     est.add_argument("--tp-across-nodes", action="store_true")
+    est.add_argument("--grad-dtype", choices=("fp32", "bf16"), default="fp32",
+                     help="gradient precision (Megatron: fp32, 18 B/param; bf16: 16 B/param)")
     est.add_argument("--explain", action="store_true", help="also print the closed formulas")
     return parser
 
@@ -66,7 +68,7 @@ def _config(args: argparse.Namespace) -> ParallelConfig:
         global_batch=args.global_batch, micro_batch=args.micro_batch, schedule=args.schedule,
         virtual_stages=args.virtual_stages, recompute=args.recompute, attention=args.attention,
         sequence_parallel=not args.no_sequence_parallel, overlap_grad_reduce=not args.no_overlap,
-        tp_across_nodes=args.tp_across_nodes,
+        tp_across_nodes=args.tp_across_nodes, grad_bytes=4 if args.grad_dtype == "fp32" else 2,
     )  # fmt: skip
 
 

@@ -51,6 +51,7 @@ class ParallelConfig:
     attention: str = "flash"
     overlap_grad_reduce: bool = True
     tp_across_nodes: bool = False
+    grad_bytes: int = 4  # gradient element size: fp32 (Megatron's default) or 2 (bf16)
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULES)
@@ -58,6 +59,8 @@ class ParallelConfig:
         _choice("attention", self.attention, ATTENTION)
         if self.zero not in (0, 1, 2, 3):
             raise CostInputError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")
+        if self.grad_bytes not in (2, 4):
+            raise CostInputError(f"gradients are 2 (bf16) or 4 (fp32) bytes, got {self.grad_bytes}")
         degrees = {"tp": self.tp, "pp": self.pp, "dp": self.dp or 1, "cp": self.cp,
                    "ep": self.ep, "global_batch": self.global_batch,
                    "micro_batch": self.micro_batch or 1,

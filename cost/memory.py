@@ -4,7 +4,8 @@ Algorithm (`rank_memory`):
 1. Parameters on the rank: the most loaded stage's ⌈L/(p·v)⌉·v layers (dense part ÷ tp, experts ÷ ep·tp) plus the
    embedding or LM head shard of an end stage.
 2. Model state with Adam and mixed precision: bf16 weights 2 B, fp32 gradient accumulation
-   4 B, fp32 master + two moments 12 B per parameter — 18 B (DDP, stage 0). ZeRO-1 shards the
+   4 B (Megatron's default; 2 B with bf16 gradients), fp32 master + two moments 12 B per
+   parameter — 18 B (16 B) for DDP, stage 0. ZeRO-1 shards the
    12 B, ZeRO-2 also the gradients, ZeRO-3 also the weights, over the data-parallel group
    (dp·cp for dense parameters, dp·cp/ep for experts).
 3. Activations: saved bytes per layer and micro-batch for the recompute mode × layers on the
@@ -63,7 +64,7 @@ def in_flight(schedule: str, pp: int, micro_batches: int, virtual: int) -> float
 
 
 def model_state(params_dense: float, params_expert: float, zero: int, dp_dense: int,
-                dp_expert: int) -> tuple[float, float, float]:  # fmt: skip
+                dp_expert: int, grad_bytes: int = GRAD_BYTES) -> tuple[float, float, float]:  # fmt: skip
     """(weights, gradients, optimizer) bytes for the parameters on one rank (step 2)."""
 
     def shard(nbytes: float, stage: int) -> float:
@@ -71,17 +72,17 @@ def model_state(params_dense: float, params_expert: float, zero: int, dp_dense: 
             return nbytes * (params_dense + params_expert)
         return nbytes * (params_dense / dp_dense + params_expert / dp_expert)
 
-    return shard(WEIGHT_BYTES, 3), shard(GRAD_BYTES, 2), shard(OPTIM_BYTES, 1)
+    return shard(WEIGHT_BYTES, 3), shard(grad_bytes, 2), shard(OPTIM_BYTES, 1)
 
 
 def rank_memory(work: Workload, *, pp: int, zero: int, dp_dense: int, dp_expert: int,
                 schedule: str, micro_batches: int, virtual: int, recompute: str,
-                capacity: float) -> MemoryBreakdown:  # fmt: skip
+                capacity: float, grad_bytes: int = GRAD_BYTES) -> MemoryBreakdown:  # fmt: skip
     """Per-rank memory of the most loaded stage (see the module docstring)."""
     per_stage = stage_layers(work.layers, pp, virtual)
     dense = per_stage * work.layer_dense_params + work.edge_params
     weights, grads, optim = model_state(
-        dense, per_stage * work.layer_expert_params, zero, dp_dense, dp_expert
+        dense, per_stage * work.layer_expert_params, zero, dp_dense, dp_expert, grad_bytes
     )
     layer = work.act_bytes[recompute]
     working = work.act_bytes["none"] if recompute == "full" else 0.0

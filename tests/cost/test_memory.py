@@ -94,3 +94,24 @@ def test_rank_memory_breakdown_and_fit():
     assert mem.reserved == RESERVED_BYTES
     assert mem.total == pytest.approx(sum(v for k, v in mem.rows() if k != "total"))
     assert mem.fits == (mem.total <= gpu.hbm_bytes)
+
+
+@pytest.mark.parametrize(("zero", "gb"), [(0, 112.0), (1, 29.3), (2, 15.5), (3, 1.75)])
+def test_reference_zero_table_for_7b_on_64_gpus(zero, gb):
+    """REFERENCE.md: 7B on 64 GPUs, bf16 weights and gradients, Adam K=12: 112/29.3/15.5/1.75 GB."""
+    assert sum(model_state(7e9, 0.0, zero, 64, 64, grad_bytes=2)) / 1e9 == pytest.approx(gb, abs=0.05)
+
+
+def test_cli_grad_dtype_changes_the_gradient_bytes(capsys):
+    from autopar.cli import main
+
+    shape = ["estimate", "--model", "llama", "--layers", "32", "--hidden", "4096", "--heads", "32",
+             "--kv-heads", "32", "--ffn", "11008", "--vocab", "32000", "--seq", "2048",
+             "--nodes", "8", "--dp", "64", "--zero", "0", "--global-batch", "512"]  # fmt: skip
+    rows = {}
+    for dtype in ("fp32", "bf16"):
+        main([*shape, "--grad-dtype", dtype])
+        out = capsys.readouterr().out
+        rows[dtype] = float(next(ln.split()[-1] for ln in out.splitlines()
+                                 if ln.strip().startswith("gradients")))  # fmt: skip
+    assert rows["fp32"] == pytest.approx(2 * rows["bf16"], rel=1e-3)
