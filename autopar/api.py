@@ -1,35 +1,29 @@
 """The front door: ``autoparallelize(model, mesh, example_inputs)``.
 
 Algorithm:
-1. Trace the model (and loss) with torch.export (autopar.trace).
-2. Solve the tensor-parallel axis with the cost model (autopar.planner).
-3. Run the pass pipeline (passes.run_pipeline): layouts, lowerings, collectives, local shapes.
-4. Package a :class:`Program` with its :class:`Plan`; given a torch DeviceMesh instead of a
-   virtual :class:`Mesh`, bind the process groups and return this rank's module.
+1. Turn a torch DeviceMesh into a virtual :class:`Mesh` (the axes it names, the cluster it is
+   priced on).
+2. Route by the mesh's axes: ``dp`` to autopar.data_parallel (each dp rank compiles the rest of
+   the mesh on its batch slice), ``pp`` to autopar.pipeline (stage cuts, one program per
+   stage), otherwise autopar.compile (trace, solve tp, passes, plan).
+3. With a DeviceMesh, bind the process groups and return this rank's module (or pipeline
+   runner, or data-parallel wrapper); with a virtual mesh, the program itself.
 """
 
 from __future__ import annotations
 
-import copy
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from autopar import meta
-from autopar.analysis import block_of, needs_grad
+from autopar.compile import Progress, compile_program
 from autopar.errors import MeshError, PlanError
 from autopar.mesh import Mesh
-from autopar.pad import pad_vocab
 from autopar.plan import Plan
-from autopar.planner import AxisSolution, PlanOptions, describe_tp_dims, solve_axis
-from autopar.program import Program, collectives_of
-from autopar.trace import Traced, trace
-from cost.comm import collective_time
+from autopar.planner import PlanOptions
 from cost.hardware import Cluster
-from passes import PassContext, run_pipeline
 
 
 def autoparallelize(
@@ -96,7 +90,7 @@ def autoparallelize(
 
         prog = compile_pipeline(model, virtual, example_inputs, loss_fn, example_kwargs, options,
                                 n_microbatches, schedule, virtual_stages, split_points,
-                                _Progress(verbose))  # fmt: skip
+                                Progress(verbose))  # fmt: skip
     else:
         prog = compile_program(
             model, virtual, example_inputs, loss_fn, example_kwargs, options, verbose
@@ -137,117 +131,9 @@ def _data_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any, example_input
     return wrap_data_parallel(device_mesh, prog, mesh)
 
 
-def compile_program(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
-                    loss_fn: Callable | None, example_kwargs: dict | None,
-                    options: PlanOptions, verbose: bool = False) -> Program:  # fmt: skip
-    """Steps 1-4 on a virtual mesh."""
-    log = _Progress(verbose)
-    traced = trace(model, example_inputs, example_kwargs, loss_fn)
-    log(f"traced {traced.model_name}: {len(traced.gm.graph.nodes)} nodes")
-    return compile_traced(traced, mesh, options, log)
-
-
-def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
-                   log: Callable[[str], None] = print, whole_model: bool = True) -> Program:  # fmt: skip
-    """Steps 2-4 for an already traced graph: the whole model, or one pipeline stage (which
-    may hold nothing worth splitting, e.g. only an embedding)."""
-    axis = "tp"
-    traced = pad_vocab(traced, mesh.size(axis))
-    solution = solve_axis(traced, axis, mesh.size(axis), mesh.cluster.axis_link(mesh.axes, axis),
-                          mesh.cluster.gpu, options)  # fmt: skip
-    log(f"solved {axis}={mesh.size(axis)}: {solution.variables} variables, "
-        f"{solution.tied_nodes} nodes tied to an identical block")  # fmt: skip
-    if whole_model:
-        _check_split(traced, solution, mesh, axis)
-    grad = frozenset(n.name for n in needs_grad(traced))
-    ctx = PassContext(mesh=mesh, axis=axis, choice=solution.choice, grad=grad, traced=traced,
-                      replicate_outputs=options.replicate_outputs)  # fmt: skip
-    gm, history = run_pipeline(torch.fx.GraphModule(traced.gm, copy.deepcopy(traced.gm.graph)), ctx)
-    for rec in history:
-        log(str(rec))
-    plan = _plan(traced, gm, mesh, solution, axis)
-    return Program(plan=plan, mesh=mesh, graph_module=gm, traced=traced, history=history)
-
-
 def _reused(plan: Plan | None, mesh: Mesh) -> tuple[tuple[str, str], ...]:
     if plan is None:
         return ()
     if plan.mesh != mesh.axes:
         raise MeshError(f"the plan was made for Mesh{dict(plan.mesh)} but the mesh is {mesh}")
     return plan.choice
-
-
-def _check_split(traced: Traced, solution: AxisSolution, mesh: Mesh, axis: str) -> None:
-    """A tp degree must split some layer weight (any weight, in a model without layers);
-    splitting only a padded vocabulary is not tensor parallelism."""
-    size = mesh.size(axis)
-    layered = [p for p, fqn in traced.params.items() if block_of(fqn)]
-    params = layered or list(traced.params)
-    if size > 1 and params and all(str(solution.choice[p].output) == "R" for p in params):
-        what = "layer weight" if layered else "parameter"
-        raise PlanError(
-            f"no valid plan: no {what} of {traced.model_name} splits across {size} ranks "
-            f"of {mesh}; its sizes are {describe_tp_dims(traced)}; choose a tensor-parallel "
-            "degree that divides the heads, hidden or ffn size"
-        )
-
-
-def _plan(traced: Traced, gm: torch.fx.GraphModule, mesh: Mesh, sol: AxisSolution,
-          axis: str) -> Plan:  # fmt: skip
-    names = {**traced.params, **traced.buffers}
-    params = tuple(
-        (names[n.name], str(meta.layout(n)))
-        for n in gm.graph.nodes
-        if n.op == "placeholder" and n.name in traced.params
-    )
-    grad = {n.name for n in needs_grad(traced, gm)}
-    notes = (
-        f"solved {axis} exactly (HiGHS) over {sol.variables} variables; "
-        f"{sol.tied_nodes} nodes share the decisions of an identical block",
-        *_why(sol, mesh, axis),
-    )
-    return Plan(
-        model=traced.model_name,
-        mesh=mesh.axes,
-        hardware=f"{mesh.cluster.gpu.name} ×{mesh.cluster.gpus_per_node}/node",
-        params=params,
-        collectives=tuple(collectives_of(gm, grad, mesh.sizes, names)),
-        choice=tuple((k, str(v)) for k, v in sol.choice.items()),
-        compute_s=sol.compute_s,
-        comm_s=sol.comm_s,
-        memory_bytes=sol.memory_bytes,
-        notes=notes,
-    )
-
-
-def _why(sol: AxisSolution, mesh: Mesh, axis: str) -> list[str]:
-    """What the cost model says about this axis beyond the chosen plan."""
-    size, out = mesh.size(axis), []
-    if axis == "tp" and size > 1:
-        out.append(f"{axis} splits the weights (never the batch): rank 0 holds "
-                   f"{sol.memory_bytes / 2**30:.2f} GiB of priced memory")  # fmt: skip
-        link = mesh.cluster.axis_link(mesh.axes, axis)
-        dp = sol.single_s / size + collective_time("all_reduce", sol.param_bytes, size, link)
-        tp = sol.compute_s + sol.comm_s
-        if dp < tp:
-            out.append(
-                f"the cost model predicts Mesh(dp={size}) (data parallelism: the batch split, "
-                f"gradients all-reduced) at {dp * 1e3:.3g} ms per step vs {tp * 1e3:.3g} ms for "
-                f"this plan ({tp / dp:.2f}x faster); split as asked"
-            )
-    if sol.unsplit:
-        out.append(f"stay whole (no even split on {size} ranks): {', '.join(sol.unsplit)}")
-    cap = mesh.cluster.gpu.hbm_bytes
-    if sol.memory_bytes > cap:
-        out.append(f"does not fit: {sol.memory_bytes / 2**30:.1f} GiB per rank > "
-                   f"{cap / 2**30:.0f} GiB on {mesh.cluster.gpu.name}")  # fmt: skip
-    return out
-
-
-class _Progress:
-    def __init__(self, enabled: bool) -> None:
-        self.enabled, self.start = enabled, time.perf_counter()
-
-    def __call__(self, msg: str) -> None:
-        if self.enabled:
-            print(f"[autopar {time.perf_counter() - self.start:6.2f}s] {msg}", flush=True)

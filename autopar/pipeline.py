@@ -405,7 +405,7 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any]
                      n_microbatches: int | None, schedule: str, virtual_stages: int | None,
                      split_points: Sequence[str], log: Callable[[str], None]) -> PipelineProgram:  # fmt: skip
     """Steps 1-4 (see the module docstring)."""
-    from autopar.api import compile_traced
+    from autopar.compile import compile_traced
 
     if schedule not in SCHEDULES:
         raise InputError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
