@@ -196,6 +196,27 @@ class MLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
+def hf_tiny_llama(layers: int, vocab: int = 128) -> torch.nn.Module:
+    """A tiny HF LlamaForCausalLM (hidden 64, 4 heads, 2 KV heads), the same random weights on
+    every process (seed 0); for the examples."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def token_batch(batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fixed batch of token ids and their labels (HF shifts the labels inside the loss)."""
+    g = torch.Generator().manual_seed(1)
+    return (torch.randint(0, vocab, (batch, seq), generator=g),
+            torch.randint(0, vocab, (batch, seq), generator=g))  # fmt: skip
+
+
 def compare_losses(
     single: list[float], parallel: list[float], label: str, tolerance: float
 ) -> bool:

@@ -27,32 +27,21 @@ from collections.abc import Callable
 
 import torch
 import torch.multiprocessing as mp
-import transformers
 
 from autopar import Mesh, autoparallelize
 from autopar.pool import free_port, gloo_rank
-from autopar.testing import compare_losses
+from autopar.testing import compare_losses, hf_tiny_llama, token_batch
 
 PP, TP, BATCH, SEQ, VOCAB, MICROBATCHES, SCHEDULE = 2, 2, 8, 16, 128, 4, "1f1b"
 WORLD, STEPS, LR, WEIGHT_DECAY, TOLERANCE = PP * TP, 20, 3e-3, 0.01, 1e-4
 
 
-def tiny_llama() -> transformers.LlamaForCausalLM:
-    """The same random weights on every process (seed 0)."""
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        use_cache=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
+def tiny_llama() -> torch.nn.Module:
+    return hf_tiny_llama(layers=4, vocab=VOCAB)
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
-    """One fixed batch of token ids and their labels (HF shifts the labels inside the loss)."""
-    g = torch.Generator().manual_seed(1)
-    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
-            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))  # fmt: skip
+    return token_batch(BATCH, SEQ, VOCAB)
 
 
 def optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
