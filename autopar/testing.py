@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -215,6 +216,21 @@ def token_batch(batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.T
     g = torch.Generator().manual_seed(1)
     return (torch.randint(0, vocab, (batch, seq), generator=g),
             torch.randint(0, vocab, (batch, seq), generator=g))  # fmt: skip
+
+
+def train_hf_single(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, steps: int,
+                    lr: float, weight_decay: float, log: Callable[[str], None]) -> list[float]:  # fmt: skip
+    """``steps`` AdamW steps of an unmodified HF causal LM on one batch; the loss per step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    losses = []
+    for i in range(steps):
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        log(f"step {i + 1:2d}/{steps}  loss {losses[-1]:.6f}")
+    return losses
 
 
 def compare_losses(

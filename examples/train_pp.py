@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 from autopar import Mesh, autoparallelize
 from autopar.pool import free_port, gloo_rank
-from autopar.testing import compare_losses, hf_tiny_llama, token_batch
+from autopar.testing import compare_losses, hf_tiny_llama, token_batch, train_hf_single
 
 PP, TP, BATCH, SEQ, VOCAB, MICROBATCHES, SCHEDULE = 2, 2, 8, 16, 128, 4, "1f1b"
 WORLD, STEPS, LR, WEIGHT_DECAY, TOLERANCE = PP * TP, 20, 3e-3, 0.01, 1e-4
@@ -65,18 +65,7 @@ def rank_main(rank: int, port: int, results: mp.SimpleQueue) -> None:
 
 def train_single(log: Callable[[str], None]) -> list[float]:
     """Step 3: STEPS steps of AdamW on the unmodified model and the whole batch."""
-    model = tiny_llama()
-    ids, labels = batch()
-    opt = optimizer(list(model.parameters()))
-    losses = []
-    for i in range(STEPS):
-        loss = model(ids, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        log(f"step {i + 1:2d}/{STEPS}  loss {losses[-1]:.6f}")
-    return losses
+    return train_hf_single(tiny_llama(), *batch(), STEPS, LR, WEIGHT_DECAY, log)
 
 
 def main() -> int:
