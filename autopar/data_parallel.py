@@ -33,6 +33,7 @@ import torch.fx as fx
 from autopar.errors import InputError, PlanError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, _fmt_bytes, _pattern
+from cost.memory import model_state
 
 ZERO_STAGES = (0, 1, 2, 3)
 _MEAN, _SUM = 1, 2  # aten's reduction enum
@@ -83,13 +84,12 @@ class ZeroMemory:
 
 def zero_memory(params: int, dp: int, stage: int, per: StateBytes,
                 activations: float) -> ZeroMemory:  # fmt: skip
-    """Step 4: stage 1 shards the optimizer state over dp, 2 also gradients, 3 also weights."""
-
-    def part(nbytes: float, from_stage: int) -> float:
-        return params * nbytes / (dp if stage >= from_stage else 1)
-
-    return ZeroMemory(stage=stage, weights=part(per.weights, 3), grads=part(per.grads, 2),
-                      optimizer=part(per.optimizer, 1), activations=activations)  # fmt: skip
+    """Step 4: stage 1 shards the optimizer state over dp, 2 also gradients, 3 also weights
+    (the cost model's ``model_state``, with this plan's element sizes)."""
+    weights, grads, optimizer = model_state(params, 0.0, stage, dp, dp, grad_bytes=per.grads,
+                                            weight_bytes=per.weights, optim_bytes=per.optimizer)  # fmt: skip
+    return ZeroMemory(stage=stage, weights=weights, grads=grads, optimizer=optimizer,
+                      activations=activations)  # fmt: skip
 
 
 def choose_zero(table: Sequence[ZeroMemory], limit: float, forced: int | None,

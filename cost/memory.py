@@ -64,15 +64,17 @@ def in_flight(schedule: str, pp: int, micro_batches: int, virtual: int) -> float
 
 
 def model_state(params_dense: float, params_expert: float, zero: int, dp_dense: int,
-                dp_expert: int, grad_bytes: int = GRAD_BYTES) -> tuple[float, float, float]:  # fmt: skip
-    """(weights, gradients, optimizer) bytes for the parameters on one rank (step 2)."""
+                dp_expert: int, grad_bytes: float = GRAD_BYTES, weight_bytes: float = WEIGHT_BYTES,
+                optim_bytes: float = OPTIM_BYTES) -> tuple[float, float, float]:  # fmt: skip
+    """(weights, gradients, optimizer) bytes for the parameters on one rank (step 2); the
+    element sizes default to mixed precision (bf16 weights, fp32 gradients, Adam in fp32)."""
 
     def shard(nbytes: float, stage: int) -> float:
         if zero < stage:
             return nbytes * (params_dense + params_expert)
         return nbytes * (params_dense / dp_dense + params_expert / dp_expert)
 
-    return shard(WEIGHT_BYTES, 3), shard(grad_bytes, 2), shard(OPTIM_BYTES, 1)
+    return shard(weight_bytes, 3), shard(grad_bytes, 2), shard(optim_bytes, 1)
 
 
 def rank_memory(work: Workload, *, pp: int, zero: int, dp_dense: int, dp_expert: int,
