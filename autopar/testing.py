@@ -218,19 +218,25 @@ def token_batch(batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.T
             torch.randint(0, vocab, (batch, seq), generator=g))  # fmt: skip
 
 
-def train_hf_single(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, steps: int,
-                    lr: float, weight_decay: float, log: Callable[[str], None]) -> list[float]:  # fmt: skip
-    """``steps`` AdamW steps of an unmodified HF causal LM on one batch; the loss per step."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+def train_loop(loss_of: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, steps: int,
+               log: Callable[[str], None] = lambda _: None) -> list[float]:  # fmt: skip
+    """``steps`` optimizer steps on ``loss_of()`` (forward, backward, step, zero); the losses."""
     losses = []
     for i in range(steps):
-        loss = model(ids, labels=labels).loss
+        loss = loss_of()
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
         log(f"step {i + 1:2d}/{steps}  loss {losses[-1]:.6f}")
     return losses
+
+
+def train_hf_single(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, steps: int,
+                    lr: float, weight_decay: float, log: Callable[[str], None]) -> list[float]:  # fmt: skip
+    """``steps`` AdamW steps of an unmodified HF causal LM on one batch; the loss per step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    return train_loop(lambda: model(ids, labels=labels).loss, opt, steps, log)
 
 
 def compare_losses(

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from autopar import Mesh, autoparallelize
 from autopar.pool import free_port, gloo_rank
-from autopar.testing import Config, build, compare_losses, lm_loss, tokens
+from autopar.testing import Config, build, compare_losses, lm_loss, tokens, train_loop
 
 CONFIG = Config(layers=2, hidden=128, heads=8, kv_heads=4, ffn=256, vocab=256, seq=32, batch=4)
 WORLD, STEPS, LR, WEIGHT_DECAY, TOLERANCE = 4, 20, 3e-3, 0.01, 1e-4
@@ -35,15 +35,7 @@ def train(model: Callable[..., torch.Tensor], params: Iterable[torch.nn.Paramete
     """STEPS steps of AdamW on one fixed batch (``model(x, y) -> loss``); the loss per step."""
     x, y = tokens(CONFIG)
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
-    losses = []
-    for step in range(STEPS):
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        log(f"step {step + 1:2d}/{STEPS}  loss {losses[-1]:.6f}")
-    return losses
+    return train_loop(lambda: model(x, y), opt, STEPS, log)
 
 
 def rank_main(rank: int, port: int, results: mp.SimpleQueue) -> None:

@@ -15,7 +15,7 @@ from autopar import InputError, Mesh, MeshError, PlanError, autoparallelize, met
 from autopar.codegen import shard_tensor
 from autopar.data_parallel import loss_reduction, wire_bytes
 from autopar.pool import get_pool
-from autopar.testing import Config, build, lm_loss, tokens
+from autopar.testing import Config, build, lm_loss, tokens, train_loop
 from autopar.trace import trace
 
 MESHES = [{"dp": 2}, {"dp": 4}, {"dp": 2, "tp": 2}]
@@ -164,14 +164,7 @@ def _train_rank(rank, groups, module, x, y, zero, steps):
     wrapped = DataParallelModule(module, group=groups["dp"], dp_mesh=dp_mesh, zero=zero,
                                  reduction="mean")  # fmt: skip
     opt = wrapped.optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
-    losses = []
-    for _ in range(steps):
-        loss = wrapped(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, wrapped.full_state()
+    return train_loop(lambda: wrapped(x, y), opt, steps), wrapped.full_state()
 
 
 @pytest.mark.parametrize(("axes", "zero"), [({"dp": 4}, z) for z in (0, 1, 2, 3)]
@@ -186,13 +179,7 @@ def test_five_adamw_steps_reproduce_single_device_training(axes, zero):
     results = get_pool(4).run(_train_rank, prog.mesh.axes, jobs)
     model = build("llama", c)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    ref = []
-    for _ in range(5):
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref.append(loss.item())
+    ref = train_loop(lambda: lm_loss(model(x), y), opt, 5)
     inner = prog.inner
     layouts = {inner.traced.params[n.name]: meta.layout(n) for n in inner.graph_module.graph.nodes
                if n.op == "placeholder" and n.name in inner.traced.params}  # fmt: skip
