@@ -6,8 +6,11 @@ Algorithm:
 2. Slice every parameter and buffer to this rank's shard of its layout (mesh coordinates of
    the rank; blocked dims take the rank's slice of every block).  Meta tensors stay meta.
 3. Copy attributes the graph reads (higher-order-op submodules, constants).
-4. Call signature and return structure follow the user's model (pytree in/out specs).
-5. The printed source carries a header (plan hash, rank, mesh coordinates) and each node's
+4. Factory ops that torch.export recorded with the tracing device (``arange(..., device=cpu)``)
+   read the device from the module's first parameter (or first tensor input) at run time, so
+   ``module.to("cuda")`` moves the whole program, as it moves the user's model.
+5. Call signature and return structure follow the user's model (pytree in/out specs).
+6. The printed source carries a header (plan hash, rank, mesh coordinates) and each node's
    local shape and layout.
 """
 
@@ -80,6 +83,7 @@ def build_module(gm: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> f
         elif node.op == "get_attr":
             _copy_attr(gm, root, node.target)
     _move_attrs_first(graph)
+    _device_from_module(graph)
     user = [n.name for n in graph.nodes if n.op == "placeholder"]
     graph._codegen = _PyTreeCodeGen(_PyTreeInfo(user, traced.in_spec, traced.out_spec))
     out = RankModule(root, graph, class_name=f"{traced.model_name}Program")
@@ -114,6 +118,31 @@ def _move_attrs_first(graph: fx.Graph) -> None:
     for node in [n for n in graph.nodes if n.op == "get_attr"]:
         if anchor is not None and node is not anchor:
             anchor.prepend(node)
+
+
+def device_of(t: torch.Tensor) -> torch.device:
+    """The device a rank program runs on: that of its first parameter (or input)."""
+    return t.device
+
+
+def _device_from_module(graph: fx.Graph) -> None:
+    """Step 4: constant ``device=`` arguments become ``device_of(first parameter)``."""
+    users = [n for n in graph.nodes if isinstance(n.kwargs.get("device"), torch.device)]
+    if not users:
+        return
+    source = next((n for n in graph.nodes if n.op == "get_attr" and _is_tensor(n)), None)
+    source = source or next((n for n in graph.nodes if n.op == "placeholder" and _is_tensor(n)),
+                            None)  # fmt: skip
+    if source is None:
+        return
+    with graph.inserting_after(source):
+        device = graph.call_function(device_of, (source,))
+    for node in users:
+        node.update_kwarg("device", device)
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
 
 
 _ASSIGN = re.compile(r"^(\s+)(\w+)(: \"[^\"]*\")? = ")

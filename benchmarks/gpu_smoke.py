@@ -12,12 +12,14 @@ Algorithm:
    device.  Plan it on the meta device in bf16 for the predicted step time.
 3. Forward + backward of the eager model and of the program on the same batch: max relative
    error of the loss and of every parameter gradient (bf16: ~1e-2 is rounding).
-4. Time STEPS forward + backward + AdamW steps of each after WARMUP steps; print step times,
-   their ratio, tokens/s, the measured MFU (PaLM convention: 6·N·tokens, N without the
-   embedding) and the cost model's predicted MFU for that GPU.
+4. Time STEPS forward + backward passes, then STEPS steps with AdamW, of each after WARMUP;
+   print the times, their ratios, tokens/s, and forward + backward against the cost model's
+   prediction (which prices forward + backward): measured and predicted MFU (PaLM
+   convention: 6·N·tokens + attention, N without the embedding).
 
-Run: python benchmarks/gpu_smoke.py [--layers 8 --hidden 2048 --seq 2048 --batch 4]
-Prints a few lines; takes well under five minutes on an H100/H200.
+Run: python benchmarks/gpu_smoke.py [--shapes 8x2048x2048x4,4x4096x2048x4]
+(each shape is layers x hidden x seq x batch). Prints a few lines per shape; takes well under
+five minutes on an H100/H200.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,51 +49,86 @@ def main() -> int:
         print("gpu_smoke: no CUDA device here; nothing to measure (run it on a GPU machine)")
         return 0
     device = torch.device(args.device)
-    dtype = torch.bfloat16
-    c = Config(layers=args.layers, hidden=args.hidden, heads=args.hidden // 128,
-               kv_heads=max(1, args.hidden // 512), ffn=int(args.hidden * 2.6875) // 64 * 64,
-               vocab=32000, seq=args.seq, batch=args.batch, bias=False)  # fmt: skip
+    print(f"torch {torch.__version__}; {'nccl' if device.type == 'cuda' else 'gloo'}, world size 1",
+          flush=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                       WORLD_SIZE="1")  # fmt: skip
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        return _run(c, device, dtype, args)
+        for shape in args.shapes.split(","):
+            _run(_config(shape), device, torch.bfloat16, args)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        return 0
     finally:
         dist.destroy_process_group()
+
+
+def _config(shape: str) -> Config:
+    """A Llama-style config from 'layers x hidden x seq x batch' (head dim 128, GQA 4:1)."""
+    layers, hidden, seq, batch = (int(v) for v in shape.lower().split("x"))
+    return Config(layers=layers, hidden=hidden, heads=max(1, hidden // 128),
+                  kv_heads=max(1, hidden // 512), ffn=int(hidden * 2.6875) // 64 * 64,
+                  vocab=32000, seq=seq, batch=batch, bias=False)  # fmt: skip
 
 
 def _run(c: Config, device: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> int:
     from torch.distributed.device_mesh import init_device_mesh
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"gpu_smoke on {name}: Llama {c.layers} layers, hidden {c.hidden}, seq {c.seq}, "
-          f"batch {c.batch}, bf16", flush=True)  # fmt: skip
+    print(f"\ngpu_smoke on {name}: {args.model} {c.layers} layers, hidden {c.hidden}, "
+          f"seq {c.seq}, batch {c.batch}, bf16", flush=True)  # fmt: skip
     x, y = (t.to(device) for t in tokens(c))
-    eager = build("llama", c).to(dtype)
+    eager, loss_fn = _model(args.model, c)
+    eager = eager.to(dtype)
     mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("tp",))
-    local = autoparallelize(eager, mesh, tokens(c), loss_fn=lm_loss).to(device)
+    local = autoparallelize(eager, mesh, tokens(c), loss_fn=loss_fn).to(device)
     eager = eager.to(device)
-    errors = _compare(eager, local, x, y)
+    errors = _compare(eager, local, loss_fn, x, y)
     print(f"max relative error vs eager (bf16): loss {errors[0]:.2e}, gradients {errors[1]:.2e}")
-    t_eager = _time(lambda: lm_loss(eager(x), y), eager.parameters(), device)
-    t_prog = _time(lambda: local(x, y), local.parameters(), device)
+    e_fb, e_step = _time(lambda: loss_fn(eager(x), y), eager.parameters(), device)
+    p_fb, p_step = _time(lambda: local(x, y), local.parameters(), device)
+    if device.type == "cuda":
+        print(f"peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
     n = sum(p.numel() for n_, p in eager.named_parameters() if "embed" not in n_)
     flops = 6 * n * c.batch * c.seq + 12 * c.layers * c.hidden * c.seq * c.batch * c.seq
     peak = next((v for k, v in PEAK_BF16.items() if k in name.lower()), None)
-    predicted = _predicted_step(c, args.cluster)
-    print(f"step (fwd+bwd+AdamW): eager {t_eager * 1e3:.1f} ms, autopar {t_prog * 1e3:.1f} ms, "
-          f"ratio {t_prog / t_eager:.3f}; {c.batch * c.seq / t_prog:,.0f} tokens/s")  # fmt: skip
+    predicted = _predicted_step(args.model, c, args.cluster)
+    print(f"fwd+bwd: eager {e_fb * 1e3:.1f} ms, autopar {p_fb * 1e3:.1f} ms, ratio "
+          f"{p_fb / e_fb:.3f}; cost model {predicted * 1e3:.1f} ms (measured / predicted "
+          f"{p_fb / predicted:.2f})")  # fmt: skip
+    print(f"step (fwd+bwd+AdamW): eager {e_step * 1e3:.1f} ms, autopar {p_step * 1e3:.1f} ms, "
+          f"ratio {p_step / e_step:.3f}; {c.batch * c.seq / p_step:,.0f} tokens/s")  # fmt: skip
     if peak:
-        print(f"MFU (PaLM convention): measured {flops / t_prog / peak:.1%}, cost model "
-              f"{flops / predicted / peak:.1%} (predicted fwd+bwd {predicted * 1e3:.1f} ms)")
+        print(f"MFU of fwd+bwd (PaLM convention): measured {flops / p_fb / peak:.1%}, cost model "
+              f"{flops / predicted / peak:.1%}")  # fmt: skip
     else:
         print(f"no bf16 peak known for {name}: MFU not computed")
     return 0
 
 
-def _compare(eager: torch.nn.Module, local: torch.nn.Module, x: torch.Tensor,
+def _model(kind: str, c: Config) -> tuple[torch.nn.Module, Callable]:
+    """autopar.testing's Llama, or transformers' LlamaForCausalLM of the same shape."""
+    if kind == "llama":
+        return build("llama", c), lm_loss
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=c.vocab, hidden_size=c.hidden, intermediate_size=c.ffn,
+        num_hidden_layers=c.layers, num_attention_heads=c.heads,
+        num_key_value_heads=c.kv_heads, max_position_embeddings=c.seq, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg), hf_loss
+
+
+def hf_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
+    return lm_loss(out.logits, targets)
+
+
+def _compare(eager: torch.nn.Module, local: torch.nn.Module, loss_fn: Callable, x: torch.Tensor,
              y: torch.Tensor) -> tuple[float, float]:  # fmt: skip
-    ref = lm_loss(eager(x), y)
+    ref = loss_fn(eager(x), y)
     ref.backward()
     ours = local(x, y)
     ours.backward()
@@ -104,29 +143,36 @@ def _compare(eager: torch.nn.Module, local: torch.nn.Module, x: torch.Tensor,
     return loss_err, worst
 
 
-def _time(step, params, device: torch.device) -> float:
-    opt = torch.optim.AdamW(list(params), lr=1e-4)
-
-    def once() -> None:
-        step().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(WARMUP):
-        once()
+def _time(step: Callable, params: Any, device: torch.device) -> tuple[float, float]:
+    """Seconds per forward + backward, and per step with AdamW (means after WARMUP)."""
+    params = list(params)
+    opt = torch.optim.AdamW(params, lr=1e-4)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    for _ in range(STEPS):
-        once()
-    sync()
-    return (time.perf_counter() - start) / STEPS
+
+    def timed(with_opt: bool) -> float:
+        def once() -> None:
+            step().backward()
+            if with_opt:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(WARMUP):
+            once()
+        sync()
+        start = time.perf_counter()
+        for _ in range(STEPS):
+            once()
+        sync()
+        return (time.perf_counter() - start) / STEPS
+
+    return timed(False), timed(True)
 
 
-def _predicted_step(c: Config, cluster: str) -> float:
+def _predicted_step(kind: str, c: Config, cluster: str) -> float:
     with torch.device("meta"):
-        model = build("llama", c).to(torch.bfloat16)
-    prog = autoparallelize(model, Mesh(Cluster.preset(cluster), tp=1), tokens(c), loss_fn=lm_loss)
+        model, loss_fn = _model(kind, c)
+        model = model.to(torch.bfloat16)
+    prog = autoparallelize(model, Mesh(Cluster.preset(cluster), tp=1), tokens(c), loss_fn=loss_fn)
     return prog.plan.step_s
 
 
@@ -134,10 +180,10 @@ def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--cluster", default="dgx-h100", help="cost-model preset for the prediction")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--model", default="llama", choices=("llama", "hf-llama"),
+                   help="autopar.testing's Llama or transformers' LlamaForCausalLM")
+    p.add_argument("--shapes", default="8x2048x2048x4",
+                   help="comma-separated layers x hidden x seq x batch")
     return p.parse_args()
 
 

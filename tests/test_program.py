@@ -42,6 +42,18 @@ def test_modules_pickle_without_retracing(prog):
     assert str(m.graph) == str(prog.module(1).graph)
 
 
+def test_module_follows_to_device_like_the_model():
+    """Factory ops recorded with the tracing device (arange for RoPE) read the device from
+    the module's parameters, so ``.to(device)`` moves the whole program (meta stands in for
+    cuda here: a baked-in cpu arange meeting meta tensors raises a device mismatch)."""
+    c = Config(layers=1, hidden=32, heads=2, kv_heads=1, ffn=64, vocab=64, seq=8, batch=2)
+    prog = autoparallelize(build("llama", c), Mesh(tp=1), tokens(c), loss_fn=lm_loss)
+    assert "device(type='cpu')" not in prog.code(rank=0)
+    x, y = (t.to("meta") for t in tokens(c))
+    loss = prog.module(0).to("meta")(x, y)
+    assert loss.device.type == "meta" and loss.shape == ()
+
+
 def test_save_writes_one_program_and_a_reloadable_plan(prog, tmp_path):
     files = prog.save(tmp_path)
     names = sorted(f.name for f in files)
