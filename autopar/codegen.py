@@ -6,7 +6,7 @@ Algorithm:
 2. Slice every parameter and buffer to this rank's shard of its layout (mesh coordinates of
    the rank; blocked dims take the rank's slice of every block).  Meta tensors stay meta.
 3. Copy attributes the graph reads (higher-order-op submodules, constants).
-4. Factory ops that torch.export recorded with the tracing device (``arange(..., device=cpu)``)
+4. Ops that torch.export recorded with the tracing device (``arange(..., device=cpu)``)
    read the device from the module's first parameter (or first tensor input) at run time, so
    ``module.to("cuda")`` moves the whole program, as it moves the user's model.
 5. Call signature and return structure follow the user's model (pytree in/out specs).
@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
+from torch.utils import _pytree as pytree
 
 from autopar import meta
 from autopar.layout import Layout
@@ -87,6 +88,10 @@ def build_module(gm: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> f
     user = [n.name for n in graph.nodes if n.op == "placeholder"]
     graph._codegen = _PyTreeCodeGen(_PyTreeInfo(user, traced.in_spec, traced.out_spec))
     out = RankModule(root, graph, class_name=f"{traced.model_name}Program")
+    for name, sub in out.named_modules():
+        if name and isinstance(sub, fx.GraphModule):  # higher-order ops' bodies (autocast...)
+            _device_from_module(sub.graph)
+            sub.recompile()
     out.meta = {"rank": rank, "coords": coords}
     return out
 
@@ -126,8 +131,9 @@ def device_of(t: torch.Tensor) -> torch.device:
 
 
 def _device_from_module(graph: fx.Graph) -> None:
-    """Step 4: constant ``device=`` arguments become ``device_of(first parameter)``."""
-    users = [n for n in graph.nodes if isinstance(n.kwargs.get("device"), torch.device)]
+    """Step 4: constant devices in arguments (``arange(device=cpu)``, ``to.device(x, cpu)``)
+    become ``device_of(first parameter)`` (in a nested body, of its first tensor input)."""
+    users = [n for n in graph.nodes if any(isinstance(a, torch.device) for a in _flat_args(n))]
     if not users:
         return
     source = next((n for n in graph.nodes if n.op == "get_attr" and _is_tensor(n)), None)
@@ -138,7 +144,13 @@ def _device_from_module(graph: fx.Graph) -> None:
     with graph.inserting_after(source):
         device = graph.call_function(device_of, (source,))
     for node in users:
-        node.update_kwarg("device", device)
+        node.args, node.kwargs = pytree.tree_map(
+            lambda a: device if isinstance(a, torch.device) else a, (node.args, node.kwargs)
+        )
+
+
+def _flat_args(node: fx.Node) -> list:
+    return pytree.tree_leaves((node.args, node.kwargs))
 
 
 def _is_tensor(node: fx.Node) -> bool:
