@@ -12,7 +12,9 @@ Algorithm:
 4. Drop unused parameter placeholders (the second name of a tied weight), drop
    ``_assert_tensor_metadata`` checks (they assert global metadata) and split each
    biased ``linear`` into ``linear`` + ``add``: a row-split linear must add its bias once, after
-   the reduction, and as separate nodes the planner prices exactly that.
+   the reduction, and as separate nodes the planner prices exactly that.  Then
+   ``autopar.canonical``: inference-mode dropout goes, and a sum of several matmul outputs
+   adds them first (parallel attention + MLP blocks reduce once).
 5. Record, per placeholder, which parameter, buffer or user input it is.
 6. Refuse a graph with a data-dependent shape (a size torch.export could not make a number,
    read from values by ``.tolist()``, ``.item()``, ``nonzero`` ...): plans are made for fixed
@@ -34,6 +36,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from autopar.canonical import canonicalize
 from autopar.errors import InputError, TraceError
 from autopar.meta import source
 
@@ -127,6 +130,7 @@ def _collect(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str) ->
                 k: (path.removeprefix(prefix), cls)
                 for k, (path, cls) in node.meta["nn_module_stack"].items()
             }
+    canonicalize(gm.graph)
     gm.graph.lint()
     gm.recompile()
     sig = ep.graph_signature

@@ -89,3 +89,32 @@ def test_inputs_that_do_not_fit_name_the_module(mlp):
     msg = str(err.value)
     assert "example_inputs do not fit MLP" in msg
     assert "module 'up'" in msg
+
+
+class ParallelBlock(nn.Module):
+    """GPT-J's block: ``attn_out + (mlp_out + bias) + residual``, with an eval-mode dropout."""
+
+    def __init__(self, h: int = 16) -> None:
+        super().__init__()
+        self.attn = nn.Linear(h, h, bias=False)
+        self.up, self.down = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.attn(x)) + self.drop(self.down(torch.relu(self.up(x)))) + x
+
+
+def test_parallel_block_sums_its_matmuls_first_and_reduces_once():
+    model, x = ParallelBlock().eval(), torch.randn(2, 4, 16)
+    traced = trace(model, (x,))
+    gm = traced.gm
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.dropout.default]
+    adds = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor]
+    first = next(a for a in adds if a.args[0].target is torch.ops.aten.linear.default
+                 and a.args[1].target is torch.ops.aten.linear.default)  # fmt: skip
+    assert {a.name for a in first.args} == {"linear", "linear_2"}
+    params = [traced.tensors[traced.params[n.name]] for n in gm.graph.nodes if n.name in traced.params]
+    assert torch.allclose(gm(*params, x)[0], model(x), atol=1e-6)
+    prog = autoparallelize(model, Mesh(tp=2), (x,))
+    forward = [c.kind for c in prog.collectives() if c.direction == "fwd"]
+    assert forward == ["all_reduce"], forward

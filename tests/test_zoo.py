@@ -28,20 +28,15 @@ UNTRACEABLE: dict[str, str] = {}  # family -> why torch.export cannot capture it
 # fails the suite once fixed, so the list only ever shrinks (see NOTES.md, open work).
 _MQA = ("multi-query K/V: the cost model (fp32 pricing) prefers splitting the single KV head's "
         "dim and all-gathering K/V to REFERENCE's replicated KV projection")
-_PARALLEL = ("parallel attention + MLP: sequence parallelism with one all-gather per norm "
-             "(two norms read the residual) instead of one all-reduce; the cost model prices "
-             "it below plain TP (norm compute on s/t)")
+_PARALLEL = ("parallel attention + MLP")
 _MOE = ("with distributed norms the planner keeps the residual split on the hidden dim and "
         "all-gathers the routed [T*k, h] rows before the experts")
 KNOWN_GAPS: dict[tuple[str, str], str] = {
     ("gpt_bigcode", "comm"): _MQA + " (fused c_attn)",
     ("falcon", "comm"): _MQA + " (fused query_key_value)",
     ("gemma", "comm"): _MQA,
-    ("gpt_neox", "comm"): _PARALLEL,
-    ("gptj", "comm"): _PARALLEL,
-    ("codegen", "comm"): _PARALLEL,
-    ("phi", "comm"): _PARALLEL,
-    ("stablelm_parallel_qknorm", "comm"): _PARALLEL + "; per-head q/k norms gather q and k",
+    ("stablelm_parallel_qknorm", "comm"): _PARALLEL + " with per-head q/k layer norms: they "
+                                          "read whole q and k, so both are all-gathered",
     ("phi3", "comm"): "fused [q | k | v] of unequal widths (GQA): no unequal blocked split yet",
     ("mixtral", "comm"): _MOE,
     ("qwen2_moe", "comm"): _MOE,
