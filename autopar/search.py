@@ -168,6 +168,7 @@ def plan_shape(model, cluster: Cluster, global_batch: int, *, top: int = 10,
 
 def auto_degrees(plan: Plan, supported: tuple[str, ...]) -> tuple[Choice, Choice | None]:
     """(best, best among configurations using only `supported` axes, if the best needs more)."""
+
     def uses(choice: Choice) -> set[str]:
         c = choice.config
         return {a for a, n in (("tp", c.tp), ("pp", c.pp), ("dp", c.dp), ("cp", c.cp),
@@ -179,8 +180,9 @@ def auto_degrees(plan: Plan, supported: tuple[str, ...]) -> tuple[Choice, Choice
     for choice in plan.result.ranked:
         if uses(choice) <= set(supported):
             return best, choice
-    space = SearchSpace(cp=(1,) if "cp" not in supported else None,
-                        ep=(1,) if "ep" not in supported else None)
+    space = SearchSpace(
+        cp=(1,) if "cp" not in supported else None, ep=(1,) if "ep" not in supported else None
+    )
     r = plan.result
     again = search(r.model, r.cluster, r.global_batch, space=space, top=1,
                    collective=plan.topology.collective)  # fmt: skip

@@ -156,6 +156,14 @@ def spans(order: tuple[str, ...], tp: int, pp: int, dp: int, cp: int, ep: int) -
             "ep": (s0 * cp, ep), "dp": (s0, dp * cp), "dp_expert": (s0 * cp * ep, dp // ep)}  # fmt: skip
 
 
+def contiguous(tp: int, pp: int, dp: int, cp: int, ep: int) -> dict:
+    """Every group on consecutive ranks (stride 1): no nesting realises it for two axes at
+    once, but each collective is cheapest there, and the step time only grows with each
+    collective's time, so the step priced on it bounds every nesting's from below."""
+    return {"tp": (1, tp), "pp": (1, pp), "cp": (1, cp), "ep": (1, ep), "dp": (1, dp * cp),
+            "dp_expert": (1, dp // ep)}  # fmt: skip
+
+
 def _full(order: tuple[str, ...]) -> tuple[str, ...]:
     """The order with the trivial blocks added (outermost; their stride is irrelevant)."""
     return tuple(b for b in BLOCKS if b not in order) + order
@@ -435,22 +443,24 @@ def _search_unit(model: Priced, cluster: Cluster, global_batch: int, space: Sear
     tp, pp, dp, cp, ep = degrees
     per_rank = global_batch // dp
     settings = _settings(pp, model.layers, space)
-    v_max = max((v for _, v in settings), default=1)
     nests = [(o, spans(o, tp, pp, dp, cp, ep)) for o in orders(tp, pp, dp * cp, space.nest)]
+    if len(nests) > 1:
+        nests.append((None, contiguous(tp, pp, dp, cp, ep)))
     recomputes = sorted(space.recompute, key=RECOMPUTE.index)
     base = _base(degrees, global_batch, sp, space, cluster)
     zcfgs = [replace(base, zero=z) for z in zeros]
-    micro = []
+    entries = []
     for b in _micro(per_rank, space):
         work = pricer.work(base, b)
-        micro.append((_time_floor(work, base, cluster, per_rank // b, v_max), b, work))
-    for bound, b, work in sorted(micro, key=lambda x: x[0]):
-        if prune and bound >= ranking.bar(degrees):
-            continue
         for schedule, v in settings:
-            unit = _Unit(work=work, b=b, m=per_rank // b, schedule=schedule, virtual=v)
-            _price_settings(unit, cluster, zcfgs, recomputes, nests, pricer, ranking, counts,
-                            prune)  # fmt: skip
+            bound = _floor(work, base, cluster, per_rank // b, v, v, 0.0)
+            entries.append((bound, b, schedule, v, work))
+    entries.sort(key=lambda e: e[0])  # most promising first: the bar tightens early
+    for bound, b, schedule, v, work in entries:
+        if prune and bound >= ranking.bar(degrees):
+            break  # sorted: every later entry is bounded out too
+        unit = _Unit(work=work, b=b, m=per_rank // b, schedule=schedule, virtual=v)
+        _price_settings(unit, cluster, zcfgs, recomputes, nests, pricer, ranking, counts, prune)
 
 
 @dataclass(frozen=True)
@@ -492,9 +502,12 @@ def _price_settings(unit: _Unit, cluster: Cluster, zcfgs: list[ParallelConfig],
                     counts: dict, prune: bool) -> None:  # fmt: skip
     """Step 5 for one (degrees, micro-batch, schedule): memory per ZeRO stage and recompute
     mode, then step time per nesting. Recompute modes are tried cheapest first (none,
-    selective, full add time and never remove any): pruning stops at the first that fits."""
-    work, m, v = unit.work, unit.m, unit.virtual
+    selective, full add time and never remove any): pruning stops at the first that fits.
+    With several nestings, the step on `contiguous` spans (the last entry of `nests`, order
+    None) bounds them all first."""
+    work, m, v, schedule = unit.work, unit.m, unit.virtual, unit.schedule
     key = _key(zcfgs[0], cluster)
+    bound_spans = nests[-1][1] if nests[-1][0] is None else None
     for zcfg in zcfgs:
         for recompute in recomputes:
             floor = _floor(work, zcfg, cluster, m, v, v, work.recompute_s[recompute])
@@ -502,21 +515,29 @@ def _price_settings(unit: _Unit, cluster: Cluster, zcfgs: list[ParallelConfig],
                 break
             dpd = zcfg.data_parallel
             memory = rank_memory(work, pp=zcfg.pp, zero=zcfg.zero, dp_dense=dpd,
-                                 dp_expert=dpd // zcfg.ep, schedule=unit.schedule,
+                                 dp_expert=dpd // zcfg.ep, schedule=schedule,
                                  micro_batches=m, virtual=v, recompute=recompute,
                                  capacity=cluster.gpu.hbm_bytes,
                                  grad_bytes=zcfg.grad_bytes)  # fmt: skip
             if not memory.fits:
                 continue
+            if prune and bound_spans is not None:
+                bound = step_time(work, zcfg, cluster, micro_batches=m, schedule=schedule,
+                                  virtual=v, recompute=recompute, spans=bound_spans,
+                                  collective=pricer.collective)  # fmt: skip
+                if not ranking.beats(key, bound.total):
+                    break
             for order, order_spans in nests:
+                if order is None:
+                    continue
                 counts["priced"] += 1
-                step = step_time(work, zcfg, cluster, micro_batches=m, schedule=unit.schedule,
+                step = step_time(work, zcfg, cluster, micro_batches=m, schedule=schedule,
                                  virtual=v, recompute=recompute, spans=order_spans,
                                  collective=pricer.collective)  # fmt: skip
                 if prune and not ranking.beats(key, step.total):
                     continue
-                cfg = replace(zcfg, micro_batch=unit.b, schedule=unit.schedule,
-                              virtual_stages=v, recompute=recompute)  # fmt: skip
+                cfg = replace(zcfg, micro_batch=unit.b, schedule=schedule, virtual_stages=v,
+                              recompute=recompute)  # fmt: skip
                 ranking.offer(Choice(config=cfg, order=order, memory=memory, step=step,
                                      micro_batches=m, work=work))  # fmt: skip
             if prune:

@@ -6,11 +6,12 @@ links its group actually spans.
 Algorithm (`Topology.build`):
 1. One vertex per GPU and one NVSwitch per node; GPU–NVSwitch edges are the node's intra link.
 2. One NIC per GPU (GPU–NIC edge). Rail-optimised fabric: the NIC of local GPU i of every node
-   in a pod (`nodes_per_leaf` nodes) plugs into that pod's leaf switch of rail i; otherwise
-   (top-of-rack) every NIC of a node plugs into its pod's single leaf. NIC–leaf edges are the
-   inter-node link.
-3. Every leaf connects to the spine (one vertex for the spine layer); leaf–spine edges carry
-   the fabric's bandwidth divided by the spine's oversubscription.
+   in a pod (`nodes_per_leaf` nodes, 32 in a SuperPOD unit) plugs into that pod's leaf switch
+   of rail i; otherwise (top-of-rack) every NIC of a node plugs into its pod's single leaf
+   (4 nodes of 8 NICs). NIC–leaf edges are the inter-node link.
+3. Every leaf connects to the spine (one vertex for the spine layer); leaf–spine edges weigh 2
+   (two switch traversals) and carry the fabric's bandwidth over the spine's
+   oversubscription. Within a pod another rail is cheaper through the far node's NVSwitch.
 
 Algorithm (`Topology.collective`, a group of `size` ranks `stride` apart in rank order):
 1. The group's ring pairs: consecutive members inside a node, and across nodes the pairs that
@@ -71,7 +72,7 @@ class Topology:
                 g.add_edge(("gpu", rank), nvs, kind="nvlink", link=c.intra.name)
                 g.add_edge(("gpu", rank), ("nic", rank), kind="pcie", link="pcie")
                 g.add_edge(("nic", rank), leaf, kind="nic", link=c.inter.name)
-                g.add_edge(leaf, "spine", kind="spine", link=f"{c.inter.name} spine")
+                g.add_edge(leaf, "spine", kind="spine", link=f"{c.inter.name} spine", weight=2)
         return g
 
     def _leaf(self, node: int, local: int) -> tuple:
@@ -79,15 +80,17 @@ class Topology:
         return ("leaf", pod, local) if self.rails else ("leaf", pod)
 
     def _pair_class(self, a: int, b: int) -> str:
+        """What the path between ranks a and b climbs to: its node's NVSwitch, its pod's leaf
+        (another rail is reached over the far node's NVSwitch, as NCCL's PXN does), or the
+        spine. The same answer as `path`, without a graph search per pair."""
         gpn = self.cluster.gpus_per_node
         if a // gpn == b // gpn:
             return "node"
-        leaf_a, leaf_b = self._leaf(a // gpn, a % gpn), self._leaf(b // gpn, b % gpn)
-        return "leaf" if leaf_a == leaf_b else "spine"
+        return "leaf" if a // gpn // self.pod == b // gpn // self.pod else "spine"
 
     def path(self, a: int, b: int) -> list:
-        """Vertices of the shortest path between GPU ranks a and b."""
-        return nx.shortest_path(self.graph, ("gpu", a), ("gpu", b))
+        """Vertices of the cheapest path between GPU ranks a and b (a spine link weighs 2)."""
+        return nx.shortest_path(self.graph, ("gpu", a), ("gpu", b), weight="weight")
 
     def _pairs(self, stride: int, size: int, first: int) -> list[tuple[int, int]]:
         """Ring pairs of the group starting at rank `first` (step 1)."""
