@@ -18,8 +18,11 @@ axes autopar compiles today (`autopar.mesh.SUPPORTED_AXES`) when the best needs 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from autopar.mesh import SUPPORTED_AXES, AutoMesh, Mesh
 from cost.config import ParallelConfig
 from cost.errors import CostInputError
 from cost.hardware import Cluster
@@ -187,3 +190,75 @@ def auto_degrees(plan: Plan, supported: tuple[str, ...]) -> tuple[Choice, Choice
     again = search(r.model, r.cluster, r.global_batch, space=space, top=1,
                    collective=plan.topology.collective)  # fmt: skip
     return best, again.best
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What `Mesh.auto` chose: the ranked plan, its best configuration and the compiled one."""
+
+    plan: Plan
+    best: Choice
+    compiled: Choice
+    mesh: Mesh
+
+    @property
+    def missing(self) -> list[str]:
+        """Axes the best configuration needs that autopar does not compile yet."""
+        c = self.best.config
+        return [a for a, n in (("cp", c.cp), ("ep", c.ep)) if n > 1 and a not in SUPPORTED_AXES]
+
+    def __str__(self) -> str:
+        lines = [f"Mesh.auto: best {self.best.describe()} ({self.best.step_time_s:.4f} s)"]
+        if self.missing:
+            ratio = self.compiled.step_time_s / self.best.step_time_s
+            lines.append(f"  the best needs {' and '.join(self.missing)}, which autopar does not "
+                         f"compile yet; compiled the best among {', '.join(SUPPORTED_AXES)}: "
+                         f"{self.compiled.describe()} ({ratio:.3f}× the best's step time)")  # fmt: skip
+        lines.append(f"  compiled on {self.mesh}")
+        return "\n".join(lines + ["", str(self.plan)])
+
+
+def compile_auto(model: Any, mesh: AutoMesh, example_inputs: Sequence[Any],
+                 loss_fn: Callable[..., Any] | None, *, example_kwargs: dict | None = None,
+                 global_batch: int | None = None, verbose: bool = False) -> Any:  # fmt: skip
+    """`autoparallelize(model, Mesh.auto(cluster), ...)`: trace, price the graph
+    (`cost.graph`), search, keep the best configuration autopar compiles, compile it with its
+    nesting, micro-batch count, schedule and ZeRO stage; the program's `search` holds the
+    choice."""
+    from autopar.api import autoparallelize
+    from autopar.trace import trace
+    from cost.graph import GraphModel
+
+    traced = trace(model, example_inputs, example_kwargs, loss_fn)
+    priced = GraphModel.from_traced(traced.gm, name=type(model).__name__)
+    examples = _example_batch(example_inputs)
+    batch = global_batch or mesh.global_batch or examples
+    plan = plan_shape(priced, mesh.cluster, batch, zero=mesh.zero)
+    best, fallback = auto_degrees(plan, SUPPORTED_AXES)
+    chosen = fallback or best
+    c = chosen.config
+    sizes = {"pp": c.pp, "dp": c.dp, "tp": c.tp}
+    axes = tuple((a, sizes[a]) for a in chosen.order if sizes[a] > 1) or (("tp", 1),)
+    concrete = Mesh.ordered(axes, mesh.cluster)
+    options: dict[str, Any] = {}
+    if c.dp > 1:
+        options["zero"] = c.zero
+    if c.pp > 1:
+        m = chosen.micro_batches
+        # 1F1B with fewer micro-batches than stages is GPipe (same bubble, m in flight)
+        options["schedule"] = "gpipe" if c.schedule == "1f1b" and m < c.pp else c.schedule
+        options["virtual_stages"] = c.virtual_stages if c.schedule == "interleaved" else None
+        options["n_microbatches"] = m if (examples // c.dp) % m == 0 else None
+    prog = autoparallelize(model, concrete, example_inputs, loss_fn,
+                           example_kwargs=example_kwargs, verbose=verbose, **options)  # fmt: skip
+    prog.search = AutoChoice(plan=plan, best=best, compiled=chosen, mesh=concrete)
+    if verbose or fallback is not None:
+        print(prog.search.__str__().split("\n\n")[0])
+    return prog
+
+
+def _example_batch(example_inputs: Sequence[Any]) -> int:
+    for x in example_inputs:
+        if hasattr(x, "shape") and len(x.shape) > 0:
+            return int(x.shape[0])
+    raise CostInputError("Mesh.auto needs a tensor example input with a batch dimension")

@@ -282,6 +282,12 @@ def _settings(pp: int, layers: int, space: SearchSpace) -> list[tuple[str, int]]
     return out
 
 
+def runnable(schedule: str, pp: int, micro_batches: int) -> bool:
+    """Interleaved 1F1B runs micro-batches in groups of pp (Megatron-LM requires m % pp == 0;
+    autopar's pipeline at least m >= pp)."""
+    return schedule != "interleaved" or micro_batches % pp == 0
+
+
 class _Pricer:
     """Workloads and collective prices cached across configurations (step 2)."""
 
@@ -401,8 +407,8 @@ def _units(model: Priced, cluster: Cluster, global_batch: int, space: SearchSpac
     zeros = [0] if dp * cp == 1 else _zeros(space.zero, prune)
     nests = orders(tp, pp, dp * cp, space.nest)
     full_zeros = 1 if dp * cp == 1 else len(space.zero)
-    counts["space"] += (len(sps) * len(micro) * len(settings) * full_zeros
-                        * len(space.recompute) * len(nests))  # fmt: skip
+    per_sp = sum(1 for b in micro for sched, _ in settings if runnable(sched, pp, per_rank // b))
+    counts["space"] += len(sps) * per_sp * full_zeros * len(space.recompute) * len(nests)
     v_max = max((v for _, v in settings), default=1)
     out = []
     for sp in sps:
@@ -453,6 +459,8 @@ def _search_unit(model: Priced, cluster: Cluster, global_batch: int, space: Sear
     for b in _micro(per_rank, space):
         work = pricer.work(base, b)
         for schedule, v in settings:
+            if not runnable(schedule, pp, per_rank // b):
+                continue
             bound = _floor(work, base, cluster, per_rank // b, v, v, 0.0)
             entries.append((bound, b, schedule, v, work))
     entries.sort(key=lambda e: e[0])  # most promising first: the bar tightens early

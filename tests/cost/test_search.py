@@ -3,16 +3,20 @@ published configurations ranked, bad input explained."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 
+from autopar import Mesh, autoparallelize, verify
 from autopar.cli import main
-from autopar.search import parse_degrees, plan_shape
+from autopar.search import auto_degrees, parse_degrees, plan_shape
+from autopar.testing import Config, build, lm_loss, tokens
 from cost.config import RECOMPUTE, ParallelConfig, validate
 from cost.errors import CostInputError
 from cost.estimate import as_priced, price
 from cost.hardware import Cluster
+from cost.memory import RESERVED_BYTES
 from cost.model import ModelShape
 from cost.search import TIE_REL, SearchSpace, divisors, search, spans
 
@@ -61,6 +65,8 @@ def test_search_agrees_with_pricing_every_config_through_estimate():
             settings = [("1f1b", 1)] + [("interleaved", v) for v in range(2, per_stage + 1)
                                         if pp > 1 and pp * v <= model.layers]  # fmt: skip
             for schedule, v in settings:
+                if schedule == "interleaved" and (batch // (dp * b)) % pp:
+                    continue  # micro-batches in groups of pp
                 cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, global_batch=batch,
                                      micro_batch=b, schedule=schedule, virtual_stages=v,
                                      recompute=r, sequence_parallel=sp,
@@ -230,3 +236,47 @@ def test_plan_cli_prints_ranking_stats_and_comparison(capsys):
     assert out.count("\n") > 20 and "loses on" in out
     assert "compare tp=8 pp=1 dp=8 cp=1 ep=1: rank" in out
     assert "links: exposed communication per axis" in out
+
+
+# --- Mesh.auto ------------------------------------------------------------------------------
+
+
+def _node(gpus: int, hbm: float | None = None) -> Cluster:
+    node = dataclasses.replace(Cluster.preset("dgx-h100", nodes=1), gpus_per_node=gpus)
+    return node if hbm is None else dataclasses.replace(
+        node, gpu=dataclasses.replace(node.gpu, hbm_bytes=hbm))  # fmt: skip
+
+
+def test_mesh_auto_compiles_the_best_configuration_and_verifies():
+    c = Config(batch=8)
+    model, (x, y) = build("llama", c), tokens(c)
+    report = verify(model, Mesh.auto(_node(4)), (x, y), loss_fn=lm_loss, rtol=1e-4)
+    assert report.ok, str(report)
+    prog = autoparallelize(model, Mesh.auto(_node(4)), (x, y), loss_fn=lm_loss)
+    chosen = prog.search.compiled.config
+    assert prog.search.best is prog.search.compiled  # dp, pp, tp: nothing missing
+    assert prog.mesh.world_size == 4 and prog.mesh.size("dp") == chosen.dp
+    assert "Mesh.auto: best tp=" in str(prog.search) and "compiled on Mesh(" in str(prog.search)
+
+
+def test_mesh_auto_splits_a_model_that_does_not_fit_one_gpu():
+    c = Config(batch=8)
+    model, (x, y) = build("llama", c), tokens(c)
+    params = sum(p.numel() for p in model.parameters())
+    # room for ~60% of the Adam model state (18 B/param) next to the runtime reserve
+    tight = _node(4, hbm=RESERVED_BYTES + 0.6 * 18 * params)
+    mesh = Mesh.auto(tight, zero=(0,))
+    prog = autoparallelize(model, mesh, (x, y), loss_fn=lm_loss)
+    chosen = prog.search.compiled.config
+    assert chosen.tp * chosen.pp > 1
+    report = verify(model, mesh, (x, y), loss_fn=lm_loss, rtol=1e-4)
+    assert report.ok, str(report)
+
+
+def test_mesh_auto_falls_back_to_the_axes_autopar_compiles():
+    plan = plan_shape(ModelShape.preset("llama3-8b").with_seq(131072),
+                      Cluster.preset("dgx-h100", nodes=8), 64)  # fmt: skip
+    best, fallback = auto_degrees(plan, ("dp", "pp", "tp"))
+    assert best.config.cp > 1
+    assert fallback.config.cp == fallback.config.ep == 1
+    assert fallback.step_time_s >= best.step_time_s
