@@ -26,7 +26,7 @@ from autopar.mesh import SUPPORTED_AXES, AutoMesh, Mesh
 from cost.config import ParallelConfig
 from cost.errors import CostInputError
 from cost.hardware import Cluster
-from cost.search import Choice, SearchResult, SearchSpace, nesting, search, spans
+from cost.search import Choice, SearchResult, SearchSpace, nesting, search, sp_label, spans
 from cost.topology import Topology, axis_links
 
 GIB = 2**30
@@ -127,7 +127,7 @@ def _row(rank: int, ch: Choice, r: SearchResult) -> str:
     why = "-" if rank == 1 else r.why_lost(ch)
     return (f"{rank:>4} {ch.step_time_s:9.4f} {mfu:6.1%} {ch.memory.total / GIB:6.1f} "
             f"{c.tp:>4} {c.pp:>3} {c.dp:>5} {c.cp:>3} {c.ep:>3} {c.micro_batch:>3} {sched:<16} "
-            f"{c.recompute:<9} {c.zero:>4} {'on' if c.sequence_parallel else 'off':<3} "
+            f"{c.recompute:<9} {c.zero:>4} {sp_label(c):<3} "
             f"{nesting(ch.order):<10} {why}")  # fmt: skip
 
 

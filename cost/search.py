@@ -97,7 +97,7 @@ class Choice:
         v = f" v={c.virtual_stages}" if c.schedule == "interleaved" else ""
         return (f"tp={c.tp} pp={c.pp} dp={c.dp} cp={c.cp} ep={c.ep} b={c.micro_batch} "
                 f"{c.schedule}{v} recompute={c.recompute} zero={c.zero} "
-                f"sp={'on' if c.sequence_parallel else 'off'} nest={nesting(self.order)}")  # fmt: skip
+                f"sp={sp_label(c)} nest={nesting(self.order)}")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,6 +136,11 @@ class SearchResult:
     def why_lost(self, choice: Choice) -> str:
         """The step-time components on which `choice` loses to the best, largest first."""
         return why_lost(choice, self.best)
+
+
+def sp_label(cfg: ParallelConfig) -> str:
+    """Sequence parallelism: on / off, '-' without tp (it shards nothing then)."""
+    return "-" if cfg.tp == 1 else ("on" if cfg.sequence_parallel else "off")
 
 
 def nesting(order: tuple[str, ...]) -> str:

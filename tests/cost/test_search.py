@@ -34,6 +34,7 @@ def _times(result) -> list[float]:
     ("model", "cluster", "batch"),
     [
         (SMALL, Cluster.preset("dgx-h100", nodes=2), 32),
+        (SMALL, Cluster.preset("dgx-h100", nodes=8), 64),
         # tight memory: most configurations do not fit, the bounds do the pruning
         (ModelShape.preset("llama3-8b").with_seq(4096), Cluster.preset("dgx-a100-40gb", nodes=1),
          16),
