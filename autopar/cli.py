@@ -50,8 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--no-sequence-parallel", action="store_true")
     est.add_argument("--no-overlap", action="store_true", help="do not overlap dp reduction")
     est.add_argument("--tp-across-nodes", action="store_true")
-    est.add_argument("--grad-dtype", choices=("fp32", "bf16"), default="fp32",
-                     help="gradient precision (Megatron: fp32, 18 B/param; bf16: 16 B/param)")
+    est.add_argument(
+        "--grad-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="gradient precision (Megatron: fp32, 18 B/param; bf16: 16 B/param)",
+    )
     est.add_argument("--explain", action="store_true", help="also print the closed formulas")
     plan = sub.add_parser("plan", help="search every configuration; print the ranking")
     _model_args(plan)
@@ -60,10 +64,16 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--compare", help="a hand-chosen configuration, e.g. tp=8,pp=4,dp=16")
     plan.add_argument("--zero", help="ZeRO stages to search, e.g. 0,1 (default 0,1,2,3)")
     plan.add_argument("--attention", choices=ATTENTION, default="flash")
-    plan.add_argument("--no-nest", action="store_true",
-                      help="keep Megatron's nesting (pp outermost, tp innermost)")
-    plan.add_argument("--no-rails", action="store_true",
-                      help="the fabric is not rail-optimised (one leaf switch per node group)")
+    plan.add_argument(
+        "--no-nest",
+        action="store_true",
+        help="keep Megatron's nesting (pp outermost, tp innermost)",
+    )
+    plan.add_argument(
+        "--no-rails",
+        action="store_true",
+        help="the fabric is not rail-optimised (one leaf switch per node group)",
+    )
     plan.add_argument("--grad-dtype", choices=("fp32", "bf16"), default="fp32")
     return parser
 
@@ -73,7 +83,8 @@ def _model_args(est: argparse.ArgumentParser) -> None:
         "--model",
         help=f"one of {', '.join(sorted(MODEL_PRESETS))}, or 'gpt' / "
         "'llama' with --layers --hidden --heads --seq --vocab (llama: --kv-heads, "
-        "--ffn)",
+        "--ffn); plan also takes FILE.py:FUNCTION returning (model, example_inputs[, loss_fn]) "
+        "to trace (build it on the meta device for large models)",
     )
     for name in ("layers", "hidden", "heads", "vocab", "kv-heads", "ffn"):
         est.add_argument(f"--{name}", type=int)
@@ -137,11 +148,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from autopar.search import parse_degrees, plan_shape
+    from autopar.search import load_traced, parse_degrees, plan_shape
 
     try:
         zero = tuple(int(z) for z in args.zero.split(",")) if args.zero else (0, 1, 2, 3)
-        result = plan_shape(_shape(args), _cluster(args), args.global_batch, top=args.top,
+        model = load_traced(args.model) if ":" in (args.model or "") else _shape(args)
+        result = plan_shape(model, _cluster(args), args.global_batch, top=args.top,
                             compare=parse_degrees(args.compare) if args.compare else None,
                             zero=zero, attention=args.attention, nest=not args.no_nest,
                             rails=not args.no_rails,

@@ -257,6 +257,34 @@ def compile_auto(model: Any, mesh: AutoMesh, example_inputs: Sequence[Any],
     return prog
 
 
+def load_traced(spec: str) -> Any:
+    """`FILE.py:FUNCTION` → the priced graph of the (model, example_inputs[, loss_fn]) the
+    function returns, traced with torch.export (meta parameters stay on the meta device)."""
+    import importlib.util
+    from pathlib import Path
+
+    from autopar.trace import trace
+    from cost.graph import GraphModel
+
+    path, _, name = spec.rpartition(":")
+    if not Path(path).is_file():
+        raise CostInputError(f"--model {spec!r}: no file {path!r} (write FILE.py:FUNCTION)")
+    module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not callable(getattr(module, name, None)):
+        raise CostInputError(f"--model {spec!r}: {path} defines no function {name!r}")
+    built = getattr(module, name)()
+    if not isinstance(built, tuple) or len(built) not in (2, 3):
+        raise CostInputError(
+            f"--model {spec!r}: {name}() must return (model, example_inputs) or "
+            f"(model, example_inputs, loss_fn), got {type(built).__name__}"
+        )
+    model, inputs, loss_fn = (*built, None)[:3]
+    traced = trace(model, tuple(inputs), None, loss_fn)
+    return GraphModel.from_traced(traced.gm, name=type(model).__name__)
+
+
 def _example_batch(example_inputs: Sequence[Any]) -> int:
     for x in example_inputs:
         if hasattr(x, "shape") and len(x.shape) > 0:

@@ -281,3 +281,25 @@ def test_mesh_auto_falls_back_to_the_axes_autopar_compiles():
     assert best.config.cp > 1
     assert fallback.config.cp == fallback.config.ep == 1
     assert fallback.step_time_s >= best.step_time_s
+
+
+def test_plan_cli_traces_a_model_built_on_the_meta_device(tmp_path, capsys):
+    source = tmp_path / "model.py"
+    source.write_text(
+        "import torch\n"
+        "from autopar.testing import Config, build, lm_loss, tokens\n\n"
+        "def make():\n"
+        "    c = Config(layers=4, hidden=256, heads=8, kv_heads=2, ffn=512, vocab=512, seq=128,\n"
+        "               batch=4)\n"
+        "    with torch.device('meta'):\n"
+        "        model = build('llama', c)\n"
+        "    return model, tokens(c), lm_loss\n"
+    )
+    argv = ["plan", "--model", f"{source}:make", "--nodes", "2", "--global-batch", "64",
+            "--top", "3"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan: Llama on 2 × 8 h100-sxm (16 GPUs")
+    assert "global batch 64 × 128 tokens" in out
+    assert main(["plan", "--model", f"{source}:nothing", "--global-batch", "8"]) == 2
+    assert "defines no function 'nothing'" in capsys.readouterr().err
