@@ -155,6 +155,18 @@ def test_a_long_sequence_gets_context_parallelism():
     assert no_cp.best.step_time_s > long.best.step_time_s
 
 
+def test_an_moe_model_that_needs_ep_gets_it_inside_a_node():
+    # Mixtral-8x22B's shape (141B parameters, 8 experts, top-2) on 64 H100, Megatron's
+    # distributed optimizer (ZeRO-1 at most): the experts do not fit without splitting
+    moe = ModelShape.llama(name="mixtral-8x22b", layers=56, hidden=6144, heads=48, kv_heads=8,
+                           ffn=16384, seq=4096, vocab=32768, experts=8, top_k=2)  # fmt: skip
+    cluster = Cluster.preset("dgx-h100", nodes=8)
+    result = search(moe, cluster, 512, space=SearchSpace(zero=(0, 1)))
+    assert result.best.config.ep > 1
+    for choice in result.ranked[:5]:
+        assert _inside_node(cluster, spans(choice.order, *choice.key)["ep"])
+
+
 def test_an_moe_models_expert_all_to_all_stays_inside_a_node():
     cluster = Cluster.preset("dgx-h100", nodes=4)
     for ep in (2, 4, 8):
