@@ -580,31 +580,40 @@ def _raise_nothing(model: Priced, cluster: Cluster, global_batch: int, space: Se
             f"for cp: 2·cp must divide it); use a global batch that is a multiple of "
             f"{_smallest_dp(model, world)}"
         )
-    low, cfg = min(floor, key=lambda f: f[0])
+    low, cfg = min(floor, key=lambda f: (round(f[0] / 2**20), f[1].cp, f[1].pp, f[1].tp))
     cap = cluster.gpu.hbm_bytes
-    state = _full_state_bytes(model, space.grad_bytes)
+    if low <= cap:
+        raise CostInputError(
+            f"{model.name} fits nowhere on {world} × {cluster.gpu.name} at global batch "
+            f"{global_batch}: its model state fits (tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} "
+            f"cp={cfg.cp} ep={cfg.ep} zero={cfg.zero}: {low / GIB:.1f} GiB at one sequence "
+            f"per micro-batch), but every micro-batch size the global batch allows keeps too "
+            "many activations in flight; use a global batch with more divisors or more GPUs"
+        )
+    state = _full_state_bytes(model, cluster, space.grad_bytes)
     gpus = math.ceil(state / max(cap - RESERVED_BYTES, 1.0))
     raise CostInputError(
         f"{model.name} fits nowhere on {world} × {cluster.gpu.name} "
         f"({cap / GIB:.1f} GiB each): the least memory per rank over every configuration is "
         f"{low / GIB:.1f} GiB (tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} cp={cfg.cp} ep={cfg.ep} "
-        f"zero={cfg.zero}, full recompute, micro-batch 1), {(low - cap) / GIB:.1f} GiB over. "
+        f"zero={cfg.zero}, its leanest recompute, one sequence per micro-batch), "
+        f"{(low - cap) / GIB:.1f} GiB over. "
         f"Model state alone is {state / GIB:.1f} GiB: it needs at least {gpus} GPUs of this "
         f"kind, or a GPU with at least {low / GIB:.1f} GiB"
     )
 
 
-def _full_state_bytes(model: Priced, grad_bytes: int) -> float:
+def _full_state_bytes(model: Priced, cluster: Cluster, grad_bytes: int) -> float:
     """Weights, gradients and Adam state of every parameter (no sharding)."""
     shape = getattr(model, "shape", None)
-    params = shape.params if isinstance(shape, ModelShape) else _graph_params(model)
+    params = shape.params if isinstance(shape, ModelShape) else _graph_params(model, cluster)
     w, g, o = model_state(params, 0.0, 0, 1, 1, grad_bytes)
     return w + g + o
 
 
-def _graph_params(model: Priced) -> float:
-    cfg = ParallelConfig(global_batch=1)
-    work = model.workload(cfg, 1, Cluster.default().gpu)
+def _graph_params(model: Priced, cluster: Cluster) -> float:
+    """Every parameter of a traced model (its workload at no parallelism)."""
+    work = model.workload(ParallelConfig(global_batch=1), 1, cluster.gpu)
     return work.layers * (work.layer_dense_params + work.layer_expert_params) + work.edge_params
 
 
