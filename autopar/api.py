@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from autopar.compile import Progress, compile_program
 from autopar.errors import MeshError, PlanError
-from autopar.mesh import Mesh
+from autopar.mesh import AutoMesh, Mesh
 from autopar.plan import Plan
 from autopar.planner import PlanOptions
 from cost.hardware import Cluster
@@ -45,6 +45,7 @@ def autoparallelize(
     cluster: Cluster | None = None,
     zero: int | None = None,
     param_dtype: torch.dtype = torch.float32,
+    global_batch: int | None = None,
 ) -> Any:
     """Compile ``model`` for ``mesh``.
 
@@ -70,7 +71,16 @@ def autoparallelize(
     stage (default: the lowest whose per-rank memory fits ``memory_limit`` or the GPU;
     ``param_dtype`` prices the model state).  Returns a DataParallelProgram, or with a
     DeviceMesh this rank's DataParallelModule (DDP or FSDP2 over the dp group).
+
+    ``Mesh.auto(cluster)`` searches the degrees on the traced model (``global_batch``
+    sequences per step, default the example batch) and compiles the best configuration among
+    the axes autopar compiles; ``prog.search`` holds the ranked plan (autopar.search).
     """
+    if isinstance(mesh, AutoMesh):
+        from autopar.search import compile_auto
+
+        return compile_auto(model, mesh, example_inputs, loss_fn, example_kwargs=example_kwargs,
+                            global_batch=global_batch, verbose=verbose)  # fmt: skip
     device_mesh = None if isinstance(mesh, Mesh) else mesh
     virtual = mesh if isinstance(mesh, Mesh) else Mesh.from_device_mesh(mesh, cluster)
     if "dp" in virtual.sizes:

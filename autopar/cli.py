@@ -2,6 +2,8 @@
 
     autopar estimate --model llama3-70b --cluster dgx-h100 --nodes 8 --tp 8 --pp 4 --dp 2 \\
         --global-batch 512
+    autopar plan --model llama3-70b --cluster dgx-h100 --nodes 64 --seq 8192 \\
+        --global-batch 1024 --compare tp=8,pp=4,dp=16
 
 Algorithm (`main`):
 1. Parse the subcommand and its options; options left out stay None and are chosen by the
@@ -10,7 +12,10 @@ Algorithm (`main`):
    nodes, optionally with another GPU) and the parallel configuration,
    price them with `cost.estimate.estimate`, print the table (and with --explain the closed
    formulas behind it); exit 0 when it fits, 1 when it does not.
-3. Bad input (unknown preset, inconsistent degrees) prints the error and exits with status 2.
+3. `plan` searches every configuration (`cost.search`) and prints the ranking
+   (`autopar.search.render_plan`); `--compare` ranks a hand-chosen one too.
+4. Bad input (unknown preset, inconsistent degrees, a model that fits nowhere, a global batch
+   no factorisation divides) prints the error and exits with status 2.
 """
 
 from __future__ import annotations
@@ -31,18 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     est = sub.add_parser("estimate", help="price a training configuration")
-    est.add_argument(
-        "--model",
-        help=f"one of {', '.join(sorted(MODEL_PRESETS))}, or 'gpt' / "
-        "'llama' with --layers --hidden --heads --seq --vocab (llama: --kv-heads, "
-        "--ffn)",
-    )
-    for name in ("layers", "hidden", "heads", "vocab", "kv-heads", "ffn"):
-        est.add_argument(f"--{name}", type=int)
-    est.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
-    est.add_argument("--cluster", default="dgx-h100", help=f"one of {', '.join(CLUSTER_PRESETS)}")
-    est.add_argument("--gpu", help=f"replace the cluster's GPU: one of {', '.join(GPU_PRESETS)}")
-    est.add_argument("--nodes", type=int, default=1)
+    _model_args(est)
     for name in ("tp", "pp", "cp", "ep"):
         est.add_argument(f"--{name}", type=int, default=1)
     est.add_argument("--dp", type=int, help="default: GPUs left by tp·pp·cp")
@@ -56,10 +50,48 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--no-sequence-parallel", action="store_true")
     est.add_argument("--no-overlap", action="store_true", help="do not overlap dp reduction")
     est.add_argument("--tp-across-nodes", action="store_true")
-    est.add_argument("--grad-dtype", choices=("fp32", "bf16"), default="fp32",
-                     help="gradient precision (Megatron: fp32, 18 B/param; bf16: 16 B/param)")
+    est.add_argument(
+        "--grad-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="gradient precision (Megatron: fp32, 18 B/param; bf16: 16 B/param)",
+    )
     est.add_argument("--explain", action="store_true", help="also print the closed formulas")
+    plan = sub.add_parser("plan", help="search every configuration; print the ranking")
+    _model_args(plan)
+    plan.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    plan.add_argument("--top", type=int, default=10, help="rows of the ranking (default 10)")
+    plan.add_argument("--compare", help="a hand-chosen configuration, e.g. tp=8,pp=4,dp=16")
+    plan.add_argument("--zero", help="ZeRO stages to search, e.g. 0,1 (default 0,1,2,3)")
+    plan.add_argument("--attention", choices=ATTENTION, default="flash")
+    plan.add_argument(
+        "--no-nest",
+        action="store_true",
+        help="keep Megatron's nesting (pp outermost, tp innermost)",
+    )
+    plan.add_argument(
+        "--no-rails",
+        action="store_true",
+        help="the fabric is not rail-optimised (one leaf switch per node group)",
+    )
+    plan.add_argument("--grad-dtype", choices=("fp32", "bf16"), default="fp32")
     return parser
+
+
+def _model_args(est: argparse.ArgumentParser) -> None:
+    est.add_argument(
+        "--model",
+        help=f"one of {', '.join(sorted(MODEL_PRESETS))}, or 'gpt' / "
+        "'llama' with --layers --hidden --heads --seq --vocab (llama: --kv-heads, "
+        "--ffn); plan also takes FILE.py:FUNCTION returning (model, example_inputs[, loss_fn]) "
+        "to trace (build it on the meta device for large models)",
+    )
+    for name in ("layers", "hidden", "heads", "vocab", "kv-heads", "ffn"):
+        est.add_argument(f"--{name}", type=int)
+    est.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    est.add_argument("--cluster", default="dgx-h100", help=f"one of {', '.join(CLUSTER_PRESETS)}")
+    est.add_argument("--gpu", help=f"replace the cluster's GPU: one of {', '.join(GPU_PRESETS)}")
+    est.add_argument("--nodes", type=int, default=1)
 
 
 def _config(args: argparse.Namespace) -> ParallelConfig:
@@ -101,6 +133,8 @@ def _cluster(args: argparse.Namespace) -> Cluster:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = _parser().parse_args(argv)
+    if args.command == "plan":
+        return _plan(args)
     try:
         est = estimate(_shape(args), _cluster(args), _config(args))
     except CostInputError as err:
@@ -111,6 +145,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
         print(est.explain())
     return 0 if est.fits else 1
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from autopar.search import load_traced, parse_degrees, plan_shape
+
+    try:
+        zero = tuple(int(z) for z in args.zero.split(",")) if args.zero else (0, 1, 2, 3)
+        model = load_traced(args.model) if ":" in (args.model or "") else _shape(args)
+        result = plan_shape(model, _cluster(args), args.global_batch, top=args.top,
+                            compare=parse_degrees(args.compare) if args.compare else None,
+                            zero=zero, attention=args.attention, nest=not args.no_nest,
+                            rails=not args.no_rails,
+                            grad_bytes=4 if args.grad_dtype == "fp32" else 2)  # fmt: skip
+    except (CostInputError, ValueError) as err:
+        print(f"autopar plan: error: {err}", file=sys.stderr)
+        return 2
+    print(result)
+    return 0
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 canonically outermost first (dp, pp, cp, ep, tp, whatever order they are written in), so the
 last axis holds contiguous ranks (tp inside a node when it fits, dp across nodes).  A torch
 ``DeviceMesh`` with ``mesh_dim_names`` converts with :func:`Mesh.from_device_mesh`, keeping the
-DeviceMesh's own order (its ranks are laid out that way).
+DeviceMesh's own order (its ranks are laid out that way).  ``Mesh.auto(cluster)`` leaves the
+degrees to the whole-cluster search (:mod:`autopar.search`), run when the model is compiled.
 """
 
 from __future__ import annotations
@@ -75,6 +76,15 @@ class Mesh:
             )
         return Mesh.ordered(tuple(zip(names, device_mesh.mesh.shape, strict=True)), cluster)
 
+    @staticmethod
+    def auto(cluster: Cluster | None = None, *, global_batch: int | None = None,
+             zero: tuple[int, ...] = (0, 1, 2, 3)) -> AutoMesh:  # fmt: skip
+        """Every GPU of ``cluster``; the degrees, their nesting, micro-batching, schedule,
+        recompute and ZeRO stage are searched at compile time for ``global_batch`` sequences
+        per step (default: the example batch), within the ZeRO stages ``zero``."""
+        return AutoMesh(cluster=cluster or Cluster.default(), global_batch=global_batch,
+                        zero=tuple(zero))  # fmt: skip
+
     def size(self, axis: str) -> int:
         return dict(self.axes).get(axis, 1)
 
@@ -104,3 +114,16 @@ class Mesh:
 
     def __str__(self) -> str:
         return "Mesh(" + ", ".join(f"{a}={s}" for a, s in self.axes) + ")"
+
+
+@dataclass(frozen=True)
+class AutoMesh:
+    """A mesh whose degrees the whole-cluster search chooses (see :meth:`Mesh.auto`)."""
+
+    cluster: Cluster
+    global_batch: int | None = None
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+
+    def __str__(self) -> str:
+        c = self.cluster
+        return f"Mesh.auto({c.nodes} × {c.gpus_per_node} {c.gpu.name})"

@@ -92,6 +92,7 @@ def verify(
     """Compare ``model`` with its parallel programs on ``mesh`` (steps 1-4)."""
     prog = autoparallelize(model, mesh, example_inputs, loss_fn,
                            example_kwargs=example_kwargs, **compile_options)  # fmt: skip
+    mesh = getattr(getattr(prog, "search", None), "mesh", mesh)  # Mesh.auto: the chosen mesh
     if "dp" in mesh.sizes:
         return _verify_data_parallel(prog, model, example_inputs, example_kwargs, loss_fn, rtol,
                                      seed)  # fmt: skip

@@ -21,6 +21,7 @@ Algorithm (`step_time`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cost.comm import span_time
@@ -54,33 +55,41 @@ def _spans(cfg: ParallelConfig) -> dict[str, tuple[int, int]]:
             "dp_expert": (t * c * e, d // e), "pp": (t * c * d, cfg.pp)}  # fmt: skip
 
 
+# (kind, nbytes, stride, size) -> seconds: prices one collective over a rank span
+Collective = Callable[[str, float, int, int], float]
+
+
+def _default(cluster: Cluster) -> Collective:
+    return lambda kind, nbytes, stride, size: span_time(kind, nbytes, cluster, stride, size)
+
+
 def _passes(recompute: str) -> int:
     return 3 if recompute == "full" else 2
 
 
-def _layer_comm(work: Workload, cfg: ParallelConfig, cluster: Cluster, recompute: str) -> dict:
+def _layer_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
+                recompute: str) -> dict:  # fmt: skip
     """Exposed seconds per micro-batch per layer for tp, cp and ep (steps 2–4)."""
-    spans, passes = _spans(cfg), _passes(recompute)
-    tp = work.tp_calls * span_time("all_reduce", work.tp_bytes, cluster, *spans["tp"])
-    ep = work.ep_calls * span_time("all_to_all", work.ep_bytes, cluster, *spans["ep"])
-    ring = span_time("send_recv", work.cp_bytes, cluster, *spans["cp"])
+    passes = _passes(recompute)
+    tp = work.tp_calls * coll("all_reduce", work.tp_bytes, *spans["tp"])
+    ep = work.ep_calls * coll("all_to_all", work.ep_bytes, *spans["ep"])
+    ring = coll("send_recv", work.cp_bytes, *spans["cp"])
     attn = work.attn_fwd_s
     forward = max(0.0, work.cp_calls * ring - attn)
     cp = (passes - 1) * forward + max(0.0, 2 * cfg.cp * ring - 2 * attn)
     return {"tp": passes * tp, "cp": cp if cfg.cp > 1 else 0.0, "ep": passes * ep}
 
 
-def _dp_comm(work: Workload, cfg: ParallelConfig, cluster: Cluster, micro_batches: int,
-             recompute: str, per_stage: int) -> float:  # fmt: skip
+def _dp_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
+             micro_batches: int, recompute: str, per_stage: int) -> float:  # fmt: skip
     """Exposed data-parallel seconds per step (step 6), for `per_stage` layers on the rank."""
-    spans = _spans(cfg)
     groups = (
         (per_stage * work.layer_dense_params + work.edge_params, spans["dp"]),
         (per_stage * work.layer_expert_params, spans["dp_expert"]),
     )
 
     def each(kind: str, bytes_per_param: int) -> float:
-        return sum(span_time(kind, bytes_per_param * p, cluster, *span) for p, span in groups)
+        return sum(coll(kind, bytes_per_param * p, *span) for p, span in groups)
 
     if cfg.zero == 0:
         reduce = each("all_reduce", 4)
@@ -97,19 +106,25 @@ def _dp_comm(work: Workload, cfg: ParallelConfig, cluster: Cluster, micro_batche
 
 
 def step_time(work: Workload, cfg: ParallelConfig, cluster: Cluster, *, micro_batches: int,
-              schedule: str, virtual: int, recompute: str) -> StepBreakdown:  # fmt: skip
-    """Seconds of one training step of `micro_batches` micro-batches per data-parallel rank."""
+              schedule: str, virtual: int, recompute: str, spans: dict | None = None,
+              collective: Collective | None = None) -> StepBreakdown:  # fmt: skip
+    """Seconds of one training step of `micro_batches` micro-batches per data-parallel rank;
+    `spans` (axis → (stride, size)) and `collective` override the Megatron layout and the
+    flat two-level link model (the planner passes other nestings and its topology)."""
+    spans = spans or _spans(cfg)
+    coll = collective or _default(cluster)
     v = virtual if schedule == "interleaved" else 1
     per_stage = stage_layers(work.layers, cfg.pp, v)
     ends = work.pre_s + work.post_s if cfg.pp == 1 else max(work.pre_s, work.post_s)
     layer = work.layer_fwd_s + work.layer_bwd_s + work.recompute_s[recompute]
     compute_mb = per_stage * layer + ends
-    comm_mb = {k: per_stage * v for k, v in _layer_comm(work, cfg, cluster, recompute).items()}
-    p2p = span_time("send_recv", work.boundary_bytes, cluster, *_spans(cfg)["pp"])
+    layer_comm = _layer_comm(work, cfg, coll, spans, recompute)
+    comm_mb = {k: per_stage * v for k, v in layer_comm.items()}
+    p2p = coll("send_recv", work.boundary_bytes, *spans["pp"])
     comm_mb["pp"] = 2 * v * p2p if cfg.pp > 1 else 0.0
     per_mb = compute_mb + sum(comm_mb.values())
     comm = {k: micro_batches * x for k, x in comm_mb.items()}
-    comm["dp"] = _dp_comm(work, cfg, cluster, micro_batches, recompute, per_stage)
+    comm["dp"] = _dp_comm(work, cfg, coll, spans, micro_batches, recompute, per_stage)
     params = per_stage * (work.layer_dense_params + work.layer_expert_params) + work.edge_params
     shard = cfg.data_parallel if cfg.zero >= 1 else 1
     optimizer = ADAM_BYTES_PER_PARAM * params / shard / (cluster.gpu.hbm_bw * MEMORY_BW_FRACTION)
