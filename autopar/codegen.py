@@ -92,7 +92,20 @@ def build_module(gm: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> f
         if name and isinstance(sub, fx.GraphModule):  # higher-order ops' bodies (autocast...)
             _device_from_module(sub.graph)
             sub.recompile()
-    out.meta = {"rank": rank, "coords": coords}
+    out.meta = {"rank": rank, "coords": coords, "shards": shard_specs(graph, traced, mesh)}
+    return out
+
+
+def shard_specs(graph: fx.Graph, traced: Traced, mesh: Mesh) -> dict[str, tuple]:
+    """Per parameter FQN: (global shape before vocab padding, padded shape, layout, axis sizes)
+    -- what :mod:`autopar.checkpoint` needs to describe a local shard as part of the whole."""
+    out, params = {}, set(traced.params.values())
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.target in params:
+            fqn, full = node.target, tuple(traced.tensors[node.target].shape)
+            lay = meta.layout(node) or Layout.replicate(len(full))
+            shape = (traced.padded[fqn], *full[1:]) if fqn in traced.padded else full
+            out[fqn] = (shape, full, lay, dict(mesh.sizes))
     return out
 
 

@@ -1,0 +1,210 @@
+"""Checkpoints: sharded, asynchronous, atomically committed, resharded on load.
+
+Each resume test trains, saves at step 5 under one plan, loads under another (fresh weights
+from a different seed, so a load that silently did nothing fails) and trains 5 more steps: the
+losses must equal an uninterrupted single-device run (fp32, rtol 1e-5).
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from autopar import Mesh, autoparallelize
+from autopar.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    ShardSpec,
+    committed_steps,
+    export_state_dict,
+    global_pieces,
+    read_metadata,
+)
+from autopar.codegen import shard_tensor
+from autopar.layout import Layout
+from autopar.pool import get_pool
+from autopar.testing import Config, build, lm_loss, tokens, train_loop
+
+GPT = Config(layers=1, vocab=90, fused_qkv=True, batch=4)  # 90 rows: padded to 92 at tp=4
+LLAMA = Config(layers=2, hidden=32, heads=4, ffn=64, vocab=48, seq=8, batch=4, bias=False)
+LR, WD = 1e-2, 0.01
+_GROUPS: dict[int, object] = {}  # n -> Gloo group of ranks 0..n-1 (on a pool worker)
+
+
+def _reference(kind: str, c: Config, steps: int = 10) -> list[float]:
+    model = build(kind, c)
+    x, y = tokens(c)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    return train_loop(lambda: lm_loss(model(x), y), opt, steps)
+
+
+def _make_groups(rank, groups):
+    """On every pool worker (all take part in new_group): Gloo groups of ranks 0..n-1 for the
+    checkpoint's own collectives, so a background save never interleaves with training's."""
+    import torch.distributed as dist
+
+    for n in (2, 4):
+        if n not in _GROUPS:  # a worker keeps its groups across jobs
+            _GROUPS[n] = dist.new_group(list(range(n)), backend="gloo")
+
+
+def _ckpt_group(n: int):
+    return _GROUPS[n]
+
+
+def _pool():
+    pool = get_pool(4)
+    pool.run(_make_groups, (), [()] * pool.world)
+    return pool
+
+
+def _run(model, opt, ck: Checkpointer, step_fn, first: int, last: int, save_at=()) -> list:
+    """Steps ``first..last`` (1-based) of ``step_fn`` (forward and backward, returns the loss),
+    saving (asynchronously) after each step in save_at."""
+    losses = []
+    for step in range(first, last + 1):
+        loss = step_fn()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if step in save_at:
+            ck.save(step, {"data_position": step})
+    ck.wait()
+    return losses
+
+
+def _backward(loss: torch.Tensor) -> torch.Tensor:
+    loss.backward()
+    return loss
+
+
+def _tp_rank(rank, groups, module, root, n, resume):
+    from autopar import collectives
+
+    collectives.bind(groups)
+    x, y = tokens(GPT)
+    opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WD)
+    ck = Checkpointer(root, module, opt, group=_ckpt_group(n))
+    step = lambda: _backward(module(x, y))  # noqa: E731
+    if resume:
+        state = ck.load()
+        assert state.step == 5 and state.extra == {"data_position": 5}
+        return _run(module, opt, ck, step, 6, 10), ck.staged_bytes
+    return _run(module, opt, ck, step, 1, 5, save_at=(3, 5)), ck.staged_bytes
+
+
+def _single_resume(root) -> list[float]:
+    model = build("gpt", GPT, seed=7)
+    x, y = tokens(GPT)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    ck = Checkpointer(root, model, opt)
+    assert ck.load().step == 5
+    return _run(model, opt, ck, lambda: _backward(lm_loss(model(x), y)), 6, 10)
+
+
+def test_saved_under_tp2_resumes_under_tp4_and_one_device(tmp_path):
+    ref = _reference("gpt", GPT)
+    x, y = tokens(GPT)
+    two = autoparallelize(build("gpt", GPT), Mesh(tp=2), (x, y), loss_fn=lm_loss)
+    four = autoparallelize(build("gpt", GPT, seed=3), Mesh(tp=4), (x, y), loss_fn=lm_loss)
+    assert four.module(0).get_parameter("head.weight").shape[0] == 23  # padded 92 / 4
+    first = _pool().run(_tp_rank, two.mesh.axes, [(two.module(r), tmp_path, 2, False)
+                                                      for r in range(2)])  # fmt: skip
+    assert first[0][0] == pytest.approx(ref[:5], rel=1e-5)
+    assert committed_steps(tmp_path) == [3, 5]
+    sizes = {k: tuple(v.size) for k, v in read_metadata(tmp_path / "step_00000005")
+             .state_dict_metadata.items() if k.startswith("model.")}  # fmt: skip
+    assert sizes["model.head.weight"] == (90, 64)  # global, unpadded
+    again = _pool().run(_tp_rank, four.mesh.axes, [(four.module(r), tmp_path, 4, True)
+                                                       for r in range(4)])  # fmt: skip
+    for losses, _ in again:
+        assert losses == pytest.approx(ref[5:], rel=1e-5)
+    assert _single_resume(tmp_path) == pytest.approx(ref[5:], rel=1e-5)
+    staged = sum(s for _, s in first)  # the staging copy holds each rank's own shards only
+    whole = sum(p.numel() * 4 * 3 for p in build("gpt", GPT).parameters())  # params + 2 moments
+    assert staged < 1.3 * whole
+
+
+def _dp_rank(rank, groups, module, root):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autopar import collectives
+    from autopar.runtime import DataParallelModule
+
+    collectives.bind({a: g for a, g in groups.items() if a != "dp"})
+    dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
+    wrapped = DataParallelModule(module, group=groups["dp"], dp_mesh=dp_mesh, zero=3,
+                                 reduction="mean")  # fmt: skip
+    x, y = (t.chunk(2)[dp_mesh.get_local_rank()] for t in tokens(LLAMA))
+    opt = wrapped.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+    ck = Checkpointer(root, wrapped, opt, group=_ckpt_group(4))
+    return _run(wrapped, opt, ck, lambda: _backward(wrapped(x, y)), 1, 5, save_at=(5,))
+
+
+def _pp_rank(rank, groups, share, root):
+    from autopar import collectives
+    from autopar.runtime import PipelineRunner
+
+    collectives.bind(groups)
+    runner = PipelineRunner(share, groups["pp"])
+    opt = runner.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+    ck = Checkpointer(root, runner, opt, group=_ckpt_group(4))
+    assert ck.load().step == 5
+    x, y = tokens(LLAMA)
+    return _run(runner, opt, ck, lambda: runner.step(x, y), 6, 10)
+
+
+def test_saved_under_dp_tp_zero3_resumes_under_pp_tp(tmp_path):
+    ref = _reference("llama", LLAMA)
+    x, y = tokens(LLAMA)
+    dp = autoparallelize(build("llama", LLAMA), Mesh(dp=2, tp=2), (x, y), loss_fn=lm_loss,
+                         zero=3)  # fmt: skip
+    jobs = [(dp.module(r), tmp_path) for r in range(4)]
+    first = _pool().run(_dp_rank, dp.mesh.axes, jobs)
+    assert first[0] == pytest.approx(ref[:5], rel=1e-5)
+    pp = autoparallelize(build("llama", LLAMA, seed=3), Mesh(pp=2, tp=2), (x, y),
+                         loss_fn=lm_loss)  # fmt: skip
+    again = _pool().run(_pp_rank, pp.mesh.axes, [(pp.share(r), tmp_path) for r in range(4)])
+    for losses in again:
+        assert losses == pytest.approx(ref[5:], rel=1e-5)
+    model = build("llama", LLAMA, seed=9)
+    model.load_state_dict(export_state_dict(tmp_path / "step_00000005"))  # strict: every name
+
+
+@pytest.mark.parametrize(("shape", "layout", "sizes", "true"), [
+    ((12, 4), Layout(dims=(("tp",), ()), blocks=(3, 1)), {"tp": 2}, (11, 4)),
+    ((8, 6), Layout(dims=((), ("tp",)), blocks=(1, 1)), {"tp": 2}, (7, 6)),
+    ((24,), Layout(dims=(("tp",),), blocks=(3,)), {"tp": 4}, (24,)),
+])  # fmt: skip
+def test_pieces_of_every_rank_tile_the_global_tensor_once(shape, layout, sizes, true):
+    """Blocked splits and vocab padding, each rank's shard cut in two row ranges (FSDP2)."""
+    full, mesh = torch.randn(shape), Mesh(**sizes)
+    out, cover = torch.zeros(true), torch.zeros(true)
+    for r in range(mesh.world_size):
+        coords = mesh.coordinates(r)
+        local = shard_tensor(full, layout, mesh, coords)
+        half = local.shape[0] // 2
+        spec = ShardSpec(shape=true, padded=shape, layout=layout, sizes=sizes, coords=coords)
+        for row0, part in ((0, local[:half]), (half, local[half:])):
+            for offsets, view in global_pieces(part, spec, row0):
+                where = tuple(slice(o, o + n) for o, n in zip(offsets, view.shape, strict=True))
+                out[where] = view
+                cover[where] += 1
+    assert torch.equal(out, full[tuple(slice(0, n) for n in true)])
+    assert bool((cover == 1).all())
+
+
+def test_tampered_metadata_is_refused_without_running_it(tmp_path):
+    model = build("gpt", GPT)
+    Checkpointer(tmp_path, model).save(1, blocking=True)
+    path = tmp_path / "step_00000001" / ".metadata"
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    path.write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CheckpointError, match=r"builtins\.print.*refusing"):
+        Checkpointer(tmp_path, model).load()
