@@ -65,6 +65,7 @@ class PipelineRunner:
             raise MeshError("ZeRO-2/3 with pipeline stages that share a tied weight is not "
                             "supported yet; use zero=0 or 1, or untie the weights")  # fmt: skip
         wrapped = {s: data.wrap(m) if data else m for s, m in self.modules.items()}
+        self.modules = {s: _unwrapped(m) for s, m in wrapped.items()}  # ZeRO-2/3 run per-block
         self.stages = [
             PipelineStage(
                 wrapped[s],
@@ -133,6 +134,13 @@ class PipelineRunner:
         src = dist.get_global_rank(self.pp_group, holder)
         dist.broadcast(value, src=src, group=self.pp_group)
         return value
+
+
+def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """The stage module that holds the parameters under their own names (DDP's inner one)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return module.module if isinstance(module, DistributedDataParallel) else module
 
 
 def _whole(grad: torch.Tensor, placement: str) -> torch.Tensor:
@@ -222,9 +230,7 @@ class DataParallelModule(torch.nn.Module):
             if reduction == "sum":
                 self.engine.register_comm_hook(group, _sum_hook)
         else:
-            from torch.distributed.fsdp import fully_shard
-
-            self.engine = fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3)
+            self.engine = shard_per_block(module, dp_mesh, reshard_after_forward=zero == 3)
         # FSDP2 averages; a sum-factor reduce-scatter needs PREMUL_SUM, which Gloo lacks, so
         # the outputs' gradients are scaled by dp instead (exact for power-of-two dp)
         self.grad_scale = self.dp if reduction == "sum" and zero >= 2 else 1
@@ -330,9 +336,29 @@ class DataAxis:
             if self.reduction == "sum":
                 ddp.register_comm_hook(self.group, _sum_hook)
             return ddp
-        from torch.distributed.fsdp import fully_shard
+        return shard_per_block(module, self.mesh, reshard_after_forward=self.zero == 3)
 
-        return fully_shard(module, mesh=self.mesh, reshard_after_forward=self.zero == 3)
+
+def shard_per_block(module: torch.nn.Module, dp_mesh: Any, *,
+                    reshard_after_forward: bool) -> torch.nn.Module:  # fmt: skip
+    """FSDP2 over ``dp_mesh`` with one parameter group per repeated block: the program's
+    blocks become submodule calls (:func:`autopar.codegen.outline_blocks`), each block is
+    ``fully_shard``-ed, then the rest of the program.  FSDP2 gathers a block's parameters
+    just before it runs (forward, and again in backward for ZeRO-3), frees them after, and
+    prefetches the next block's in backward.  A program without separable blocks is one
+    group.  Returns the module that runs (the outlined one when blocks were found)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from autopar.codegen import outline_blocks
+
+    outlined = outline_blocks(module) if isinstance(module, torch.fx.GraphModule) else None
+    if outlined is not None:
+        module = outlined
+        for node in module.graph.nodes:
+            if node.op == "call_module":
+                fully_shard(module.get_submodule(node.target), mesh=dp_mesh,
+                            reshard_after_forward=reshard_after_forward)  # fmt: skip
+    return fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
 
 
 def make_optimizer(params: Any, cls: type, data: DataAxis | None, **kwargs: Any) -> Any:
@@ -343,3 +369,24 @@ def make_optimizer(params: Any, cls: type, data: DataAxis | None, **kwargs: Any)
         return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=data.group,
                                        **kwargs)  # fmt: skip
     return cls(params, **kwargs)
+
+
+def gathered_bytes(module: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of whole parameters FSDP2 holds gathered right now, bytes of the dp shards) under
+    ``module``: the storages of every FSDP parameter's all-gather outputs that are allocated
+    (FSDP2 frees them by resizing to 0 when it reshards), and the local shards that stay."""
+    from torch.distributed.fsdp import FSDPModule
+
+    seen: dict[int, int] = {}
+    shards = 0
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        group = m._get_fsdp_state()._fsdp_param_group
+        for fp in group.fsdp_params if group is not None else ():
+            shards += fp._sharded_local_tensor.untyped_storage().nbytes()
+            for t in (*fp.all_gather_outputs, *getattr(fp, "_unsharded_inner_tensors", ())):
+                storage = t.untyped_storage()
+                if storage.nbytes():
+                    seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values()), shards
