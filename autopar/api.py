@@ -117,9 +117,10 @@ def _data_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any, example_input
 
         check_world(mesh)  # before compiling: a wrong world would hang in the first collective
 
-    def inner(sub: Mesh, args: tuple, kwargs: dict) -> Any:
+    def inner(sub: Mesh, args: tuple, kwargs: dict, limit: float | None) -> Any:
         return autoparallelize(model, sub, args, loss_fn, example_kwargs=kwargs or None,
-                               n_microbatches=n_microbatches, **inner_options)  # fmt: skip
+                               n_microbatches=n_microbatches, memory_limit=limit,
+                               **inner_options)  # fmt: skip
 
     prog = compile_data_parallel(mesh, example_inputs, example_kwargs, inner, zero=zero,
                                  memory_limit=memory_limit, param_dtype=param_dtype,

@@ -308,3 +308,21 @@ def test_measured_traffic_and_state_bytes_equal_the_plan(zero):
             "c10d.broadcast_": 1}  # ring factor x the full message (the gathered side)
     measured = sum(full[name] * nbytes / 2 for name, nbytes in results[0][0])
     assert measured == sum(wire_bytes(c, 2) for c in prog.collectives() if c.axis == "dp")
+
+
+def test_memory_limit_under_dp_re_solves_the_tp_plan():
+    c = Config(layers=2, hidden=64, heads=4, ffn=128, vocab=96, seq=64, batch=4)
+    model, inputs = build("llama", c), tokens(c)
+    fast = autoparallelize(model, Mesh(dp=2, tp=2), inputs, loss_fn=lm_loss, zero=0)
+    need = fast.plan.memory[0].total
+    limit = 0.95 * need  # ZeRO-0 with the fastest tp plan does not fit; ZeRO-1 would
+    assert fast.plan.memory[1].total <= limit
+    lean = autoparallelize(model, Mesh(dp=2, tp=2), inputs, loss_fn=lm_loss, memory_limit=limit)
+    assert lean.plan.zero == 0  # the lowest stage, with a tp plan that holds less
+    assert lean.plan.memory[0].total <= limit < need
+    tp = [c for c in lean.collectives() if c.axis == "tp"]
+    assert tp != [c for c in fast.collectives() if c.axis == "tp"]
+    assert "re-solved" in str(lean.plan)
+    report = verify(model, Mesh(dp=2, tp=2), inputs, loss_fn=lm_loss, memory_limit=limit,
+                    rtol=RTOL[2])  # fmt: skip
+    assert report.ok, str(report)
