@@ -45,6 +45,7 @@ def autoparallelize(
     cluster: Cluster | None = None,
     zero: int | None = None,
     param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> Any:
     """Compile ``model`` for ``mesh``.
 
@@ -67,16 +68,19 @@ def autoparallelize(
 
     A mesh with a ``dp`` axis splits the batch (dim 0 of the inputs) over dp and runs the
     program of the other axes on each slice (autopar.data_parallel): ``zero`` forces a ZeRO
-    stage (default: the lowest whose per-rank memory fits ``memory_limit`` or the GPU;
-    ``param_dtype`` prices the model state).  Returns a DataParallelProgram, or with a
-    DeviceMesh this rank's DataParallelModule (DDP or FSDP2 over the dp group).
+    stage (default: the lowest whose per-rank memory fits ``memory_limit`` or the GPU);
+    ``param_dtype=torch.bfloat16`` computes in bf16 with fp32 master weights and optimizer
+    state, gradients reduced in ``reduce_dtype`` (fp32), and prices the model state so.
+    Returns a DataParallelProgram, or with a DeviceMesh this rank's DataParallelModule (DDP
+    or FSDP2 over the dp group).
     """
     device_mesh = None if isinstance(mesh, Mesh) else mesh
     virtual = mesh if isinstance(mesh, Mesh) else Mesh.from_device_mesh(mesh, cluster)
     if "dp" in virtual.sizes:
         return _data_parallel(model, virtual, device_mesh, example_inputs, loss_fn,
                               example_kwargs=example_kwargs, zero=zero, memory_limit=memory_limit,
-                              param_dtype=param_dtype, n_microbatches=n_microbatches,
+                              param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                              n_microbatches=n_microbatches,
                               memory_weight=memory_weight, strict=strict, verbose=verbose,
                               schedule=schedule, virtual_stages=virtual_stages,
                               split_points=split_points)  # fmt: skip
@@ -108,7 +112,8 @@ def autoparallelize(
 def _data_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any, example_inputs: Sequence[Any],
                    loss_fn: Callable | None, *, example_kwargs: dict | None, zero: int | None,
                    memory_limit: float | None, param_dtype: torch.dtype,
-                   n_microbatches: int | None, **inner_options: Any) -> Any:  # fmt: skip
+                   reduce_dtype: torch.dtype, n_microbatches: int | None,
+                   **inner_options: Any) -> Any:  # fmt: skip
     """The dp branch: compile the sub-mesh program on B/dp, wrap it for the data axis."""
     from autopar.data_parallel import compile_data_parallel
 
@@ -124,7 +129,7 @@ def _data_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any, example_input
 
     prog = compile_data_parallel(mesh, example_inputs, example_kwargs, inner, zero=zero,
                                  memory_limit=memory_limit, param_dtype=param_dtype,
-                                 micro=n_microbatches or 1)  # fmt: skip
+                                 reduce_dtype=reduce_dtype, micro=n_microbatches or 1)  # fmt: skip
     if device_mesh is None:
         return prog
     from autopar.runtime import wrap_data_parallel

@@ -195,10 +195,22 @@ def _reduction_arg(node: fx.Node) -> int:
     return node.args[i] if len(node.args) > i else schema.arguments[i].default_value
 
 
+def _precision_line(param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> str:
+    if param_dtype == torch.float32:
+        return "precision: fp32 throughout"
+    name = str(param_dtype).replace("torch.", "")
+    return (f"mixed precision: {name} compute (weights cast per step, gathered in {name}), "
+            f"fp32 master weights and optimizer state, gradients reduced in "
+            f"{str(reduce_dtype).replace('torch.', '')}")  # fmt: skip
+
+
 def dp_collectives(grads: dict[str, tuple[tuple[int, ...], torch.dtype]], stage: int,
-                   ) -> list[Collective]:  # fmt: skip
+                   param_dtype: torch.dtype = torch.float32,
+                   reduce_dtype: torch.dtype = torch.float32) -> list[Collective]:  # fmt: skip
     """Step 5: the scalar loss all-reduce, then per parameter needing a gradient (local shape
-    on its tp/pp coordinate); direction 'step' is after the optimizer step."""
+    on its tp/pp coordinate); direction 'step' is after the optimizer step.  Parameter
+    all-gathers move ``param_dtype``, gradient reductions ``reduce_dtype``, and ZeRO-1's
+    post-step gather the fp32 master weights."""
     kinds = {0: [("bwd", "all_reduce")],
              1: [("bwd", "all_reduce"), ("step", "all_gather")],
              2: [("fwd", "all_gather"), ("bwd", "reduce_scatter")],
@@ -206,9 +218,12 @@ def dp_collectives(grads: dict[str, tuple[tuple[int, ...], torch.dtype]], stage:
     loss = Collective(kind="all_reduce", axis="dp", shape=(), dtype="float32", bytes=4,
                       direction="fwd", where="loss")  # every rank returns the global loss
     out = [loss]
-    for fqn, (shape, dtype) in grads.items():
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    for fqn, (shape, master) in grads.items():
         for direction, kind in kinds:
+            dtype = (master if direction == "step" else
+                     reduce_dtype if kind != "all_gather" else param_dtype)  # fmt: skip
+            dtype = master if dtype == torch.float32 else dtype
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
             out.append(Collective(kind=kind, axis="dp", shape=tuple(shape),
                                   dtype=str(dtype).replace("torch.", ""), bytes=nbytes,
                                   direction=direction, where=fqn.rsplit(".", 1)[0]))  # fmt: skip
@@ -235,6 +250,8 @@ class DataParallelPlan:
     memory_limit: float
     collectives: tuple[Collective, ...]  # the dp gradient reduction
     notes: tuple[str, ...]
+    param_dtype: torch.dtype = torch.float32  # compute (and ZeRO-3 all-gather) dtype
+    reduce_dtype: torch.dtype = torch.float32  # gradient reduction dtype
 
     @property
     def dp(self) -> int:
@@ -251,6 +268,7 @@ class DataParallelPlan:
                f"data axis: dp={self.dp}, global batch {self.batch} -> {self.batch // self.dp} "
                f"per rank; loss is a {self.reduction} over the batch: gradients "
                f"{'averaged' if self.reduction == 'mean' else 'summed'} over dp",
+               _precision_line(self.param_dtype, self.reduce_dtype),
                f"ZeRO stage {self.zero}; per-rank memory by stage "
                f"(limit {_fmt_bytes(self.memory_limit)}):"]  # fmt: skip
         out += [f"  {'*' if m.stage == self.zero else ' '} {m}" for m in self.memory]
@@ -309,12 +327,16 @@ def compile_data_parallel(mesh: Mesh, example_inputs: Sequence[Any], example_kwa
                           compile_inner: Callable[[Mesh, tuple, dict, float | None], Any], *,
                           zero: int | None, memory_limit: float | None,
                           param_dtype: torch.dtype = torch.float32,
+                          reduce_dtype: torch.dtype = torch.float32,
                           micro: int = 1) -> DataParallelProgram:  # fmt: skip
     """Steps 1-5 (see the module docstring)."""
     dp = mesh.size("dp")
     args, kwargs = split_batch(example_inputs, example_kwargs, dp, micro)
     inner_mesh = mesh.without("dp")
     inner = compile_inner(inner_mesh, args, kwargs, None)
+    if param_dtype != torch.float32 and hasattr(inner, "stages"):
+        raise PlanError(f"param_dtype={param_dtype} with pipeline stages is not supported yet; "
+                        "use param_dtype=torch.float32 on a mesh with pp")  # fmt: skip
     per = StateBytes.for_dtype(param_dtype)
     table = memory_table(inner, dp, per)
     limit = memory_limit if memory_limit is not None else mesh.cluster.gpu.hbm_bytes
@@ -329,8 +351,9 @@ def compile_data_parallel(mesh: Mesh, example_inputs: Sequence[Any], example_kwa
     plan = DataParallelPlan(
         inner=inner.plan, mesh=mesh.axes, links=tuple(mesh.describe()), zero=stage,
         reduction=loss_reduction(_graph(inner), _model_name(inner)), batch=batch, memory=table, memory_limit=limit,
-        collectives=tuple(dp_collectives(grads, stage)),
+        collectives=tuple(dp_collectives(grads, stage, param_dtype, reduce_dtype)),
         notes=(why, *([resolved] if resolved else []), *_engine_note(stage)),
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype,
     )  # fmt: skip
     return DataParallelProgram(inner=inner, mesh=mesh, plan=plan)
 
