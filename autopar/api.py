@@ -46,6 +46,7 @@ def autoparallelize(
     zero: int | None = None,
     param_dtype: torch.dtype = torch.float32,
     global_batch: int | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> Any:
     """Compile ``model`` for ``mesh``.
 
@@ -68,9 +69,11 @@ def autoparallelize(
 
     A mesh with a ``dp`` axis splits the batch (dim 0 of the inputs) over dp and runs the
     program of the other axes on each slice (autopar.data_parallel): ``zero`` forces a ZeRO
-    stage (default: the lowest whose per-rank memory fits ``memory_limit`` or the GPU;
-    ``param_dtype`` prices the model state).  Returns a DataParallelProgram, or with a
-    DeviceMesh this rank's DataParallelModule (DDP or FSDP2 over the dp group).
+    stage (default: the lowest whose per-rank memory fits ``memory_limit`` or the GPU);
+    ``param_dtype=torch.bfloat16`` computes in bf16 with fp32 master weights and optimizer
+    state, gradients reduced in ``reduce_dtype`` (fp32), and prices the model state so.
+    Returns a DataParallelProgram, or with a DeviceMesh this rank's DataParallelModule (DDP
+    or FSDP2 over the dp group).
 
     ``Mesh.auto(cluster)`` searches the degrees on the traced model (``global_batch``
     sequences per step, default the example batch) and compiles the best configuration among
@@ -86,7 +89,8 @@ def autoparallelize(
     if "dp" in virtual.sizes:
         return _data_parallel(model, virtual, device_mesh, example_inputs, loss_fn,
                               example_kwargs=example_kwargs, zero=zero, memory_limit=memory_limit,
-                              param_dtype=param_dtype, n_microbatches=n_microbatches,
+                              param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                              n_microbatches=n_microbatches,
                               memory_weight=memory_weight, strict=strict, verbose=verbose,
                               schedule=schedule, virtual_stages=virtual_stages,
                               split_points=split_points)  # fmt: skip
@@ -118,7 +122,8 @@ def autoparallelize(
 def _data_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any, example_inputs: Sequence[Any],
                    loss_fn: Callable | None, *, example_kwargs: dict | None, zero: int | None,
                    memory_limit: float | None, param_dtype: torch.dtype,
-                   n_microbatches: int | None, **inner_options: Any) -> Any:  # fmt: skip
+                   reduce_dtype: torch.dtype, n_microbatches: int | None,
+                   **inner_options: Any) -> Any:  # fmt: skip
     """The dp branch: compile the sub-mesh program on B/dp, wrap it for the data axis."""
     from autopar.data_parallel import compile_data_parallel
 
@@ -127,13 +132,14 @@ def _data_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any, example_input
 
         check_world(mesh)  # before compiling: a wrong world would hang in the first collective
 
-    def inner(sub: Mesh, args: tuple, kwargs: dict) -> Any:
+    def inner(sub: Mesh, args: tuple, kwargs: dict, limit: float | None) -> Any:
         return autoparallelize(model, sub, args, loss_fn, example_kwargs=kwargs or None,
-                               n_microbatches=n_microbatches, **inner_options)  # fmt: skip
+                               n_microbatches=n_microbatches, memory_limit=limit,
+                               **inner_options)  # fmt: skip
 
     prog = compile_data_parallel(mesh, example_inputs, example_kwargs, inner, zero=zero,
                                  memory_limit=memory_limit, param_dtype=param_dtype,
-                                 micro=n_microbatches or 1)  # fmt: skip
+                                 reduce_dtype=reduce_dtype, micro=n_microbatches or 1)  # fmt: skip
     if device_mesh is None:
         return prog
     from autopar.runtime import wrap_data_parallel

@@ -17,6 +17,7 @@ Algorithm:
 from __future__ import annotations
 
 import copy
+import operator
 import re
 
 import torch
@@ -186,3 +187,164 @@ def render(module: fx.GraphModule, header: str) -> str:
             line = f"{line}  # {shown}"
         lines.append(line)
     return header + "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- per-block submodules
+
+
+def outline_blocks(gm: fx.GraphModule) -> fx.GraphModule | None:
+    """A copy of rank program ``gm`` whose repeated blocks (``layers.0``, ``layers.1``, ...)
+    are each one ``call_module`` of a submodule holding that block's parameters under their
+    original names, so engines that act on module calls (FSDP2's hooks) act per block.  The
+    parameters are shared with ``gm``.  None when no block is a contiguous run of nodes that
+    alone reads its parameters.
+
+    Algorithm:
+    1. The block container is the indexed module path (``layers``) holding the most
+       parameters' blocks; a parameter or buffer belongs to the block its name starts with.
+    2. A node belongs to block ``i`` when it reads the block's parameters or its
+       ``nn_module_stack`` (when the graph still has it) passes through ``<container>.i``; the
+       block's segment is the run of nodes from its first to its last node in graph order
+       (collectives that passes inserted inside it included).
+    3. Segments must not overlap and a block's parameters must be read only inside its segment.
+    4. Each segment becomes a GraphModule: placeholders for the values it reads from outside,
+       ``get_attr`` of its own parameters (names relative to the block), outputs for the values
+       used after it; the program calls it in the segment's place.
+    """
+    nodes = list(gm.graph.nodes)
+    container = _block_container(nodes)
+    if container is None:
+        return None
+    owner = {n: _owning_block(n, container) for n in nodes}
+    segments = _segments(nodes, owner)
+    if segments is None:
+        return None
+    return _rebuild(gm, nodes, owner, container, segments)
+
+
+def _param_block(target: str) -> tuple[str, int] | None:
+    """(container, index) of the outermost indexed module in a dotted name."""
+    parts = target.split(".")
+    for i in range(len(parts) - 1):
+        if parts[i].isdigit():
+            return ".".join(parts[:i]), int(parts[i])
+    return None
+
+
+def _block_container(nodes: list[fx.Node]) -> str | None:
+    """Step 1."""
+    found: dict[str, set[int]] = {}
+    for n in nodes:
+        if n.op == "get_attr" and (cb := _param_block(n.target)) is not None:
+            found.setdefault(cb[0], set()).add(cb[1])
+    return max(found, key=lambda c: (len(found[c]), -len(c))) if found else None
+
+
+def _owning_block(n: fx.Node, container: str) -> int | None:
+    """Step 2: the block index ``n`` belongs to (None outside every block)."""
+    if n.op == "get_attr":
+        cb = _param_block(n.target)
+        return cb[1] if cb is not None and cb[0] == container else None
+    if n.op != "call_function":
+        return None
+    readers = {_owning_block(a, container) for a in n.all_input_nodes if a.op == "get_attr"}
+    readers.discard(None)
+    if len(readers) == 1:
+        return readers.pop()
+    # a container at the root (an nn.Sequential model) is the path's first name, after the
+    # "model." that tracing with a loss function can leave on nodes it split
+    where = rf"(?:^|\.){re.escape(container)}\." if container else r"^(?:model\.)?"
+    for path, _ in (n.meta.get("nn_module_stack") or {}).values():
+        m = re.search(rf"{where}(\d+)(?:\.|$)", meta.clean_path(path))
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def _segments(nodes: list[fx.Node], owner: dict[fx.Node, int | None],
+              ) -> dict[int, list[fx.Node]] | None:  # fmt: skip
+    """Steps 2-3: block -> its contiguous run of compute nodes, or None if not separable."""
+    pos = {n: i for i, n in enumerate(nodes)}
+    span: dict[int, list[int]] = {}
+    for n, b in owner.items():
+        if b is not None and n.op == "call_function":
+            span.setdefault(b, []).append(pos[n])
+    segments = {b: nodes[min(p): max(p) + 1] for b, p in span.items()}
+    inside = {n: b for b, seg in segments.items() for n in seg}
+    for n, b in inside.items():
+        if n.op != "call_function" or owner[n] not in (None, b):
+            return None  # blocks interleave
+    for n, b in owner.items():
+        if n.op == "get_attr" and b is not None:
+            if b not in segments or any(inside.get(u) != b for u in n.users):
+                return None  # a block's parameter read outside its block
+    held = {b for n, b in owner.items() if n.op == "get_attr" and b is not None}
+    return {b: seg for b, seg in segments.items() if b in held}  # nothing to shard otherwise
+
+
+def _rebuild(gm: fx.GraphModule, nodes: list[fx.Node], owner: dict[fx.Node, int | None],
+             container: str, segments: dict[int, list[fx.Node]]) -> fx.GraphModule:  # fmt: skip
+    """Step 4."""
+    top = fx.Graph()
+    top._codegen = copy.copy(gm.graph._codegen)
+    env: dict[fx.Node, fx.Node] = {}
+    root: dict[str, object] = {}
+    starts = {seg[0]: b for b, seg in segments.items()}
+    moved = {n for n in nodes if n.op == "get_attr" and owner[n] is not None}
+    skip = moved | {n for seg in segments.values() for n in seg}
+    for n in nodes:
+        if n in starts:
+            b = starts[n]
+            name = f"{container}.{b}" if container else str(b)
+            sub, inputs, outputs = _outline(gm, segments[b], moved, name)
+            root[name] = sub
+            call = top.call_module(name, tuple(env[a] for a in inputs))
+            call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+            for i, o in enumerate(outputs):
+                env[o] = top.call_function(operator.getitem, (call, i))
+                env[o].meta.update(o.meta)
+        if n in skip:
+            continue
+        if n.op == "get_attr":
+            root[n.target] = _attr(gm, n.target)
+        env[n] = top.node_copy(n, lambda a: env[a])
+    out = RankModule(root, top, class_name=type(gm).__name__)
+    out.meta = dict(getattr(gm, "meta", {}))
+    return out
+
+
+def _outline(gm: fx.GraphModule, seg: list[fx.Node], moved: set[fx.Node],
+             name: str) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:  # fmt: skip
+    """One block's GraphModule, the outer values it reads, and the values it returns."""
+    members = set(seg)
+    inputs: list[fx.Node] = []
+    params: list[fx.Node] = []
+    for n in seg:
+        for a in n.all_input_nodes:
+            if a in members:
+                continue
+            bucket = params if a in moved else inputs
+            if a not in bucket:
+                bucket.append(a)
+    outputs = [n for n in seg if any(u not in members for u in n.users)]
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for a in inputs:
+        env[a] = graph.placeholder(a.name)
+        env[a].meta.update(a.meta)
+    for p in params:
+        env[p] = graph.get_attr(p.target[len(name) + 1:])
+        env[p].meta.update(p.meta)
+    for n in seg:
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(tuple(env[o] for o in outputs))
+    block = gm.get_submodule(name)
+    sub = fx.GraphModule(block, graph, class_name=f"Block{name.rsplit('.', 1)[-1]}")
+    return sub, inputs, outputs
+
+
+def _attr(gm: fx.GraphModule, target: str) -> object:
+    obj: object = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

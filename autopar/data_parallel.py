@@ -10,7 +10,9 @@ Algorithm (:func:`compile_data_parallel`):
 4. Price model state per rank for each ZeRO stage (weights, gradients, optimizer state, with
    the saved activations of the sub-mesh plan) and pick the lowest stage that fits the memory
    limit (the GPU's memory unless ``memory_limit`` is given); a forced stage that does not fit
-   is an error naming the stage that would.
+   is an error naming the stage that would.  A given ``memory_limit`` also reaches the
+   sub-mesh (tp) solver: a stage whose fastest sub-mesh plan does not fit re-solves that plan
+   under the limit, with the model state counted as the stage holds it (``_fit_sub_mesh``).
 5. List the data-axis traffic per step as torch's engines run it: ZeRO-0 one all-reduce per
    gradient; ZeRO-1 the same plus the updated shards gathered after the optimizer step
    (ZeroRedundancyOptimizer broadcasts them); ZeRO-2 a forward all-gather of the parameters
@@ -193,10 +195,22 @@ def _reduction_arg(node: fx.Node) -> int:
     return node.args[i] if len(node.args) > i else schema.arguments[i].default_value
 
 
+def _precision_line(param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> str:
+    if param_dtype == torch.float32:
+        return "precision: fp32 throughout"
+    name = str(param_dtype).replace("torch.", "")
+    return (f"mixed precision: {name} compute (weights cast per step, gathered in {name}), "
+            f"fp32 master weights and optimizer state, gradients reduced in "
+            f"{str(reduce_dtype).replace('torch.', '')}")  # fmt: skip
+
+
 def dp_collectives(grads: dict[str, tuple[tuple[int, ...], torch.dtype]], stage: int,
-                   ) -> list[Collective]:  # fmt: skip
+                   param_dtype: torch.dtype = torch.float32,
+                   reduce_dtype: torch.dtype = torch.float32) -> list[Collective]:  # fmt: skip
     """Step 5: the scalar loss all-reduce, then per parameter needing a gradient (local shape
-    on its tp/pp coordinate); direction 'step' is after the optimizer step."""
+    on its tp/pp coordinate); direction 'step' is after the optimizer step.  Parameter
+    all-gathers move ``param_dtype``, gradient reductions ``reduce_dtype``, and ZeRO-1's
+    post-step gather the fp32 master weights."""
     kinds = {0: [("bwd", "all_reduce")],
              1: [("bwd", "all_reduce"), ("step", "all_gather")],
              2: [("fwd", "all_gather"), ("bwd", "reduce_scatter")],
@@ -204,9 +218,12 @@ def dp_collectives(grads: dict[str, tuple[tuple[int, ...], torch.dtype]], stage:
     loss = Collective(kind="all_reduce", axis="dp", shape=(), dtype="float32", bytes=4,
                       direction="fwd", where="loss")  # every rank returns the global loss
     out = [loss]
-    for fqn, (shape, dtype) in grads.items():
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    for fqn, (shape, master) in grads.items():
         for direction, kind in kinds:
+            dtype = (master if direction == "step" else
+                     reduce_dtype if kind != "all_gather" else param_dtype)  # fmt: skip
+            dtype = master if dtype == torch.float32 else dtype
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
             out.append(Collective(kind=kind, axis="dp", shape=tuple(shape),
                                   dtype=str(dtype).replace("torch.", ""), bytes=nbytes,
                                   direction=direction, where=fqn.rsplit(".", 1)[0]))  # fmt: skip
@@ -233,6 +250,8 @@ class DataParallelPlan:
     memory_limit: float
     collectives: tuple[Collective, ...]  # the dp gradient reduction
     notes: tuple[str, ...]
+    param_dtype: torch.dtype = torch.float32  # compute (and ZeRO-3 all-gather) dtype
+    reduce_dtype: torch.dtype = torch.float32  # gradient reduction dtype
 
     @property
     def dp(self) -> int:
@@ -249,6 +268,7 @@ class DataParallelPlan:
                f"data axis: dp={self.dp}, global batch {self.batch} -> {self.batch // self.dp} "
                f"per rank; loss is a {self.reduction} over the batch: gradients "
                f"{'averaged' if self.reduction == 'mean' else 'summed'} over dp",
+               _precision_line(self.param_dtype, self.reduce_dtype),
                f"ZeRO stage {self.zero}; per-rank memory by stage "
                f"(limit {_fmt_bytes(self.memory_limit)}):"]  # fmt: skip
         out += [f"  {'*' if m.stage == self.zero else ' '} {m}" for m in self.memory]
@@ -304,31 +324,76 @@ class DataParallelProgram:
 
 
 def compile_data_parallel(mesh: Mesh, example_inputs: Sequence[Any], example_kwargs: dict | None,
-                          compile_inner: Callable[[Mesh, tuple, dict], Any], *,
+                          compile_inner: Callable[[Mesh, tuple, dict, float | None], Any], *,
                           zero: int | None, memory_limit: float | None,
                           param_dtype: torch.dtype = torch.float32,
+                          reduce_dtype: torch.dtype = torch.float32,
                           micro: int = 1) -> DataParallelProgram:  # fmt: skip
     """Steps 1-5 (see the module docstring)."""
     dp = mesh.size("dp")
     args, kwargs = split_batch(example_inputs, example_kwargs, dp, micro)
     inner_mesh = mesh.without("dp")
-    inner = compile_inner(inner_mesh, args, kwargs)
-    grads = _grad_shapes(inner)
-    params = sum(torch.Size(s).numel() for s, _ in grads.values())
-    activations = max(0.0, inner.plan.memory_bytes - 16.0 * params) if hasattr(
-        inner.plan, "memory_bytes") else 0.0  # fmt: skip
+    inner = compile_inner(inner_mesh, args, kwargs, None)
+    if param_dtype != torch.float32 and hasattr(inner, "stages"):
+        raise PlanError(f"param_dtype={param_dtype} with pipeline stages is not supported yet; "
+                        "use param_dtype=torch.float32 on a mesh with pp")  # fmt: skip
     per = StateBytes.for_dtype(param_dtype)
-    table = tuple(zero_memory(params, dp, s, per, activations) for s in ZERO_STAGES)
+    table = memory_table(inner, dp, per)
     limit = memory_limit if memory_limit is not None else mesh.cluster.gpu.hbm_bytes
     where = f"{_model_name(inner)} on {mesh}"
+    resolved = None
+    if memory_limit is not None:
+        inner, table, resolved = _fit_sub_mesh(inner, table, limit, zero, (dp, per), (
+            lambda sub_limit: compile_inner(inner_mesh, args, kwargs, sub_limit)))  # fmt: skip
     stage, why = choose_zero(table, limit, zero, where)
+    grads = _grad_shapes(inner)
     batch = _batch(example_inputs, example_kwargs)
     plan = DataParallelPlan(
         inner=inner.plan, mesh=mesh.axes, links=tuple(mesh.describe()), zero=stage,
         reduction=loss_reduction(_graph(inner), _model_name(inner)), batch=batch, memory=table, memory_limit=limit,
-        collectives=tuple(dp_collectives(grads, stage)), notes=(why, *_engine_note(stage)),
+        collectives=tuple(dp_collectives(grads, stage, param_dtype, reduce_dtype)),
+        notes=(why, *([resolved] if resolved else []), *_engine_note(stage)),
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype,
     )  # fmt: skip
     return DataParallelProgram(inner=inner, mesh=mesh, plan=plan)
+
+
+def memory_table(inner: Any, dp: int, per: StateBytes) -> tuple[ZeroMemory, ...]:
+    """Step 4: per-rank bytes at each ZeRO stage of sub-mesh program ``inner`` (its plan's
+    memory less the fp32 model state the sub-mesh solver counts, 16 B per parameter, is the
+    activations)."""
+    params = sum(torch.Size(s).numel() for s, _ in _grad_shapes(inner).values())
+    activations = max(0.0, inner.plan.memory_bytes - 16.0 * params) if hasattr(
+        inner.plan, "memory_bytes") else 0.0  # fmt: skip
+    return tuple(zero_memory(params, dp, s, per, activations) for s in ZERO_STAGES)
+
+
+def _fit_sub_mesh(inner: Any, table: tuple[ZeroMemory, ...], limit: float, zero: int | None,
+                  shape: tuple[int, StateBytes], solve: Callable[[float], Any],
+                  ) -> tuple[Any, tuple[ZeroMemory, ...], str | None]:  # fmt: skip
+    """Step 4 under ``memory_limit``: for each ZeRO stage, lowest first (or the forced one),
+    keep the sub-mesh plan if it fits; else re-solve the sub-mesh (tp) plan under the limit,
+    its model state counted as this stage holds it: the solver's memory M (fp32 state
+    unsharded + activations) must stay below limit + M - total(stage).  The first stage whose
+    plan fits wins.  Sub-meshes of one rank and pipelines keep their plan."""
+    stages = ZERO_STAGES if zero is None or zero not in ZERO_STAGES else (zero,)
+    if not hasattr(inner.plan, "memory_bytes") or inner.mesh.world_size == 1:
+        return inner, table, None
+    for stage in stages:
+        if table[stage].total <= limit:
+            return inner, table, None
+        sub_limit = limit + inner.plan.memory_bytes - table[stage].total
+        try:
+            lean = solve(sub_limit)
+        except PlanError:
+            continue
+        lean_table = memory_table(lean, *shape)
+        if lean_table[stage].total <= limit:
+            why = (f"the sub-mesh plan was re-solved under {_fmt_bytes(sub_limit)} per rank "
+                   f"(its state at ZeRO-{stage}); its fastest plan needs "
+                   f"{_fmt_bytes(table[stage].total)} there")  # fmt: skip
+            return lean, lean_table, why
+    return inner, table, None
 
 
 def _engine_note(stage: int) -> list[str]:

@@ -65,6 +65,7 @@ class PipelineRunner:
             raise MeshError("ZeRO-2/3 with pipeline stages that share a tied weight is not "
                             "supported yet; use zero=0 or 1, or untie the weights")  # fmt: skip
         wrapped = {s: data.wrap(m) if data else m for s, m in self.modules.items()}
+        self.modules = {s: _unwrapped(m) for s, m in wrapped.items()}  # ZeRO-2/3 run per-block
         self.stages = [
             PipelineStage(
                 wrapped[s],
@@ -133,6 +134,13 @@ class PipelineRunner:
         src = dist.get_global_rank(self.pp_group, holder)
         dist.broadcast(value, src=src, group=self.pp_group)
         return value
+
+
+def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """The stage module that holds the parameters under their own names (DDP's inner one)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return module.module if isinstance(module, DistributedDataParallel) else module
 
 
 def _whole(grad: torch.Tensor, placement: str) -> torch.Tensor:
@@ -207,27 +215,34 @@ class DataParallelModule(torch.nn.Module):
     3. Every floating scalar output (the loss) returns its global value (mean or sum over dp:
        one scalar all-reduce) while its gradient stays this rank's, so ``loss.backward()``
        computes the right gradient.
+    4. Mixed precision (``param_dtype`` 16-bit): the parameters stay fp32 (the optimizer's
+       master weights) and forward runs under autocast to ``param_dtype`` (matrix products
+       in 16-bit, reductions and norms as autocast keeps them).  FSDP2 also gathers the
+       weights in 16-bit (``MixedPrecisionPolicy``); under DDP autocast casts them per use.
+       Gradients reach the fp32 parameters and are reduced in ``reduce_dtype`` (fp32 by
+       default).
     """
 
     def __init__(self, module: torch.nn.Module, *, group: Any, dp_mesh: Any, zero: int,
-                 reduction: str) -> None:  # fmt: skip
+                 reduction: str, param_dtype: torch.dtype = torch.float32,
+                 reduce_dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
         super().__init__()
         self.group, self.zero, self.reduction = group, zero, reduction
         self.dp = dist.get_world_size(group)
+        self.param_dtype = param_dtype
+        mixed = _is_mixed(module, param_dtype)
         if zero <= 1:
-            from torch.nn.parallel import DistributedDataParallel
-
-            self.engine = DistributedDataParallel(module, process_group=group,
-                                                  forward_sync_buffers=False)  # fmt: skip
-            if reduction == "sum":
-                self.engine.register_comm_hook(group, _sum_hook)
+            self.engine = _ddp(module, group, reduction, param_dtype if mixed else None,
+                               reduce_dtype)  # fmt: skip
         else:
-            from torch.distributed.fsdp import fully_shard
-
-            self.engine = fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3)
+            self.engine = shard_per_block(module, dp_mesh, reshard_after_forward=zero == 3,
+                                          mp_policy=_mp_policy(param_dtype if mixed else None,
+                                                               reduce_dtype))  # fmt: skip
         # FSDP2 averages; a sum-factor reduce-scatter needs PREMUL_SUM, which Gloo lacks, so
         # the outputs' gradients are scaled by dp instead (exact for power-of-two dp)
         self.grad_scale = self.dp if reduction == "sum" and zero >= 2 else 1
+        self.autocast = param_dtype if mixed else None
+        self.device_type = next(iter(module.parameters()), torch.empty(())).device.type
 
     @property
     def local(self) -> torch.nn.Module:
@@ -235,7 +250,11 @@ class DataParallelModule(torch.nn.Module):
         return self.engine.module if self.zero <= 1 else self.engine
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        out = self.engine(*args, **kwargs)
+        if self.autocast is None:
+            out = self.engine(*args, **kwargs)
+        else:
+            with torch.autocast(self.device_type, dtype=self.autocast):
+                out = self.engine(*args, **kwargs)
         if self.grad_scale != 1:
             out = torch.utils._pytree.tree_map(self._scale_grad, out)
         return torch.utils._pytree.tree_map(self._global_scalar, out)
@@ -287,6 +306,40 @@ class _ScaleGrad(torch.autograd.Function):
         return g * ctx.scale, None
 
 
+def _is_mixed(module: torch.nn.Module, param_dtype: torch.dtype) -> bool:
+    return any(p.is_floating_point() and p.dtype != param_dtype for p in module.parameters())
+
+
+def _ddp(module: torch.nn.Module, group: Any, reduction: str, param_dtype: torch.dtype | None,
+         reduce_dtype: torch.dtype) -> torch.nn.Module:  # fmt: skip
+    """torch DDP over ``group`` (summed gradients for a sum loss).  Mixed precision: DDP's own
+    ``_MixedPrecision`` needs CUDA streams, so the parameters stay fp32 and the caller's
+    autocast casts them to ``param_dtype`` at each matrix product (cached for the forward);
+    gradients land fp32 and are reduced in fp32, or compressed to bf16 for a mean loss with
+    ``reduce_dtype=torch.bfloat16`` (torch's ``bf16_compress_hook``)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(module, process_group=group, forward_sync_buffers=False)
+    if param_dtype is not None and reduce_dtype != torch.float32:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        if reduction != "mean" or reduce_dtype != torch.bfloat16:
+            raise ValueError(f"reduce_dtype={reduce_dtype} under DDP (ZeRO-0/1) needs a mean "
+                             "loss and bfloat16; use reduce_dtype=torch.float32")  # fmt: skip
+        ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
+    elif reduction == "sum":
+        ddp.register_comm_hook(group, _sum_hook)
+    return ddp
+
+
+def _mp_policy(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype) -> Any:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if param_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
 def _sum_hook(group, bucket):  # noqa: ANN001, ANN202 - DDP rejects string annotations
     """DDP comm hook: sum the bucket over dp (DDP's default averages)."""
     fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
@@ -303,7 +356,8 @@ def wrap_data_parallel(device_mesh: Any, prog: Any, mesh: Mesh) -> Any:
                               device_mesh.get_group("pp"), data=data)  # fmt: skip
     return DataParallelModule(prog.module(rank), group=device_mesh.get_group("dp"),
                               dp_mesh=device_mesh["dp"], zero=prog.plan.zero,
-                              reduction=prog.plan.reduction)  # fmt: skip
+                              reduction=prog.plan.reduction, param_dtype=prog.plan.param_dtype,
+                              reduce_dtype=prog.plan.reduce_dtype)  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -323,16 +377,32 @@ class DataAxis:
         """DDP (ZeRO 0/1) or FSDP2 (2/3) around one stage module; the pipeline schedule
         defers their gradient reduction to the last micro-batch."""
         if self.zero <= 1:
-            from torch.nn.parallel import DistributedDataParallel
+            return _ddp(module, self.group, self.reduction, None, torch.float32)
+        return shard_per_block(module, self.mesh, reshard_after_forward=self.zero == 3)
 
-            ddp = DistributedDataParallel(module, process_group=self.group,
-                                          forward_sync_buffers=False)  # fmt: skip
-            if self.reduction == "sum":
-                ddp.register_comm_hook(self.group, _sum_hook)
-            return ddp
-        from torch.distributed.fsdp import fully_shard
 
-        return fully_shard(module, mesh=self.mesh, reshard_after_forward=self.zero == 3)
+def shard_per_block(module: torch.nn.Module, dp_mesh: Any, *, reshard_after_forward: bool,
+                    mp_policy: Any = None) -> torch.nn.Module:  # fmt: skip
+    """FSDP2 over ``dp_mesh`` with one parameter group per repeated block: the program's
+    blocks become submodule calls (:func:`autopar.codegen.outline_blocks`), each block is
+    ``fully_shard``-ed, then the rest of the program.  FSDP2 gathers a block's parameters
+    just before it runs (forward, and again in backward for ZeRO-3), frees them after, and
+    prefetches the next block's in backward.  A program without separable blocks is one
+    group.  Returns the module that runs (the outlined one when blocks were found)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from autopar.codegen import outline_blocks
+
+    policy = {} if mp_policy is None else {"mp_policy": mp_policy}
+    outlined = outline_blocks(module) if isinstance(module, torch.fx.GraphModule) else None
+    if outlined is not None:
+        module = outlined
+        for node in module.graph.nodes:
+            if node.op == "call_module":
+                fully_shard(module.get_submodule(node.target), mesh=dp_mesh,
+                            reshard_after_forward=reshard_after_forward, **policy)  # fmt: skip
+    return fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                       **policy)  # fmt: skip
 
 
 def make_optimizer(params: Any, cls: type, data: DataAxis | None, **kwargs: Any) -> Any:
@@ -343,3 +413,24 @@ def make_optimizer(params: Any, cls: type, data: DataAxis | None, **kwargs: Any)
         return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=data.group,
                                        **kwargs)  # fmt: skip
     return cls(params, **kwargs)
+
+
+def gathered_bytes(module: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of whole parameters FSDP2 holds gathered right now, bytes of the dp shards) under
+    ``module``: the storages of every FSDP parameter's all-gather outputs that are allocated
+    (FSDP2 frees them by resizing to 0 when it reshards), and the local shards that stay."""
+    from torch.distributed.fsdp import FSDPModule
+
+    seen: dict[int, int] = {}
+    shards = 0
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        group = m._get_fsdp_state()._fsdp_param_group
+        for fp in group.fsdp_params if group is not None else ():
+            shards += fp._sharded_local_tensor.untyped_storage().nbytes()
+            for t in (*fp.all_gather_outputs, *getattr(fp, "_unsharded_inner_tensors", ())):
+                storage = t.untyped_storage()
+                if storage.nbytes():
+                    seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values()), shards

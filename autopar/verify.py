@@ -328,7 +328,7 @@ def _pipeline_rank_step(rank: int, groups: dict, share: Any, args: tuple, kwargs
     runner = PipelineRunner(share, groups["pp"])
     loss = runner.step(*args, **kwargs)
     grads = {s: {n: p.grad.detach() for n, p in m.named_parameters() if p.grad is not None}
-             for s, m in share.modules.items()}  # fmt: skip
+             for s, m in runner.modules.items()}  # fmt: skip
     return loss, grads
 
 
@@ -461,7 +461,7 @@ def _dp_pipeline_rank_step(rank: int, groups: dict, share: Any, args: tuple, kwa
     runner = PipelineRunner(share, groups["pp"], data=data)
     loss = runner.step(*args, **kwargs)
     grads = {s: {n: _whole_grad(p.grad) for n, p in m.named_parameters() if p.grad is not None}
-             for s, m in share.modules.items()}  # fmt: skip
+             for s, m in runner.modules.items()}  # fmt: skip
     return loss, grads
 
 

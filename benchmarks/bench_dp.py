@@ -10,7 +10,8 @@ Algorithm:
    a. autopar ZeRO-0: ``autoparallelize(model, device_mesh, (x, y), loss_fn=lm_loss, zero=0)``
       (the traced program under torch DDP, gradients averaged, the loss all-reduced);
    b. torch DDP on the eager model, ``lm_loss`` applied outside;
-   c. autopar ZeRO-3 (the traced program under FSDP2 ``fully_shard``, resharded after forward);
+   c. autopar ZeRO-3: the traced program with its blocks outlined into submodules, FSDP2
+      ``fully_shard`` on each block and on the rest, resharded after forward;
    d. torch FSDP2 with ``fully_shard`` on every block and on the root (eager model).
    Each variant takes AdamW steps on its rank's half of one fixed global batch.
 3. Warm up WARMUP rounds, then time ITERS rounds of one training step (forward, backward,
@@ -18,6 +19,9 @@ Algorithm:
    autopar's step includes the scalar all-reduce that returns the global-batch loss.
 4. Rank 0 prints the median ms per step and the ratios autopar/DDP (goal <= 1.05) and
    autopar ZeRO-3 / FSDP2 (goal <= 1.0), with the last loss of each variant (they agree).
+5. One more (untimed) step of c and d under a dispatch mode that samples, at every op, the
+   bytes of parameters FSDP2 holds gathered (``autopar.runtime.gathered_bytes``): the peak
+   per rank, next to the whole model's parameter bytes (what one FSDP2 group would gather).
 
 A benchmark, not a test: nothing asserts on time.  Other load on the machine inflates every
 column; interleaving keeps the ratios comparable.
@@ -68,7 +72,27 @@ def variants(c: Config, mesh: object) -> dict[str, Callable[[], float]]:
         fully_shard(layer, mesh=mesh)
     fully_shard(fsdp, mesh=mesh)
     steps["fsdp2"] = _step(lambda: lm_loss(fsdp(xs), ys), torch.optim.AdamW(fsdp.parameters(), 1e-3))
+    steps["modules"] = {"autopar-zero3": ours, "fsdp2": fsdp}  # ours: the zero=3 one
     return steps
+
+
+def peak_gathered(module: torch.nn.Module, step: Callable[[], float]) -> int:
+    """Step 5: the peak bytes of gathered parameters during one training step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.runtime import gathered_bytes
+
+    class Sample(TorchDispatchMode):
+        peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+            out = func(*args, **(kwargs or {}))
+            Sample.peak = max(Sample.peak, gathered_bytes(module)[0])
+            return out
+
+    with Sample():
+        step()
+    return Sample.peak
 
 
 def _step(loss_of: Callable[[], torch.Tensor], opt: torch.optim.Optimizer) -> Callable[[], float]:
@@ -96,7 +120,9 @@ def rank_main(rank: int, port: int) -> None:
     """Steps 2-4 on one rank."""
     with gloo_rank(rank, WORLD, port, (WORLD,), ("dp",)) as mesh:
         for hidden, seq in SIZES:
-            steps = variants(config(hidden, seq), mesh)
+            c = config(hidden, seq)
+            steps = variants(c, mesh)
+            modules = steps.pop("modules")
             times: dict[str, list[float]] = {v: [] for v in VARIANTS}
             losses: dict[str, float] = {}
             for i in range(WARMUP + ITERS):
@@ -108,8 +134,15 @@ def rank_main(rank: int, port: int) -> None:
                 total = torch.tensor(losses[v])
                 dist.all_reduce(total)
                 losses[v] = total.item() / WORLD
+            peaks = {v: peak_gathered(m.local if hasattr(m, "local") else m, steps[v])
+                     for v, m in modules.items()}  # fmt: skip
             if rank == 0:
                 report(hidden, seq, {v: statistics.median(ts) for v, ts in times.items()}, losses)
+                whole = sum(p.numel() * 4 for p in build("llama", c).parameters())
+                print(f"  peak gathered parameters per rank: autopar ZeRO-3 "
+                      f"{peaks['autopar-zero3'] / 2**20:.2f} MiB, FSDP2 per block "
+                      f"{peaks['fsdp2'] / 2**20:.2f} MiB, whole model {whole / 2**20:.2f} MiB",
+                      flush=True)  # fmt: skip
 
 
 def report(hidden: int, seq: int, ms: dict[str, float], losses: dict[str, float]) -> None:
