@@ -45,6 +45,7 @@ def autoparallelize(
     cluster: Cluster | None = None,
     zero: int | None = None,
     param_dtype: torch.dtype = torch.float32,
+    cp_attention: str | None = None,
 ) -> Any:
     """Compile ``model`` for ``mesh``.
 
@@ -70,6 +71,9 @@ def autoparallelize(
     stage (default: the lowest whose per-rank memory fits ``memory_limit`` or the GPU;
     ``param_dtype`` prices the model state).  Returns a DataParallelProgram, or with a
     DeviceMesh this rank's DataParallelModule (DDP or FSDP2 over the dp group).
+
+    A mesh with a ``cp`` axis splits the sequence (autopar.context_parallel); attention runs
+    as ring or all-to-all attention, chosen by cost unless ``cp_attention`` forces one.
     """
     device_mesh = None if isinstance(mesh, Mesh) else mesh
     virtual = mesh if isinstance(mesh, Mesh) else Mesh.from_device_mesh(mesh, cluster)
@@ -79,13 +83,18 @@ def autoparallelize(
                               param_dtype=param_dtype, n_microbatches=n_microbatches,
                               memory_weight=memory_weight, strict=strict, verbose=verbose,
                               schedule=schedule, virtual_stages=virtual_stages,
-                              split_points=split_points)  # fmt: skip
+                              split_points=split_points, cp_attention=cp_attention)  # fmt: skip
     if zero is not None:
         raise PlanError(f"zero={zero} shards over the data axis, but {virtual} has no dp axis; "
                         "use e.g. Mesh(dp=2, tp=2)")  # fmt: skip
     options = PlanOptions(memory_limit=memory_limit, memory_weight=memory_weight, strict=strict,
                           fixed=_reused(plan, virtual))  # fmt: skip
-    if "pp" in virtual.sizes:
+    if "cp" in virtual.sizes:
+        from autopar.context_parallel import compile_context_parallel
+
+        prog = compile_context_parallel(model, virtual, example_inputs, loss_fn, example_kwargs,
+                                        cp_attention)  # fmt: skip
+    elif "pp" in virtual.sizes:
         from autopar.pipeline import compile_pipeline
 
         prog = compile_pipeline(model, virtual, example_inputs, loss_fn, example_kwargs, options,
