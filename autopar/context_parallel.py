@@ -220,11 +220,16 @@ class _SplitSequence:
         if best is None:
             split = ", ".join(f"{a.name} {p}" for a, p in zip(args, have, strict=True)
                               if isinstance(p, Shard))  # fmt: skip
+            both = sum(isinstance(p, Shard) for p in have) > 1
+            hint = ("two sequence-split operands: attention written out as matmul-softmax-matmul "
+                    "is not split; cp rewrites aten.scaled_dot_product_attention (e.g. HF "
+                    "attn_implementation='sdpa')") if both else (
+                    "cp splits every sequence-dim tensor, so this op needs a rule in "
+                    "autopar/rules.py, or the model must not mix positions (e.g. pass "
+                    "pre-shifted labels instead of labels= that the model shifts)")  # fmt: skip
             raise ContextParallelError(
-                f"{_op(n)} at {meta.source(n)} reads sequence-split values ({split}) and "
-                "cannot run split along the sequence (no sharding rule for it); cp splits every "
-                "sequence-dim tensor, so this op needs a rule in autopar/rules.py or the model "
-                "must compute it outside the sequence dim (e.g. pass pre-shifted labels)"
+                f"{_op(n)} at {meta.source(n)} reads sequence-split values ({split}) and no "
+                f"sharding strategy runs it split along the sequence; {hint}"
             )
         for a, want, p in zip(args, best.inputs, have, strict=True):
             if isinstance(p, Shard):
