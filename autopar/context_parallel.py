@@ -40,12 +40,14 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from autopar import collectives as C
-from autopar import cp_ops, meta
+from autopar import cp_ops, meta, parallel_ops
 from autopar.analysis import needs_grad
+from autopar.compile import compile_traced
 from autopar.errors import InputError, MeshError, PlanError
 from autopar.layout import Layout, Partial, Placement, R, Shard
 from autopar.mesh import Mesh
 from autopar.plan import Collective, Plan
+from autopar.planner import PlanOptions
 from autopar.program import Program, collectives_of
 from autopar.rules import RuleContext, Strategy, strategies
 from autopar.trace import Traced, is_getitem, tensor_args, trace
@@ -59,6 +61,9 @@ STRATEGIES = ("ring", "all_to_all")
 _SDPA = aten.scaled_dot_product_attention.default
 _CE = aten.cross_entropy_loss.default
 _MEAN, _SUM = 1, 2
+_TP_DIM_OPS = (C.all_gather, C.reduce_scatter, C.split, C.all_to_all)
+_TP_OPS = (*_TP_DIM_OPS, C.all_reduce, C.grad_all_reduce, parallel_ops.local_kv_heads,
+           parallel_ops.vocab_parallel_embedding)  # fmt: skip
 
 
 class ContextParallelError(PlanError):
@@ -90,26 +95,49 @@ class AttentionPrice:
 
 def compile_context_parallel(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
                              loss_fn: Callable | None, example_kwargs: dict | None,
-                             cp_attention: str | None = None) -> Program:  # fmt: skip
-    """Steps 1-5 on ``mesh`` (cp alone; dp wraps it through autopar.data_parallel)."""
-    if set(mesh.sizes) != {AXIS}:
-        raise MeshError(f"{mesh}: cp composes with dp today (Mesh(dp=2, cp=2)); cp with "
-                        f"{', '.join(a for a in mesh.sizes if a not in ('cp', 'dp'))} is not "
-                        "supported yet")  # fmt: skip
+                             cp_attention: str | None = None,
+                             options: PlanOptions | None = None) -> Program:  # fmt: skip
+    """Steps 1-5 on ``mesh`` (cp, or cp x tp: the tp program is compiled first at the global
+    sequence and then split; dp wraps either through autopar.data_parallel)."""
+    other = [a for a in mesh.sizes if a != AXIS]
+    if set(other) - {"tp"}:
+        raise MeshError(f"{mesh}: cp composes with dp (Mesh(dp=2, cp=2)) and tp "
+                        f"(Mesh(cp=2, tp=2)); cp with {', '.join(other)} is not supported yet")  # fmt: skip
     if cp_attention not in (None, *STRATEGIES):
         raise InputError(f"cp_attention={cp_attention!r}: use 'ring', 'all_to_all' or None")
     traced = trace(model, example_inputs, example_kwargs, loss_fn)
     lay = _seq_layout(traced, mesh.size(AXIS))
-    gm = fx.GraphModule(traced.gm, copy.deepcopy(traced.gm.graph))
+    base, tp_notes = traced.gm, ()
+    if "tp" in mesh.sizes:  # the tp program, traced whole, is what cp splits
+        tp = compile_traced(traced, Mesh.ordered((("tp", mesh.size("tp")),), mesh.cluster),
+                            options or PlanOptions(), lambda _: None)  # fmt: skip
+        traced, base, tp_notes = tp.traced, tp.graph_module, tp.plan.notes
+    gm = fx.GraphModule(base, copy.deepcopy(base.graph))
     grad = frozenset(n.name for n in needs_grad(traced, gm))
+    kept = {n: meta.layout(n) for n in gm.graph.nodes if meta.layout(n) is not None}
+    for n in kept:
+        meta.update(n, layout=None)
     split = _SplitSequence(gm, traced, lay, grad, mesh, cp_attention)
     split.run()
-    ctx = PassContext(mesh=mesh, axis=AXIS, choice={}, grad=grad, traced=traced)
-    gm = localize(gm, ctx)
+    cp_only = Mesh.ordered(((AXIS, lay.size),), mesh.cluster)
+    gm = localize(gm, PassContext(mesh=cp_only, axis=AXIS, choice={}, grad=grad, traced=traced))
+    _merge_layouts(gm, kept)
     gm.graph.lint()
     gm.recompile()
-    plan = _plan(traced, gm, mesh, lay, split.prices, grad)
+    plan = _plan(traced, gm, mesh, lay, split.prices, grad, tp_notes)
     return Program(plan=plan, mesh=mesh, graph_module=gm, traced=traced, history=[])
+
+
+def _merge_layouts(gm: fx.GraphModule, kept: dict[fx.Node, Any]) -> None:
+    """Put the tp layouts back, with cp added on the sequence dim of split values."""
+    for n, tp_lay in kept.items():
+        cp_lay = meta.layout(n)
+        if not isinstance(cp_lay, Layout) or not isinstance(tp_lay, Layout):
+            meta.update(n, layout=tp_lay)
+            continue
+        dims = tuple(c + t for c, t in zip(cp_lay.dims, tp_lay.dims, strict=True))
+        blocks = tuple(max(a, b) for a, b in zip(cp_lay.blocks, tp_lay.blocks, strict=True))
+        meta.update(n, layout=Layout(dims=dims, blocks=blocks, partial=tp_lay.partial))
 
 
 # ---------------------------------------------------------------- step 1
@@ -210,10 +238,28 @@ class _SplitSequence:
             return
         if n.target is _SDPA:
             self._attention(n)
-        elif n.target is _CE:
+        elif n.target in (_CE, parallel_ops.vocab_parallel_cross_entropy):
             self._loss(n, args, have)
+        elif n.target in _TP_OPS:
+            self._through_tp_op(n, have)
         else:
             self._by_rules(n, args, have)
+
+    def _through_tp_op(self, n: fx.Node, have: list) -> None:
+        """A tp collective or lowering moves or splits a non-sequence dim: the sequence stays
+        where it is (a tp op on the sequence dim itself, Megatron-SP's, is refused)."""
+        p = next(q for q in have if isinstance(q, Shard))
+        dims = n.args[2:4] if n.target is C.all_to_all else n.args[2:3]
+        if n.target in _TP_DIM_OPS and p.dim in dims:
+            raise ContextParallelError(
+                f"{_op(n)} at {meta.source(n)} acts on the sequence dim {p.dim} that cp splits "
+                "(tensor-parallel sequence parallelism); use a tp plan without it")  # fmt: skip
+        for a, q in zip(tensor_args(n), have, strict=True):
+            if not isinstance(q, Shard):
+                new = self._reduce_grad(a)
+                if new is not a:
+                    n.replace_input_with(a, new)
+        self.place[n] = p
 
     def _by_rules(self, n: fx.Node, args: list[fx.Node], have: list) -> None:
         best = _pick(n, self.ctx, have)
@@ -327,10 +373,17 @@ class _SplitSequence:
 
     def _loss(self, n: fx.Node, args: list[fx.Node], have: list) -> None:
         logits, target = n.args[0], n.args[1]
-        weight = n.args[2] if len(n.args) > 2 else n.kwargs.get("weight")
-        reduction = n.args[3] if len(n.args) > 3 else n.kwargs.get("reduction", _MEAN)
-        ignore = n.args[4] if len(n.args) > 4 else n.kwargs.get("ignore_index", -100)
-        smoothing = n.args[5] if len(n.args) > 5 else n.kwargs.get("label_smoothing", 0.0)
+        if n.target is _CE:
+            weight = n.args[2] if len(n.args) > 2 else n.kwargs.get("weight")
+            reduction = n.args[3] if len(n.args) > 3 else n.kwargs.get("reduction", _MEAN)
+            ignore = n.args[4] if len(n.args) > 4 else n.kwargs.get("ignore_index", -100)
+            smoothing = n.args[5] if len(n.args) > 5 else n.kwargs.get("label_smoothing", 0.0)
+            summed = (logits, target, None, _SUM, ignore, smoothing)
+        else:  # vocab-parallel cross-entropy of the tp program
+            weight = None
+            reduction = n.args[3] if len(n.args) > 3 else _MEAN
+            ignore = n.args[4] if len(n.args) > 4 else -100
+            summed = (logits, target, n.args[2], _SUM, ignore)
         p = self.place.get(logits, R)
         if weight is not None or not isinstance(p, Shard) or p.dim != 0 \
                 or logits.meta["val"].dim() != 2:  # fmt: skip
@@ -342,7 +395,7 @@ class _SplitSequence:
             self.place[n] = p
             return
         with self.graph.inserting_before(n):
-            total = self.graph.call_function(_CE, (logits, target, None, _SUM, ignore, smoothing))
+            total = self.graph.call_function(n.target, summed)
             total.meta.update(n.meta)
             if reduction == _SUM:
                 out = self._call(C.all_reduce, (total, AXIS, "identity"), n.meta["val"], like=n)
@@ -479,16 +532,16 @@ def _price(n: fx.Node, lay: SeqLayout, mesh: Mesh, forced: str | None) -> Attent
 
 
 def _plan(traced: Traced, gm: fx.GraphModule, mesh: Mesh, lay: SeqLayout,
-          prices: list[AttentionPrice], grad: frozenset[str]) -> Plan:  # fmt: skip
+          prices: list[AttentionPrice], grad: frozenset[str],
+          tp_notes: tuple[str, ...] = ()) -> Plan:  # fmt: skip
     names = {**traced.params, **traced.buffers}
-    params = tuple((names[n.name], str(Layout.replicate(n.meta["val"].dim())))
+    params = tuple((names[n.name], str(meta.layout(n) or Layout.replicate(n.meta["val"].dim())))
                    for n in gm.graph.nodes if n.op == "placeholder" and n.name in traced.params)  # fmt: skip
     found = collectives_of(gm, set(grad), mesh.sizes, names) + _cp_collectives(gm, lay, grad)
-    link = mesh.cluster.axis_link(mesh.axes, AXIS)
-    comm = sum(collective_time(c.kind, c.bytes, 2 if c.kind == "send_recv" else lay.size, link)
-               for c in found)  # fmt: skip
-    param_bytes = sum(traced.tensors[f].numel() * traced.tensors[f].element_size()
-                      for f in traced.params.values())  # fmt: skip
+    comm = sum(collective_time(c.kind, c.bytes, 2 if c.kind == "send_recv" else mesh.size(c.axis),
+                               mesh.cluster.axis_link(mesh.axes, c.axis)) for c in found)  # fmt: skip
+    param_bytes = sum(_nbytes(n.meta["val"]) for n in gm.graph.nodes
+                      if n.op == "placeholder" and n.name in traced.params)  # fmt: skip
     act = activation_bytes(gm, traced)
     chunks = (f"{lay.chunks} chunks, rank i holds chunks i and {lay.chunks - 1}-i (causal: equal "
               "attention work)" if lay.balanced else f"{lay.size} chunks, rank i holds chunk i")  # fmt: skip
@@ -502,7 +555,7 @@ def _plan(traced: Traced, gm: fx.GraphModule, mesh: Mesh, lay: SeqLayout,
                 hardware=f"{mesh.cluster.gpu.name} ×{mesh.cluster.gpus_per_node}/node",
                 params=params, collectives=tuple(found),
                 choice=tuple((p.node, p.chosen) for p in prices), compute_s=0.0, comm_s=comm,
-                memory_bytes=4.0 * param_bytes + act, notes=tuple(notes))  # fmt: skip
+                memory_bytes=4.0 * param_bytes + act, notes=(*notes, *tp_notes))  # fmt: skip
 
 
 def activation_bytes(gm: fx.GraphModule, traced: Traced) -> float:
