@@ -13,7 +13,11 @@ model, whose rounding it shares.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -233,3 +237,15 @@ def test_labels_shifted_inside_the_model_are_refused():
     ids = torch.randint(0, 128, (2, 16))
     with pytest.raises(ContextParallelError, match=r"pre-shifted labels"):
         autoparallelize(_hf("llama"), Mesh(cp=2), (ids,), example_kwargs={"labels": ids})
+
+
+def test_train_cp_example_matches_single_device() -> None:
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    run = subprocess.run([sys.executable, str(root / "examples" / "train_cp.py")], cwd=root,
+                         env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    rows = re.findall(r"^\s*(\d+)\s+\d+\.\d+\s+\d+\.\d+\s+\S+e[-+]\d+$", run.stdout, re.M)
+    assert [int(r) for r in rows] == list(range(1, 21)), out
+    assert "within 0.0001" in out and "every rank returned rank 0's losses: True" in out, out
