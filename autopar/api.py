@@ -47,6 +47,7 @@ def autoparallelize(
     param_dtype: torch.dtype = torch.float32,
     global_batch: int | None = None,
     reduce_dtype: torch.dtype = torch.float32,
+    cp_attention: str | None = None,
 ) -> Any:
     """Compile ``model`` for ``mesh``.
 
@@ -78,6 +79,9 @@ def autoparallelize(
     ``Mesh.auto(cluster)`` searches the degrees on the traced model (``global_batch``
     sequences per step, default the example batch) and compiles the best configuration among
     the axes autopar compiles; ``prog.search`` holds the ranked plan (autopar.search).
+
+    A mesh with a ``cp`` axis splits the sequence (autopar.context_parallel); attention runs
+    as ring or all-to-all attention, chosen by cost unless ``cp_attention`` forces one.
     """
     if isinstance(mesh, AutoMesh):
         from autopar.search import compile_auto
@@ -93,13 +97,18 @@ def autoparallelize(
                               n_microbatches=n_microbatches,
                               memory_weight=memory_weight, strict=strict, verbose=verbose,
                               schedule=schedule, virtual_stages=virtual_stages,
-                              split_points=split_points)  # fmt: skip
+                              split_points=split_points, cp_attention=cp_attention)  # fmt: skip
     if zero is not None:
         raise PlanError(f"zero={zero} shards over the data axis, but {virtual} has no dp axis; "
                         "use e.g. Mesh(dp=2, tp=2)")  # fmt: skip
     options = PlanOptions(memory_limit=memory_limit, memory_weight=memory_weight, strict=strict,
                           fixed=_reused(plan, virtual))  # fmt: skip
-    if "pp" in virtual.sizes:
+    if "cp" in virtual.sizes:
+        from autopar.context_parallel import compile_context_parallel
+
+        prog = compile_context_parallel(model, virtual, example_inputs, loss_fn, example_kwargs,
+                                        cp_attention)  # fmt: skip
+    elif "pp" in virtual.sizes:
         from autopar.pipeline import compile_pipeline
 
         prog = compile_pipeline(model, virtual, example_inputs, loss_fn, example_kwargs, options,

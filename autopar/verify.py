@@ -20,6 +20,7 @@ Algorithm:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -87,12 +88,20 @@ def verify(
     example_kwargs: dict[str, Any] | None = None,
     rtol: float = 1e-4,
     seed: int = 0,
+    reference_dtype: torch.dtype | None = None,
     **compile_options: Any,
 ) -> VerifyReport:
-    """Compare ``model`` with its parallel programs on ``mesh`` (steps 1-4)."""
+    """Compare ``model`` with its parallel programs on ``mesh`` (steps 1-4).
+
+    ``reference_dtype=torch.float64`` runs the single-device reference on a float64 copy of
+    the model: the truth, for programs whose kernels round differently from the model's own
+    (ring attention): a gradient that is exactly zero in exact arithmetic (a key bias under
+    softmax) is then compared with zero, not with the fp32 kernel's rounding noise."""
     prog = autoparallelize(model, mesh, example_inputs, loss_fn,
                            example_kwargs=example_kwargs, **compile_options)  # fmt: skip
     mesh = getattr(getattr(prog, "search", None), "mesh", mesh)  # Mesh.auto: the chosen mesh
+    if reference_dtype is not None:
+        model = copy.deepcopy(model).to(reference_dtype)
     if "dp" in mesh.sizes:
         return _verify_data_parallel(prog, model, example_inputs, example_kwargs, loss_fn, rtol,
                                      seed)  # fmt: skip

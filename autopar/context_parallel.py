@@ -1,0 +1,603 @@
+"""The context-parallel axis (``cp``): every sequence-dimension tensor split over cp ranks.
+
+The model is traced at its global shape, so positions, RoPE tables and masks it builds inside
+(``arange`` ...) are whole; the program then keeps each rank's part of the sequence.  Layout:
+2·cp chunks, rank i holds chunks i and 2·cp−1−i (load-balanced causal attention), or cp chunks
+when no attention is causal (autopar.cp_ops).  Parameters are replicated over cp; their
+gradients are summed over cp (the cp ranks then join the dp reduction, like a data axis).
+
+Algorithm (:func:`compile_context_parallel`):
+1. Trace at the global shape.  The sequence length S is dim 1 of the first user input; every
+   user input whose dim 1 is S is localized (``cp_localize``: the rank's chunks, no
+   communication).  Attention is causal if any SDPA says so; S must divide into the chunks.
+2. Walk the graph.  An op reading a sequence-split value runs split when its sharding rules
+   (autopar.rules, on an axis of one rank per chunk) offer a strategy whose split inputs are
+   where they are: replicated inputs it needs split are localized (their gradient is gathered
+   back), replicated inputs it reads whole get ``grad_all_reduce`` (each rank's gradient is
+   the sum over its own tokens), a partial sum is all-reduced.  No strategy: an error naming
+   the op and the user's source line.
+3. Attention (``aten.scaled_dot_product_attention``) with split q, k, v becomes ring attention
+   or all-to-all (Ulysses) attention: each priced on the link cp rides, the cheaper chosen
+   unless ``cp_attention`` forces one.
+4. A mean cross-entropy becomes a sum plus the count of counted tokens, both all-reduced
+   (``cp_global_mean``): the loss over the global sequence keeps its meaning.  Split graph
+   outputs are gathered whole.
+5. Shape arguments become local (passes.localize); the plan lists the collectives, the
+   attention choice with its prices, and the activation memory per rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from autopar import collectives as C
+from autopar import cp_ops, meta, parallel_ops
+from autopar.analysis import needs_grad
+from autopar.compile import compile_traced
+from autopar.errors import InputError, MeshError, PlanError
+from autopar.layout import Layout, Partial, Placement, R, Shard
+from autopar.mesh import Mesh
+from autopar.plan import Collective, Plan
+from autopar.planner import PlanOptions
+from autopar.program import Program, collectives_of
+from autopar.rules import RuleContext, Strategy, strategies
+from autopar.trace import Traced, is_getitem, tensor_args, trace
+from cost.comm import collective_time
+from passes import PassContext
+from passes.localize import localize
+
+aten = torch.ops.aten
+AXIS = "cp"
+STRATEGIES = ("ring", "all_to_all")
+_SDPA = aten.scaled_dot_product_attention.default
+_CE = aten.cross_entropy_loss.default
+_MEAN, _SUM = 1, 2
+_TP_DIM_OPS = (C.all_gather, C.reduce_scatter, C.split, C.all_to_all)
+_TP_OPS = (*_TP_DIM_OPS, C.all_reduce, C.grad_all_reduce, parallel_ops.local_kv_heads,
+           parallel_ops.vocab_parallel_embedding)  # fmt: skip
+
+
+class ContextParallelError(PlanError):
+    """The model cannot run split along the sequence as written."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SeqLayout:
+    """The sequence split of one program."""
+
+    size: int  # cp ranks
+    seq: int  # global sequence length
+    balanced: bool  # 2·cp chunks (causal) or cp chunks
+
+    @property
+    def chunks(self) -> int:
+        return 2 * self.size if self.balanced else self.size
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionPrice:
+    """Predicted seconds of one attention's cp communication, per strategy (fwd + bwd)."""
+
+    node: str
+    ring: float
+    all_to_all: float | None  # None: heads do not divide by cp
+    chosen: str
+
+
+def compile_context_parallel(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
+                             loss_fn: Callable | None, example_kwargs: dict | None,
+                             cp_attention: str | None = None,
+                             options: PlanOptions | None = None) -> Program:  # fmt: skip
+    """Steps 1-5 on ``mesh`` (cp, or cp x tp: the tp program is compiled first at the global
+    sequence and then split; dp wraps either through autopar.data_parallel)."""
+    other = [a for a in mesh.sizes if a != AXIS]
+    if set(other) - {"tp"}:
+        raise MeshError(f"{mesh}: cp composes with dp (Mesh(dp=2, cp=2)) and tp "
+                        f"(Mesh(cp=2, tp=2)); cp with {', '.join(other)} is not supported yet")  # fmt: skip
+    if cp_attention not in (None, *STRATEGIES):
+        raise InputError(f"cp_attention={cp_attention!r}: use 'ring', 'all_to_all' or None")
+    traced = trace(model, example_inputs, example_kwargs, loss_fn)
+    lay = _seq_layout(traced, mesh.size(AXIS))
+    base, tp_notes = traced.gm, ()
+    if "tp" in mesh.sizes:  # the tp program, traced whole, is what cp splits
+        tp = compile_traced(traced, Mesh.ordered((("tp", mesh.size("tp")),), mesh.cluster),
+                            options or PlanOptions(), lambda _: None)  # fmt: skip
+        traced, base, tp_notes = tp.traced, tp.graph_module, tp.plan.notes
+    gm = fx.GraphModule(base, copy.deepcopy(base.graph))
+    grad = frozenset(n.name for n in needs_grad(traced, gm))
+    kept = {n: meta.layout(n) for n in gm.graph.nodes if meta.layout(n) is not None}
+    for n in kept:
+        meta.update(n, layout=None)
+    split = _SplitSequence(gm, traced, lay, grad, mesh, cp_attention)
+    split.run()
+    cp_only = Mesh.ordered(((AXIS, lay.size),), mesh.cluster)
+    gm = localize(gm, PassContext(mesh=cp_only, axis=AXIS, choice={}, grad=grad, traced=traced))
+    _merge_layouts(gm, kept)
+    gm.graph.lint()
+    gm.recompile()
+    plan = _plan(traced, gm, mesh, lay, split.prices, grad, tp_notes)
+    return Program(plan=plan, mesh=mesh, graph_module=gm, traced=traced, history=[])
+
+
+def _merge_layouts(gm: fx.GraphModule, kept: dict[fx.Node, Any]) -> None:
+    """Put the tp layouts back, with cp added on the sequence dim of split values."""
+    for n, tp_lay in kept.items():
+        cp_lay = meta.layout(n)
+        if not isinstance(cp_lay, Layout) or not isinstance(tp_lay, Layout):
+            meta.update(n, layout=tp_lay)
+            continue
+        dims = tuple(c + t for c, t in zip(cp_lay.dims, tp_lay.dims, strict=True))
+        blocks = tuple(max(a, b) for a, b in zip(cp_lay.blocks, tp_lay.blocks, strict=True))
+        meta.update(n, layout=Layout(dims=dims, blocks=blocks, partial=tp_lay.partial))
+
+
+# ---------------------------------------------------------------- step 1
+
+
+def _seq_layout(traced: Traced, size: int) -> SeqLayout:
+    inputs = [n for n in traced.gm.graph.nodes if n.name in traced.user_inputs
+              and isinstance(n.meta.get("val"), torch.Tensor)]  # fmt: skip
+    shaped = [n for n in inputs if n.meta["val"].dim() >= 2]
+    if not shaped:
+        raise InputError(f"{traced.model_name}: cp splits the sequence (dim 1 of the first "
+                         "input), but no input has two dims; pass token ids [batch, seq]")  # fmt: skip
+    seq = shaped[0].meta["val"].shape[1]
+    causal = any(_sdpa_args(n)["is_causal"] for n in traced.gm.graph.nodes if n.target is _SDPA)
+    lay = SeqLayout(size=size, seq=seq, balanced=causal)
+    if seq % lay.chunks:
+        why = f"2·cp = {lay.chunks} chunks (causal attention)" if causal else f"cp = {size}"
+        raise InputError(f"the sequence length {seq} of {traced.model_name} (dim 1 of "
+                         f"{shaped[0].name}) does not divide into {why}; use a sequence "
+                         f"length that is a multiple of {lay.chunks}")  # fmt: skip
+    return lay
+
+
+def _sdpa_args(n: fx.Node) -> dict[str, Any]:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    defaults = (None, None, None, None, 0.0, False, None, False)
+    out = dict(zip(names, defaults, strict=True))
+    out.update(zip(names, n.args, strict=False))
+    out.update(n.kwargs)
+    return out
+
+
+# ---------------------------------------------------------------- steps 2-4
+
+
+class _SplitSequence:
+    """Steps 2-4: one walk over the graph, rewriting as it goes."""
+
+    def __init__(self, gm: fx.GraphModule, traced: Traced, lay: SeqLayout, grad: frozenset[str],
+                 mesh: Mesh, forced: str | None) -> None:  # fmt: skip
+        self.gm, self.graph, self.traced, self.lay = gm, gm.graph, traced, lay
+        self.grad, self.mesh, self.forced = grad, mesh, forced
+        self.place: dict[fx.Node, Placement | tuple] = {}
+        self.localized: dict[tuple[fx.Node, Placement], fx.Node] = {}
+        self.reduced: dict[fx.Node, fx.Node] = {}
+        self.prices: list[AttentionPrice] = []
+        self.ctx = RuleContext(size=lay.chunks, blocks=_block_counts(gm))
+
+    def run(self) -> None:
+        nodes = list(self.graph.nodes)
+        self._split_inputs(nodes)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for n in nodes:
+                if n.op == "call_function":
+                    self._visit(n)
+        self._gather_outputs()
+        for n, p in self.place.items():
+            _set_layout(n, p)
+
+    # -- inputs and outputs
+
+    def _split_inputs(self, nodes: list[fx.Node]) -> None:
+        for n in nodes:
+            val = n.meta.get("val")
+            if (n.name in self.traced.user_inputs and isinstance(val, torch.Tensor)
+                    and val.dim() >= 2 and val.shape[1] == self.lay.seq):  # fmt: skip
+                users = list(n.users)
+                loc = self._localize(n, Shard(1), after=True)
+                for u in users:
+                    u.replace_input_with(n, loc)
+
+    def _gather_outputs(self) -> None:
+        out = next(n for n in self.graph.nodes if n.op == "output")
+
+        def whole(a: Any) -> Any:
+            p = self.place.get(a) if isinstance(a, fx.Node) else None
+            if not isinstance(p, Shard):
+                return a
+            with self.graph.inserting_before(out):
+                g = self._call(cp_ops.cp_gather, (a, AXIS, p.dim, p.blocks, self.lay.balanced),
+                               a.meta["val"])  # fmt: skip
+            return g
+
+        out.args = (pytree.tree_map(whole, out.args[0]),)
+
+    # -- one op
+
+    def _visit(self, n: fx.Node) -> None:
+        if is_getitem(n):
+            parent = self.place.get(n.args[0])
+            if isinstance(parent, tuple) and isinstance(parent[n.args[1]], Shard):
+                self.place[n] = parent[n.args[1]]
+            return
+        args = tensor_args(n)
+        have = [self.place.get(a, R) for a in args]
+        if all(not isinstance(p, Shard) for p in have):
+            return
+        if n.target is _SDPA:
+            self._attention(n)
+        elif n.target in (_CE, parallel_ops.vocab_parallel_cross_entropy):
+            self._loss(n, args, have)
+        elif n.target in _TP_OPS:
+            self._through_tp_op(n, have)
+        else:
+            self._by_rules(n, args, have)
+
+    def _through_tp_op(self, n: fx.Node, have: list) -> None:
+        """A tp collective or lowering moves or splits a non-sequence dim: the sequence stays
+        where it is (a tp op on the sequence dim itself, Megatron-SP's, is refused)."""
+        p = next(q for q in have if isinstance(q, Shard))
+        dims = n.args[2:4] if n.target is C.all_to_all else n.args[2:3]
+        if n.target in _TP_DIM_OPS and p.dim in dims:
+            raise ContextParallelError(
+                f"{_op(n)} at {meta.source(n)} acts on the sequence dim {p.dim} that cp splits "
+                "(tensor-parallel sequence parallelism); use a tp plan without it")  # fmt: skip
+        for a, q in zip(tensor_args(n), have, strict=True):
+            if not isinstance(q, Shard):
+                new = self._reduce_grad(a)
+                if new is not a:
+                    n.replace_input_with(a, new)
+        self.place[n] = p
+
+    def _by_rules(self, n: fx.Node, args: list[fx.Node], have: list) -> None:
+        best = _pick(n, self.ctx, have)
+        if best is None:
+            split = ", ".join(f"{a.name} {p}" for a, p in zip(args, have, strict=True)
+                              if isinstance(p, Shard))  # fmt: skip
+            both = sum(isinstance(p, Shard) for p in have) > 1
+            hint = ("two sequence-split operands: attention written out as matmul-softmax-matmul "
+                    "is not split; cp rewrites aten.scaled_dot_product_attention (e.g. HF "
+                    "attn_implementation='sdpa')") if both else (
+                    "cp splits every sequence-dim tensor, so this op needs a rule in "
+                    "autopar/rules.py, or the model must not mix positions (e.g. pass "
+                    "pre-shifted labels instead of labels= that the model shifts)")  # fmt: skip
+            raise ContextParallelError(
+                f"{_op(n)} at {meta.source(n)} reads sequence-split values ({split}) and no "
+                f"sharding strategy runs it split along the sequence; {hint}"
+            )
+        for a, want, p in zip(args, best.inputs, have, strict=True):
+            if isinstance(p, Shard):
+                continue
+            new = self._localize(a, want) if isinstance(want, Shard) else self._reduce_grad(a)
+            if new is not a:
+                n.replace_input_with(a, new)
+        out = best.output
+        if isinstance(out, Partial):
+            self._all_reduce_after(n)
+        elif isinstance(out, tuple) or isinstance(out, Shard):
+            self.place[n] = out
+
+    # -- attention (step 3)
+
+    def _attention(self, n: fx.Node) -> None:
+        a = _sdpa_args(n)
+        q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
+        if a["dropout_p"]:
+            raise ContextParallelError(f"attention with dropout_p={a['dropout_p']} at "
+                                       f"{meta.source(n)}: cp needs dropout_p=0")  # fmt: skip
+        qkv = []
+        for t in (q, k, v):
+            p = self.place.get(t, R)
+            seq_dim = t.meta["val"].dim() - 2
+            if p == R:
+                t = self._localize(t, Shard(seq_dim))
+            elif p != Shard(seq_dim):
+                raise ContextParallelError(
+                    f"attention at {meta.source(n)}: {t.name} is split as {p}, not along its "
+                    f"sequence dim {seq_dim}; cp splits attention along the sequence only")  # fmt: skip
+            qkv.append(t)
+        if isinstance(mask, fx.Node) and isinstance(self.place.get(mask), Shard):
+            raise ContextParallelError(
+                f"attention at {meta.source(n)}: its mask {mask.name} is built from "
+                "sequence-split inputs (a padding mask?); cp needs a mask the model builds "
+                "whole (causal, sliding window) or no mask")  # fmt: skip
+        price = _price(n, self.lay, self.mesh, self.forced)
+        self.prices.append(price)
+        build = self._ring if price.chosen == "ring" else self._ulysses
+        out = build(n, *qkv, mask, a)
+        n.replace_all_uses_with(out)
+        self.graph.erase_node(n)
+        self.place[out] = Shard(out.meta["val"].dim() - 2)
+
+    def _ring(self, n: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, mask: Any,
+              a: dict) -> fx.Node:  # fmt: skip
+        scale = a["scale"] or q.meta["val"].shape[-1] ** -0.5
+        with self.graph.inserting_before(n):
+            return self._call(cp_ops.ring_attention,
+                              (q, k, v, mask, AXIS, bool(a["is_causal"]), float(scale),
+                               self.lay.seq, self.lay.balanced), n.meta["val"], like=n)  # fmt: skip
+
+    def _ulysses(self, n: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, mask: Any,
+                 a: dict) -> fx.Node:  # fmt: skip
+        size, gqa = self.lay.size, bool(a["enable_gqa"])
+        heads_q, heads_kv = q.meta["val"].shape[1], k.meta["val"].shape[1]
+        with self.graph.inserting_before(n):
+            if heads_kv % size:  # give every rank the KV heads of its query heads
+                k, v = (self._repeat_heads(t, heads_q // heads_kv) for t in (k, v))
+                gqa = False
+            heads = [self._to_heads(t) for t in (q, k, v)]
+            if isinstance(mask, fx.Node) and mask.meta["val"].dim() == 4 \
+                    and mask.meta["val"].shape[1] > 1:  # fmt: skip
+                mask = self._call(C.split, (mask, AXIS, 1, 1), mask.meta["val"])
+                self.place[mask] = Shard(1)
+            kwargs = {"scale": a["scale"], "enable_gqa": gqa}
+            attn = self.graph.call_function(_SDPA, (*heads, mask, 0.0, bool(a["is_causal"])),
+                                            kwargs)  # fmt: skip
+            attn.meta.update(n.meta)
+            self.place[attn] = Shard(1)
+            back = self._call(cp_ops.cp_reorder, (attn, AXIS, 2, self.lay.seq,
+                                                  self.lay.balanced, False), n.meta["val"])  # fmt: skip
+            self.place[back] = Shard(1)
+            return self._call(C.all_to_all, (back, AXIS, 1, 2), n.meta["val"], like=n)
+
+    def _to_heads(self, t: fx.Node) -> fx.Node:
+        """Sequence-split [b, h, s/cp, d] -> head-split [b, h/cp, s, d] in global order."""
+        x = self._call(C.all_to_all, (t, AXIS, 2, 1), t.meta["val"])
+        self.place[x] = Shard(1)
+        y = self._call(cp_ops.cp_reorder, (x, AXIS, 2, self.lay.seq, self.lay.balanced, True),
+                       t.meta["val"])  # fmt: skip
+        self.place[y] = Shard(1)
+        return y
+
+    def _repeat_heads(self, t: fx.Node, times: int) -> fx.Node:
+        val = t.meta["val"]
+        shape = (val.shape[0], val.shape[1] * times, *val.shape[2:])
+        r = self._call(aten.repeat_interleave.self_int, (t, times, 1),
+                       torch.empty(shape, dtype=val.dtype, device="meta"))  # fmt: skip
+        self.place[r] = self.place[t]
+        return r
+
+    # -- loss (step 4)
+
+    def _loss(self, n: fx.Node, args: list[fx.Node], have: list) -> None:
+        logits, target = n.args[0], n.args[1]
+        if n.target is _CE:
+            weight = n.args[2] if len(n.args) > 2 else n.kwargs.get("weight")
+            reduction = n.args[3] if len(n.args) > 3 else n.kwargs.get("reduction", _MEAN)
+            ignore = n.args[4] if len(n.args) > 4 else n.kwargs.get("ignore_index", -100)
+            smoothing = n.args[5] if len(n.args) > 5 else n.kwargs.get("label_smoothing", 0.0)
+            summed = (logits, target, None, _SUM, ignore, smoothing)
+        else:  # vocab-parallel cross-entropy of the tp program
+            weight = None
+            reduction = n.args[3] if len(n.args) > 3 else _MEAN
+            ignore = n.args[4] if len(n.args) > 4 else -100
+            summed = (logits, target, n.args[2], _SUM, ignore)
+        p = self.place.get(logits, R)
+        if weight is not None or not isinstance(p, Shard) or p.dim != 0 \
+                or logits.meta["val"].dim() != 2:  # fmt: skip
+            self._by_rules(n, args, have)
+            return
+        if self.place.get(target, R) == R:
+            n.replace_input_with(target, self._localize(target, p))
+        if reduction not in (_MEAN, _SUM):
+            self.place[n] = p
+            return
+        with self.graph.inserting_before(n):
+            total = self.graph.call_function(n.target, summed)
+            total.meta.update(n.meta)
+            if reduction == _SUM:
+                out = self._call(C.all_reduce, (total, AXIS, "identity"), n.meta["val"], like=n)
+            else:
+                tval = target.meta["val"]
+                kept = self._call(aten.ne.Scalar, (target, ignore),
+                                  torch.empty(tval.shape, dtype=torch.bool, device="meta"))  # fmt: skip
+                self.place[kept] = p
+                count = self._call(aten.sum.default, (kept,),
+                                   torch.empty((), dtype=torch.int64, device="meta"))  # fmt: skip
+                out = self._call(cp_ops.cp_global_mean, (total, count, AXIS), n.meta["val"],
+                                 like=n)  # fmt: skip
+        n.replace_all_uses_with(out)
+        self.graph.erase_node(n)
+
+    # -- helpers
+
+    def _call(self, fn: Any, args: tuple, val: Any, like: fx.Node | None = None) -> fx.Node:
+        node = self.graph.call_function(fn, args)
+        if like is not None:
+            node.meta.update({k: v for k, v in like.meta.items() if k != meta.KEY})
+        node.meta["val"] = val
+        return node
+
+    def _localize(self, a: fx.Node, p: Placement, after: bool = False) -> fx.Node:
+        key = (a, p)
+        if key not in self.localized:
+            where = self._after_inputs() if after else None
+            ctx = self.graph.inserting_before(where) if where else self.graph.inserting_after(a)
+            with ctx:
+                loc = self._call(cp_ops.cp_localize,
+                                 (a, AXIS, p.dim, p.blocks, self.lay.balanced), a.meta["val"],
+                                 like=a if a.op != "placeholder" else None)  # fmt: skip
+            self.place[loc] = p
+            self.localized[key] = loc
+        return self.localized[key]
+
+    def _after_inputs(self) -> fx.Node:
+        return next(n for n in self.graph.nodes if n.op != "placeholder")
+
+    def _reduce_grad(self, a: fx.Node) -> fx.Node:
+        """A replicated input read whole by a split op: each rank's gradient is partial."""
+        if a.name not in self.grad:
+            return a
+        if a not in self.reduced:
+            anchor = a if a.op != "placeholder" else self._after_inputs().prev
+            with self.graph.inserting_after(anchor):
+                self.reduced[a] = self._call(C.grad_all_reduce, (a, AXIS), a.meta["val"])
+        return self.reduced[a]
+
+    def _all_reduce_after(self, n: fx.Node) -> None:
+        with self.graph.inserting_after(n):
+            red = self._call(C.all_reduce, (n, AXIS, "identity"), n.meta["val"])
+        n.replace_all_uses_with(red, delete_user_cb=lambda u: u is not red)
+
+
+def _pick(n: fx.Node, ctx: RuleContext, have: list) -> Strategy | None:
+    """The strategy keeping split inputs where they are, localizing the fewest others."""
+    try:
+        options = strategies(n, ctx)
+    except Exception:  # noqa: BLE001 - an op the rules cannot describe has no split strategy
+        return None
+    best, best_key = None, None
+    for s in options:
+        if s.lowering is not None:
+            continue
+        ok = all(want == p if isinstance(p, Shard) else not isinstance(want, Partial)
+                 for want, p in zip(s.inputs, have, strict=True))  # fmt: skip
+        if not ok:
+            continue
+        outs = s.output if isinstance(s.output, tuple) else (s.output,)
+        if all(o == R for o in outs):
+            continue
+        key = (sum(isinstance(w, Shard) for w in s.inputs), isinstance(s.output, Partial))
+        if best_key is None or key < best_key:
+            best, best_key = s, key
+    return best
+
+
+def _block_counts(gm: fx.GraphModule) -> tuple[int, ...]:
+    counts = {1}
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() >= 1:
+            counts.add(val.shape[0])
+    return tuple(sorted(counts))
+
+
+def _set_layout(n: fx.Node, p: Placement | tuple) -> None:
+    val = n.meta.get("val")
+    if isinstance(p, tuple):
+        lays = tuple(Layout.from_placements(v.dim(), {AXIS: q}) if isinstance(v, torch.Tensor)
+                     else None for v, q in zip(val, p, strict=False))  # fmt: skip
+        meta.update(n, layout=lays)
+    elif isinstance(val, torch.Tensor):
+        meta.update(n, layout=Layout.from_placements(val.dim(), {AXIS: p}))
+
+
+def _op(n: fx.Node) -> str:
+    return getattr(n.target, "__name__", str(n.target))
+
+
+# ---------------------------------------------------------------- pricing (step 3)
+
+
+def _price(n: fx.Node, lay: SeqLayout, mesh: Mesh, forced: str | None) -> AttentionPrice:
+    """Ring: per step the K/V block moves while a block of attention runs (only the excess is
+    exposed); backward also moves dK/dV.  All-to-all: 4 all-to-alls each way, nothing hidden."""
+    a = _sdpa_args(n)
+    q, k, v = (a[x].meta["val"] for x in ("query", "key", "value"))
+    size, link, gpu = lay.size, mesh.cluster.axis_link(mesh.axes, AXIS), mesh.cluster.gpu
+    elt = q.element_size()
+    kv = (k.numel() + v.numel()) * elt / size
+    step_flops = 4 * q.numel() / size * (k.shape[-2] / size) / (2 if a["is_causal"] else 1)
+    step_s = step_flops / gpu.peak_flops(min(elt, 2))
+    p2p = collective_time("send_recv", kv, 2, link)
+    ring = (size - 1) * max(0.0, p2p - step_s) + (size - 1) * max(0.0, p2p - 2 * step_s) \
+        + size * collective_time("send_recv", kv, 2, link)  # fmt: skip
+    heads_ok = q.shape[1] % size == 0
+    a2a = None
+    if heads_ok:
+        kv_heads = k.shape[1] if k.shape[1] % size == 0 else q.shape[1]
+        kv_one = k.shape[0] * kv_heads * k.shape[2] * k.shape[3] * elt / size
+        per = [q.numel() * elt / size, kv_one, kv_one, q.numel() * elt / size]
+        a2a = 2 * sum(collective_time("all_to_all", b, size, link) for b in per)
+    if forced == "all_to_all" and not heads_ok:
+        raise InputError(f"cp_attention='all_to_all' at {meta.source(n)}: {q.shape[1]} query "
+                         f"heads do not divide by cp={size}; use cp_attention='ring'")  # fmt: skip
+    chosen = forced or ("all_to_all" if a2a is not None and a2a < ring else "ring")
+    return AttentionPrice(node=n.name, ring=ring, all_to_all=a2a, chosen=chosen)
+
+
+# ---------------------------------------------------------------- the plan (step 5)
+
+
+def _plan(traced: Traced, gm: fx.GraphModule, mesh: Mesh, lay: SeqLayout,
+          prices: list[AttentionPrice], grad: frozenset[str],
+          tp_notes: tuple[str, ...] = ()) -> Plan:  # fmt: skip
+    names = {**traced.params, **traced.buffers}
+    params = tuple((names[n.name], str(meta.layout(n) or Layout.replicate(n.meta["val"].dim())))
+                   for n in gm.graph.nodes if n.op == "placeholder" and n.name in traced.params)  # fmt: skip
+    found = collectives_of(gm, set(grad), mesh.sizes, names) + _cp_collectives(gm, lay, grad)
+    comm = sum(collective_time(c.kind, c.bytes, 2 if c.kind == "send_recv" else mesh.size(c.axis),
+                               mesh.cluster.axis_link(mesh.axes, c.axis)) for c in found)  # fmt: skip
+    param_bytes = sum(_nbytes(n.meta["val"]) for n in gm.graph.nodes
+                      if n.op == "placeholder" and n.name in traced.params)  # fmt: skip
+    act = activation_bytes(gm, traced)
+    chunks = (f"{lay.chunks} chunks, rank i holds chunks i and {lay.chunks - 1}-i (causal: equal "
+              "attention work)" if lay.balanced else f"{lay.size} chunks, rank i holds chunk i")  # fmt: skip
+    notes = [f"cp={lay.size} splits the sequence of {lay.seq} tokens into {chunks}",
+             f"activations per rank {act / 2**20:.2f} MiB (1/cp of the sequence-split values)"]
+    for p in prices:
+        a2a = f"{p.all_to_all * 1e6:.1f} us" if p.all_to_all is not None else "invalid (heads)"
+        notes.append(f"attention {p.node}: {p.chosen} (ring {p.ring * 1e6:.1f} us, all-to-all "
+                     f"{a2a} of exposed cp communication per step)")  # fmt: skip
+    return Plan(model=traced.model_name, mesh=mesh.axes,
+                hardware=f"{mesh.cluster.gpu.name} ×{mesh.cluster.gpus_per_node}/node",
+                params=params, collectives=tuple(found),
+                choice=tuple((p.node, p.chosen) for p in prices), compute_s=0.0, comm_s=comm,
+                memory_bytes=4.0 * param_bytes + act, notes=(*notes, *tp_notes))  # fmt: skip
+
+
+def activation_bytes(gm: fx.GraphModule, traced: Traced) -> float:
+    """Bytes of every floating intermediate value at its local shape (an upper bound on the
+    activations saved for backward, per rank)."""
+    total = 0.0
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        vals = n.meta.get("val")
+        for v in vals if isinstance(vals, (tuple, list)) else (vals,):
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                total += v.numel() * v.element_size()
+    return total
+
+
+def _cp_collectives(gm: fx.GraphModule, lay: SeqLayout, grad: frozenset[str]) -> list[Collective]:
+    """The cp ops collectives_of does not know: ring exchanges, localize / gather, the loss."""
+    out: list[Collective] = []
+    for n in gm.graph.nodes:
+        where = meta.module_path(n)
+        if n.target is cp_ops.ring_attention:
+            k, v = n.args[1].meta["val"], n.args[2].meta["val"]
+            kv = (k.numel() + v.numel()) * k.element_size()
+            shape = (2, *k.shape)
+            out += [_rec("send_recv", shape, kv, "fwd", where)] * (lay.size - 1)
+            out += [_rec("send_recv", shape, kv, "bwd", where)] * (2 * lay.size - 1)
+        elif n.target is cp_ops.cp_gather:
+            val = n.meta["val"]
+            out.append(_rec("all_gather", tuple(val.shape), _nbytes(val), "fwd", where))
+        elif n.target is cp_ops.cp_localize and n.args[0].name in grad:
+            val = n.args[0].meta["val"]
+            out.append(_rec("all_gather", tuple(val.shape), _nbytes(val), "bwd", where))
+        elif n.target is cp_ops.cp_global_mean:
+            out.append(_rec("all_reduce", (2,), 8, "fwd", where))
+    return out
+
+
+def _nbytes(v: torch.Tensor) -> int:
+    return v.numel() * v.element_size()
+
+
+def _rec(kind: str, shape: tuple, nbytes: int, direction: str, where: str) -> Collective:
+    return Collective(kind=kind, axis=AXIS, shape=tuple(shape), dtype="float32", bytes=nbytes,
+                      direction=direction, where=where)  # fmt: skip

@@ -1,0 +1,251 @@
+"""The context-parallel axis: Mesh(cp=...) alone, with dp and with tp on real Gloo ranks.
+
+Loss and every gradient equal the single-device model (fp32, relative 1e-5) for ring and
+all-to-all attention; the ring issues cp-1 K/V exchanges per attention forward and all-to-all
+attention 4 all-to-alls; HF Llama / Qwen2 verify; bad input fails with one clear error each.
+
+Ring attention computes blocks one precision up (fp64 for fp32 inputs) and so is compared
+with a float64 reference (``reference_dtype``): a key bias's gradient is exactly zero and the
+fp32 SDPA kernel leaves ~1e-5 of verify's metric of rounding noise on it.  All-to-all
+attention runs the model's own SDPA kernel on whole sequences and is compared with the fp32
+model, whose rounding it shares.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar import InputError, Mesh, autoparallelize, cp_ops, verify
+from autopar.context_parallel import ContextParallelError
+from autopar.pool import get_pool
+from autopar.testing import Config, build, lm_loss, tokens
+
+MESHES = [{"cp": 2}, {"cp": 4}, {"dp": 2, "cp": 2}, {"cp": 2, "tp": 2}]
+
+
+def reference(strategy: str) -> torch.dtype | None:
+    return torch.float64 if strategy == "ring" else None
+
+
+def rtol(strategy: str, axes: dict) -> float:
+    """1e-5; all-to-all attention under tp uses the tp tests' 1e-4: there the tp program's
+    own SDPA leaves ~1e-5 of rounding noise on a key bias's exactly-zero gradient
+    (tests/test_data_parallel.py)."""
+    return 1e-4 if strategy == "all_to_all" and "tp" in axes else 1e-5
+
+
+@st.composite
+def cases(draw):
+    kind = draw(st.sampled_from(["gpt", "llama"]))
+    axes = draw(st.sampled_from(MESHES))
+    strategy = draw(st.sampled_from(["ring", "all_to_all"]))
+    heads = draw(st.sampled_from([4, 8]))
+    kv = heads if kind == "gpt" else draw(st.sampled_from([1, 2, heads]))
+    seq = draw(st.sampled_from([32, 64, 128, 256]))
+    c = Config(layers=draw(st.integers(1, 2)), hidden=heads * 8, heads=heads, kv_heads=kv,
+               ffn=heads * 16, vocab=draw(st.sampled_from([48, 64])), seq=seq,
+               batch=axes.get("dp", 1) * draw(st.integers(1, 2)), bias=draw(st.booleans()))  # fmt: skip
+    return kind, c, axes, strategy
+
+
+@settings(max_examples=10)
+@given(cases())
+def test_equals_single_device(case):
+    kind, c, axes, strategy = case
+    model = build(kind, c)
+    x, y = tokens(c)
+    report = verify(model, Mesh(**axes), (x, y), lm_loss, rtol=rtol(strategy, axes),
+                    cp_attention=strategy, reference_dtype=reference(strategy))  # fmt: skip
+    assert report.ok, f"{kind} {c} {axes} {strategy}\n{report}"
+    assert len([r for r in report.rows if r.kind == "grad"]) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_to_all"])
+def test_outputs_without_loss_are_gathered_whole(strategy):
+    c = Config(seq=32)
+    model = build("gpt", c)
+    x, _ = tokens(c)
+    report = verify(model, Mesh(cp=2), (x,), rtol=1e-5, cp_attention=strategy,
+                    reference_dtype=reference(strategy))  # fmt: skip
+    assert report.ok, report
+
+
+def _hf(name: str) -> nn.Module:
+    import transformers
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+              use_cache=False)  # fmt: skip
+    torch.manual_seed(0)
+    if name == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
+
+
+def shifted_loss(out, labels: torch.Tensor) -> torch.Tensor:
+    """Causal-LM loss with labels shifted outside the model (-100 ignored)."""
+    logits = out.logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def shifted(labels: torch.Tensor) -> torch.Tensor:
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+
+
+@pytest.mark.parametrize(("name", "axes", "strategy"), [
+    ("llama", {"cp": 2}, "ring"), ("llama", {"cp": 2}, "all_to_all"),
+    ("qwen2", {"cp": 2}, "ring"), ("qwen2", {"cp": 2}, "all_to_all"),
+    ("llama", {"cp": 2, "tp": 2}, "ring"), ("qwen2", {"cp": 2, "tp": 2}, "all_to_all"),
+])  # fmt: skip
+def test_hf_causal_lm(name, axes, strategy):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (2, 32), generator=g)
+    labels = shifted(torch.randint(0, 128, (2, 32), generator=g))
+    report = verify(_hf(name), Mesh(**axes), (ids, labels), shifted_loss, rtol=1e-5,
+                    cp_attention=strategy)  # fmt: skip
+    assert report.ok, report
+
+
+# ---------------------------------------------------------------- collectives
+
+
+def _forward_exchanges(rank: int, groups: dict, module, x, y) -> dict:
+    from autopar import collectives
+
+    collectives.bind(groups)
+    cp_ops.reset_exchanges()
+    loss = module(x, y)
+    fwd = cp_ops.reset_exchanges()
+    loss.backward()
+    return {"fwd": fwd.get("fwd", 0), "bwd": cp_ops.reset_exchanges().get("bwd", 0)}
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_exchanges_kv_cp_minus_one_times_per_attention(cp):
+    c = Config(layers=2, seq=32, kv_heads=2)
+    model = build("llama", c)
+    x, y = tokens(c)
+    prog = autoparallelize(model, Mesh(cp=cp), (x, y), lm_loss, cp_attention="ring")
+    code = prog.code(0)
+    assert code.count("autopar_cp_ops_ring_attention(") == c.layers
+    sends = [col for col in prog.collectives() if col.kind == "send_recv"]
+    assert len([s for s in sends if s.direction == "fwd"]) == c.layers * (cp - 1)
+    kv = sends[0]
+    assert kv.shape == (2, c.batch, c.kv_heads, c.seq // cp, c.hidden // c.heads)  # KV heads only
+    jobs = [(prog.module(r), x, y) for r in range(cp)]
+    counts = get_pool(cp).run(_forward_exchanges, prog.mesh.axes, jobs)
+    # forward: cp-1 fused K/V exchanges; backward: cp-1 K/V plus cp dK/dV exchanges
+    assert all(n == {"fwd": c.layers * (cp - 1), "bwd": c.layers * (2 * cp - 1)} for n in counts)
+
+
+def test_all_to_all_attention_is_four_all_to_alls_forward():
+    c = Config(layers=2, seq=32, kv_heads=2)
+    prog = autoparallelize(build("llama", c), Mesh(cp=2), tokens(c), lm_loss,
+                           cp_attention="all_to_all")  # fmt: skip
+    fwd = [col for col in prog.collectives() if col.kind == "all_to_all" and col.direction == "fwd"]
+    assert len(fwd) == 4 * c.layers
+    assert prog.code(0).count("autopar_collectives_all_to_all(") == 4 * c.layers
+    assert "send_recv" not in {col.kind for col in prog.collectives()}
+
+
+def test_cost_model_chooses_and_says_why():
+    c = Config(layers=1, seq=64, kv_heads=2)
+    prog = autoparallelize(build("llama", c), Mesh(cp=2), tokens(c), lm_loss)
+    (node, chosen), = prog.plan.choice
+    why = next(n for n in prog.plan.notes if n.startswith(f"attention {node}:"))
+    ring, a2a = map(float, re.search(r"\(ring ([\d.]+) us, all-to-all ([\d.]+) us", why).groups())
+    assert chosen == ("ring" if ring <= a2a else "all_to_all"), why
+    heads2 = Config(layers=1, seq=64, heads=2, kv_heads=2, hidden=32)
+    prog = autoparallelize(build("llama", heads2), Mesh(cp=4), tokens(heads2), lm_loss)
+    assert prog.plan.choice[0][1] == "ring"  # 2 heads do not split over 4 ranks
+
+
+def test_activation_memory_falls_with_cp():
+    c = Config(layers=2, seq=256, kv_heads=2)
+    acts = {}
+    for cp in (2, 4):
+        prog = autoparallelize(build("llama", c), Mesh(cp=cp), tokens(c), lm_loss)
+        note = next(n for n in prog.plan.notes if n.startswith("activations per rank"))
+        acts[cp] = float(note.split()[3])
+    assert 0.45 < acts[4] / acts[2] < 0.6, acts
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_sequence_must_divide_into_chunks():
+    c = Config(seq=12)
+    with pytest.raises(InputError, match=r"12 .* does not divide into 2·cp = 8 chunks"):
+        autoparallelize(build("llama", c), Mesh(cp=4), tokens(c), lm_loss)
+
+
+class Bidirectional(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.emb(x)).unsqueeze(1).chunk(3, dim=-1)
+        return F.scaled_dot_product_attention(q, k, v).sum()
+
+
+def test_sequence_must_divide_by_cp_without_causal_attention():
+    x = torch.randint(0, 32, (2, 9))
+    with pytest.raises(InputError, match=r"does not divide into cp = 2"):
+        autoparallelize(Bidirectional(), Mesh(cp=2), (x,))
+    report = verify(Bidirectional(), Mesh(cp=2), (torch.randint(0, 32, (2, 8)),), rtol=1e-5,
+                    cp_attention="ring", reference_dtype=torch.float64)  # fmt: skip
+    assert report.ok, report
+
+
+def test_all_to_all_needs_heads_divisible_by_cp():
+    c = Config(seq=32, heads=2, kv_heads=2, hidden=32)
+    with pytest.raises(InputError, match=r"2 query heads do not divide by cp=4"):
+        autoparallelize(build("llama", c), Mesh(cp=4), tokens(c), lm_loss,
+                        cp_attention="all_to_all")  # fmt: skip
+
+
+class EagerAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        scores = h @ h.transpose(1, 2)
+        return (scores.softmax(-1) @ h).sum()
+
+
+def test_attention_the_rules_cannot_split_is_named_with_its_line():
+    with pytest.raises(ContextParallelError, match=r"matmul.*test_context_parallel.py.*scores = h @ h.*sdpa"):
+        autoparallelize(EagerAttention(), Mesh(cp=2), (torch.randint(0, 32, (2, 8)),))
+
+
+def test_labels_shifted_inside_the_model_are_refused():
+    ids = torch.randint(0, 128, (2, 16))
+    with pytest.raises(ContextParallelError, match=r"pre-shifted labels"):
+        autoparallelize(_hf("llama"), Mesh(cp=2), (ids,), example_kwargs={"labels": ids})
+
+
+def test_train_cp_example_matches_single_device() -> None:
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    run = subprocess.run([sys.executable, str(root / "examples" / "train_cp.py")], cwd=root,
+                         env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    rows = re.findall(r"^\s*(\d+)\s+\d+\.\d+\s+\d+\.\d+\s+\S+e[-+]\d+$", run.stdout, re.M)
+    assert [int(r) for r in rows] == list(range(1, 21)), out
+    assert "within 0.0001" in out and "every rank returned rank 0's losses: True" in out, out
