@@ -16,7 +16,7 @@ from typing import Any
 from autopar.errors import MeshError
 from cost.hardware import Cluster
 
-SUPPORTED_AXES = ("dp", "pp", "tp")
+SUPPORTED_AXES = ("dp", "pp", "ep", "tp")
 KNOWN_AXES = ("dp", "pp", "cp", "ep", "tp")
 
 
