@@ -152,9 +152,9 @@ def _expert_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any,
         raise MeshError(f"{mesh}: pipeline stages with an expert axis are not supported yet; "
                         "use Mesh(ep=..., tp=...) or Mesh(dp=..., ep=...)")  # fmt: skip
 
-    def inner(sub: Mesh, args: tuple, kwargs: dict) -> Any:
+    def inner(sub: Mesh, args: tuple, kwargs: dict) -> Any:  # strict: no rule needed at size 1
         return autoparallelize(model, sub, args, loss_fn, example_kwargs=kwargs or None,
-                               strict=strict, **inner_options)  # fmt: skip
+                               strict=strict and sub.world_size > 1, **inner_options)  # fmt: skip
 
     prog = compile_expert_parallel(mesh, example_inputs, example_kwargs, inner, strict=strict,
                                    capacity_factor=capacity_factor)  # fmt: skip

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}
+_LOAD: list[tuple[list[int], int]] = []  # per dispatch: rows per local expert, rows dropped
 
 
 def bind(groups: Mapping[str, dist.ProcessGroup]) -> None:
@@ -207,11 +208,11 @@ class _GradAllReduce(torch.autograd.Function):
 class _ExpertDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, offs: torch.Tensor, axis: str, capacity: float):
-        send = _counts(offs).view(axis_size(axis), -1)
-        if capacity > 0:
-            send = _capped(send, capacity, axis)
+        full = _counts(offs).view(axis_size(axis), -1)
+        send = _capped(full, capacity, axis) if capacity > 0 else full
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group(axis))
+        _LOAD.append((recv.sum(0).tolist(), int((full - send).sum())))
         order = _expert_major(recv)
         kept = _kept_rows(_counts(offs), send.flatten()) if capacity > 0 else None
         ctx.axis, ctx.n, ctx.order, ctx.kept = axis, rows.shape[0], order, kept
@@ -254,6 +255,16 @@ class _ExpertCombine(torch.autograd.Function):
         return _a2a(g.contiguous(), *ctx.splits, ctx.axis)[ctx.order], None, None, None
 
 
+def expert_load(reset: bool = True) -> list[tuple[list[int], int]]:
+    """Per expert dispatch since the last reset, in call order (one per MoE layer per
+    forward): the rows this rank's experts took, and the rows this rank dropped over
+    capacity."""
+    out = list(_LOAD)
+    if reset:
+        _LOAD.clear()
+    return out
+
+
 def _counts(offs: torch.Tensor) -> torch.Tensor:
     """Rows per expert from cumulative offsets."""
     ends = offs.to(torch.int64)
@@ -264,8 +275,9 @@ def _capped(send: torch.Tensor, capacity: float, axis: str) -> torch.Tensor:
     """Per (destination rank, expert) counts after the capacity rule: each expert keeps at
     most ``capacity`` rows over all ranks, the lower ep ranks first, each rank its rows in
     order (its first rows kept)."""
-    everyone = send.new_empty((axis_size(axis), *send.shape))
+    everyone = send.new_empty((axis_size(axis) * send.shape[0], *send.shape[1:]))
     dist.all_gather_into_tensor(everyone, send.contiguous(), group=group(axis))
+    everyone = everyone.view(axis_size(axis), *send.shape)
     before = torch.cumsum(everyone, 0) - everyone  # rows of the lower ranks, per expert
     room = (int(capacity) - before[axis_rank(axis)]).clamp(min=0)
     return torch.minimum(send, room)

@@ -53,8 +53,8 @@ from autopar.plan import Collective, _fmt_bytes
 _ROWWISE = {"silu", "gelu", "relu", "sigmoid", "tanh", "mul", "add", "sub", "div", "neg",
             "exp", "pow", "square", "clamp", "chunk", "split", "split_with_sizes", "to",
             "_to_copy", "clone", "contiguous", "alias", "detach", "getitem", "minimum",
-            "maximum", "where", "relu_", "mul_", "add_"}  # fmt: skip
-_DIM_OPS = {"chunk": 2, "split": 2, "split_with_sizes": 2}  # op -> index of its dim argument
+            "maximum", "where", "relu_", "mul_", "add_", "slice"}  # fmt: skip
+_DIM_OPS = {"chunk": 2, "split": 2, "split_with_sizes": 2, "slice": 1}  # op -> index of its dim argument
 _WEIGHT_VIEWS = {"transpose", "permute", "to", "_to_copy", "alias", "contiguous", "clone",
                  "detach", "view", "reshape"}  # fmt: skip
 
@@ -140,11 +140,11 @@ def _layer(gm: fx.GraphModule, offs: fx.Node, mms: list[fx.Node]) -> MoELayer | 
             return _why(mms[0], f"parameter {w} has {gm.get_parameter(w).shape[0]} rows on dim 0 "
                                 f"but the offsets count {experts} experts")  # fmt: skip
     region = _region(entry, exit_)
-    for node in region:
+    order = [n for n in gm.graph.nodes if n in region]
+    for node in order:
         problem = _not_rowwise(node, region, entry, offs, mms)
         if problem:
             return _why(node, problem)
-    order = [n for n in gm.graph.nodes if n in region]
     return MoELayer(entry=entry.name, exit=exit_.name, offs=offs.name,
                     matmuls=tuple(m.name for m in mms), region=tuple(n.name for n in order),
                     weights=tuple(dict.fromkeys(weights)), experts=experts,
