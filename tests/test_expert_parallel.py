@@ -22,7 +22,7 @@ from autopar.errors import InputError, ShardingRuleError
 from autopar.expert_parallel import ExpertParallelProgram
 from autopar.pool import get_pool
 from autopar.testing import MoEConfig, build_moe, lm_loss, tokens
-from autopar.verify import _ep_job, _ep_replica, _reference, _rank_step, verify
+from autopar.verify import _ep_job, _ep_replica, _rank_step, _reference, verify
 
 pytest.importorskip("transformers")
 logging.getLogger("transformers").setLevel(logging.ERROR)
