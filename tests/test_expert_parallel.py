@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar import Mesh, autoparallelize, collectives, zoo
-from autopar.errors import InputError, ShardingRuleError
+from autopar.errors import InputError, MeshError, ShardingRuleError
 from autopar.expert_parallel import ExpertParallelProgram
 from autopar.pool import get_pool
 from autopar.testing import MoEConfig, build_moe, lm_loss, tokens
@@ -235,3 +235,28 @@ def test_unrecognised_layout_warns_and_replicates_or_errors_under_strict():
         assert verify(model, Mesh(ep=2), args, lm_loss, rtol=1e-5).ok
     with pytest.raises(ShardingRuleError, match=r"node 'mul.*line"):
         autoparallelize(model, Mesh(ep=2), args, lm_loss, strict=True)
+
+
+# ---------------------------------------------------------------- compositions
+
+
+@pytest.mark.parametrize("mesh", [Mesh(ep=2, tp=2), Mesh(dp=2, ep=2)], ids=str)
+def test_composes_with_tp_and_dp(mesh):
+    c = MoEConfig(batch=4, shared=True)
+    model = build_moe(c)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = verify(model, mesh, _ids(c), lm_loss, rtol=1e-5)
+        prog = autoparallelize(model, mesh, _ids(c), lm_loss)
+    assert report.ok, report
+    ep_prog = prog.inner if "dp" in mesh.sizes else prog
+    assert len(ep_prog.plan.layers) == c.layers
+    held = dict(prog.module(0).named_parameters())["blocks.0.gate_up"]
+    tp = mesh.size("tp")
+    assert held.shape == (c.experts // 2, 2 * c.expert_ffn // tp, c.hidden)
+
+
+def test_pipeline_with_experts_is_refused_clearly():
+    c = MoEConfig(batch=4)
+    with pytest.raises(MeshError, match=r"pipeline stages with an expert axis"):
+        autoparallelize(build_moe(c), Mesh(pp=2, ep=2), _ids(c), lm_loss)
