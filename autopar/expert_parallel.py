@@ -81,6 +81,7 @@ class MoELayer:
     region: tuple[str, ...]  # every node the experts compute, in graph order
     weights: tuple[str, ...]  # stacked expert parameters ([E, ...])
     experts: int
+    biases: tuple[str, ...] = ()  # per-row gathers param[expert id] of an [E, ...] parameter
     where: str  # module path
 
     def __str__(self) -> str:
@@ -141,13 +142,17 @@ def _layer(gm: fx.GraphModule, offs: fx.Node, mms: list[fx.Node]) -> MoELayer | 
                                 f"but the offsets count {experts} experts")  # fmt: skip
     region = _region(entry, exit_)
     order = [n for n in gm.graph.nodes if n in region]
+    biases = _expert_biases(gm, region, offs, experts)
+    weights += [gm.graph.find_nodes(op="get_attr", target=b.args[0].target)[0].target
+                for b in biases]  # fmt: skip
     for node in order:
-        problem = _not_rowwise(node, region, entry, offs, mms)
+        problem = _not_rowwise(node, region, {entry, offs, *biases}, mms)
         if problem:
             return _why(node, problem)
     return MoELayer(entry=entry.name, exit=exit_.name, offs=offs.name,
                     matmuls=tuple(m.name for m in mms), region=tuple(n.name for n in order),
                     weights=tuple(dict.fromkeys(weights)), experts=experts,
+                    biases=tuple(b.name for b in biases),
                     where=meta.module_path(mms[0]))  # fmt: skip
 
 
@@ -196,9 +201,36 @@ def _region(entry: fx.Node, exit_: fx.Node) -> set[fx.Node]:
     return region
 
 
-def _not_rowwise(node: fx.Node, region: set[fx.Node], entry: fx.Node, offs: fx.Node,
+def _expert_biases(gm: fx.GraphModule, region: set[fx.Node], offs: fx.Node,
+                   experts: int) -> list[fx.Node]:  # fmt: skip
+    """Inputs of the region that gather an [E, ...] parameter by each row's expert id (the id
+    tensor the offsets were counted from), read only inside the region: per-expert biases."""
+    ids = offs
+    while isinstance(ids, fx.Node) and _name(ids) in ("cumsum", "histc", "to", "_to_copy",
+                                                      "bincount"):  # fmt: skip
+        ids = ids.args[0]
+    found = []
+    for node in {x for n in region for x in n.all_input_nodes if x not in region}:
+        if (_name(node) == "index" and len(node.args[1]) == 1 and node.args[1][0] is ids
+                and node.args[0].op == "get_attr" and _trainable_or_param(gm, node.args[0])
+                and node.args[0].meta["val"].shape[0] == experts
+                and all(u in region for u in node.users)):  # fmt: skip
+            found.append(node)
+    return found
+
+
+def _trainable_or_param(gm: fx.GraphModule, node: fx.Node) -> bool:
+    try:
+        gm.get_parameter(node.target)
+    except AttributeError:
+        return False
+    return True
+
+
+def _not_rowwise(node: fx.Node, region: set[fx.Node], allowed: set[fx.Node],
                  mms: list[fx.Node]) -> str | None:  # fmt: skip
     """Why ``node`` cannot run on a rank's own experts' rows (None when it can)."""
+    offs = _offs_of(mms[0])
     if node in mms:
         inputs = [node.args[0], offs]
     elif _name(node) not in _ROWWISE:
@@ -211,7 +243,7 @@ def _not_rowwise(node: fx.Node, region: set[fx.Node], entry: fx.Node, offs: fx.N
             if d % node.args[0].meta["val"].dim() == 0:
                 return f"{_name(node)} splits the rows (dim 0) inside the experts' region"
     for x in inputs:
-        if x not in region and x is not entry and x is not offs:
+        if x not in region and x not in allowed:
             return (f"its input '{x.name}' comes from outside the experts' region (only the "
                     "grouped rows and the expert weights may enter it)")  # fmt: skip
     if node in mms:
@@ -259,10 +291,24 @@ def _rewrite_layer(graph: fx.Graph, nodes: dict[str, fx.Node], layer: MoELayer, 
     for node in region:
         node.replace_input_with(entry, rows)
         node.replace_input_with(offs, local_offs)
+    for name in layer.biases:
+        gather = nodes[name]
+        first = next(n for n in region if n in gather.users)
+        with graph.inserting_before(first):
+            ids = graph.call_function(local_expert_ids, (local_offs,))
+        first.prepend(gather)
+        gather.replace_input_with(gather.args[1][0], ids)
+        gather.meta.pop("val", None)
     with graph.inserting_after(exit_):
         back = graph.call_function(C.expert_combine, (exit_, counts, offs, axis))
     back.meta.update(exit_.meta)
     exit_.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
+
+
+def local_expert_ids(offs: torch.Tensor) -> torch.Tensor:
+    """Each row's (local) expert index, from cumulative rows per expert."""
+    counts = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))
+    return torch.repeat_interleave(torch.arange(counts.numel()), counts)
 
 
 def _keep_slice(module: nn.Module, fqn: str, size: int, coord: int) -> None:

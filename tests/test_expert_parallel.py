@@ -89,14 +89,34 @@ def _deepseek_v3():
     return model, (ids,), {"labels": labels}
 
 
+def _gpt_oss():
+    """Per-expert biases: the gate/up bias is gathered by expert id inside the experts."""
+    import transformers
+
+    cfg = transformers.GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, use_cache=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        layer_types=["full_attention"] * 2)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # the expert biases start at zero
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 128, (2, 2, 16), generator=g)
+    return model, (ids,), {"labels": labels}
+
+
 def _family(name: str):
-    if name == "deepseek_v3":
-        return _deepseek_v3()
+    if name in ("deepseek_v3", "gpt_oss"):
+        return {"deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss}[name]()
     model, args, kwargs, _ = zoo.build(zoo.family(name))
     return model, args, kwargs
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3",
+                                  "gpt_oss"])
 def test_hf_moe_family_at_ep2(name):
     model, args, kwargs = _family(name)
     with warnings.catch_warnings():
@@ -105,6 +125,8 @@ def test_hf_moe_family_at_ep2(name):
         report = verify(model, Mesh(ep=2), args, example_kwargs=kwargs, rtol=1e-5)
     assert len(prog.plan.layers) == 2, prog.plan.notes
     assert report.ok, report
+    if name == "gpt_oss":
+        assert prog.plan.layers[0].weights[-1].endswith("gate_up_proj_bias")
 
 
 # ---------------------------------------------------------------- 3. collectives and memory
