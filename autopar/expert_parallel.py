@@ -23,7 +23,10 @@ Algorithm (:func:`compile_expert_parallel`):
    (``grad_all_reduce``); each scalar output (the loss) becomes the global loss
    (``batch_loss``: its gradient stays the rank's, 1/ep of it for a mean), so the experts'
    gradients, summed by the all-to-alls' backward over every rank's tokens, are exact.
-4. ``capacity_factor`` c caps each expert at ceil(c * tokens * top_k / E) rows over the global
+4. Price the expert axis's collectives on the link its groups ride (the cluster's NVLink when
+   ep fits inside a node with the axes inside it, else the fabric; alpha-beta, cost.comm):
+   per MoE layer the count exchange, dispatch and combine, and their backward.
+5. ``capacity_factor`` c caps each expert at ceil(c * tokens * top_k / E) rows over the global
    batch: the rows of lower ep ranks first, each rank's in its grouped order; a dropped row's
    expert output is zero.  Dropped rows are counted (:func:`expert_load`).
 """
@@ -49,6 +52,7 @@ from autopar.data_parallel import loss_reduction, split_batch
 from autopar.errors import InputError, ShardingRuleError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, _fmt_bytes
+from cost.comm import collective_time
 
 _ROWWISE = {"silu", "gelu", "relu", "sigmoid", "tanh", "mul", "add", "sub", "div", "neg",
             "exp", "pow", "square", "clamp", "chunk", "split", "split_with_sizes", "to",
@@ -361,6 +365,9 @@ class ExpertParallelPlan:
     batch: int
     capacity_factor: float | None
     collectives: tuple[Collective, ...]
+    link: str  # the link the ep groups ride
+    layer_s: float  # predicted all-to-all seconds per MoE layer (forward + backward)
+    comm_s: float  # predicted ep seconds of one step (all-to-alls, loss, dense gradients)
     notes: tuple[str, ...]
 
     @property
@@ -382,7 +389,8 @@ class ExpertParallelPlan:
                f"{self.reduction}); {cap}",
                f"{len(self.layers)} MoE layers, each rank holds 1/{self.ep} of their experts:"]  # fmt: skip
         out += [f"  {layer}" for layer in self.layers]
-        out.append("expert-axis traffic of one training step:")
+        out.append(f"expert-axis traffic of one training step (predicted {self.comm_s * 1e3:.3f} "
+                   f"ms on {self.link}; all-to-alls {self.layer_s * 1e6:.1f} us per MoE layer):")  # fmt: skip
         for c in self.collectives:
             if c.kind == "all_to_all" or c.where == "loss":
                 out.append(f"  {c!s:<44} {_fmt_bytes(c.bytes):>10}  {c.where}")
@@ -468,11 +476,16 @@ def compile_expert_parallel(mesh: Mesh, example_inputs: Sequence[Any],
         notes.append("no MoE layer found: ep runs as a data axis (every weight replicated)")
     reduction = loss_reduction(inner.traced.gm, inner.traced.model_name)
     capacity = _capacity(capacity_factor, layers, sample, ep)
+    found = tuple(ep_collectives(sample, layers))
+    link = mesh.cluster.axis_link(mesh.axes, "ep")
+    times = [collective_time(c.kind, c.bytes, ep, link) for c in found]
+    per_layer = sum(t for c, t in zip(found, times, strict=True)
+                    if c.kind == "all_to_all" and layers and c.where == layers[0].where)  # fmt: skip
     plan = ExpertParallelPlan(
         inner=inner.plan, mesh=mesh.axes, links=tuple(mesh.describe()), layers=tuple(layers),
         reduction=reduction, batch=_batch(example_inputs, example_kwargs),
-        capacity_factor=capacity_factor, collectives=tuple(ep_collectives(sample, layers)),
-        notes=tuple(notes))  # fmt: skip
+        capacity_factor=capacity_factor, collectives=found, link=link.name,
+        layer_s=per_layer, comm_s=sum(times), notes=tuple(notes))  # fmt: skip
     return ExpertParallelProgram(inner=inner, mesh=mesh, plan=plan, capacity=capacity)
 
 
