@@ -48,6 +48,7 @@ def autoparallelize(
     global_batch: int | None = None,
     reduce_dtype: torch.dtype = torch.float32,
     cp_attention: str | None = None,
+    capacity_factor: float | None = None,
 ) -> Any:
     """Compile ``model`` for ``mesh``.
 
@@ -67,6 +68,10 @@ def autoparallelize(
     ``plan=Plan.load("out/plan.json")`` reuses a saved plan's strategies instead of solving.
     ``cluster`` prices a DeviceMesh's plan (default: one DGX H100 node; a virtual Mesh carries
     its own, e.g. ``Mesh(Cluster.preset("dgx-a100", nodes=2), pp=2, tp=8)``).
+
+    A mesh with an ``ep`` axis places each MoE layer's experts across ep ranks (the dense part
+    data-parallel over ep; autopar.expert_parallel); ``capacity_factor`` caps the tokens per
+    expert (default: dropless).
 
     A mesh with a ``dp`` axis splits the batch (dim 0 of the inputs) over dp and runs the
     program of the other axes on each slice (autopar.data_parallel): ``zero`` forces a ZeRO
@@ -97,7 +102,13 @@ def autoparallelize(
                               n_microbatches=n_microbatches,
                               memory_weight=memory_weight, strict=strict, verbose=verbose,
                               schedule=schedule, virtual_stages=virtual_stages,
-                              split_points=split_points, cp_attention=cp_attention)  # fmt: skip
+                              split_points=split_points, cp_attention=cp_attention,
+                              capacity_factor=capacity_factor)  # fmt: skip
+    if "ep" in virtual.sizes:
+        return _expert_parallel(model, virtual, device_mesh, example_inputs, loss_fn,
+                                example_kwargs, strict=strict, verbose=verbose,
+                                capacity_factor=capacity_factor, memory_limit=memory_limit,
+                                memory_weight=memory_weight)  # fmt: skip
     if zero is not None:
         raise PlanError(f"zero={zero} shards over the data axis, but {virtual} has no dp axis; "
                         "use e.g. Mesh(dp=2, tp=2)")  # fmt: skip
@@ -154,6 +165,30 @@ def _data_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any, example_input
     from autopar.runtime import wrap_data_parallel
 
     return wrap_data_parallel(device_mesh, prog, mesh)
+
+
+def _expert_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any,
+                     example_inputs: Sequence[Any], loss_fn: Callable | None,
+                     example_kwargs: dict | None, *, strict: bool,
+                     capacity_factor: float | None, **inner_options: Any) -> Any:  # fmt: skip
+    """The ep branch: compile the sub-mesh program on B/ep, place the experts across ep."""
+    from autopar.expert_parallel import compile_expert_parallel
+
+    if "pp" in mesh.sizes:
+        raise MeshError(f"{mesh}: pipeline stages with an expert axis are not supported yet; "
+                        "use Mesh(ep=..., tp=...) or Mesh(dp=..., ep=...)")  # fmt: skip
+
+    def inner(sub: Mesh, args: tuple, kwargs: dict) -> Any:  # strict: no rule needed at size 1
+        return autoparallelize(model, sub, args, loss_fn, example_kwargs=kwargs or None,
+                               strict=strict and sub.world_size > 1, **inner_options)  # fmt: skip
+
+    prog = compile_expert_parallel(mesh, example_inputs, example_kwargs, inner, strict=strict,
+                                   capacity_factor=capacity_factor)  # fmt: skip
+    if device_mesh is None:
+        return prog
+    from autopar.runtime import bind_mesh
+
+    return prog.module(bind_mesh(device_mesh, mesh))
 
 
 def _reused(plan: Plan | None, mesh: Mesh) -> tuple[tuple[str, str], ...]:

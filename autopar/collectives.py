@@ -11,6 +11,11 @@ the wire in both directions:
 - ``split(x, axis, dim, blocks)``: replicated -> split, locally.  Backward: all-gather.
 - ``all_to_all(x, axis, src_dim, dst_dim)``: split on one dim -> split on another.
 - ``grad_all_reduce(x, axis)``: identity forward, all-reduce backward (Megatron's f).
+- ``expert_dispatch(rows, offs, axis)``: rows grouped by expert -> this rank's experts' rows
+  from every rank (a count exchange, then a variable-split all-to-all).  Backward: the
+  inverse all-to-all.  ``expert_combine`` is its inverse (backward: the dispatch's).
+- ``batch_loss(x, axis, reduction)``: a per-rank scalar loss -> the global one (mean or sum of
+  a scalar over ``axis``); backward keeps this rank's gradient (scaled 1/size for a mean).
 
 A split dim with ``blocks`` > 1 is viewed as ``[blocks, n/blocks]`` and each block is split.
 Groups are bound per axis with :func:`bind` (``autopar.runtime`` does it).
@@ -27,6 +32,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}
+_LOAD: list[tuple[list[int], int]] = []  # per dispatch: rows per local expert, rows dropped
 
 
 def bind(groups: Mapping[str, dist.ProcessGroup]) -> None:
@@ -199,6 +205,120 @@ class _GradAllReduce(torch.autograd.Function):
         return _all_reduce(g, ctx.axis), None
 
 
+class _ExpertDispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, offs: torch.Tensor, axis: str, capacity: float):
+        full = _counts(offs).view(axis_size(axis), -1)
+        send = _capped(full, capacity, axis) if capacity > 0 else full
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group(axis))
+        _LOAD.append((recv.sum(0).tolist(), int((full - send).sum())))
+        order = _expert_major(recv)
+        kept = _kept_rows(_counts(offs), send.flatten()) if capacity > 0 else None
+        ctx.axis, ctx.n, ctx.order, ctx.kept = axis, rows.shape[0], order, kept
+        ctx.splits = (send.sum(1).tolist(), recv.sum(1).tolist())
+        out = _a2a(rows if kept is None else rows[kept], *ctx.splits, axis)[order]
+        local_offs = torch.cumsum(recv.sum(0), 0).to(offs.dtype)
+        counts = torch.stack([recv, send])
+        ctx.mark_non_differentiable(local_offs, counts)
+        return out, local_offs, counts
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor, *_):
+        back = torch.empty_like(g).index_copy_(0, ctx.order, g)
+        sent = _a2a(back, ctx.splits[1], ctx.splits[0], ctx.axis)
+        if ctx.kept is None:
+            return sent, None, None, None
+        full = sent.new_zeros((ctx.n, *sent.shape[1:]))
+        return full.index_copy_(0, ctx.kept, sent), None, None, None
+
+
+class _ExpertCombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor, axis: str):
+        recv, send = counts[0], counts[1]
+        order = _expert_major(recv)
+        ctx.axis, ctx.order = axis, order
+        ctx.splits = (send.sum(1).tolist(), recv.sum(1).tolist())
+        back = torch.empty_like(y).index_copy_(0, order, y)
+        out = _a2a(back, ctx.splits[1], ctx.splits[0], axis)
+        full = _counts(offs)
+        ctx.kept = None if torch.equal(full, send.flatten()) else _kept_rows(full, send.flatten())
+        ctx.n = int(full.sum())
+        if ctx.kept is None:
+            return out
+        return out.new_zeros((ctx.n, *out.shape[1:])).index_copy_(0, ctx.kept, out)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        g = g if ctx.kept is None else g[ctx.kept]
+        return _a2a(g.contiguous(), *ctx.splits, ctx.axis)[ctx.order], None, None, None
+
+
+def expert_load(reset: bool = True) -> list[tuple[list[int], int]]:
+    """Per expert dispatch since the last reset, in call order (one per MoE layer per
+    forward): the rows this rank's experts took, and the rows this rank dropped over
+    capacity."""
+    out = list(_LOAD)
+    if reset:
+        _LOAD.clear()
+    return out
+
+
+def _counts(offs: torch.Tensor) -> torch.Tensor:
+    """Rows per expert from cumulative offsets."""
+    ends = offs.to(torch.int64)
+    return torch.diff(ends, prepend=ends.new_zeros(1))
+
+
+def _capped(send: torch.Tensor, capacity: float, axis: str) -> torch.Tensor:
+    """Per (destination rank, expert) counts after the capacity rule: each expert keeps at
+    most ``capacity`` rows over all ranks, the lower ep ranks first, each rank its rows in
+    order (its first rows kept)."""
+    everyone = send.new_empty((axis_size(axis) * send.shape[0], *send.shape[1:]))
+    dist.all_gather_into_tensor(everyone, send.contiguous(), group=group(axis))
+    everyone = everyone.view(axis_size(axis), *send.shape)
+    before = torch.cumsum(everyone, 0) - everyone  # rows of the lower ranks, per expert
+    room = (int(capacity) - before[axis_rank(axis)]).clamp(min=0)
+    return torch.minimum(send, room)
+
+
+def _kept_rows(full: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Indices of the first ``kept[e]`` rows of each expert's ``full[e]``-row group."""
+    starts = torch.cumsum(full, 0) - full
+    total = int(kept.sum())
+    seg = torch.cumsum(kept, 0) - kept
+    return torch.arange(total) + torch.repeat_interleave(starts - seg, kept, output_size=total)
+
+
+def _expert_major(recv: torch.Tensor) -> torch.Tensor:
+    """Positions, in the received (source-major) buffer, of the rows grouped by local expert:
+    the buffer holds [source][expert] blocks, the experts want [expert][source]."""
+    lengths = recv.flatten()
+    starts = (torch.cumsum(lengths, 0) - lengths).view_as(recv).t().flatten()
+    lt = recv.t().flatten()
+    total = int(lt.sum())
+    shift = starts - (torch.cumsum(lt, 0) - lt)
+    return torch.arange(total) + torch.repeat_interleave(shift, lt, output_size=total)
+
+
+def _a2a(x: torch.Tensor, send: list[int], recv: list[int], axis: str) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group(axis))
+    return out
+
+
+class _BatchLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: str, reduction: str) -> torch.Tensor:
+        ctx.scale = 1.0 / axis_size(axis) if reduction == "mean" else 1.0
+        return _all_reduce(x, axis) * ctx.scale
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g * ctx.scale, None, None
+
+
 # ---------------------------------------------------------------- graph-facing ops
 
 
@@ -249,3 +369,28 @@ def redistribute(
         f"redistribute({src} -> {dst} on {axis!r}) reached run time: the program was not "
         "lowered (passes.lower_collectives turns it into a named collective)"
     )
+
+
+@graph_op
+def expert_dispatch(rows: torch.Tensor, offs: torch.Tensor, axis: str,
+                    capacity: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Send each expert's rows (``rows`` grouped by expert, cumulative ``offs``) to the
+    ``axis`` rank holding it; returns this rank's experts' rows grouped by expert, their
+    cumulative offsets, and the [2, size, experts/size] (received, sent) counts the combine
+    reverses.  ``capacity`` > 0 keeps at most that many rows per expert (see ``_capped``)."""
+    return _ExpertDispatch.apply(rows, offs, axis, capacity)
+
+
+@graph_op
+def expert_combine(y: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor,
+                   axis: str) -> torch.Tensor:  # fmt: skip
+    """Return the experts' output rows to the ranks their tokens came from, in the order the
+    dispatch took them (dropped rows come back as zeros)."""
+    return _ExpertCombine.apply(y, counts, offs, axis)
+
+
+@graph_op
+def batch_loss(x: torch.Tensor, axis: str, reduction: str) -> torch.Tensor:
+    """A rank's scalar loss over its batch slice -> the global loss; backward keeps the rank's
+    own gradient (1/size of it for a mean)."""
+    return _BatchLoss.apply(x, axis, reduction)

@@ -17,7 +17,7 @@ from typing import Any
 from autopar.errors import MeshError
 from cost.hardware import Cluster
 
-SUPPORTED_AXES = ("dp", "pp", "cp", "tp")
+SUPPORTED_AXES = ("dp", "pp", "cp", "ep", "tp")
 KNOWN_AXES = ("dp", "pp", "cp", "ep", "tp")
 
 

@@ -253,3 +253,101 @@ def compare_losses(
     ok = worst <= tolerance
     print(f"max relative difference {worst:.2e} ({'within' if ok else 'EXCEEDS'} {tolerance:g})")
     return ok
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """A reference MoE language model: embedding, ``layers`` x (RMS norm, routed experts over
+    stacked weights, optional shared expert, residual), head."""
+
+    layers: int = 2
+    hidden: int = 32
+    expert_ffn: int = 16
+    experts: int = 4
+    top_k: int = 2
+    vocab: int = 64
+    seq: int = 8
+    batch: int = 4
+    sigmoid: bool = False  # DeepSeek-V3 routing: sigmoid scores, a bias that picks, not weighs
+    shared: bool = False
+    capacity: int = 0  # > 0: keep the first `capacity` rows of each expert (one-device rule)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows ``offs[e-1]:offs[e]`` of ``x`` times ``w[e]`` (HF transformers' exportable op;
+    MoEBlock imports its module before any trace: transformers imported while torch.export
+    runs leaves its output classes unregistered as pytrees)."""
+    return torch.ops.transformers.grouped_mm_fallback(x, w, offs)
+
+
+class MoEBlock(nn.Module):
+    """Router -> top-k -> rows grouped by expert -> grouped SwiGLU -> weighted combine."""
+
+    def __init__(self, c: MoEConfig) -> None:
+        import transformers.integrations.moe  # noqa: F401 - registers grouped_mm_fallback
+
+        super().__init__()
+        self.c = c
+        self.norm = RMSNorm(c.hidden)
+        self.router = nn.Linear(c.hidden, c.experts, bias=False)
+        if c.sigmoid:
+            self.score_bias = nn.Parameter(0.1 * torch.randn(c.experts), requires_grad=False)
+        self.gate_up = nn.Parameter(torch.randn(c.experts, 2 * c.expert_ffn, c.hidden) / c.hidden**0.5)
+        self.down = nn.Parameter(torch.randn(c.experts, c.hidden, c.expert_ffn) / c.expert_ffn**0.5)
+        self.shared = MLP(c.hidden, 2 * c.expert_ffn) if c.shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.c
+        flat = self.norm(x).reshape(-1, c.hidden)
+        logits = self.router(flat)
+        if c.sigmoid:
+            scores = torch.sigmoid(logits)
+            experts = torch.topk(scores + self.score_bias, c.top_k).indices
+            weights = scores.gather(1, experts)
+        else:
+            weights, experts = torch.topk(F.softmax(logits, dim=-1), c.top_k)
+        if c.top_k > 1:  # top-1 keeps the raw score (Switch): normalised it would be 1
+            weights = weights / weights.sum(-1, keepdim=True)
+        ids, perm = torch.sort(experts.reshape(-1), stable=True)
+        rows = flat[perm // c.top_k]
+        counts = torch.histc(ids.float(), bins=c.experts, min=0, max=c.experts - 1)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        gate, up = grouped_mm(rows, self.gate_up.transpose(-2, -1), offs).chunk(2, -1)
+        out = grouped_mm(F.silu(gate) * up, self.down.transpose(-2, -1), offs)
+        if c.capacity:
+            out = out * keep_mask(counts, c.capacity).unsqueeze(-1)
+        out = out * weights.reshape(-1)[perm].unsqueeze(-1)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel())
+        moe = out[inv].view(-1, c.top_k, c.hidden).sum(1).view_as(x)
+        return x + moe + (self.shared(flat).view_as(x) if self.shared is not None else 0)
+
+
+def keep_mask(counts: torch.Tensor, capacity: int) -> torch.Tensor:
+    """1 for the first ``capacity`` rows of each expert's group, 0 for the dropped ones."""
+    starts = torch.cumsum(counts, 0) - counts
+    ids = torch.repeat_interleave(torch.arange(counts.numel()), counts.long())
+    pos = torch.arange(ids.numel()) - starts.long()[ids]
+    return (pos < capacity).float()
+
+
+class MoEModel(nn.Module):
+    def __init__(self, c: MoEConfig) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(c.vocab, c.hidden)
+        self.blocks = nn.ModuleList(MoEBlock(c) for _ in range(c.layers))
+        self.head = nn.Linear(c.hidden, c.vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build_moe(c: MoEConfig, seed: int = 0) -> MoEModel:
+    torch.manual_seed(seed)
+    model = MoEModel(c)
+    for block in model.blocks:
+        nn.init.normal_(block.norm.weight, mean=1.0, std=0.1)
+    return model

@@ -105,6 +105,9 @@ def verify(
     if "dp" in mesh.sizes:
         return _verify_data_parallel(prog, model, example_inputs, example_kwargs, loss_fn, rtol,
                                      seed)  # fmt: skip
+    if "ep" in mesh.sizes:
+        return _verify_expert_parallel(prog, model, example_inputs, example_kwargs, loss_fn,
+                                       rtol, seed)  # fmt: skip
     if "pp" in mesh.sizes:
         return _verify_pipeline(prog, model, example_inputs, example_kwargs, loss_fn, rtol)
     ref_out, ref_grads, cots = _reference(model, example_inputs, example_kwargs, loss_fn, seed)
@@ -350,6 +353,8 @@ def _verify_data_parallel(prog: Any, model: nn.Module, args: Sequence[Any], kwar
     are scaled by dp to keep their single-device weight."""
     if "pp" in prog.mesh.sizes:
         return _verify_dp_pipeline(prog, model, args, kwargs, loss_fn, rtol)
+    if "ep" in prog.mesh.sizes:
+        return _verify_dp_expert(prog, model, args, kwargs, loss_fn, rtol, seed)
     ref_out, ref_grads, cots = _reference(model, args, kwargs, loss_fn, seed)
     jobs = [_dp_job(prog, rank, args, kwargs, cots) for rank in range(prog.mesh.world_size)]
     pool = get_pool(prog.mesh.world_size)
@@ -476,3 +481,113 @@ def _dp_pipeline_rank_step(rank: int, groups: dict, share: Any, args: tuple, kwa
 
 def _whole_grad(g: torch.Tensor) -> torch.Tensor:
     return g.full_tensor() if hasattr(g, "full_tensor") else g.detach()
+
+
+def _verify_expert_parallel(prog: Any, model: nn.Module, args: Sequence[Any],
+                            kwargs: dict | None, loss_fn: Callable | None, rtol: float,
+                            seed: int) -> VerifyReport:  # fmt: skip
+    """Expert axis: every rank runs its module on its batch slice (the loss is global in
+    forward, each rank's share in backward, so cotangents are not scaled); batched outputs
+    are concatenated over ep, expert gradients over ep on dim 0, and every ep replica's dense
+    gradients must match."""
+    ref_out, ref_grads, cots = _reference(model, args, kwargs, loss_fn, seed)
+    jobs = [_ep_job(prog, rank, args, kwargs, cots) for rank in range(prog.mesh.world_size)]
+    pool = get_pool(prog.mesh.world_size)
+    results = pool.run(_rank_step, prog.mesh.axes, jobs)
+    again = pool.run(_rank_step, prog.mesh.axes, jobs)
+    unstable = unstable_names(prog.inner, results, again)
+    out_scale, grad_scale = _scale(ref_out), _scale(list(ref_grads.values()))
+    worst: dict[str, TensorCheck] = {}
+    for e in range(prog.mesh.size("ep")):
+        per_inner = _ep_replica(prog, results, e)
+        rows = _compare_outputs(prog.inner, ref_out, [r[0] for r in per_inner], rtol, out_scale)
+        rows += _compare_grads(prog.inner, ref_grads, [r[1] for r in per_inner], rtol, grad_scale)
+        for row in rows:
+            if row.name not in worst or _worse(row, worst[row.name]):
+                worst[row.name] = row
+    rows = [_mark_unstable(r) if r.name in unstable else r for r in worst.values()]
+    return VerifyReport(mesh=str(prog.mesh), rtol=rtol, rows=tuple(rows))
+
+
+def _ep_job(prog: Any, rank: int, args: Sequence[Any], kwargs: dict | None, cots: list) -> tuple:
+    from autopar.data_parallel import batch_slices
+
+    ep, e = prog.mesh.size("ep"), prog.mesh.coordinates(rank)["ep"]
+    inner_coords = prog.inner_mesh.coordinates(prog.inner_rank(rank))
+
+    def mine(t: Any) -> Any:
+        return batch_slices(t, ep)[e] if isinstance(t, torch.Tensor) and t.dim() else t
+
+    local = []
+    for c, lay in zip(cots, output_layouts(prog.inner), strict=True):
+        if c is not None and c.dim():
+            c = mine(c)
+            c = shard_tensor(c, lay, prog.inner_mesh, inner_coords) if lay is not None else c
+        local.append(c)
+    return (prog.module(rank), tuple(mine(a) for a in args),
+            {k: mine(v) for k, v in (kwargs or {}).items()}, local)  # fmt: skip
+
+
+def _ep_replica(prog: Any, results: list, e: int) -> list[tuple[list, dict]]:
+    """Per sub-mesh rank: outputs (batched ones concatenated over ep, scalars of replica e),
+    expert gradients concatenated over ep, dense gradients of replica ``e``."""
+    ranks = {(prog.mesh.coordinates(r)["ep"], prog.inner_rank(r)): r
+             for r in range(prog.mesh.world_size)}  # fmt: skip
+    experts = {w for layer in prog.plan.layers for w in layer.weights}
+    out = []
+    for r in range(prog.inner_mesh.world_size):
+        parts = [results[ranks[(i, r)]] for i in range(prog.mesh.size("ep"))]
+        outs, grads = parts[e]
+        outs = [torch.cat([p[0][i] for p in parts]) if isinstance(x, torch.Tensor) and x.dim()
+                else x for i, x in enumerate(outs)]  # fmt: skip
+        grads = {n: torch.cat([p[1][n] for p in parts]) if n in experts else g
+                 for n, g in grads.items()}  # fmt: skip
+        out.append((outs, grads))
+    return out
+
+
+def _verify_dp_expert(prog: Any, model: nn.Module, args: Sequence[Any], kwargs: dict | None,
+                      loss_fn: Callable | None, rtol: float, seed: int) -> VerifyReport:  # fmt: skip
+    """dp x ep: each dp replica runs the expert-parallel program on its batch slice under
+    DDP / FSDP2 over dp; batched outputs are concatenated over dp (and ep), gradients of every
+    (dp, ep) replica must match."""
+    from autopar.data_parallel import batch_slices
+
+    ep_prog, dp = prog.inner, prog.mesh.size("dp")
+    ref_out, ref_grads, cots = _reference(model, args, kwargs, loss_fn, seed)
+    scale = dp if prog.plan.reduction == "mean" else 1
+
+    def mine(t: Any, d: int) -> Any:
+        return batch_slices(t, dp)[d] if isinstance(t, torch.Tensor) and t.dim() else t
+
+    jobs = []
+    for rank in range(prog.mesh.world_size):
+        d = prog.mesh.coordinates(rank)["dp"]
+        local = [mine(c, d) * scale if c is not None and c.dim() else c for c in cots]
+        job = _ep_job(ep_prog, prog.inner_rank(rank), tuple(mine(a, d) for a in args),
+                      {k: mine(v, d) for k, v in (kwargs or {}).items()}, local)  # fmt: skip
+        jobs.append((*job, prog.plan.zero, prog.plan.reduction))
+    pool = get_pool(prog.mesh.world_size)
+    results = pool.run(_dp_rank_step, prog.mesh.axes, jobs)
+    again = pool.run(_dp_rank_step, prog.mesh.axes, jobs)
+    unstable = unstable_names(ep_prog.inner, results, again)
+    at = {(prog.mesh.coordinates(r)["dp"], prog.inner_rank(r)): r for r in range(len(results))}
+    per_dp = [[results[at[(d, i)]] for i in range(ep_prog.mesh.world_size)] for d in range(dp)]
+    out_scale, grad_scale = _scale(ref_out), _scale(list(ref_grads.values()))
+    worst: dict[str, TensorCheck] = {}
+    for d in range(dp):
+        for e in range(ep_prog.mesh.size("ep")):
+            reps = [_ep_replica(ep_prog, per_dp[x], e) for x in range(dp)]
+            per_inner = [([torch.cat([reps[x][r][0][i] for x in range(dp)])
+                           if isinstance(o, torch.Tensor) and o.dim() else o
+                           for i, o in enumerate(reps[d][r][0])], reps[d][r][1])
+                         for r in range(len(reps[d]))]  # fmt: skip
+            rows = _compare_outputs(ep_prog.inner, ref_out, [p[0] for p in per_inner], rtol,
+                                    out_scale)  # fmt: skip
+            rows += _compare_grads(ep_prog.inner, ref_grads, [p[1] for p in per_inner], rtol,
+                                   grad_scale)  # fmt: skip
+            for row in rows:
+                if row.name not in worst or _worse(row, worst[row.name]):
+                    worst[row.name] = row
+    rows = [_mark_unstable(r) if r.name in unstable else r for r in worst.values()]
+    return VerifyReport(mesh=str(prog.mesh), rtol=rtol, rows=tuple(rows))

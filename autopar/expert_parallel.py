@@ -1,0 +1,545 @@
+"""The expert axis: MoE layers found in the traced graph, experts placed across ``ep`` ranks.
+
+ep ranks are data-parallel for the dense part of the model (each runs the program of the mesh
+without ep on its slice of the batch) and model-parallel for the experts (each holds E/ep of
+every MoE layer's stacked expert weights).  Tokens travel to their experts and back with
+all-to-alls; the rest of the routing (router, top-k, grouping by expert, weighted combine)
+runs on each rank's own tokens, exactly as on one device.
+
+Algorithm (:func:`compile_expert_parallel`):
+1. Split the global batch over ep (dim 0 of every input, as for dp) and compile the sub-mesh
+   program (tp, or nothing) on the slice.
+2. Recognise each MoE layer structurally in the sub-mesh graph (:func:`find_moe_layers`): the
+   grouped matmuls (``aten._grouped_mm``, ``transformers::grouped_mm_fallback``) sharing one
+   offsets tensor (the cumulative rows per expert of the router's top-k, grouped by expert),
+   each reading a stacked [E, ...] parameter; the experts' region is every op between the
+   first grouped matmul's rows and the last one's output, which must be row-wise (each row
+   computed alone by its expert).  A layout outside that is reported with its node and source
+   line, its experts stay replicated (an error under ``strict=True``).
+3. Per rank (:func:`place_experts`): a copy of the sub-mesh module whose MoE regions read
+   ``expert_dispatch`` (per-expert counts exchanged, then the rows with variable splits) and
+   end with ``expert_combine`` (the inverse all-to-all); expert weights keep this rank's
+   E/ep slice; every other trainable parameter's gradient is summed over ep
+   (``grad_all_reduce``); each scalar output (the loss) becomes the global loss
+   (``batch_loss``: its gradient stays the rank's, 1/ep of it for a mean), so the experts'
+   gradients, summed by the all-to-alls' backward over every rank's tokens, are exact.
+4. Price the expert axis's collectives on the link its groups ride (the cluster's NVLink when
+   ep fits inside a node with the axes inside it, else the fabric; alpha-beta, cost.comm):
+   per MoE layer the count exchange, dispatch and combine, and their backward.
+5. ``capacity_factor`` c caps each expert at ceil(c * tokens * top_k / E) rows over the global
+   batch: the rows of lower ep ranks first, each rank's in its grouped order; a dropped row's
+   expert output is zero.  Dropped rows are counted (:func:`expert_load`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import operator
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from autopar import collectives as C
+from autopar import meta
+from autopar.data_parallel import loss_reduction, split_batch
+from autopar.errors import InputError, ShardingRuleError
+from autopar.mesh import Mesh
+from autopar.plan import Collective, _fmt_bytes
+from cost.comm import collective_time
+
+_ROWWISE = {"silu", "gelu", "relu", "sigmoid", "tanh", "mul", "add", "sub", "div", "neg",
+            "exp", "pow", "square", "clamp", "chunk", "split", "split_with_sizes", "to",
+            "_to_copy", "clone", "contiguous", "alias", "detach", "getitem", "minimum",
+            "maximum", "where", "relu_", "mul_", "add_", "slice"}  # fmt: skip
+_DIM_OPS = {"chunk": 2, "split": 2, "split_with_sizes": 2, "slice": 1}  # op -> index of its dim argument
+_WEIGHT_VIEWS = {"transpose", "permute", "to", "_to_copy", "alias", "contiguous", "clone",
+                 "detach", "view", "reshape"}  # fmt: skip
+
+
+def _grouped_ops() -> tuple[Any, ...]:
+    ops = [torch.ops.aten._grouped_mm.default]
+    try:
+        import transformers.integrations.moe  # noqa: F401 - registers the fallback op
+
+        ops.append(torch.ops.transformers.grouped_mm_fallback.default)
+    except (ImportError, AttributeError):
+        pass
+    return tuple(ops)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoELayer:
+    """One recognised MoE layer of a rank's graph (node names and parameter names)."""
+
+    entry: str  # rows grouped by expert, the first grouped matmul's input
+    exit: str  # the last grouped matmul's output
+    offs: str  # cumulative rows per expert
+    matmuls: tuple[str, ...]
+    region: tuple[str, ...]  # every node the experts compute, in graph order
+    weights: tuple[str, ...]  # stacked expert parameters ([E, ...])
+    experts: int
+    biases: tuple[str, ...] = ()  # per-row gathers param[expert id] of an [E, ...] parameter
+    where: str  # module path
+
+    def __str__(self) -> str:
+        return (f"{self.where}: {self.experts} experts, {len(self.matmuls)} grouped matmuls "
+                f"over {', '.join(self.weights)}")  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class Unrecognised:
+    """A group of grouped matmuls the recogniser could not turn into an MoE layer."""
+
+    node: str
+    why: str
+    source: str
+
+    def __str__(self) -> str:
+        return f"node '{self.node}' ({self.source}): {self.why}"
+
+
+def _name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
+
+
+def _offs_of(node: fx.Node) -> Any:
+    return node.kwargs.get("offs", node.args[2] if len(node.args) > 2 else None)
+
+
+def find_moe_layers(gm: fx.GraphModule) -> tuple[list[MoELayer], list[Unrecognised]]:
+    """Step 2: the MoE layers of ``gm`` and the grouped matmuls that are not one."""
+    ops = _grouped_ops()
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in ops:
+            offs = _offs_of(node)
+            if not isinstance(offs, fx.Node):
+                continue  # a batched grouped matmul (no offsets): not a token grouping
+            groups.setdefault(offs, []).append(node)
+    layers, bad = [], []
+    for offs, mms in groups.items():
+        found = _layer(gm, offs, mms)
+        (layers if isinstance(found, MoELayer) else bad).append(found)
+    return layers, bad
+
+
+def _layer(gm: fx.GraphModule, offs: fx.Node, mms: list[fx.Node]) -> MoELayer | Unrecognised:
+    entry, exit_ = mms[0].args[0], mms[-1]
+    weights = []
+    for mm in mms:
+        w = _weight(gm, mm.args[1])
+        if w is None:
+            return _why(mm, "its weight operand is not a stacked parameter (a get_attr through "
+                            "transposes/views with the experts on dim 0)")  # fmt: skip
+        weights.append(w)
+    experts = offs.meta["val"].shape[0]
+    for w in weights:
+        if gm.get_parameter(w).shape[0] != experts:
+            return _why(mms[0], f"parameter {w} has {gm.get_parameter(w).shape[0]} rows on dim 0 "
+                                f"but the offsets count {experts} experts")  # fmt: skip
+    region = _region(entry, exit_)
+    order = [n for n in gm.graph.nodes if n in region]
+    biases = _expert_biases(gm, region, offs, experts)
+    weights += [gm.graph.find_nodes(op="get_attr", target=b.args[0].target)[0].target
+                for b in biases]  # fmt: skip
+    for node in order:
+        problem = _not_rowwise(node, region, {entry, offs, *biases}, mms)
+        if problem:
+            return _why(node, problem)
+    return MoELayer(entry=entry.name, exit=exit_.name, offs=offs.name,
+                    matmuls=tuple(m.name for m in mms), region=tuple(n.name for n in order),
+                    weights=tuple(dict.fromkeys(weights)), experts=experts,
+                    biases=tuple(b.name for b in biases),
+                    where=meta.module_path(mms[0]))  # fmt: skip
+
+
+def _why(node: fx.Node, why: str) -> Unrecognised:
+    return Unrecognised(node=node.name, why=why, source=meta.source(node))
+
+
+def _weight(gm: fx.GraphModule, node: Any) -> str | None:
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        if _name(node) not in _WEIGHT_VIEWS:
+            return None
+        if _name(node) == "permute" and node.args[1][0] not in (0, -node.meta["val"].dim()):
+            return None
+        if _name(node) in ("view", "reshape"):
+            src = node.args[0].meta["val"].shape
+            if node.meta["val"].shape[0] != src[0]:
+                return None
+        if _name(node) == "transpose" and 0 in {d % node.meta["val"].dim() for d in node.args[1:]}:
+            return None
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
+        return None
+    try:
+        gm.get_parameter(node.target)
+    except AttributeError:
+        return None
+    return node.target
+
+
+def _region(entry: fx.Node, exit_: fx.Node) -> set[fx.Node]:
+    """Nodes on a path from ``entry`` (excluded) to ``exit_`` (included)."""
+    ancestors, todo = set(), [exit_]
+    while todo:
+        n = todo.pop()
+        if n in ancestors or n is entry:
+            continue
+        ancestors.add(n)
+        todo.extend(n.all_input_nodes)
+    region, todo = set(), list(entry.users)
+    while todo:
+        n = todo.pop()
+        if n in region or n not in ancestors:
+            continue
+        region.add(n)
+        todo.extend(n.users)
+    return region
+
+
+def _expert_biases(gm: fx.GraphModule, region: set[fx.Node], offs: fx.Node,
+                   experts: int) -> list[fx.Node]:  # fmt: skip
+    """Inputs of the region that gather an [E, ...] parameter by each row's expert id (the id
+    tensor the offsets were counted from), read only inside the region: per-expert biases."""
+    ids = offs
+    while isinstance(ids, fx.Node) and _name(ids) in ("cumsum", "histc", "to", "_to_copy",
+                                                      "bincount"):  # fmt: skip
+        ids = ids.args[0]
+    found = []
+    for node in {x for n in region for x in n.all_input_nodes if x not in region}:
+        if (_name(node) == "index" and len(node.args[1]) == 1 and node.args[1][0] is ids
+                and node.args[0].op == "get_attr" and _trainable_or_param(gm, node.args[0])
+                and node.args[0].meta["val"].shape[0] == experts
+                and all(u in region for u in node.users)):  # fmt: skip
+            found.append(node)
+    return found
+
+
+def _trainable_or_param(gm: fx.GraphModule, node: fx.Node) -> bool:
+    try:
+        gm.get_parameter(node.target)
+    except AttributeError:
+        return False
+    return True
+
+
+def _not_rowwise(node: fx.Node, region: set[fx.Node], allowed: set[fx.Node],
+                 mms: list[fx.Node]) -> str | None:  # fmt: skip
+    """Why ``node`` cannot run on a rank's own experts' rows (None when it can)."""
+    offs = _offs_of(mms[0])
+    if node in mms:
+        inputs = [node.args[0], offs]
+    elif _name(node) not in _ROWWISE:
+        return f"{_name(node)} is not a row-wise op (between the grouped matmuls of the experts)"
+    else:
+        inputs = node.all_input_nodes
+        dim = _DIM_OPS.get(_name(node))
+        if dim is not None:
+            d = node.args[dim] if len(node.args) > dim else node.kwargs.get("dim", 0)
+            if d % node.args[0].meta["val"].dim() == 0:
+                return f"{_name(node)} splits the rows (dim 0) inside the experts' region"
+    for x in inputs:
+        if x not in region and x not in allowed:
+            return (f"its input '{x.name}' comes from outside the experts' region (only the "
+                    "grouped rows and the expert weights may enter it)")  # fmt: skip
+    if node in mms:
+        return None
+    leaks = [u for u in node.users if u not in region]
+    if leaks and node is not mms[-1]:
+        return f"its value is also read outside the experts' region (by '{leaks[0].name}')"
+    return None
+
+
+# ---------------------------------------------------------------- step 3: the rank's program
+
+
+def place_experts(module: fx.GraphModule, layers: Sequence[MoELayer], *, axis: str, size: int,
+                  coord: int, reduction: str, capacity: float = 0.0) -> fx.GraphModule:  # fmt: skip
+    """Step 3 on a copy of a rank's sub-mesh module (see the module docstring)."""
+    out = copy.deepcopy(module)
+    graph = out.graph
+    nodes = {n.name: n for n in graph.nodes}
+    experts = {w for layer in layers for w in layer.weights}
+    for layer in layers:
+        _rewrite_layer(graph, nodes, layer, axis, capacity)
+    for w in experts:
+        _keep_slice(out, w, size, coord)
+    for node in [n for n in graph.nodes if n.op == "get_attr"]:
+        if node.target not in experts and _trainable(out, node.target):
+            _reduce_grad(graph, node, axis)
+    _global_losses(graph, axis, reduction)
+    graph.lint()
+    out.recompile()
+    return out
+
+
+def _rewrite_layer(graph: fx.Graph, nodes: dict[str, fx.Node], layer: MoELayer, axis: str,
+                   capacity: float) -> None:  # fmt: skip
+    entry, offs, exit_ = nodes[layer.entry], nodes[layer.offs], nodes[layer.exit]
+    region = [nodes[n] for n in layer.region]
+    with graph.inserting_before(region[0]):
+        sent = graph.call_function(C.expert_dispatch, (entry, offs, axis, capacity))
+        rows = graph.call_function(operator.getitem, (sent, 0))
+        local_offs = graph.call_function(operator.getitem, (sent, 1))
+        counts = graph.call_function(operator.getitem, (sent, 2))
+    for n in (sent, rows):
+        n.meta.update({k: v for k, v in entry.meta.items() if k != "val"})
+    for node in region:
+        node.replace_input_with(entry, rows)
+        node.replace_input_with(offs, local_offs)
+    for name in layer.biases:
+        gather = nodes[name]
+        first = next(n for n in region if n in gather.users)
+        with graph.inserting_before(first):
+            ids = graph.call_function(local_expert_ids, (local_offs,))
+        first.prepend(gather)
+        gather.replace_input_with(gather.args[1][0], ids)
+        gather.meta.pop("val", None)
+    with graph.inserting_after(exit_):
+        back = graph.call_function(C.expert_combine, (exit_, counts, offs, axis))
+    back.meta.update(exit_.meta)
+    exit_.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
+
+
+def local_expert_ids(offs: torch.Tensor) -> torch.Tensor:
+    """Each row's (local) expert index, from cumulative rows per expert."""
+    counts = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))
+    return torch.repeat_interleave(torch.arange(counts.numel()), counts)
+
+
+def _keep_slice(module: nn.Module, fqn: str, size: int, coord: int) -> None:
+    owner, leaf = fqn.rsplit(".", 1) if "." in fqn else ("", fqn)
+    mod = module.get_submodule(owner)
+    p = getattr(mod, leaf)
+    n = p.shape[0] // size
+    mod.register_parameter(leaf, nn.Parameter(p.detach()[coord * n:(coord + 1) * n].clone(),
+                                              requires_grad=p.requires_grad))  # fmt: skip
+
+
+def _trainable(module: nn.Module, target: str) -> bool:
+    try:
+        return module.get_parameter(target).requires_grad
+    except AttributeError:
+        return False
+
+
+def _reduce_grad(graph: fx.Graph, node: fx.Node, axis: str) -> None:
+    with graph.inserting_after(node):
+        red = graph.call_function(C.grad_all_reduce, (node, axis))
+    red.meta.update(node.meta)
+    node.replace_all_uses_with(red, delete_user_cb=lambda u: u is not red)
+
+
+def _global_losses(graph: fx.Graph, axis: str, reduction: str) -> None:
+    out = next(n for n in graph.nodes if n.op == "output")
+    for leaf in {a for a in torch.utils._pytree.tree_leaves(out.args[0])
+                 if isinstance(a, fx.Node)}:  # fmt: skip
+        v = leaf.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point():
+            with graph.inserting_before(out):
+                loss = graph.call_function(C.batch_loss, (leaf, axis, reduction))
+            loss.meta.update(leaf.meta)
+            out.replace_input_with(leaf, loss)
+
+
+# ---------------------------------------------------------------- plan, program, compile
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertParallelPlan:
+    """The sub-mesh plan plus the expert axis: MoE layers, reduction, collectives, notes."""
+
+    inner: Any
+    mesh: tuple[tuple[str, int], ...]
+    links: tuple[str, ...]
+    layers: tuple[MoELayer, ...]
+    reduction: str
+    batch: int
+    capacity_factor: float | None
+    collectives: tuple[Collective, ...]
+    link: str  # the link the ep groups ride
+    layer_s: float  # predicted all-to-all seconds per MoE layer (forward + backward)
+    comm_s: float  # predicted ep seconds of one step (all-to-alls, loss, dense gradients)
+    notes: tuple[str, ...]
+
+    @property
+    def ep(self) -> int:
+        return dict(self.mesh)["ep"]
+
+    @property
+    def hash(self) -> str:
+        return f"{self.inner.hash}-ep{self.ep}"
+
+    def __str__(self) -> str:
+        mesh = ", ".join(f"{a}={s}" for a, s in self.mesh)
+        cap = (f"capacity factor {self.capacity_factor} (rows over capacity dropped, counted)"
+               if self.capacity_factor else "dropless")  # fmt: skip
+        out = [f"autopar expert-parallel plan {self.hash} on Mesh({mesh})",
+               "mesh axes (outermost first): " + "; ".join(self.links),
+               f"expert axis: ep={self.ep}, global batch {self.batch} -> "
+               f"{self.batch // self.ep} per rank (dense part data-parallel, loss a "
+               f"{self.reduction}); {cap}",
+               f"{len(self.layers)} MoE layers, each rank holds 1/{self.ep} of their experts:"]  # fmt: skip
+        out += [f"  {layer}" for layer in self.layers]
+        out.append(f"expert-axis traffic of one training step (predicted {self.comm_s * 1e3:.3f} "
+                   f"ms on {self.link}; all-to-alls {self.layer_s * 1e6:.1f} us per MoE layer):")  # fmt: skip
+        for c in self.collectives:
+            if c.kind == "all_to_all" or c.where == "loss":
+                out.append(f"  {c!s:<44} {_fmt_bytes(c.bytes):>10}  {c.where}")
+        dense = [c for c in self.collectives if c.kind == "all_reduce" and c.where != "loss"]
+        out.append(f"  bwd all_reduce ep x{len(dense)} dense gradients, "
+                   f"{_fmt_bytes(sum(c.bytes for c in dense))}")  # fmt: skip
+        out += [f"why: {n}" for n in self.notes]
+        out.append("sub-mesh program (every ep rank runs it on its batch slice):")
+        out.append(str(self.inner))
+        return "\n".join(out)
+
+
+class ExpertParallelProgram:
+    """What :func:`autopar.autoparallelize` returns for a mesh with an ``ep`` axis."""
+
+    def __init__(self, *, inner: Any, mesh: Mesh, plan: ExpertParallelPlan,
+                 capacity: float) -> None:  # fmt: skip
+        self.inner, self.mesh, self.plan, self.capacity = inner, mesh, plan, capacity
+        self.inner_mesh = inner.mesh
+        self.traced = inner.traced
+        self._modules: dict[int, fx.GraphModule] = {}
+
+    def inner_rank(self, rank: int) -> int:
+        coords = self.mesh.coordinates(rank)
+        return self.inner_mesh.rank_of({a: coords.get(a, 0) for a, _ in self.inner_mesh.axes})
+
+    def module(self, rank: int) -> fx.GraphModule:
+        """The rank's module: its sub-mesh program with this rank's experts and the
+        dispatch / combine all-to-alls."""
+        if rank not in self._modules:
+            self._modules[rank] = place_experts(
+                self.inner.module(self.inner_rank(rank)), self.plan.layers, axis="ep",
+                size=self.plan.ep, coord=self.mesh.coordinates(rank)["ep"],
+                reduction=self.plan.reduction, capacity=self.capacity)  # fmt: skip
+            self._modules[rank].meta = {"rank": rank, "coords": self.mesh.coordinates(rank)}
+        return self._modules[rank]
+
+    def code(self, rank: int = 0) -> str:
+        from autopar.codegen import render
+
+        coords = ", ".join(f"{a}={c}" for a, c in self.mesh.coordinates(rank).items())
+        head = (f"# autopar expert-parallel program · plan {self.plan.hash} · rank {rank} of "
+                f"{self.mesh.world_size} ({coords}): batch slice ep="
+                f"{self.mesh.coordinates(rank)['ep']}, experts of this ep rank\n")  # fmt: skip
+        return render(self.module(rank), head)
+
+    def collectives(self) -> list[Collective]:
+        """The sub-mesh program's collectives plus the expert axis's."""
+        return [*self.inner.collectives(), *self.plan.collectives]
+
+    def save(self, directory: str | Path) -> list[Path]:
+        written = self.inner.save(directory)
+        path = Path(directory) / "plan_ep.txt"
+        path.write_text(str(self.plan) + "\n")
+        return [*written, path]
+
+    def __repr__(self) -> str:
+        return f"<autopar.ExpertParallelProgram on {self.mesh}, {len(self.plan.layers)} MoE layers>"
+
+
+def compile_expert_parallel(mesh: Mesh, example_inputs: Sequence[Any],
+                            example_kwargs: dict | None,
+                            compile_inner: Callable[[Mesh, tuple, dict], Any], *,
+                            strict: bool = False,
+                            capacity_factor: float | None = None) -> ExpertParallelProgram:  # fmt: skip
+    """Steps 1-4 (see the module docstring)."""
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise InputError(f"capacity_factor={capacity_factor!r}: the capacity factor must be > 0 "
+                         "(tokens an expert takes, as a multiple of an even share); "
+                         "None is dropless")  # fmt: skip
+    ep = mesh.size("ep")
+    args, kwargs = split_batch(example_inputs, example_kwargs, ep)
+    inner = compile_inner(mesh.without("ep"), args, kwargs)
+    sample = inner.module(0)
+    layers, bad = find_moe_layers(sample)
+    notes = _unrecognised(bad, strict, inner.traced.model_name)
+    for layer in layers:
+        if layer.experts % ep:
+            raise InputError(f"{inner.traced.model_name}: the MoE layer at '{layer.where}' has "
+                             f"{layer.experts} experts, which ep={ep} does not divide; use an "
+                             "ep that divides the expert count")  # fmt: skip
+    if not layers and not bad:
+        notes.append("no MoE layer found: ep runs as a data axis (every weight replicated)")
+    reduction = loss_reduction(inner.traced.gm, inner.traced.model_name)
+    capacity = _capacity(capacity_factor, layers, sample, ep)
+    found = tuple(ep_collectives(sample, layers))
+    link = mesh.cluster.axis_link(mesh.axes, "ep")
+    times = [collective_time(c.kind, c.bytes, ep, link) for c in found]
+    per_layer = sum(t for c, t in zip(found, times, strict=True)
+                    if c.kind == "all_to_all" and layers and c.where == layers[0].where)  # fmt: skip
+    plan = ExpertParallelPlan(
+        inner=inner.plan, mesh=mesh.axes, links=tuple(mesh.describe()), layers=tuple(layers),
+        reduction=reduction, batch=_batch(example_inputs, example_kwargs),
+        capacity_factor=capacity_factor, collectives=found, link=link.name,
+        layer_s=per_layer, comm_s=sum(times), notes=tuple(notes))  # fmt: skip
+    return ExpertParallelProgram(inner=inner, mesh=mesh, plan=plan, capacity=capacity)
+
+
+def _unrecognised(bad: list[Unrecognised], strict: bool, model: str) -> list[str]:
+    if not bad:
+        return []
+    text = "; ".join(map(str, bad))
+    if strict:
+        raise ShardingRuleError(f"{model}: an MoE layout autopar does not recognise: {text}")
+    warnings.warn(f"{model}: an MoE layout autopar does not recognise, its experts stay "
+                  f"replicated over ep: {text}", stacklevel=4)  # fmt: skip
+    return [f"experts replicated (layout not recognised): {text}"]
+
+
+def _capacity(factor: float | None, layers: list[MoELayer], gm: fx.GraphModule, ep: int) -> float:
+    """Step 4: rows per expert over the global batch (0: dropless)."""
+    if factor is None or not layers:
+        return 0.0
+    nodes = {n.name: n for n in gm.graph.nodes}
+    rows = nodes[layers[0].entry].meta["val"].shape[0] * ep
+    return float(math.ceil(factor * rows / layers[0].experts))
+
+
+def _batch(example_inputs: Sequence[Any], example_kwargs: dict | None) -> int:
+    for t in (*example_inputs, *(example_kwargs or {}).values()):
+        if isinstance(t, torch.Tensor) and t.dim():
+            return t.shape[0]
+    return 0
+
+
+def ep_collectives(gm: fx.GraphModule, layers: Sequence[MoELayer]) -> list[Collective]:
+    """The expert axis's collectives of one step (local shapes of ep rank 0): per MoE layer
+    the count exchange and the dispatch and combine all-to-alls (each with its conjugate in
+    backward, dropless sizes); the loss; one gradient all-reduce per dense parameter."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out = [Collective(kind="all_reduce", axis="ep", shape=(), dtype="float32", bytes=4,
+                      direction="fwd", where="loss")]  # fmt: skip
+    for layer in layers:
+        entry, exit_ = nodes[layer.entry].meta["val"], nodes[layer.exit].meta["val"]
+        counts = torch.empty(layer.experts, dtype=torch.int64, device="meta")
+        out.append(_record(counts, "fwd", layer.where))
+        for val in (entry, exit_):
+            out += [_record(val, d, layer.where) for d in ("fwd", "bwd")]
+    experts = {w for layer in layers for w in layer.weights}
+    for name, p in gm.named_parameters():
+        if p.requires_grad and name not in experts:
+            out.append(Collective(kind="all_reduce", axis="ep", shape=tuple(p.shape),
+                                  dtype=str(p.dtype).replace("torch.", ""),
+                                  bytes=p.numel() * p.element_size(), direction="bwd",
+                                  where=name.rsplit(".", 1)[0]))  # fmt: skip
+    return out
+
+
+def _record(val: torch.Tensor, direction: str, where: str) -> Collective:
+    return Collective(kind="all_to_all", axis="ep", shape=tuple(val.shape),
+                      dtype=str(val.dtype).replace("torch.", ""),
+                      bytes=val.numel() * val.element_size(), direction=direction, where=where)  # fmt: skip

@@ -1,0 +1,304 @@
+"""Expert parallelism (autopar/expert_parallel.py): MoE layers recognised in the ATen graph,
+experts placed across ep ranks, tokens dispatched and combined with all-to-alls.
+
+Every equivalence test compares the loss and every parameter gradient with one device at
+relative 1e-5 (fp32, dropless); the reference MoE block (autopar.testing.MoEModel) is drawn by
+hypothesis over experts, top-k, hidden sizes, routing and shared experts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar import Mesh, autoparallelize, collectives, zoo
+from autopar.errors import InputError, MeshError, ShardingRuleError
+from autopar.expert_parallel import ExpertParallelProgram
+from autopar.pool import get_pool
+from autopar.testing import MoEConfig, build_moe, lm_loss, tokens
+from autopar.verify import _ep_job, _ep_replica, _rank_step, _reference, verify
+
+pytest.importorskip("transformers")
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def _ids(c: MoEConfig, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    return tokens(c, seed)  # (batch, seq) ids and targets
+
+
+# ---------------------------------------------------------------- 1. the reference block
+
+
+@settings(max_examples=6, deadline=None)
+@given(experts=st.sampled_from([4, 8]), top_k=st.integers(1, 3),
+       hidden=st.sampled_from([16, 32]), ffn=st.sampled_from([8, 24]),
+       ep=st.sampled_from([2, 4]), sigmoid=st.booleans(), shared=st.booleans(),
+       seed=st.integers(0, 3))  # fmt: skip
+def test_reference_moe_matches_single_device(experts, top_k, hidden, ffn, ep, sigmoid, shared,
+                                             seed):  # fmt: skip
+    c = MoEConfig(experts=experts, top_k=top_k, hidden=hidden, expert_ffn=ffn, sigmoid=sigmoid,
+                  shared=shared)  # fmt: skip
+    model = build_moe(c, seed)
+    report = verify(model, Mesh(ep=ep), _ids(c, seed + 1), lm_loss, rtol=1e-5)
+    assert report.ok, report
+    prog = autoparallelize(model, Mesh(ep=ep), _ids(c, seed + 1), lm_loss)
+    assert len(prog.plan.layers) == c.layers  # recognised, not replicated
+
+
+def test_recognised_layer_and_printed_program():
+    c = MoEConfig()
+    prog = autoparallelize(build_moe(c), Mesh(ep=2), _ids(c), lm_loss)
+    assert isinstance(prog, ExpertParallelProgram)
+    layer = prog.plan.layers[0]
+    assert layer.experts == 4 and layer.weights == ("blocks.0.gate_up", "blocks.0.down")
+    assert [n.split("_fallback")[0] for n in layer.matmuls] == ["grouped_mm", "grouped_mm"]
+    code = prog.code(1)
+    assert code.count("expert_dispatch(") == 2 and code.count("expert_combine(") == 2
+    assert "batch_loss(" in code and "ep=1" in code
+    text = str(prog.plan)
+    assert "2 MoE layers, each rank holds 1/2 of their experts" in text and "dropless" in text
+
+
+# ---------------------------------------------------------------- 2. HF MoE families
+
+
+def _deepseek_v3():
+    import transformers
+
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+        first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=64, use_cache=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:  # norms and the routing bias: not ones and zeros
+                p.add_(0.1 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 128, (2, 2, 16), generator=g)
+    return model, (ids,), {"labels": labels}
+
+
+def _gpt_oss():
+    """Per-expert biases: the gate/up bias is gathered by expert id inside the experts."""
+    import transformers
+
+    cfg = transformers.GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, use_cache=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        layer_types=["full_attention"] * 2)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # the expert biases start at zero
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 128, (2, 2, 16), generator=g)
+    return model, (ids,), {"labels": labels}
+
+
+def _family(name: str):
+    if name in ("deepseek_v3", "gpt_oss"):
+        return {"deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss}[name]()
+    model, args, kwargs, _ = zoo.build(zoo.family(name))
+    return model, args, kwargs
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3",
+                                  "gpt_oss"])
+def test_hf_moe_family_at_ep2(name):
+    model, args, kwargs = _family(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = autoparallelize(model, Mesh(ep=2), args, example_kwargs=kwargs)
+        report = verify(model, Mesh(ep=2), args, example_kwargs=kwargs, rtol=1e-5)
+    assert len(prog.plan.layers) == 2, prog.plan.notes
+    assert report.ok, report
+    if name == "gpt_oss":
+        assert prog.plan.layers[0].weights[-1].endswith("gate_up_proj_bias")
+
+
+# ---------------------------------------------------------------- 3. collectives and memory
+
+
+def test_collectives_per_moe_layer():
+    c = MoEConfig(experts=8)
+    prog = autoparallelize(build_moe(c), Mesh(ep=4), _ids(c), lm_loss)
+    moe = [x for x in prog.collectives() if x.kind == "all_to_all"]
+    rows = c.batch // 4 * c.seq * c.top_k
+    for i in range(c.layers):
+        mine = [x for x in moe if x.where == f"blocks.{i}"]
+        fwd = sorted(x.shape for x in mine if x.direction == "fwd")
+        bwd = [x.shape for x in mine if x.direction == "bwd"]
+        assert fwd == [(c.experts,), (rows, c.hidden), (rows, c.hidden)], fwd  # count exchange
+        assert bwd == [(rows, c.hidden), (rows, c.hidden)]
+    assert not [x for x in prog.collectives() if x.kind == "all_gather"]
+    graph = prog.module(0).graph
+    ops = [n.target.__name__ for n in graph.nodes if n.op == "call_function"
+           and n.target.__module__ == "autopar.collectives"]  # fmt: skip
+    assert ops.count("expert_dispatch") == ops.count("expert_combine") == c.layers
+    assert "all_gather" not in ops
+
+
+def test_each_rank_holds_its_share_of_the_experts():
+    c = MoEConfig(experts=8)
+    model = build_moe(c)
+    prog = autoparallelize(model, Mesh(ep=4), _ids(c), lm_loss)
+    expert_bytes = sum(p.numel() * 4 for n, p in model.named_parameters()
+                       if n.endswith(("gate_up", "down")))  # fmt: skip
+    dense_bytes = sum(p.numel() * 4 for p in model.parameters()) - expert_bytes
+    for rank in range(4):
+        local = dict(prog.module(rank).named_parameters())
+        held = sum(p.numel() * 4 for p in local.values())
+        assert held == dense_bytes + expert_bytes // 4
+        whole = model.blocks[0].gate_up.detach()
+        torch.testing.assert_close(local["blocks.0.gate_up"], whole[2 * rank:2 * rank + 2])
+
+
+# ---------------------------------------------------------------- capacity
+
+
+def test_capacity_drops_like_the_one_device_rule():
+    c = MoEConfig(experts=4, top_k=2, batch=4, seq=8, layers=1)
+    factor = 0.5
+    capacity = math.ceil(factor * c.batch * c.seq * c.top_k / c.experts)  # 16 of 64 rows
+    model = build_moe(c)
+    reference = build_moe(MoEConfig(**{**c.__dict__, "capacity": capacity}))
+    prog = autoparallelize(model, Mesh(ep=2), _ids(c), lm_loss, capacity_factor=factor)
+    assert "capacity factor 0.5" in str(prog.plan)
+    args = _ids(c)
+    ref_out, ref_grads, cots = _reference(reference, args, None, lm_loss, 0)
+    jobs = [_ep_job(prog, r, args, None, cots) for r in range(2)]
+    results = get_pool(2).run(_with_load, prog.mesh.axes, jobs)
+    dropped = sum(r[2] for r in results)
+    assert dropped == _one_device_dropped(reference, args[0], capacity) > 0
+    outs, grads = _ep_replica(prog, [r[:2] for r in results], 0)[0]
+    torch.testing.assert_close(outs[0], ref_out[0], rtol=1e-5, atol=1e-7)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _with_load(rank, groups, module, args, kwargs, cots):
+    collectives.expert_load()
+    outs, grads = _rank_step(rank, groups, module, args, kwargs, cots)
+    return outs, grads, sum(d for _, d in collectives.expert_load())
+
+
+def _one_device_dropped(model, ids, capacity: int) -> int:
+    block, c = model.blocks[0], model.blocks[0].c
+    with torch.no_grad():
+        flat = block.norm(model.embed(ids)).reshape(-1, c.hidden)
+        experts = torch.topk(torch.softmax(block.router(flat), -1), c.top_k).indices
+        counts = torch.bincount(experts.reshape(-1), minlength=c.experts)
+    return int((counts - capacity).clamp(min=0).sum())
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_experts_not_divisible_by_ep():
+    c = MoEConfig(experts=6, batch=4)
+    with pytest.raises(InputError, match=r"6 experts, which ep=4 does not divide"):
+        autoparallelize(build_moe(c), Mesh(ep=4), _ids(c), lm_loss)
+
+
+@pytest.mark.parametrize("factor", [0, -1.0])
+def test_capacity_factor_must_be_positive(factor):
+    c = MoEConfig()
+    with pytest.raises(InputError, match="capacity factor must be > 0"):
+        autoparallelize(build_moe(c), Mesh(ep=2), _ids(c), lm_loss, capacity_factor=factor)
+
+
+class _LeakyBlock(torch.nn.Module):
+    """A layout the recogniser refuses: the routing weights enter between the two grouped
+    matmuls (the experts' region reads a tensor it was not dispatched)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = build_moe(MoEConfig(layers=1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from autopar.testing import grouped_mm
+
+        m = self.inner
+        block = m.blocks[0]
+        x = m.embed(ids).reshape(-1, block.c.hidden)
+        weights, experts = torch.topk(torch.softmax(block.router(x), -1), 1)
+        ids_, perm = torch.sort(experts.reshape(-1), stable=True)
+        offs = torch.cumsum(torch.histc(ids_.float(), bins=4, min=0, max=3), 0, dtype=torch.int32)
+        h = grouped_mm(x[perm], block.gate_up.transpose(-2, -1), offs)
+        h = h * weights.reshape(-1)[perm].unsqueeze(-1)  # weighs inside the experts
+        out = grouped_mm(h[:, : block.c.expert_ffn], block.down.transpose(-2, -1), offs)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel())
+        return m.head(out[inv]).view(*ids.shape, -1)
+
+
+def test_unrecognised_layout_warns_and_replicates_or_errors_under_strict():
+    c = MoEConfig(layers=1)
+    model, args = _LeakyBlock(), _ids(c)
+    with pytest.warns(UserWarning, match=r"does not recognise.*node 'mul.*comes from outside"):
+        prog = autoparallelize(model, Mesh(ep=2), args, lm_loss)
+    assert not prog.plan.layers
+    assert "experts replicated" in str(prog.plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert verify(model, Mesh(ep=2), args, lm_loss, rtol=1e-5).ok
+    with pytest.raises(ShardingRuleError, match=r"node 'mul.*line"):
+        autoparallelize(model, Mesh(ep=2), args, lm_loss, strict=True)
+
+
+# ---------------------------------------------------------------- compositions
+
+
+@pytest.mark.parametrize("mesh", [Mesh(ep=2, tp=2), Mesh(dp=2, ep=2)], ids=str)
+def test_composes_with_tp_and_dp(mesh):
+    c = MoEConfig(batch=4, shared=True)
+    model = build_moe(c)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = verify(model, mesh, _ids(c), lm_loss, rtol=1e-5)
+        prog = autoparallelize(model, mesh, _ids(c), lm_loss)
+    assert report.ok, report
+    ep_prog = prog.inner if "dp" in mesh.sizes else prog
+    assert len(ep_prog.plan.layers) == c.layers
+    held = dict(prog.module(0).named_parameters())["blocks.0.gate_up"]
+    tp = mesh.size("tp")
+    assert held.shape == (c.experts // 2, 2 * c.expert_ffn // tp, c.hidden)
+
+
+def test_pipeline_with_experts_is_refused_clearly():
+    c = MoEConfig(batch=4)
+    with pytest.raises(MeshError, match=r"pipeline stages with an expert axis"):
+        autoparallelize(build_moe(c), Mesh(pp=2, ep=2), _ids(c), lm_loss)
+
+
+# ---------------------------------------------------------------- cost
+
+
+def test_all_to_all_priced_on_the_link_ep_rides():
+    from cost.comm import collective_time
+    from cost.hardware import Cluster
+
+    c = MoEConfig(experts=16, batch=16)
+    two_nodes = Cluster.preset("dgx-h100", nodes=2)
+    inside = autoparallelize(build_moe(c), Mesh(two_nodes, ep=8), _ids(c), lm_loss).plan
+    across = autoparallelize(build_moe(c), Mesh(two_nodes, ep=16), _ids(c), lm_loss).plan
+    assert inside.link == two_nodes.intra.name and across.link == two_nodes.inter.name
+    for plan, link in ((inside, two_nodes.intra), (across, two_nodes.inter)):
+        mine = [x for x in plan.collectives if x.kind == "all_to_all" and x.where == "blocks.0"]
+        assert len(mine) == 5  # count exchange, dispatch, combine, and their backward pair
+        want = sum(collective_time("all_to_all", x.bytes, plan.ep, link) for x in mine)
+        assert plan.layer_s == pytest.approx(want)
+    assert "all-to-alls" in str(across) and two_nodes.inter.name in str(across)
