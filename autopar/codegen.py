@@ -7,8 +7,9 @@ Algorithm:
    the rank; blocked dims take the rank's slice of every block).  Meta tensors stay meta.
 3. Copy attributes the graph reads (higher-order-op submodules, constants).
 4. Ops that torch.export recorded with the tracing device (``arange(..., device=cpu)``)
-   read the device from the module's first parameter (or first tensor input) at run time, so
-   ``module.to("cuda")`` moves the whole program, as it moves the user's model.
+   read the device from the first tensor input (else the first parameter) at run time, as
+   the user's code reads ``input_ids.device``: the program runs where its inputs and
+   parameters are (``module.to("cuda")``).  A parameter would tie the node to one block.
 5. Call signature and return structure follow the user's model (pytree in/out specs).
 6. The printed source carries a header (plan hash, rank, mesh coordinates) and each node's
    local shape and layout.
@@ -140,18 +141,18 @@ def _move_attrs_first(graph: fx.Graph) -> None:
 
 
 def device_of(t: torch.Tensor) -> torch.device:
-    """The device a rank program runs on: that of its first parameter (or input)."""
+    """The device a rank program runs on: that of its first tensor input (or parameter)."""
     return t.device
 
 
 def _device_from_module(graph: fx.Graph) -> None:
     """Step 4: constant devices in arguments (``arange(device=cpu)``, ``to.device(x, cpu)``)
-    become ``device_of(first parameter)`` (in a nested body, of its first tensor input)."""
+    become ``device_of(first tensor input)`` (or of the first parameter without one)."""
     users = [n for n in graph.nodes if any(isinstance(a, torch.device) for a in _flat_args(n))]
     if not users:
         return
-    source = next((n for n in graph.nodes if n.op == "get_attr" and _is_tensor(n)), None)
-    source = source or next((n for n in graph.nodes if n.op == "placeholder" and _is_tensor(n)),
+    source = next((n for n in graph.nodes if n.op == "placeholder" and _is_tensor(n)), None)
+    source = source or next((n for n in graph.nodes if n.op == "get_attr" and _is_tensor(n)),
                             None)  # fmt: skip
     if source is None:
         return
