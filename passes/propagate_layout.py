@@ -8,7 +8,8 @@ Algorithm:
    right after the producer, shared by all consumers that want the same target.  A value
    written in place (``copy_`` into a slice of a ``new_empty`` buffer, ``index_put_``, ...)
    is read where its consumer reads it: after the last in-place write to it or to a view
-   of it that precedes the consumer, one redistribute per such write.
+   of it between the value's definition and the consumer, one redistribute per such write
+   (a write before a view is taken is already in the view).
 3. Replicated inputs of split ops get gradients that are partial sums: those consumers read
    the value through a redistribute with ``partial_grad=True`` (Megatron's f), kept apart from
    consumers that repeat the op on every rank (whose gradients are already whole).
@@ -47,7 +48,7 @@ def propagate_layout(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             if arg is not None and (want != have[arg] or pg):
                 if arg not in writes:
                     writes[arg] = _writes(arg, order)
-                last = [w for w in writes[arg] if order[w] < order[node]]
+                last = [w for w in writes[arg] if order[arg] < order[w] < order[node]]
                 wants[(arg, last[-1] if last else None)][(want, pg)].append((node, slot))
     for (arg, written), groups in wants.items():
         _insert(graph, arg, have[arg], groups, ctx, written)

@@ -65,6 +65,23 @@ class FilledBuffer(nn.Module):
         return self.b(buf)
 
 
+class AddedInPlaceThenViewed(nn.Module):
+    """Llama 4's MoE: ``out = shared(x); out.add_(routed(x)); x + out.view(x.shape)``, both
+    row-parallel (partial): the view is taken after the in-place write, so its reduction
+    goes after the view, not after the write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 32), nn.Linear(8, 32)
+        self.shared, self.routed = nn.Linear(32, 8, bias=False), nn.Linear(32, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.view(-1, 8)
+        out = self.shared(torch.relu(self.a(flat)))
+        out.add_(self.routed(torch.relu(self.b(flat))))
+        return x + out.view(x.shape)
+
+
 def _x() -> torch.Tensor:
     return torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
 
@@ -113,6 +130,12 @@ def test_bitwise_equal():
 def test_in_place_filled_buffer_is_relaid_out_after_its_writes():
     torch.manual_seed(0)
     report = verify(FilledBuffer(), Mesh(tp=2), (_x(),))
+    assert report.ok, str(report)
+
+
+def test_view_taken_after_an_in_place_add_is_relaid_out_after_the_view():
+    torch.manual_seed(0)
+    report = verify(AddedInPlaceThenViewed(), Mesh(tp=2), (_x().view(2, 2, 8),))
     assert report.ok, str(report)
 
 
