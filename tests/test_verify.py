@@ -82,6 +82,34 @@ class AddedInPlaceThenViewed(nn.Module):
         return x + out.view(x.shape)
 
 
+class Kink(nn.Module):
+    """``relu(h - h0)`` with ``h0`` the fp32 value of ``h`` on one device: every pre-activation
+    is exactly 0 there, and +-rounding on the ranks (a row-parallel sum adds in another
+    order), so relu's branch differs while the program is right."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 1000, bias=False), nn.Linear(1000, 64, bias=False)
+        self.c = nn.Linear(64, 64, bias=False)
+        with torch.no_grad():
+            self.register_buffer("h0", self.b(torch.relu(self.a(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(torch.relu(self.a(x))) - self.h0)).sum()
+
+
+class TracedDiffers(nn.Module):
+    """A wrong program: the exported graph scales by 1.01, the eager model does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 1.01 if torch.compiler.is_exporting() else 1.0
+        return self.b(torch.relu(self.a(x)) * scale)
+
+
 def _x() -> torch.Tensor:
     return torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
 
@@ -131,6 +159,18 @@ def test_in_place_filled_buffer_is_relaid_out_after_its_writes():
     torch.manual_seed(0)
     report = verify(FilledBuffer(), Mesh(tp=2), (_x(),))
     assert report.ok, str(report)
+
+
+def test_relu_kink_flip_is_told_apart_from_a_wrong_program_by_a_float64_rerun():
+    torch.manual_seed(0)
+    x = torch.randn(16, 64)
+    report = verify(Kink(x), Mesh(tp=2), (x,))
+    assert not all(r.ok for r in report.rows)  # fp32 alone: the kink flips
+    assert report.recheck is not None and report.recheck.max_rel_error < 1e-6
+    assert report.ok and "re-run in float64: OK" in str(report)
+    wrong = verify(TracedDiffers(), Mesh(tp=2), (_x(),))
+    assert not wrong.ok and wrong.recheck is not None and not wrong.recheck.ok
+    assert "wrong in float64 too" in str(wrong)
 
 
 def test_view_taken_after_an_in_place_add_is_relaid_out_after_the_view():
