@@ -315,3 +315,11 @@ def test_plan_cli_traces_a_model_built_on_the_meta_device(tmp_path, capsys):
     assert "global batch 64 × 128 tokens" in out
     assert main(["plan", "--model", f"{source}:nothing", "--global-batch", "8"]) == 2
     assert "defines no function 'nothing'" in capsys.readouterr().err
+
+
+def test_an_invalid_hand_chosen_configuration_is_explained(capsys):
+    argv = ["plan", "--model", "llama3-8b", "--nodes", "8", "--global-batch", "512"]
+    assert main([*argv, "--compare", "tp=8,dp=4"]) == 2
+    assert "tp·pp·dp·cp = 8·1·4·1 = 32 but the cluster has 64 GPUs" in capsys.readouterr().err
+    assert main([*argv, "--compare", "pp=64"]) == 2
+    assert "32 layers cannot fill pp·virtual_stages = 64" in capsys.readouterr().err
