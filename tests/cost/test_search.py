@@ -286,6 +286,12 @@ def test_mesh_auto_splits_a_model_that_does_not_fit_one_gpu():
     assert report.ok, str(report)
 
 
+def test_a_mesh_with_a_cluster_and_no_degrees_is_auto():
+    cluster = Cluster.preset("dgx-h100", nodes=2)
+    assert Mesh(cluster) == Mesh.auto(cluster)
+    assert Mesh(cluster, tp=2).axes == (("tp", 2),)
+
+
 def test_mesh_auto_falls_back_to_the_axes_autopar_compiles():
     plan = plan_shape(ModelShape.preset("llama3-8b").with_seq(131072),
                       Cluster.preset("dgx-h100", nodes=8), 64)  # fmt: skip
