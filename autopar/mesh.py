@@ -28,6 +28,12 @@ class Mesh:
     axes: tuple[tuple[str, int], ...]
     cluster: Cluster = field(compare=False)
 
+    def __new__(cls, cluster: Cluster | None = None, **axes: int) -> Any:
+        """``Mesh(cluster)`` with no degrees is ``Mesh.auto(cluster)``."""
+        if cluster is not None and not axes:
+            return AutoMesh(cluster=cluster)
+        return super().__new__(cls)
+
     def __init__(self, cluster: Cluster | None = None, **axes: int) -> None:
         for name, size in axes.items():
             if name not in KNOWN_AXES:

@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from cost.compute import MEMORY_BW_FRACTION
-from cost.config import RECOMPUTE, ParallelConfig, stage_layers
+from cost.config import RECOMPUTE, ParallelConfig, stage_layers, validate
 from cost.errors import CostInputError
 from cost.estimate import Estimate, Priced, as_priced
 from cost.hardware import Cluster
@@ -387,6 +387,10 @@ def _best_of(model: Priced, cluster: Cluster, global_batch: int, space: SearchSp
             f"tp·pp·dp·cp = {tp}·{pp}·{dp}·{cp} = {tp * pp * dp * cp} but the cluster has "
             f"{cluster.world_size} GPUs ({cluster.nodes} nodes × {cluster.gpus_per_node})"
         )
+    validate(replace(cfg, dp=dp, tp_across_nodes=True), cluster, model.layers, model.heads,
+             model.g, model.seq, model.experts)  # fmt: skip
+    if global_batch % dp:
+        raise CostInputError(f"global batch {global_batch} is not divisible by dp={dp}")
     ranking = _Ranking(top=1, keep=math.inf)
     counts = {"space": 0, "priced": 0}
     for _, _, sp, zeros in _units(model, cluster, global_batch, space, pricer, degrees, counts,

@@ -286,6 +286,12 @@ def test_mesh_auto_splits_a_model_that_does_not_fit_one_gpu():
     assert report.ok, str(report)
 
 
+def test_a_mesh_with_a_cluster_and_no_degrees_is_auto():
+    cluster = Cluster.preset("dgx-h100", nodes=2)
+    assert Mesh(cluster) == Mesh.auto(cluster)
+    assert Mesh(cluster, tp=2).axes == (("tp", 2),)
+
+
 def test_mesh_auto_falls_back_to_the_axes_autopar_compiles():
     plan = plan_shape(ModelShape.preset("llama3-8b").with_seq(131072),
                       Cluster.preset("dgx-h100", nodes=8), 64)  # fmt: skip
@@ -315,3 +321,11 @@ def test_plan_cli_traces_a_model_built_on_the_meta_device(tmp_path, capsys):
     assert "global batch 64 × 128 tokens" in out
     assert main(["plan", "--model", f"{source}:nothing", "--global-batch", "8"]) == 2
     assert "defines no function 'nothing'" in capsys.readouterr().err
+
+
+def test_an_invalid_hand_chosen_configuration_is_explained(capsys):
+    argv = ["plan", "--model", "llama3-8b", "--nodes", "8", "--global-batch", "512"]
+    assert main([*argv, "--compare", "tp=8,dp=4"]) == 2
+    assert "tp·pp·dp·cp = 8·1·4·1 = 32 but the cluster has 64 GPUs" in capsys.readouterr().err
+    assert main([*argv, "--compare", "pp=64"]) == 2
+    assert "32 layers cannot fill pp·virtual_stages = 64" in capsys.readouterr().err
