@@ -807,3 +807,43 @@ _FAMILIES: tuple[Family, ...] = (
         counting=_MOE + "; + 2 [b,s,1] for the whole q/k norm",
     ),
 )
+
+
+# ---------------------------------------------------------------------------------------------
+# More families, from one generic tiny config: every causal LM of the installed transformers
+# that a user may bring, checked by verify alone (tests/test_zoo_more.py).
+
+MORE = ("apertus", "arcee", "biogpt", "bitnet", "cohere2_moe", "diffllama", "doge",
+        "ernie4_5", "ernie4_5_moe", "exaone4", "gemma3_text", "glm", "glm4", "glm4_moe",
+        "gpt_neo", "gpt_oss", "granitemoe", "granitemoeshared", "helium", "hunyuan_v1_dense",
+        "hunyuan_v1_moe", "internlm3", "lfm2", "llama4_text", "minimax", "ministral",
+        "nanochat", "olmo3", "openai-gpt", "opt", "phimoe", "qwen3_5_text", "qwen3_next",
+        "seed_oss", "smollm3", "vaultgemma", "xglm")  # fmt: skip
+
+# The config keywords of a tiny model under every spelling families use; only the ones a
+# family's config has are set (hidden 64, 2 layers, 4 heads, 2 KV heads, 4 experts, top-2).
+_GENERIC = dict(vocab_size=128, hidden_size=64, intermediate_size=128, ffn_dim=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=64, num_experts=4, num_local_experts=4,
+                n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                n_shared_experts=1, shared_expert_intermediate_size=32, ffn_hidden_size=128,
+                n_group=1, topk_group=1, first_k_dense_replace=1, moe_topk=2, layer_types=None,
+                sliding_window=8, window_size=8, attention_types=[[["global", "local"], 1]],
+                pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False)  # fmt: skip
+
+
+def build_generic(model_type: str, seed: int = 0) -> tuple[nn.Module, tuple, dict]:
+    """``(model, (ids,), {"labels": labels})`` of a tiny random ``model_type`` causal LM."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(model_type)
+    known = set(vars(cfg)) | set(getattr(cfg, "attribute_map", {}))
+    cfg = transformers.AutoConfig.for_model(
+        model_type, **{k: v for k, v in _GENERIC.items() if k in known}
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(3, 128, (2, 16), generator=g)
+    labels = torch.randint(3, 128, (2, 16), generator=g)
+    return model, (ids,), {"labels": labels}
