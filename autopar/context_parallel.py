@@ -601,3 +601,99 @@ def _nbytes(v: torch.Tensor) -> int:
 def _rec(kind: str, shape: tuple, nbytes: int, direction: str, where: str) -> Collective:
     return Collective(kind=kind, axis=AXIS, shape=tuple(shape), dtype="float32", bytes=nbytes,
                       direction=direction, where=where)  # fmt: skip
+
+
+# ---------------------------------------------------------------- long sequences on a cluster
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequenceFit:
+    """The fastest (tp, cp, pp) plan of a model shape that fits, and why."""
+
+    seq: int
+    best: Any  # autopar.estimate.Estimate
+    tried: tuple[Any, ...]  # every priced candidate (recompute chosen by the cost model)
+    why: tuple[str, ...]
+
+    def __str__(self) -> str:
+        c = self.best.config
+        return "\n".join([f"{self.best.model} at {self.seq} tokens: tp={c.tp} cp={c.cp} "
+                          f"pp={c.pp} dp={c.dp} recompute={c.recompute}, "
+                          f"{self.best.memory_per_rank / 2**30:.1f} GiB per rank, "
+                          f"{self.best.step_time_s:.2f} s per step", *self.why])  # fmt: skip
+
+
+def fit_sequence(shape: Any, cluster: Any, global_batch: int = 1) -> SequenceFit:
+    """Price every (tp, cp, pp) factorisation of the cluster (dp fills the rest; micro-batch
+    and recompute chosen by the cost model) and keep the fastest that fits HBM; the why-lines
+    say which axis made it fit: the best plan without each axis (and without recompute)."""
+    tried = _factorisations(shape, cluster, global_batch, None)
+    fitting = [e for e in tried if e.fits]
+    if not fitting:
+        least = min(tried, key=lambda e: e.memory_per_rank)
+        raise PlanError(f"no (tp, cp, pp) plan of {shape.name} at {shape.seq} tokens fits "
+                        f"{cluster.gpu.name}: the least memory is "
+                        f"{least.memory_per_rank / 2**30:.1f} GiB per rank "
+                        f"(tp={least.config.tp} cp={least.config.cp} pp={least.config.pp})")  # fmt: skip
+    best = min(fitting, key=lambda e: e.step_time_s)
+    why = _fit_why(best, tried)
+    if best.config.recompute not in (None, "none"):
+        plain = _factorisations(shape, cluster, global_batch, "none")
+        fits = [e for e in plain if e.fits]
+        least = min(plain, key=lambda e: e.memory_per_rank)
+        why.append(f"{best.config.recompute} activation recompute (the cost model's choice): "
+                   + ("without it the least memory is "
+                      f"{least.memory_per_rank / 2**30:.1f} GiB per rank ({_axes(least)})"
+                      if not fits else f"without it {_axes(min(fits, key=_time))} fits, slower"))  # fmt: skip
+    return SequenceFit(seq=shape.seq, best=best, tried=tuple(tried), why=tuple(why))
+
+
+def _factorisations(shape: Any, cluster: Any, global_batch: int, recompute: str | None) -> list:
+    from cost.config import ParallelConfig
+    from cost.errors import CostInputError
+    from cost.estimate import estimate
+
+    gpus, out = cluster.gpus_per_node * cluster.nodes, []
+    for tp in _divisors(min(gpus, cluster.gpus_per_node)):
+        for cp in _divisors(gpus // tp):
+            for pp in _divisors(gpus // (tp * cp)):
+                cfg = ParallelConfig(tp=tp, cp=cp, pp=pp, global_batch=global_batch,
+                                     recompute=recompute)  # fmt: skip
+                try:
+                    out.append(estimate(shape, cluster, cfg))
+                except CostInputError:
+                    continue
+    return out
+
+
+def _axes(e: Any) -> str:
+    return f"tp={e.config.tp} cp={e.config.cp} pp={e.config.pp}"
+
+
+def _time(e: Any) -> float:
+    return e.step_time_s
+
+
+def _fit_why(best: Any, tried: list) -> list[str]:
+    out = []
+    for axis in ("cp", "tp", "pp"):
+        if getattr(best.config, axis) == 1:
+            continue
+        without = [e for e in tried if getattr(e.config, axis) == 1]
+        fits = [e for e in without if e.fits]
+        gib = best.memory_per_rank / 2**30
+        degree = f"{axis}={getattr(best.config, axis)}"
+        if not fits:
+            least = min(without, key=lambda e: e.memory_per_rank)
+            out.append(f"{degree} made it fit: without {axis} the least memory is "
+                       f"{least.memory_per_rank / 2**30:.1f} GiB per rank ({_axes(least)}); "
+                       f"this plan {gib:.1f} GiB")  # fmt: skip
+        else:
+            alt = min(fits, key=_time)
+            out.append(f"{degree} is faster: the best plan without {axis} ({_axes(alt)}) fits "
+                       f"but takes {alt.step_time_s:.2f} s per step vs {best.step_time_s:.2f} s")  # fmt: skip
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -249,3 +249,19 @@ def test_train_cp_example_matches_single_device() -> None:
     rows = re.findall(r"^\s*(\d+)\s+\d+\.\d+\s+\d+\.\d+\s+\S+e[-+]\d+$", run.stdout, re.M)
     assert [int(r) for r in rows] == list(range(1, 21)), out
     assert "within 0.0001" in out and "every rank returned rank 0's losses: True" in out, out
+
+
+def test_llama3_8b_at_128k_tokens_fits_one_dgx_node_and_says_why():
+    from dataclasses import replace
+
+    from autopar.context_parallel import fit_sequence
+    from autopar.estimate import Cluster, ModelShape
+
+    fit = fit_sequence(replace(ModelShape.preset("llama3-8b"), seq=131072),
+                       Cluster.preset("dgx-h100"))  # fmt: skip
+    assert fit.best.fits and fit.best.memory_per_rank <= 80e9
+    assert fit.best.step_time_s == min(e.step_time_s for e in fit.tried if e.fits)
+    c = fit.best.config
+    assert c.tp * c.cp * c.pp * c.dp == 8
+    assert fit.why and all(any(k in w for k in ("cp=", "tp=", "pp=", "recompute")) for w in fit.why)
+    assert "131072 tokens" in str(fit)
