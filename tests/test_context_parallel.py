@@ -90,6 +90,8 @@ def _hf(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+    if name == "mistral_window":  # sliding window 8 < sequence 32: HF builds the mask
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**kw, sliding_window=8))
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
 
 
@@ -107,6 +109,7 @@ def shifted(labels: torch.Tensor) -> torch.Tensor:
     ("llama", {"cp": 2}, "ring"), ("llama", {"cp": 2}, "all_to_all"),
     ("qwen2", {"cp": 2}, "ring"), ("qwen2", {"cp": 2}, "all_to_all"),
     ("llama", {"cp": 2, "tp": 2}, "ring"), ("qwen2", {"cp": 2, "tp": 2}, "all_to_all"),
+    ("mistral_window", {"cp": 2}, "ring"), ("mistral_window", {"cp": 2}, "all_to_all"),
 ])  # fmt: skip
 def test_hf_causal_lm(name, axes, strategy):
     g = torch.Generator().manual_seed(1)
