@@ -98,14 +98,22 @@ def compile_context_parallel(model: nn.Module, mesh: Mesh, example_inputs: Seque
                              cp_attention: str | None = None,
                              options: PlanOptions | None = None) -> Program:  # fmt: skip
     """Steps 1-5 on ``mesh`` (cp, or cp x tp: the tp program is compiled first at the global
-    sequence and then split; dp wraps either through autopar.data_parallel)."""
+    sequence and then split; dp wraps either through autopar.data_parallel, pp compiles each
+    stage with :func:`compile_traced_cp`)."""
     other = [a for a in mesh.sizes if a != AXIS]
     if set(other) - {"tp"}:
-        raise MeshError(f"{mesh}: cp composes with dp (Mesh(dp=2, cp=2)) and tp "
-                        f"(Mesh(cp=2, tp=2)); cp with {', '.join(other)} is not supported yet")  # fmt: skip
+        raise MeshError(f"{mesh}: cp composes with dp, tp and pp (Mesh(dp=2, cp=2), "
+                        f"Mesh(cp=2, tp=2), Mesh(pp=2, cp=2)); not with {', '.join(other)}")  # fmt: skip
+    traced = trace(model, example_inputs, example_kwargs, loss_fn)
+    return compile_traced_cp(traced, mesh, cp_attention, options)
+
+
+def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = None,
+                      options: PlanOptions | None = None) -> Program:  # fmt: skip
+    """Steps 1-5 for an already traced graph (a whole model or one pipeline stage, whose
+    sequence-split boundary values arrive and leave whole)."""
     if cp_attention not in (None, *STRATEGIES):
         raise InputError(f"cp_attention={cp_attention!r}: use 'ring', 'all_to_all' or None")
-    traced = trace(model, example_inputs, example_kwargs, loss_fn)
     lay = _seq_layout(traced, mesh.size(AXIS))
     base, tp_notes = traced.gm, ()
     if "tp" in mesh.sizes:  # the tp program, traced whole, is what cp splits
@@ -206,7 +214,7 @@ class _SplitSequence:
             if (n.name in self.traced.user_inputs and isinstance(val, torch.Tensor)
                     and val.dim() >= 2 and val.shape[1] == self.lay.seq):  # fmt: skip
                 users = list(n.users)
-                loc = self._localize(n, Shard(1), after=True)
+                loc = self._localize(n, Shard(1))
                 for u in users:
                     u.replace_input_with(n, loc)
 
@@ -256,7 +264,7 @@ class _SplitSequence:
                 "(tensor-parallel sequence parallelism); use a tp plan without it")  # fmt: skip
         for a, q in zip(tensor_args(n), have, strict=True):
             if not isinstance(q, Shard):
-                new = self._reduce_grad(a)
+                new = self._reduce_grad(a, n)
                 if new is not a:
                     n.replace_input_with(a, new)
         self.place[n] = p
@@ -280,7 +288,8 @@ class _SplitSequence:
         for a, want, p in zip(args, best.inputs, have, strict=True):
             if isinstance(p, Shard):
                 continue
-            new = self._localize(a, want) if isinstance(want, Shard) else self._reduce_grad(a)
+            new = (self._localize(a, want, n) if isinstance(want, Shard)
+                   else self._reduce_grad(a, n))  # fmt: skip
             if new is not a:
                 n.replace_input_with(a, new)
         out = best.output
@@ -302,7 +311,7 @@ class _SplitSequence:
             p = self.place.get(t, R)
             seq_dim = t.meta["val"].dim() - 2
             if p == R:
-                t = self._localize(t, Shard(seq_dim))
+                t = self._localize(t, Shard(seq_dim), n)
             elif p != Shard(seq_dim):
                 raise ContextParallelError(
                     f"attention at {meta.source(n)}: {t.name} is split as {p}, not along its "
@@ -390,7 +399,7 @@ class _SplitSequence:
             self._by_rules(n, args, have)
             return
         if self.place.get(target, R) == R:
-            n.replace_input_with(target, self._localize(target, p))
+            n.replace_input_with(target, self._localize(target, p, n))
         if reduction not in (_MEAN, _SUM):
             self.place[n] = p
             return
@@ -420,11 +429,12 @@ class _SplitSequence:
         node.meta["val"] = val
         return node
 
-    def _localize(self, a: fx.Node, p: Placement, after: bool = False) -> fx.Node:
+    def _localize(self, a: fx.Node, p: Placement, before: fx.Node | None = None) -> fx.Node:
+        """This rank's chunks of replicated ``a`` (right after ``a``, or before its first split
+        consumer ``before``: stage graphs interleave placeholders and ops)."""
         key = (a, p)
         if key not in self.localized:
-            where = self._after_inputs() if after else None
-            ctx = self.graph.inserting_before(where) if where else self.graph.inserting_after(a)
+            ctx = self.graph.inserting_before(before) if before else self.graph.inserting_after(a)
             with ctx:
                 loc = self._call(cp_ops.cp_localize,
                                  (a, AXIS, p.dim, p.blocks, self.lay.balanced), a.meta["val"],
@@ -433,16 +443,12 @@ class _SplitSequence:
             self.localized[key] = loc
         return self.localized[key]
 
-    def _after_inputs(self) -> fx.Node:
-        return next(n for n in self.graph.nodes if n.op != "placeholder")
-
-    def _reduce_grad(self, a: fx.Node) -> fx.Node:
+    def _reduce_grad(self, a: fx.Node, consumer: fx.Node) -> fx.Node:
         """A replicated input read whole by a split op: each rank's gradient is partial."""
         if a.name not in self.grad:
             return a
         if a not in self.reduced:
-            anchor = a if a.op != "placeholder" else self._after_inputs().prev
-            with self.graph.inserting_after(anchor):
+            with self.graph.inserting_before(consumer):
                 self.reduced[a] = self._call(C.grad_all_reduce, (a, AXIS), a.meta["val"])
         return self.reduced[a]
 

@@ -1,4 +1,4 @@
-"""The context-parallel axis: Mesh(cp=...) alone, with dp and with tp on real Gloo ranks.
+"""The context-parallel axis: Mesh(cp=...) alone, with dp, tp and pp on real Gloo ranks.
 
 Loss and every gradient equal the single-device model (fp32, relative 1e-5) for ring and
 all-to-all attention; the ring issues cp-1 K/V exchanges per attention forward and all-to-all
@@ -78,6 +78,15 @@ def test_outputs_without_loss_are_gathered_whole(strategy):
     x, _ = tokens(c)
     report = verify(model, Mesh(cp=2), (x,), rtol=1e-5, cp_attention=strategy,
                     reference_dtype=reference(strategy))  # fmt: skip
+    assert report.ok, report
+
+
+@pytest.mark.parametrize(("kind", "strategy"), [("llama", "ring"), ("gpt", "all_to_all")])
+def test_pipeline_stages_split_the_sequence(kind, strategy):
+    c = Config(seq=32, kv_heads=2 if kind == "llama" else 4, batch=4)
+    model = build(kind, c)
+    report = verify(model, Mesh(pp=2, cp=2), tokens(c), lm_loss, rtol=1e-5, n_microbatches=2,
+                    cp_attention=strategy, reference_dtype=reference(strategy))  # fmt: skip
     assert report.ok, report
 
 
