@@ -24,6 +24,13 @@ Algorithm (:func:`compile_context_parallel`):
    outputs are gathered whole.
 5. Shape arguments become local (passes.localize); the plan lists the collectives, the
    attention choice with its prices, and the activation memory per rank.
+
+Composition: with tp, the tp program is compiled first at the global sequence (autopar.compile)
+and steps 2-5 split it (tp collectives and lowerings act on other dims and pass the sequence
+through; one on the sequence dim, Megatron-SP's, is refused); with pp, every stage is split
+this way and its boundary values travel whole; with dp, autopar.data_parallel wraps the cp
+program like any sub-mesh program.  :func:`fit_sequence` searches the (tp, cp, pp)
+factorisations of a cluster with the cost model for a sequence that must fit in HBM.
 """
 
 from __future__ import annotations
@@ -192,7 +199,7 @@ class _SplitSequence:
         self.localized: dict[tuple[fx.Node, Placement], fx.Node] = {}
         self.reduced: dict[fx.Node, fx.Node] = {}
         self.prices: list[AttentionPrice] = []
-        self.ctx = RuleContext(size=lay.chunks, blocks=_block_counts(gm))
+        self.ctx = RuleContext(size=lay.chunks, blocks=_block_counts(traced))
 
     def run(self) -> None:
         nodes = list(self.graph.nodes)
@@ -481,13 +488,11 @@ def _pick(n: fx.Node, ctx: RuleContext, have: list) -> Strategy | None:
     return best
 
 
-def _block_counts(gm: fx.GraphModule) -> tuple[int, ...]:
-    counts = {1}
-    for n in gm.graph.nodes:
-        val = n.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.dim() >= 1:
-            counts.add(val.shape[0])
-    return tuple(sorted(counts))
+def _block_counts(traced: Traced) -> tuple[int, ...]:
+    """1, and the batch size: a view merging [b, s] into one dim splits it per batch block."""
+    inputs = [n for n in traced.gm.graph.nodes if n.name in traced.user_inputs
+              and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() >= 2]  # fmt: skip
+    return tuple(sorted({1, *(n.meta["val"].shape[0] for n in inputs[:1])}))
 
 
 def _set_layout(n: fx.Node, p: Placement | tuple) -> None:
