@@ -114,17 +114,17 @@ def autoparallelize(
                         "use e.g. Mesh(dp=2, tp=2)")  # fmt: skip
     options = PlanOptions(memory_limit=memory_limit, memory_weight=memory_weight, strict=strict,
                           fixed=_reused(plan, virtual))  # fmt: skip
-    if "cp" in virtual.sizes:
-        from autopar.context_parallel import compile_context_parallel
-
-        prog = compile_context_parallel(model, virtual, example_inputs, loss_fn, example_kwargs,
-                                        cp_attention)  # fmt: skip
-    elif "pp" in virtual.sizes:
+    if "pp" in virtual.sizes:
         from autopar.pipeline import compile_pipeline
 
         prog = compile_pipeline(model, virtual, example_inputs, loss_fn, example_kwargs, options,
                                 n_microbatches, schedule, virtual_stages, split_points,
-                                Progress(verbose))  # fmt: skip
+                                Progress(verbose), cp_attention)  # fmt: skip
+    elif "cp" in virtual.sizes:
+        from autopar.context_parallel import compile_context_parallel
+
+        prog = compile_context_parallel(model, virtual, example_inputs, loss_fn, example_kwargs,
+                                        cp_attention, options)  # fmt: skip
     else:
         prog = compile_program(
             model, virtual, example_inputs, loss_fn, example_kwargs, options, verbose

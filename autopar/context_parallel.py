@@ -24,6 +24,13 @@ Algorithm (:func:`compile_context_parallel`):
    outputs are gathered whole.
 5. Shape arguments become local (passes.localize); the plan lists the collectives, the
    attention choice with its prices, and the activation memory per rank.
+
+Composition: with tp, the tp program is compiled first at the global sequence (autopar.compile)
+and steps 2-5 split it (tp collectives and lowerings act on other dims and pass the sequence
+through; one on the sequence dim, Megatron-SP's, is refused); with pp, every stage is split
+this way and its boundary values travel whole; with dp, autopar.data_parallel wraps the cp
+program like any sub-mesh program.  :func:`fit_sequence` searches the (tp, cp, pp)
+factorisations of a cluster with the cost model for a sequence that must fit in HBM.
 """
 
 from __future__ import annotations
@@ -98,14 +105,22 @@ def compile_context_parallel(model: nn.Module, mesh: Mesh, example_inputs: Seque
                              cp_attention: str | None = None,
                              options: PlanOptions | None = None) -> Program:  # fmt: skip
     """Steps 1-5 on ``mesh`` (cp, or cp x tp: the tp program is compiled first at the global
-    sequence and then split; dp wraps either through autopar.data_parallel)."""
+    sequence and then split; dp wraps either through autopar.data_parallel, pp compiles each
+    stage with :func:`compile_traced_cp`)."""
     other = [a for a in mesh.sizes if a != AXIS]
     if set(other) - {"tp"}:
-        raise MeshError(f"{mesh}: cp composes with dp (Mesh(dp=2, cp=2)) and tp "
-                        f"(Mesh(cp=2, tp=2)); cp with {', '.join(other)} is not supported yet")  # fmt: skip
+        raise MeshError(f"{mesh}: cp composes with dp, tp and pp (Mesh(dp=2, cp=2), "
+                        f"Mesh(cp=2, tp=2), Mesh(pp=2, cp=2)); not with {', '.join(other)}")  # fmt: skip
+    traced = trace(model, example_inputs, example_kwargs, loss_fn)
+    return compile_traced_cp(traced, mesh, cp_attention, options)
+
+
+def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = None,
+                      options: PlanOptions | None = None) -> Program:  # fmt: skip
+    """Steps 1-5 for an already traced graph (a whole model or one pipeline stage, whose
+    sequence-split boundary values arrive and leave whole)."""
     if cp_attention not in (None, *STRATEGIES):
         raise InputError(f"cp_attention={cp_attention!r}: use 'ring', 'all_to_all' or None")
-    traced = trace(model, example_inputs, example_kwargs, loss_fn)
     lay = _seq_layout(traced, mesh.size(AXIS))
     base, tp_notes = traced.gm, ()
     if "tp" in mesh.sizes:  # the tp program, traced whole, is what cp splits
@@ -184,7 +199,7 @@ class _SplitSequence:
         self.localized: dict[tuple[fx.Node, Placement], fx.Node] = {}
         self.reduced: dict[fx.Node, fx.Node] = {}
         self.prices: list[AttentionPrice] = []
-        self.ctx = RuleContext(size=lay.chunks, blocks=_block_counts(gm))
+        self.ctx = RuleContext(size=lay.chunks, blocks=_block_counts(traced))
 
     def run(self) -> None:
         nodes = list(self.graph.nodes)
@@ -206,7 +221,7 @@ class _SplitSequence:
             if (n.name in self.traced.user_inputs and isinstance(val, torch.Tensor)
                     and val.dim() >= 2 and val.shape[1] == self.lay.seq):  # fmt: skip
                 users = list(n.users)
-                loc = self._localize(n, Shard(1), after=True)
+                loc = self._localize(n, Shard(1))
                 for u in users:
                     u.replace_input_with(n, loc)
 
@@ -256,7 +271,7 @@ class _SplitSequence:
                 "(tensor-parallel sequence parallelism); use a tp plan without it")  # fmt: skip
         for a, q in zip(tensor_args(n), have, strict=True):
             if not isinstance(q, Shard):
-                new = self._reduce_grad(a)
+                new = self._reduce_grad(a, n)
                 if new is not a:
                     n.replace_input_with(a, new)
         self.place[n] = p
@@ -280,7 +295,8 @@ class _SplitSequence:
         for a, want, p in zip(args, best.inputs, have, strict=True):
             if isinstance(p, Shard):
                 continue
-            new = self._localize(a, want) if isinstance(want, Shard) else self._reduce_grad(a)
+            new = (self._localize(a, want, n) if isinstance(want, Shard)
+                   else self._reduce_grad(a, n))  # fmt: skip
             if new is not a:
                 n.replace_input_with(a, new)
         out = best.output
@@ -302,7 +318,7 @@ class _SplitSequence:
             p = self.place.get(t, R)
             seq_dim = t.meta["val"].dim() - 2
             if p == R:
-                t = self._localize(t, Shard(seq_dim))
+                t = self._localize(t, Shard(seq_dim), n)
             elif p != Shard(seq_dim):
                 raise ContextParallelError(
                     f"attention at {meta.source(n)}: {t.name} is split as {p}, not along its "
@@ -390,7 +406,7 @@ class _SplitSequence:
             self._by_rules(n, args, have)
             return
         if self.place.get(target, R) == R:
-            n.replace_input_with(target, self._localize(target, p))
+            n.replace_input_with(target, self._localize(target, p, n))
         if reduction not in (_MEAN, _SUM):
             self.place[n] = p
             return
@@ -420,11 +436,12 @@ class _SplitSequence:
         node.meta["val"] = val
         return node
 
-    def _localize(self, a: fx.Node, p: Placement, after: bool = False) -> fx.Node:
+    def _localize(self, a: fx.Node, p: Placement, before: fx.Node | None = None) -> fx.Node:
+        """This rank's chunks of replicated ``a`` (right after ``a``, or before its first split
+        consumer ``before``: stage graphs interleave placeholders and ops)."""
         key = (a, p)
         if key not in self.localized:
-            where = self._after_inputs() if after else None
-            ctx = self.graph.inserting_before(where) if where else self.graph.inserting_after(a)
+            ctx = self.graph.inserting_before(before) if before else self.graph.inserting_after(a)
             with ctx:
                 loc = self._call(cp_ops.cp_localize,
                                  (a, AXIS, p.dim, p.blocks, self.lay.balanced), a.meta["val"],
@@ -433,16 +450,12 @@ class _SplitSequence:
             self.localized[key] = loc
         return self.localized[key]
 
-    def _after_inputs(self) -> fx.Node:
-        return next(n for n in self.graph.nodes if n.op != "placeholder")
-
-    def _reduce_grad(self, a: fx.Node) -> fx.Node:
+    def _reduce_grad(self, a: fx.Node, consumer: fx.Node) -> fx.Node:
         """A replicated input read whole by a split op: each rank's gradient is partial."""
         if a.name not in self.grad:
             return a
         if a not in self.reduced:
-            anchor = a if a.op != "placeholder" else self._after_inputs().prev
-            with self.graph.inserting_after(anchor):
+            with self.graph.inserting_before(consumer):
                 self.reduced[a] = self._call(C.grad_all_reduce, (a, AXIS), a.meta["val"])
         return self.reduced[a]
 
@@ -475,13 +488,11 @@ def _pick(n: fx.Node, ctx: RuleContext, have: list) -> Strategy | None:
     return best
 
 
-def _block_counts(gm: fx.GraphModule) -> tuple[int, ...]:
-    counts = {1}
-    for n in gm.graph.nodes:
-        val = n.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.dim() >= 1:
-            counts.add(val.shape[0])
-    return tuple(sorted(counts))
+def _block_counts(traced: Traced) -> tuple[int, ...]:
+    """1, and the batch size: a view merging [b, s] into one dim splits it per batch block."""
+    inputs = [n for n in traced.gm.graph.nodes if n.name in traced.user_inputs
+              and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() >= 2]  # fmt: skip
+    return tuple(sorted({1, *(n.meta["val"].shape[0] for n in inputs[:1])}))
 
 
 def _set_layout(n: fx.Node, p: Placement | tuple) -> None:
@@ -601,3 +612,99 @@ def _nbytes(v: torch.Tensor) -> int:
 def _rec(kind: str, shape: tuple, nbytes: int, direction: str, where: str) -> Collective:
     return Collective(kind=kind, axis=AXIS, shape=tuple(shape), dtype="float32", bytes=nbytes,
                       direction=direction, where=where)  # fmt: skip
+
+
+# ---------------------------------------------------------------- long sequences on a cluster
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequenceFit:
+    """The fastest (tp, cp, pp) plan of a model shape that fits, and why."""
+
+    seq: int
+    best: Any  # autopar.estimate.Estimate
+    tried: tuple[Any, ...]  # every priced candidate (recompute chosen by the cost model)
+    why: tuple[str, ...]
+
+    def __str__(self) -> str:
+        c = self.best.config
+        return "\n".join([f"{self.best.model} at {self.seq} tokens: tp={c.tp} cp={c.cp} "
+                          f"pp={c.pp} dp={c.dp} recompute={c.recompute}, "
+                          f"{self.best.memory_per_rank / 2**30:.1f} GiB per rank, "
+                          f"{self.best.step_time_s:.2f} s per step", *self.why])  # fmt: skip
+
+
+def fit_sequence(shape: Any, cluster: Any, global_batch: int = 1) -> SequenceFit:
+    """Price every (tp, cp, pp) factorisation of the cluster (dp fills the rest; micro-batch
+    and recompute chosen by the cost model) and keep the fastest that fits HBM; the why-lines
+    say which axis made it fit: the best plan without each axis (and without recompute)."""
+    tried = _factorisations(shape, cluster, global_batch, None)
+    fitting = [e for e in tried if e.fits]
+    if not fitting:
+        least = min(tried, key=lambda e: e.memory_per_rank)
+        raise PlanError(f"no (tp, cp, pp) plan of {shape.name} at {shape.seq} tokens fits "
+                        f"{cluster.gpu.name}: the least memory is "
+                        f"{least.memory_per_rank / 2**30:.1f} GiB per rank "
+                        f"(tp={least.config.tp} cp={least.config.cp} pp={least.config.pp})")  # fmt: skip
+    best = min(fitting, key=lambda e: e.step_time_s)
+    why = _fit_why(best, tried)
+    if best.config.recompute not in (None, "none"):
+        plain = _factorisations(shape, cluster, global_batch, "none")
+        fits = [e for e in plain if e.fits]
+        least = min(plain, key=lambda e: e.memory_per_rank)
+        why.append(f"{best.config.recompute} activation recompute (the cost model's choice): "
+                   + ("without it the least memory is "
+                      f"{least.memory_per_rank / 2**30:.1f} GiB per rank ({_axes(least)})"
+                      if not fits else f"without it {_axes(min(fits, key=_time))} fits, slower"))  # fmt: skip
+    return SequenceFit(seq=shape.seq, best=best, tried=tuple(tried), why=tuple(why))
+
+
+def _factorisations(shape: Any, cluster: Any, global_batch: int, recompute: str | None) -> list:
+    from cost.config import ParallelConfig
+    from cost.errors import CostInputError
+    from cost.estimate import estimate
+
+    gpus, out = cluster.gpus_per_node * cluster.nodes, []
+    for tp in _divisors(min(gpus, cluster.gpus_per_node)):
+        for cp in _divisors(gpus // tp):
+            for pp in _divisors(gpus // (tp * cp)):
+                cfg = ParallelConfig(tp=tp, cp=cp, pp=pp, global_batch=global_batch,
+                                     recompute=recompute)  # fmt: skip
+                try:
+                    out.append(estimate(shape, cluster, cfg))
+                except CostInputError:
+                    continue
+    return out
+
+
+def _axes(e: Any) -> str:
+    return f"tp={e.config.tp} cp={e.config.cp} pp={e.config.pp}"
+
+
+def _time(e: Any) -> float:
+    return e.step_time_s
+
+
+def _fit_why(best: Any, tried: list) -> list[str]:
+    out = []
+    for axis in ("cp", "tp", "pp"):
+        if getattr(best.config, axis) == 1:
+            continue
+        without = [e for e in tried if getattr(e.config, axis) == 1]
+        fits = [e for e in without if e.fits]
+        gib = best.memory_per_rank / 2**30
+        degree = f"{axis}={getattr(best.config, axis)}"
+        if not fits:
+            least = min(without, key=lambda e: e.memory_per_rank)
+            out.append(f"{degree} made it fit: without {axis} the least memory is "
+                       f"{least.memory_per_rank / 2**30:.1f} GiB per rank ({_axes(least)}); "
+                       f"this plan {gib:.1f} GiB")  # fmt: skip
+        else:
+            alt = min(fits, key=_time)
+            out.append(f"{degree} is faster: the best plan without {axis} ({_axes(alt)}) fits "
+                       f"but takes {alt.step_time_s:.2f} s per step vs {best.step_time_s:.2f} s")  # fmt: skip
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -23,7 +23,8 @@ Algorithm of :func:`ring_attention` (forward):
    attend the local queries to the block in hand (from rank − j), then wait: c−1 exchanges.
 3. Attention of one block runs per pair of contiguous position runs (a chunk of queries, a
    chunk of keys): a pair whose keys all lie after its queries is skipped under a causal mask,
-   a pair wholly before the diagonal needs no mask.  Block results merge by log-sum-exp.
+   a pair wholly before the diagonal needs no mask, a pair an explicit mask hides entirely (a
+   sliding window) is skipped.  Block results merge by log-sum-exp.
 Backward: c steps; each passes K, V and the dK, dV accumulated so far around the ring (the
 accumulators return to their owner after the last step); dQ stays local.
 """
@@ -209,18 +210,21 @@ def _pairs(qruns: list[tuple[int, int]], kruns: list[tuple[int, int]],
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, qa: int, ka: int,
-            diag: bool, scale: float) -> torch.Tensor:  # fmt: skip
-    s = (q @ k.transpose(-1, -2)) * scale
+            diag: bool, scale: float) -> torch.Tensor | None:  # fmt: skip
+    """Masked scores of one pair of runs; None when an explicit mask (a sliding window)
+    hides the whole pair."""
     lq, lk = q.shape[-2], k.shape[-2]
+    m = mask
+    if m is not None:
+        m = m[..., qa:qa + lq, :] if m.shape[-2] != 1 else m
+        m = m[..., ka:ka + lk] if m.shape[-1] != 1 else m
+        if not (m.any() if m.dtype == torch.bool else (~torch.isneginf(m)).any()):
+            return None
+    s = (q @ k.transpose(-1, -2)) * scale
     if diag:
         keep = torch.arange(qa, qa + lq)[:, None] >= torch.arange(ka, ka + lk)[None, :]
         s = s.masked_fill(~keep.to(s.device), float("-inf"))
-    if mask is not None:
-        m = mask
-        if m.shape[-2] != 1:
-            m = m[..., qa:qa + lq, :]
-        if m.shape[-1] != 1:
-            m = m[..., ka:ka + lk]
+    if m is not None:
         s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
     return s
 
@@ -244,6 +248,8 @@ def _attend(q, k, v, mask, qruns, kruns, causal, scale, o, lse) -> None:
     """Step 3: merge attention of q over one K/V block into (o, lse) in place."""
     for qs, ks, qa, ka, diag in _pairs(qruns, kruns, causal):
         s = _scores(q[..., qs, :], k[..., ks, :], mask, qa, ka, diag, scale)
+        if s is None:
+            continue
         blse = torch.logsumexp(s, dim=-1)
         ob = torch.exp(s - _finite(blse)[..., None]) @ v[..., ks, :]
         old = lse[..., qs]
@@ -257,6 +263,8 @@ def _attend(q, k, v, mask, qruns, kruns, causal, scale, o, lse) -> None:
 def _attend_backward(q, k, v, do, delta, lse, mask, qruns, kruns, causal, scale, dq, dk, dv):
     for qs, ks, qa, ka, diag in _pairs(qruns, kruns, causal):
         s = _scores(q[..., qs, :], k[..., ks, :], mask, qa, ka, diag, scale)
+        if s is None:
+            continue
         p = torch.exp(s - _finite(lse[..., qs])[..., None])
         dv[..., ks, :] += p.transpose(-1, -2) @ do[..., qs, :]
         ds = p * (do[..., qs, :] @ v[..., ks, :].transpose(-1, -2) - delta[..., qs, None])

@@ -304,13 +304,18 @@ class PipelineProgram:
         """The module of ``stage`` (default: the rank's first stage) for global ``rank``."""
         coords = self.mesh.coordinates(rank)
         stage = self.stages_of(coords["pp"])[0] if stage is None else stage
-        return self.stages[stage].module(coords.get("tp", 0))
+        return self.stages[stage].module(self._stage_rank(stage, coords))
+
+    def _stage_rank(self, stage: int, coords: dict[str, int]) -> int:
+        """The rank within the stage's mesh (tp, or cp x tp) of mesh coordinates ``coords``."""
+        return self.stages[stage].mesh.rank_of(coords)
 
     def share(self, rank: int) -> RankShare:
         """What global ``rank`` runs: its stages' modules and the schedule's settings."""
         coords = self.mesh.coordinates(rank)
         modules = {
-            s: self.stages[s].module(coords.get("tp", 0)) for s in self.stages_of(coords["pp"])
+            s: self.stages[s].module(self._stage_rank(s, coords))
+            for s in self.stages_of(coords["pp"])
         }
         io = {s: _io(self.stages[s].graph_module, self.graphs[s], self.grad_names) for s in modules}
         placements = {s: {fqn: lay for fqn, lay in self._tp_placements(s).items() if fqn in self.tied}
@@ -325,7 +330,8 @@ class PipelineProgram:
 
     def _tp_placements(self, stage: int) -> dict[str, str]:
         prog = self.stages[stage]
-        return {prog.traced.params[n.name]: str(meta.layout(n).placement("tp"))
+        return {prog.traced.params[n.name]: str(meta.layout(n).placement("tp")
+                                                if meta.layout(n) is not None else "R")
                 for n in prog.graph_module.graph.nodes
                 if n.op == "placeholder" and n.name in prog.traced.params}  # fmt: skip
 
@@ -403,8 +409,10 @@ class TrainStepPreview:
 def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
                      loss_fn: Callable | None, example_kwargs: dict | None, options: PlanOptions,
                      n_microbatches: int | None, schedule: str, virtual_stages: int | None,
-                     split_points: Sequence[str], log: Callable[[str], None]) -> PipelineProgram:  # fmt: skip
-    """Steps 1-4 (see the module docstring)."""
+                     split_points: Sequence[str], log: Callable[[str], None],
+                     cp_attention: str | None = None) -> PipelineProgram:  # fmt: skip
+    """Steps 1-4 (see the module docstring); with a cp axis every stage is split along the
+    sequence (autopar.context_parallel), its boundary values sent whole."""
     from autopar.compile import compile_traced
 
     if schedule not in SCHEDULES:
@@ -438,9 +446,18 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any]
     stage_mesh = Mesh(mesh.cluster, tp=mesh.size("tp"))
     stage_opts = PlanOptions(memory_limit=options.memory_limit, memory_weight=options.memory_weight,
                              strict=options.strict, replicate_outputs=True)  # fmt: skip
-    stages = [
-        compile_traced(g.traced, stage_mesh, stage_opts, log, whole_model=False) for g in graphs
-    ]
+    if "cp" in mesh.sizes:
+        from autopar.context_parallel import compile_traced_cp
+
+        stage_mesh = Mesh.ordered(tuple(a for a in mesh.axes if a[0] in ("cp", "tp")),
+                                  mesh.cluster)  # fmt: skip
+        stages = [compile_traced_cp(g.traced, stage_mesh, cp_attention, stage_opts)
+                  for g in graphs]  # fmt: skip
+    else:
+        stages = [
+            compile_traced(g.traced, stage_mesh, stage_opts, log, whole_model=False)
+            for g in graphs
+        ]
     grad = frozenset(n.name for n in needs_grad(traced))
     return PipelineProgram(mesh=mesh, stages=stages, graphs=graphs, cut=cut, config=config,
                            model_name=traced.model_name, grad_names=grad)  # fmt: skip

@@ -1,4 +1,4 @@
-"""The context-parallel axis: Mesh(cp=...) alone, with dp and with tp on real Gloo ranks.
+"""The context-parallel axis: Mesh(cp=...) alone, with dp, tp and pp on real Gloo ranks.
 
 Loss and every gradient equal the single-device model (fp32, relative 1e-5) for ring and
 all-to-all attention; the ring issues cp-1 K/V exchanges per attention forward and all-to-all
@@ -71,6 +71,43 @@ def test_equals_single_device(case):
     assert len([r for r in report.rows if r.kind == "grad"]) == len(list(model.parameters()))
 
 
+@pytest.mark.parametrize(("causal", "mask", "groups"), [(True, None, 1), (True, None, 2),
+                                                     (False, "window", 1), (False, "float", 2)])
+def test_blockwise_attention_equals_sdpa(causal, mask, groups):
+    """The ring's block kernels over one rank's runs (4 chunks), in one process, against SDPA
+    in float64: forward, and backward through the flash-style recomputation."""
+    g = torch.Generator().manual_seed(0)
+    b, h, s, d = 2, 4, 16, 8
+    q = torch.randn(b, h, s, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(b, h // groups, s, d, generator=g, dtype=torch.float64) for _ in "kv")
+    pos = torch.arange(s)
+    m = None
+    if mask == "window":
+        m = (pos[:, None] >= pos[None, :]) & (pos[:, None] - pos[None, :] < 5)
+    elif mask == "float":
+        m = torch.randn(1, h, s, s, generator=g, dtype=torch.float64)
+    runs = [(0, 4), (12, 16), (4, 8), (8, 12)]  # a rank's chunks, then the others
+    order = torch.cat([torch.arange(a, e) for a, e in runs])
+    qs, ks, vs = (t[..., order, :] for t in (q, k, v))
+    o = torch.zeros_like(qs)
+    lse = torch.full(qs.shape[:-1], float("-inf"), dtype=qs.dtype)
+    kx, vx = cp_ops._expand(ks, groups), cp_ops._expand(vs, groups)
+    cp_ops._attend(qs, kx, vx, m, runs, runs, causal, d**-0.5, o, lse)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*ref_in, attn_mask=m, is_causal=causal,
+                                         enable_gqa=groups > 1)  # fmt: skip
+    torch.testing.assert_close(o, ref.detach()[..., order, :], rtol=1e-12, atol=1e-12)
+    do = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    ref.backward(do)
+    dq, dk, dv = torch.zeros_like(qs), torch.zeros_like(qs), torch.zeros_like(qs)
+    dos = do[..., order, :]
+    cp_ops._attend_backward(qs, kx, vx, dos, (dos * o).sum(-1), lse, m, runs, runs, causal,
+                            d**-0.5, dq, dk, dv)  # fmt: skip
+    for ours, want in ((dq, ref_in[0]), (cp_ops._fold(dk, groups), ref_in[1]),
+                       (cp_ops._fold(dv, groups), ref_in[2])):  # fmt: skip
+        torch.testing.assert_close(ours, want.grad[..., order, :], rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("strategy", ["ring", "all_to_all"])
 def test_outputs_without_loss_are_gathered_whole(strategy):
     c = Config(seq=32)
@@ -78,6 +115,15 @@ def test_outputs_without_loss_are_gathered_whole(strategy):
     x, _ = tokens(c)
     report = verify(model, Mesh(cp=2), (x,), rtol=1e-5, cp_attention=strategy,
                     reference_dtype=reference(strategy))  # fmt: skip
+    assert report.ok, report
+
+
+@pytest.mark.parametrize(("kind", "strategy"), [("llama", "ring"), ("gpt", "all_to_all")])
+def test_pipeline_stages_split_the_sequence(kind, strategy):
+    c = Config(seq=32, kv_heads=2 if kind == "llama" else 4, batch=4)
+    model = build(kind, c)
+    report = verify(model, Mesh(pp=2, cp=2), tokens(c), lm_loss, rtol=1e-5, n_microbatches=2,
+                    cp_attention=strategy, reference_dtype=reference(strategy))  # fmt: skip
     assert report.ok, report
 
 
@@ -90,6 +136,8 @@ def _hf(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+    if name == "mistral_window":  # sliding window 8 < sequence 32: HF builds the mask
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**kw, sliding_window=8))
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
 
 
@@ -107,6 +155,7 @@ def shifted(labels: torch.Tensor) -> torch.Tensor:
     ("llama", {"cp": 2}, "ring"), ("llama", {"cp": 2}, "all_to_all"),
     ("qwen2", {"cp": 2}, "ring"), ("qwen2", {"cp": 2}, "all_to_all"),
     ("llama", {"cp": 2, "tp": 2}, "ring"), ("qwen2", {"cp": 2, "tp": 2}, "all_to_all"),
+    ("mistral_window", {"cp": 2}, "ring"), ("mistral_window", {"cp": 2}, "all_to_all"),
 ])  # fmt: skip
 def test_hf_causal_lm(name, axes, strategy):
     g = torch.Generator().manual_seed(1)
@@ -249,3 +298,19 @@ def test_train_cp_example_matches_single_device() -> None:
     rows = re.findall(r"^\s*(\d+)\s+\d+\.\d+\s+\d+\.\d+\s+\S+e[-+]\d+$", run.stdout, re.M)
     assert [int(r) for r in rows] == list(range(1, 21)), out
     assert "within 0.0001" in out and "every rank returned rank 0's losses: True" in out, out
+
+
+def test_llama3_8b_at_128k_tokens_fits_one_dgx_node_and_says_why():
+    from dataclasses import replace
+
+    from autopar.context_parallel import fit_sequence
+    from autopar.estimate import Cluster, ModelShape
+
+    node = Cluster.preset("dgx-h100")
+    fit = fit_sequence(replace(ModelShape.preset("llama3-8b"), seq=131072), node)
+    assert fit.best.fits and fit.best.memory_per_rank <= node.gpu.hbm_bytes
+    assert fit.best.step_time_s == min(e.step_time_s for e in fit.tried if e.fits)
+    c = fit.best.config
+    assert c.tp * c.cp * c.pp * c.dp == 8
+    assert fit.why and all(any(k in w for k in ("cp=", "tp=", "pp=", "recompute")) for w in fit.why)
+    assert "131072 tokens" in str(fit)
