@@ -302,3 +302,22 @@ def test_all_to_all_priced_on_the_link_ep_rides():
         want = sum(collective_time("all_to_all", x.bytes, plan.ep, link) for x in mine)
         assert plan.layer_s == pytest.approx(want)
     assert "all-to-alls" in str(across) and two_nodes.inter.name in str(across)
+
+
+def test_estimate_prices_a_deepseek_v3_like_shape(capsys):
+    """DeepSeek-V3-like: 61 layers, hidden 7168, 256 experts of FFN 2048, top-8 (no MLA,
+    no shared expert) on 32 DGX H100 nodes, ep=32 across 4 nodes."""
+    from autopar.cli import main
+
+    argv = ["estimate", "--model", "llama", "--layers", "61", "--hidden", "7168", "--heads",
+            "128", "--kv-heads", "128", "--ffn", "2048", "--experts", "256", "--top-k", "8",
+            "--seq", "4096", "--vocab", "129280", "--nodes", "32", "--pp", "8", "--zero", "3", "--ep", "32",
+            "--global-batch", "1024"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    line = next(s for s in out.splitlines() if "ep all-to-all per layer" in s)
+    assert float(line.split()[4]) > 0 and "MFU" in out
+    narrow = main([*argv[:-4], "--ep", "8", "--global-batch", "1024"])  # ep inside a node
+    assert narrow == 0
+    inside = next(s for s in capsys.readouterr().out.splitlines() if "per layer" in s)
+    assert float(inside.split()[4]) < float(line.split()[4])
