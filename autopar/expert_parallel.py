@@ -28,7 +28,8 @@ Algorithm (:func:`compile_expert_parallel`):
    per MoE layer the count exchange, dispatch and combine, and their backward.
 5. ``capacity_factor`` c caps each expert at ceil(c * tokens * top_k / E) rows over the global
    batch: the rows of lower ep ranks first, each rank's in its grouped order; a dropped row's
-   expert output is zero.  Dropped rows are counted (:func:`expert_load`).
+   expert output is zero.  Dropped rows are counted, and each rank's experts' load is kept per
+   forward (:func:`expert_load`: rows per expert, dropped rows, max/mean imbalance).
 """
 
 from __future__ import annotations
@@ -348,6 +349,26 @@ def _global_losses(graph: fx.Graph, axis: str, reduction: str) -> None:
                 loss = graph.call_function(C.batch_loss, (leaf, axis, reduction))
             loss.meta.update(leaf.meta)
             out.replace_input_with(leaf, loss)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertLoad:
+    """One MoE layer's dispatch on this rank in one forward."""
+
+    tokens: tuple[int, ...]  # rows each of this rank's experts took (from every ep rank)
+    dropped: int  # rows this rank sent over capacity (0 dropless)
+
+    @property
+    def imbalance(self) -> float:
+        """Max / mean rows per expert (1.0 is perfectly even; a hot expert is a straggler)."""
+        mean = sum(self.tokens) / max(len(self.tokens), 1)
+        return max(self.tokens) / mean if mean else 1.0
+
+
+def expert_load(reset: bool = True) -> list[ExpertLoad]:
+    """This rank's expert load since the last reset, one entry per MoE layer per forward in
+    call order (``reset`` clears the record)."""
+    return [ExpertLoad(tokens=tuple(t), dropped=d) for t, d in C.expert_load(reset)]
 
 
 # ---------------------------------------------------------------- plan, program, compile

@@ -17,9 +17,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar import Mesh, autoparallelize, collectives, zoo
+from autopar import Mesh, autoparallelize, zoo
 from autopar.errors import InputError, MeshError, ShardingRuleError
-from autopar.expert_parallel import ExpertParallelProgram
+from autopar.expert_parallel import ExpertParallelProgram, expert_load
 from autopar.pool import get_pool
 from autopar.testing import MoEConfig, build_moe, lm_loss, tokens
 from autopar.verify import _ep_job, _ep_replica, _rank_step, _reference, verify
@@ -181,8 +181,12 @@ def test_capacity_drops_like_the_one_device_rule():
     ref_out, ref_grads, cots = _reference(reference, args, None, lm_loss, 0)
     jobs = [_ep_job(prog, r, args, None, cots) for r in range(2)]
     results = get_pool(2).run(_with_load, prog.mesh.axes, jobs)
-    dropped = sum(r[2] for r in results)
+    dropped = sum(load.dropped for r in results for load in r[2])
     assert dropped == _one_device_dropped(reference, args[0], capacity) > 0
+    took = [n for r in results for load in r[2] for n in load.tokens]  # every expert, once
+    assert len(took) == c.experts and max(took) <= capacity
+    assert sum(took) + dropped == c.batch * c.seq * c.top_k
+    assert all(load.imbalance >= 1.0 for r in results for load in r[2])
     outs, grads = _ep_replica(prog, [r[:2] for r in results], 0)[0]
     torch.testing.assert_close(outs[0], ref_out[0], rtol=1e-5, atol=1e-7)
     for name, g in ref_grads.items():
@@ -190,9 +194,9 @@ def test_capacity_drops_like_the_one_device_rule():
 
 
 def _with_load(rank, groups, module, args, kwargs, cots):
-    collectives.expert_load()
+    expert_load()
     outs, grads = _rank_step(rank, groups, module, args, kwargs, cots)
-    return outs, grads, sum(d for _, d in collectives.expert_load())
+    return outs, grads, expert_load()
 
 
 def _one_device_dropped(model, ids, capacity: int) -> int:
