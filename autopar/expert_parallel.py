@@ -35,6 +35,7 @@ Algorithm (:func:`compile_expert_parallel`):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import operator
 import warnings
@@ -49,7 +50,7 @@ import torch.nn as nn
 
 from autopar import collectives as C
 from autopar import meta
-from autopar.data_parallel import loss_reduction, split_batch
+from autopar.data_parallel import _graph, _model_name, loss_reduction, split_batch
 from autopar.errors import InputError, ShardingRuleError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, _fmt_bytes
@@ -382,6 +383,7 @@ class ExpertParallelPlan:
     mesh: tuple[tuple[str, int], ...]
     links: tuple[str, ...]
     layers: tuple[MoELayer, ...]
+    stage_layers: tuple[tuple[MoELayer, ...], ...]  # per pipeline stage (one entry without pp)
     reduction: str
     batch: int
     capacity_factor: float | None
@@ -431,23 +433,38 @@ class ExpertParallelProgram:
                  capacity: float) -> None:  # fmt: skip
         self.inner, self.mesh, self.plan, self.capacity = inner, mesh, plan, capacity
         self.inner_mesh = inner.mesh
-        self.traced = inner.traced
-        self._modules: dict[int, fx.GraphModule] = {}
+        if hasattr(inner, "traced"):
+            self.traced = inner.traced
+        self._modules: dict[tuple[int, int], fx.GraphModule] = {}
 
     def inner_rank(self, rank: int) -> int:
         coords = self.mesh.coordinates(rank)
         return self.inner_mesh.rank_of({a: coords.get(a, 0) for a, _ in self.inner_mesh.axes})
 
-    def module(self, rank: int) -> fx.GraphModule:
-        """The rank's module: its sub-mesh program with this rank's experts and the
-        dispatch / combine all-to-alls."""
-        if rank not in self._modules:
-            self._modules[rank] = place_experts(
-                self.inner.module(self.inner_rank(rank)), self.plan.layers, axis="ep",
-                size=self.plan.ep, coord=self.mesh.coordinates(rank)["ep"],
-                reduction=self.plan.reduction, capacity=self.capacity)  # fmt: skip
-            self._modules[rank].meta = {"rank": rank, "coords": self.mesh.coordinates(rank)}
-        return self._modules[rank]
+    def module(self, rank: int, stage: int | None = None) -> fx.GraphModule:
+        """The rank's module (of ``stage`` under pp, default its first): its sub-mesh program
+        with this rank's experts and the dispatch / combine all-to-alls."""
+        inner = self.inner_rank(rank)
+        if hasattr(self.inner, "stages"):
+            stage = self.inner.stages_of(self.mesh.coordinates(rank)["pp"])[0] if stage is None \
+                else stage
+            local = self.inner.module(inner, stage)
+        else:
+            stage, local = 0, self.inner.module(inner)
+        if (rank, stage) not in self._modules:
+            module = place_experts(local, self.plan.stage_layers[stage], axis="ep",
+                                   size=self.plan.ep, coord=self.mesh.coordinates(rank)["ep"],
+                                   reduction=self.plan.reduction, capacity=self.capacity)  # fmt: skip
+            module.meta = {"rank": rank, "coords": self.mesh.coordinates(rank)}
+            self._modules[(rank, stage)] = module
+        return self._modules[(rank, stage)]
+
+    def share(self, rank: int) -> Any:
+        """Under pp: what ``rank`` runs, its stages' modules with this rank's experts."""
+        share = self.inner.share(self.inner_rank(rank))
+        modules = {s: self.module(rank, s) for s in share.modules}
+        return dataclasses.replace(share, modules=modules, mesh=self.mesh,
+                                   coords=self.mesh.coordinates(rank))  # fmt: skip
 
     def code(self, rank: int = 0) -> str:
         from autopar.codegen import render
@@ -485,26 +502,33 @@ def compile_expert_parallel(mesh: Mesh, example_inputs: Sequence[Any],
     ep = mesh.size("ep")
     args, kwargs = split_batch(example_inputs, example_kwargs, ep)
     inner = compile_inner(mesh.without("ep"), args, kwargs)
-    sample = inner.module(0)
-    layers, bad = find_moe_layers(sample)
-    notes = _unrecognised(bad, strict, inner.traced.model_name)
+    samples = ([st.module(0) for st in inner.stages] if hasattr(inner, "stages")
+               else [inner.module(0)])  # fmt: skip
+    found_layers = [find_moe_layers(m) for m in samples]
+    layers = [layer for ls, _ in found_layers for layer in ls]
+    model = _model_name(inner)
+    notes = _unrecognised([b for _, bad in found_layers for b in bad], strict, model)
     for layer in layers:
         if layer.experts % ep:
-            raise InputError(f"{inner.traced.model_name}: the MoE layer at '{layer.where}' has "
+            raise InputError(f"{model}: the MoE layer at '{layer.where}' has "
                              f"{layer.experts} experts, which ep={ep} does not divide; use an "
                              "ep that divides the expert count")  # fmt: skip
-    if not layers and not bad:
+    if not layers and not notes:
         notes.append("no MoE layer found: ep runs as a data axis (every weight replicated)")
-    reduction = loss_reduction(inner.traced.gm, inner.traced.model_name)
-    capacity = _capacity(capacity_factor, layers, sample, ep)
-    found = tuple(ep_collectives(sample, layers))
+    reduction = loss_reduction(_graph(inner), model)
+    stage = next((i for i, (ls, _) in enumerate(found_layers) if ls), 0)
+    capacity = _capacity(capacity_factor, found_layers[stage][0], samples[stage], ep)
+    found = (Collective(kind="all_reduce", axis="ep", shape=(), dtype="float32", bytes=4,
+                        direction="fwd", where="loss"),
+             *(c for m, (ls, _) in zip(samples, found_layers, strict=True)
+               for c in ep_collectives(m, ls)))  # fmt: skip
     link = mesh.cluster.axis_link(mesh.axes, "ep")
     times = [collective_time(c.kind, c.bytes, ep, link) for c in found]
     per_layer = sum(t for c, t in zip(found, times, strict=True)
                     if c.kind == "all_to_all" and layers and c.where == layers[0].where)  # fmt: skip
     plan = ExpertParallelPlan(
         inner=inner.plan, mesh=mesh.axes, links=tuple(mesh.describe()), layers=tuple(layers),
-        reduction=reduction, batch=_batch(example_inputs, example_kwargs),
+        stage_layers=tuple(tuple(ls) for ls, _ in found_layers), reduction=reduction, batch=_batch(example_inputs, example_kwargs),
         capacity_factor=capacity_factor, collectives=found, link=link.name,
         layer_s=per_layer, comm_s=sum(times), notes=tuple(notes))  # fmt: skip
     return ExpertParallelProgram(inner=inner, mesh=mesh, plan=plan, capacity=capacity)
@@ -540,10 +564,9 @@ def _batch(example_inputs: Sequence[Any], example_kwargs: dict | None) -> int:
 def ep_collectives(gm: fx.GraphModule, layers: Sequence[MoELayer]) -> list[Collective]:
     """The expert axis's collectives of one step (local shapes of ep rank 0): per MoE layer
     the count exchange and the dispatch and combine all-to-alls (each with its conjugate in
-    backward, dropless sizes); the loss; one gradient all-reduce per dense parameter."""
+    backward, dropless sizes); one gradient all-reduce per dense parameter."""
     nodes = {n.name: n for n in gm.graph.nodes}
-    out = [Collective(kind="all_reduce", axis="ep", shape=(), dtype="float32", bytes=4,
-                      direction="fwd", where="loss")]  # fmt: skip
+    out = []
     for layer in layers:
         entry, exit_ = nodes[layer.entry].meta["val"], nodes[layer.exit].meta["val"]
         counts = torch.empty(layer.experts, dtype=torch.int64, device="meta")

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar import Mesh, autoparallelize, zoo
-from autopar.errors import InputError, MeshError, ShardingRuleError
+from autopar.errors import InputError, ShardingRuleError
 from autopar.expert_parallel import ExpertParallelProgram, expert_load
 from autopar.pool import get_pool
 from autopar.testing import MoEConfig, build_moe, lm_loss, tokens
@@ -266,7 +266,7 @@ def test_unrecognised_layout_warns_and_replicates_or_errors_under_strict():
 # ---------------------------------------------------------------- compositions
 
 
-@pytest.mark.parametrize("mesh", [Mesh(ep=2, tp=2), Mesh(dp=2, ep=2)], ids=str)
+@pytest.mark.parametrize("mesh", [Mesh(ep=2, tp=2), Mesh(dp=2, ep=2), Mesh(pp=2, ep=2)], ids=str)
 def test_composes_with_tp_and_dp(mesh):
     c = MoEConfig(batch=4, shared=True)
     model = build_moe(c)
@@ -280,12 +280,9 @@ def test_composes_with_tp_and_dp(mesh):
     held = dict(prog.module(0).named_parameters())["blocks.0.gate_up"]
     tp = mesh.size("tp")
     assert held.shape == (c.experts // 2, 2 * c.expert_ffn // tp, c.hidden)
+    if "pp" in mesh.sizes:  # each stage recognised its own layers
+        assert [len(ls) for ls in ep_prog.plan.stage_layers] == [1, 1]
 
-
-def test_pipeline_with_experts_is_refused_clearly():
-    c = MoEConfig(batch=4)
-    with pytest.raises(MeshError, match=r"pipeline stages with an expert axis"):
-        autoparallelize(build_moe(c), Mesh(pp=2, ep=2), _ids(c), lm_loss)
 
 
 # ---------------------------------------------------------------- cost
