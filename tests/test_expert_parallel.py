@@ -322,3 +322,13 @@ def test_estimate_prices_a_deepseek_v3_like_shape(capsys):
     assert narrow == 0
     inside = next(s for s in capsys.readouterr().out.splitlines() if "per layer" in s)
     assert float(inside.split()[4]) < float(line.split()[4])
+
+
+def test_hf_mixtral_at_ep2_tp2():
+    model, args, kwargs = _family("mixtral")
+    mesh = Mesh(ep=2, tp=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = autoparallelize(model, mesh, args, example_kwargs=kwargs)
+        report = verify(model, mesh, args, example_kwargs=kwargs, rtol=1e-5)
+    assert len(prog.plan.layers) == 2 and report.ok, report
