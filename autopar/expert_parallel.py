@@ -480,10 +480,15 @@ class ExpertParallelProgram:
         return [*self.inner.collectives(), *self.plan.collectives]
 
     def save(self, directory: str | Path) -> list[Path]:
+        """The sub-mesh program's files, the plan, and each rank's expert-parallel source."""
         written = self.inner.save(directory)
         path = Path(directory) / "plan_ep.txt"
         path.write_text(str(self.plan) + "\n")
-        return [*written, path]
+        ranks = []
+        for rank in range(self.mesh.world_size):
+            ranks.append(Path(directory) / f"ep_rank_{rank}.py")
+            ranks[-1].write_text(self.code(rank))
+        return [*written, path, *ranks]
 
     def __repr__(self) -> str:
         return f"<autopar.ExpertParallelProgram on {self.mesh}, {len(self.plan.layers)} MoE layers>"

@@ -65,6 +65,14 @@ def test_recognised_layer_and_printed_program():
     assert "2 MoE layers, each rank holds 1/2 of their experts" in text and "dropless" in text
 
 
+def test_save_writes_each_ranks_program(tmp_path):
+    c = MoEConfig()
+    prog = autoparallelize(build_moe(c), Mesh(ep=2), _ids(c), lm_loss)
+    written = {p.name for p in prog.save(tmp_path)}
+    assert {"plan_ep.txt", "ep_rank_0.py", "ep_rank_1.py"} <= written
+    assert "expert_dispatch(" in (tmp_path / "ep_rank_1.py").read_text()
+
+
 # ---------------------------------------------------------------- 2. HF MoE families
 
 
