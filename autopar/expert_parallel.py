@@ -390,6 +390,7 @@ class ExpertParallelPlan:
     collectives: tuple[Collective, ...]
     link: str  # the link the ep groups ride
     layer_s: float  # predicted all-to-all seconds per MoE layer (forward + backward)
+    param_bytes: tuple[int, int]  # per rank: dense parameters, this rank's experts
     comm_s: float  # predicted ep seconds of one step (all-to-alls, loss, dense gradients)
     notes: tuple[str, ...]
 
@@ -410,7 +411,9 @@ class ExpertParallelPlan:
                f"expert axis: ep={self.ep}, global batch {self.batch} -> "
                f"{self.batch // self.ep} per rank (dense part data-parallel, loss a "
                f"{self.reduction}); {cap}",
-               f"{len(self.layers)} MoE layers, each rank holds 1/{self.ep} of their experts:"]  # fmt: skip
+               f"{len(self.layers)} MoE layers, each rank holds 1/{self.ep} of their experts "
+               f"(parameters per rank: {_fmt_bytes(sum(self.param_bytes))}, experts "
+               f"{_fmt_bytes(self.param_bytes[1])} of {_fmt_bytes(self.param_bytes[1] * self.ep)}):"]  # fmt: skip
         out += [f"  {layer}" for layer in self.layers]
         out.append(f"expert-axis traffic of one training step (predicted {self.comm_s * 1e3:.3f} "
                    f"ms on {self.link}; all-to-alls {self.layer_s * 1e6:.1f} us per MoE layer):")  # fmt: skip
@@ -535,8 +538,23 @@ def compile_expert_parallel(mesh: Mesh, example_inputs: Sequence[Any],
         inner=inner.plan, mesh=mesh.axes, links=tuple(mesh.describe()), layers=tuple(layers),
         stage_layers=tuple(tuple(ls) for ls, _ in found_layers), reduction=reduction, batch=_batch(example_inputs, example_kwargs),
         capacity_factor=capacity_factor, collectives=found, link=link.name,
-        layer_s=per_layer, comm_s=sum(times), notes=tuple(notes))  # fmt: skip
+        layer_s=per_layer, comm_s=sum(times), param_bytes=_param_bytes(samples, layers, ep),
+        notes=tuple(notes))  # fmt: skip
     return ExpertParallelProgram(inner=inner, mesh=mesh, plan=plan, capacity=capacity)
+
+
+def _param_bytes(modules: list[fx.GraphModule], layers: list[MoELayer], ep: int) -> tuple[int, int]:
+    """Dense and expert parameter bytes an ep rank holds (every stage; experts 1/ep)."""
+    experts = {w for layer in layers for w in layer.weights}
+    dense = expert = 0
+    for module in modules:
+        for name, p in module.named_parameters():
+            nbytes = p.numel() * p.element_size()
+            if name in experts:
+                expert += nbytes // ep
+            else:
+                dense += nbytes
+    return dense, expert
 
 
 def _unrecognised(bad: list[Unrecognised], strict: bool, model: str) -> list[str]:

@@ -172,6 +172,7 @@ def test_each_rank_holds_its_share_of_the_experts():
         assert held == dense_bytes + expert_bytes // 4
         whole = model.blocks[0].gate_up.detach()
         torch.testing.assert_close(local["blocks.0.gate_up"], whole[2 * rank:2 * rank + 2])
+    assert prog.plan.param_bytes == (dense_bytes, expert_bytes // 4)
 
 
 # ---------------------------------------------------------------- capacity
