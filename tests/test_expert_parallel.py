@@ -51,6 +51,17 @@ def test_reference_moe_matches_single_device(experts, top_k, hidden, ffn, ep, si
     assert len(prog.plan.layers) == c.layers  # recognised, not replicated
 
 
+def test_a_rank_whose_experts_get_no_tokens():
+    """Sigmoid routing whose bias always picks experts 0 and 1: ep rank 1 receives no rows."""
+    c = MoEConfig(sigmoid=True)
+    model = build_moe(c)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.score_bias.copy_(torch.tensor([10.0, 10.0, -10.0, -10.0]))
+    report = verify(model, Mesh(ep=2), _ids(c), lm_loss, rtol=1e-5)
+    assert report.ok, report
+
+
 def test_recognised_layer_and_printed_program():
     c = MoEConfig()
     prog = autoparallelize(build_moe(c), Mesh(ep=2), _ids(c), lm_loss)
