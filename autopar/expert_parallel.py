@@ -529,7 +529,7 @@ def compile_expert_parallel(mesh: Mesh, example_inputs: Sequence[Any],
     found = (Collective(kind="all_reduce", axis="ep", shape=(), dtype="float32", bytes=4,
                         direction="fwd", where="loss"),
              *(c for m, (ls, _) in zip(samples, found_layers, strict=True)
-               for c in ep_collectives(m, ls)))  # fmt: skip
+               for c in ep_collectives(m, ls, capacity > 0)))  # fmt: skip
     link = mesh.cluster.axis_link(mesh.axes, "ep")
     times = [collective_time(c.kind, c.bytes, ep, link) for c in found]
     per_layer = sum(t for c, t in zip(found, times, strict=True)
@@ -584,16 +584,20 @@ def _batch(example_inputs: Sequence[Any], example_kwargs: dict | None) -> int:
     return 0
 
 
-def ep_collectives(gm: fx.GraphModule, layers: Sequence[MoELayer]) -> list[Collective]:
+def ep_collectives(gm: fx.GraphModule, layers: Sequence[MoELayer],
+                   capped: bool = False) -> list[Collective]:  # fmt: skip
     """The expert axis's collectives of one step (local shapes of ep rank 0): per MoE layer
-    the count exchange and the dispatch and combine all-to-alls (each with its conjugate in
-    backward, dropless sizes); one gradient all-reduce per dense parameter."""
+    the count exchange (with a capacity, also an all-gather of every rank's counts) and the
+    dispatch and combine all-to-alls (each with its conjugate in backward, dropless sizes);
+    one gradient all-reduce per dense parameter."""
     nodes = {n.name: n for n in gm.graph.nodes}
     out = []
     for layer in layers:
         entry, exit_ = nodes[layer.entry].meta["val"], nodes[layer.exit].meta["val"]
         counts = torch.empty(layer.experts, dtype=torch.int64, device="meta")
         out.append(_record(counts, "fwd", layer.where))
+        if capped:
+            out.append(dataclasses.replace(out[-1], kind="all_gather"))
         for val in (entry, exit_):
             out += [_record(val, d, layer.where) for d in ("fwd", "bwd")]
     experts = {w for layer in layers for w in layer.weights}

@@ -197,6 +197,8 @@ def test_capacity_drops_like_the_one_device_rule():
     reference = build_moe(MoEConfig(**{**c.__dict__, "capacity": capacity}))
     prog = autoparallelize(model, Mesh(ep=2), _ids(c), lm_loss, capacity_factor=factor)
     assert "capacity factor 0.5" in str(prog.plan)
+    fwd = [x.kind for x in prog.collectives() if x.where == "blocks.0" and x.direction == "fwd"]
+    assert sorted(fwd) == ["all_gather", "all_to_all", "all_to_all", "all_to_all"]  # + counts
     args = _ids(c)
     ref_out, ref_grads, cots = _reference(reference, args, None, lm_loss, 0)
     jobs = [_ep_job(prog, r, args, None, cots) for r in range(2)]
