@@ -108,7 +108,9 @@ def autoparallelize(
         return _expert_parallel(model, virtual, device_mesh, example_inputs, loss_fn,
                                 example_kwargs, strict=strict, verbose=verbose,
                                 capacity_factor=capacity_factor, memory_limit=memory_limit,
-                                memory_weight=memory_weight)  # fmt: skip
+                                memory_weight=memory_weight, n_microbatches=n_microbatches,
+                                schedule=schedule, virtual_stages=virtual_stages,
+                                split_points=split_points)  # fmt: skip
     if zero is not None:
         raise PlanError(f"zero={zero} shards over the data axis, but {virtual} has no dp axis; "
                         "use e.g. Mesh(dp=2, tp=2)")  # fmt: skip
@@ -174,10 +176,6 @@ def _expert_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any,
     """The ep branch: compile the sub-mesh program on B/ep, place the experts across ep."""
     from autopar.expert_parallel import compile_expert_parallel
 
-    if "pp" in mesh.sizes:
-        raise MeshError(f"{mesh}: pipeline stages with an expert axis are not supported yet; "
-                        "use Mesh(ep=..., tp=...) or Mesh(dp=..., ep=...)")  # fmt: skip
-
     def inner(sub: Mesh, args: tuple, kwargs: dict) -> Any:  # strict: no rule needed at size 1
         return autoparallelize(model, sub, args, loss_fn, example_kwargs=kwargs or None,
                                strict=strict and sub.world_size > 1, **inner_options)  # fmt: skip
@@ -186,9 +184,12 @@ def _expert_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any,
                                    capacity_factor=capacity_factor)  # fmt: skip
     if device_mesh is None:
         return prog
-    from autopar.runtime import bind_mesh
+    from autopar.runtime import PipelineRunner, bind_mesh
 
-    return prog.module(bind_mesh(device_mesh, mesh))
+    rank = bind_mesh(device_mesh, mesh)
+    if "pp" in mesh.sizes:
+        return PipelineRunner(prog.share(rank), device_mesh.get_group("pp"))
+    return prog.module(rank)
 
 
 def _reused(plan: Plan | None, mesh: Mesh) -> tuple[tuple[str, str], ...]:

@@ -83,11 +83,13 @@ def _model_args(est: argparse.ArgumentParser) -> None:
         "--model",
         help=f"one of {', '.join(sorted(MODEL_PRESETS))}, or 'gpt' / "
         "'llama' with --layers --hidden --heads --seq --vocab (llama: --kv-heads, "
-        "--ffn); plan also takes FILE.py:FUNCTION returning (model, example_inputs[, loss_fn]) "
+        "--ffn, and for MoE --experts --top-k, --ffn then being each expert's); plan also takes FILE.py:FUNCTION returning (model, example_inputs[, loss_fn]) "
         "to trace (build it on the meta device for large models)",
     )
     for name in ("layers", "hidden", "heads", "vocab", "kv-heads", "ffn"):
         est.add_argument(f"--{name}", type=int)
+    est.add_argument("--experts", type=int, default=1, help="llama: experts per MoE layer")
+    est.add_argument("--top-k", type=int, default=1, help="llama: experts per token")
     est.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
     est.add_argument("--cluster", default="dgx-h100", help=f"one of {', '.join(CLUSTER_PRESETS)}")
     est.add_argument("--gpu", help=f"replace the cluster's GPU: one of {', '.join(GPU_PRESETS)}")
@@ -111,6 +113,8 @@ def _shape(args: argparse.Namespace) -> ModelShape:
                 "seq": args.seq, "vocab": args.vocab}  # fmt: skip
         if args.model == "llama":
             dims.update(kv_heads=args.kv_heads, ffn=args.ffn)
+            if args.experts > 1:
+                dims.update(experts=args.experts, top_k=args.top_k)
         missing = [f"--{k.replace('_', '-')}" for k, v in dims.items() if v is None]
         if missing:
             raise CostInputError(f"--model {args.model} needs {' '.join(missing)}")

@@ -28,12 +28,14 @@ Algorithm (:func:`compile_expert_parallel`):
    per MoE layer the count exchange, dispatch and combine, and their backward.
 5. ``capacity_factor`` c caps each expert at ceil(c * tokens * top_k / E) rows over the global
    batch: the rows of lower ep ranks first, each rank's in its grouped order; a dropped row's
-   expert output is zero.  Dropped rows are counted (:func:`expert_load`).
+   expert output is zero.  Dropped rows are counted, and each rank's experts' load is kept per
+   forward (:func:`expert_load`: rows per expert, dropped rows, max/mean imbalance).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import operator
 import warnings
@@ -48,7 +50,7 @@ import torch.nn as nn
 
 from autopar import collectives as C
 from autopar import meta
-from autopar.data_parallel import loss_reduction, split_batch
+from autopar.data_parallel import _graph, _model_name, loss_reduction, split_batch
 from autopar.errors import InputError, ShardingRuleError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, _fmt_bytes
@@ -350,6 +352,26 @@ def _global_losses(graph: fx.Graph, axis: str, reduction: str) -> None:
             out.replace_input_with(leaf, loss)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ExpertLoad:
+    """One MoE layer's dispatch on this rank in one forward."""
+
+    tokens: tuple[int, ...]  # rows each of this rank's experts took (from every ep rank)
+    dropped: int  # rows this rank sent over capacity (0 dropless)
+
+    @property
+    def imbalance(self) -> float:
+        """Max / mean rows per expert (1.0 is perfectly even; a hot expert is a straggler)."""
+        mean = sum(self.tokens) / max(len(self.tokens), 1)
+        return max(self.tokens) / mean if mean else 1.0
+
+
+def expert_load(reset: bool = True) -> list[ExpertLoad]:
+    """This rank's expert load since the last reset, one entry per MoE layer per forward in
+    call order (``reset`` clears the record)."""
+    return [ExpertLoad(tokens=tuple(t), dropped=d) for t, d in C.expert_load(reset)]
+
+
 # ---------------------------------------------------------------- plan, program, compile
 
 
@@ -361,12 +383,14 @@ class ExpertParallelPlan:
     mesh: tuple[tuple[str, int], ...]
     links: tuple[str, ...]
     layers: tuple[MoELayer, ...]
+    stage_layers: tuple[tuple[MoELayer, ...], ...]  # per pipeline stage (one entry without pp)
     reduction: str
     batch: int
     capacity_factor: float | None
     collectives: tuple[Collective, ...]
     link: str  # the link the ep groups ride
     layer_s: float  # predicted all-to-all seconds per MoE layer (forward + backward)
+    param_bytes: tuple[int, int]  # per rank: dense parameters, this rank's experts
     comm_s: float  # predicted ep seconds of one step (all-to-alls, loss, dense gradients)
     notes: tuple[str, ...]
 
@@ -387,7 +411,9 @@ class ExpertParallelPlan:
                f"expert axis: ep={self.ep}, global batch {self.batch} -> "
                f"{self.batch // self.ep} per rank (dense part data-parallel, loss a "
                f"{self.reduction}); {cap}",
-               f"{len(self.layers)} MoE layers, each rank holds 1/{self.ep} of their experts:"]  # fmt: skip
+               f"{len(self.layers)} MoE layers, each rank holds 1/{self.ep} of their experts "
+               f"(parameters per rank: {_fmt_bytes(sum(self.param_bytes))}, experts "
+               f"{_fmt_bytes(self.param_bytes[1])} of {_fmt_bytes(self.param_bytes[1] * self.ep)}):"]  # fmt: skip
         out += [f"  {layer}" for layer in self.layers]
         out.append(f"expert-axis traffic of one training step (predicted {self.comm_s * 1e3:.3f} "
                    f"ms on {self.link}; all-to-alls {self.layer_s * 1e6:.1f} us per MoE layer):")  # fmt: skip
@@ -410,23 +436,38 @@ class ExpertParallelProgram:
                  capacity: float) -> None:  # fmt: skip
         self.inner, self.mesh, self.plan, self.capacity = inner, mesh, plan, capacity
         self.inner_mesh = inner.mesh
-        self.traced = inner.traced
-        self._modules: dict[int, fx.GraphModule] = {}
+        if hasattr(inner, "traced"):
+            self.traced = inner.traced
+        self._modules: dict[tuple[int, int], fx.GraphModule] = {}
 
     def inner_rank(self, rank: int) -> int:
         coords = self.mesh.coordinates(rank)
         return self.inner_mesh.rank_of({a: coords.get(a, 0) for a, _ in self.inner_mesh.axes})
 
-    def module(self, rank: int) -> fx.GraphModule:
-        """The rank's module: its sub-mesh program with this rank's experts and the
-        dispatch / combine all-to-alls."""
-        if rank not in self._modules:
-            self._modules[rank] = place_experts(
-                self.inner.module(self.inner_rank(rank)), self.plan.layers, axis="ep",
-                size=self.plan.ep, coord=self.mesh.coordinates(rank)["ep"],
-                reduction=self.plan.reduction, capacity=self.capacity)  # fmt: skip
-            self._modules[rank].meta = {"rank": rank, "coords": self.mesh.coordinates(rank)}
-        return self._modules[rank]
+    def module(self, rank: int, stage: int | None = None) -> fx.GraphModule:
+        """The rank's module (of ``stage`` under pp, default its first): its sub-mesh program
+        with this rank's experts and the dispatch / combine all-to-alls."""
+        inner = self.inner_rank(rank)
+        if hasattr(self.inner, "stages"):
+            stage = self.inner.stages_of(self.mesh.coordinates(rank)["pp"])[0] if stage is None \
+                else stage
+            local = self.inner.module(inner, stage)
+        else:
+            stage, local = 0, self.inner.module(inner)
+        if (rank, stage) not in self._modules:
+            module = place_experts(local, self.plan.stage_layers[stage], axis="ep",
+                                   size=self.plan.ep, coord=self.mesh.coordinates(rank)["ep"],
+                                   reduction=self.plan.reduction, capacity=self.capacity)  # fmt: skip
+            module.meta = {"rank": rank, "coords": self.mesh.coordinates(rank)}
+            self._modules[(rank, stage)] = module
+        return self._modules[(rank, stage)]
+
+    def share(self, rank: int) -> Any:
+        """Under pp: what ``rank`` runs, its stages' modules with this rank's experts."""
+        share = self.inner.share(self.inner_rank(rank))
+        modules = {s: self.module(rank, s) for s in share.modules}
+        return dataclasses.replace(share, modules=modules, mesh=self.mesh,
+                                   coords=self.mesh.coordinates(rank))  # fmt: skip
 
     def code(self, rank: int = 0) -> str:
         from autopar.codegen import render
@@ -442,10 +483,15 @@ class ExpertParallelProgram:
         return [*self.inner.collectives(), *self.plan.collectives]
 
     def save(self, directory: str | Path) -> list[Path]:
+        """The sub-mesh program's files, the plan, and each rank's expert-parallel source."""
         written = self.inner.save(directory)
         path = Path(directory) / "plan_ep.txt"
         path.write_text(str(self.plan) + "\n")
-        return [*written, path]
+        ranks = []
+        for rank in range(self.mesh.world_size):
+            ranks.append(Path(directory) / f"ep_rank_{rank}.py")
+            ranks[-1].write_text(self.code(rank))
+        return [*written, path, *ranks]
 
     def __repr__(self) -> str:
         return f"<autopar.ExpertParallelProgram on {self.mesh}, {len(self.plan.layers)} MoE layers>"
@@ -464,29 +510,51 @@ def compile_expert_parallel(mesh: Mesh, example_inputs: Sequence[Any],
     ep = mesh.size("ep")
     args, kwargs = split_batch(example_inputs, example_kwargs, ep)
     inner = compile_inner(mesh.without("ep"), args, kwargs)
-    sample = inner.module(0)
-    layers, bad = find_moe_layers(sample)
-    notes = _unrecognised(bad, strict, inner.traced.model_name)
+    samples = ([st.module(0) for st in inner.stages] if hasattr(inner, "stages")
+               else [inner.module(0)])  # fmt: skip
+    found_layers = [find_moe_layers(m) for m in samples]
+    layers = [layer for ls, _ in found_layers for layer in ls]
+    model = _model_name(inner)
+    notes = _unrecognised([b for _, bad in found_layers for b in bad], strict, model)
     for layer in layers:
         if layer.experts % ep:
-            raise InputError(f"{inner.traced.model_name}: the MoE layer at '{layer.where}' has "
+            raise InputError(f"{model}: the MoE layer at '{layer.where}' has "
                              f"{layer.experts} experts, which ep={ep} does not divide; use an "
                              "ep that divides the expert count")  # fmt: skip
-    if not layers and not bad:
+    if not layers and not notes:
         notes.append("no MoE layer found: ep runs as a data axis (every weight replicated)")
-    reduction = loss_reduction(inner.traced.gm, inner.traced.model_name)
-    capacity = _capacity(capacity_factor, layers, sample, ep)
-    found = tuple(ep_collectives(sample, layers))
+    reduction = loss_reduction(_graph(inner), model)
+    stage = next((i for i, (ls, _) in enumerate(found_layers) if ls), 0)
+    capacity = _capacity(capacity_factor, found_layers[stage][0], samples[stage], ep)
+    found = (Collective(kind="all_reduce", axis="ep", shape=(), dtype="float32", bytes=4,
+                        direction="fwd", where="loss"),
+             *(c for m, (ls, _) in zip(samples, found_layers, strict=True)
+               for c in ep_collectives(m, ls, capacity > 0)))  # fmt: skip
     link = mesh.cluster.axis_link(mesh.axes, "ep")
     times = [collective_time(c.kind, c.bytes, ep, link) for c in found]
     per_layer = sum(t for c, t in zip(found, times, strict=True)
                     if c.kind == "all_to_all" and layers and c.where == layers[0].where)  # fmt: skip
     plan = ExpertParallelPlan(
         inner=inner.plan, mesh=mesh.axes, links=tuple(mesh.describe()), layers=tuple(layers),
-        reduction=reduction, batch=_batch(example_inputs, example_kwargs),
+        stage_layers=tuple(tuple(ls) for ls, _ in found_layers), reduction=reduction, batch=_batch(example_inputs, example_kwargs),
         capacity_factor=capacity_factor, collectives=found, link=link.name,
-        layer_s=per_layer, comm_s=sum(times), notes=tuple(notes))  # fmt: skip
+        layer_s=per_layer, comm_s=sum(times), param_bytes=_param_bytes(samples, layers, ep),
+        notes=tuple(notes))  # fmt: skip
     return ExpertParallelProgram(inner=inner, mesh=mesh, plan=plan, capacity=capacity)
+
+
+def _param_bytes(modules: list[fx.GraphModule], layers: list[MoELayer], ep: int) -> tuple[int, int]:
+    """Dense and expert parameter bytes an ep rank holds (every stage; experts 1/ep)."""
+    experts = {w for layer in layers for w in layer.weights}
+    dense = expert = 0
+    for module in modules:
+        for name, p in module.named_parameters():
+            nbytes = p.numel() * p.element_size()
+            if name in experts:
+                expert += nbytes // ep
+            else:
+                dense += nbytes
+    return dense, expert
 
 
 def _unrecognised(bad: list[Unrecognised], strict: bool, model: str) -> list[str]:
@@ -516,17 +584,20 @@ def _batch(example_inputs: Sequence[Any], example_kwargs: dict | None) -> int:
     return 0
 
 
-def ep_collectives(gm: fx.GraphModule, layers: Sequence[MoELayer]) -> list[Collective]:
+def ep_collectives(gm: fx.GraphModule, layers: Sequence[MoELayer],
+                   capped: bool = False) -> list[Collective]:  # fmt: skip
     """The expert axis's collectives of one step (local shapes of ep rank 0): per MoE layer
-    the count exchange and the dispatch and combine all-to-alls (each with its conjugate in
-    backward, dropless sizes); the loss; one gradient all-reduce per dense parameter."""
+    the count exchange (with a capacity, also an all-gather of every rank's counts) and the
+    dispatch and combine all-to-alls (each with its conjugate in backward, dropless sizes);
+    one gradient all-reduce per dense parameter."""
     nodes = {n.name: n for n in gm.graph.nodes}
-    out = [Collective(kind="all_reduce", axis="ep", shape=(), dtype="float32", bytes=4,
-                      direction="fwd", where="loss")]  # fmt: skip
+    out = []
     for layer in layers:
         entry, exit_ = nodes[layer.entry].meta["val"], nodes[layer.exit].meta["val"]
         counts = torch.empty(layer.experts, dtype=torch.int64, device="meta")
         out.append(_record(counts, "fwd", layer.where))
+        if capped:
+            out.append(dataclasses.replace(out[-1], kind="all_gather"))
         for val in (entry, exit_):
             out += [_record(val, d, layer.where) for d in ("fwd", "bwd")]
     experts = {w for layer in layers for w in layer.weights}

@@ -50,6 +50,13 @@ def render(est) -> str:
     rows += [("pipeline bubble", step.bubble), ("optimizer", step.optimizer)]
     rows.append(("total", step.total))
     lines += [f"  {name:<28} {value:8.4f}" for name, value in rows]
+    if step.comm.get("ep") and est.shape is not None:  # the all-to-alls of one MoE layer
+        cfg = est.config
+        v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
+        layers = stage_layers(est.shape.layers, cfg.pp, v or 1)
+        per_layer = step.comm["ep"] / (est.micro_batches * layers)
+        lines.append(f"  {'ep all-to-all per layer':<28} {per_layer * 1e3:8.4f} ms per "
+                     "micro-batch (dispatch + combine, forward and backward)")  # fmt: skip
     lines += [
         "",
         "throughput",
