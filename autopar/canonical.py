@@ -17,6 +17,13 @@ Algorithm:
    With two or more heavy terms that are not already summed first, rebuild the tree as
    ``((h1 + h2) + ...) + other terms`` in their original order; every new add keeps the
    root's metadata (shape, source line, module path).
+4. An attention mask computed from nothing but shapes (HF builds its causal mask from
+   ``arange`` with packed-sequence checks, because a traced model cannot skip it) is
+   evaluated once on the CPU; when it is exactly the causal lower triangle of a square
+   score matrix, ``scaled_dot_product_attention(q, k, v, mask)`` becomes
+   ``scaled_dot_product_attention(q, k, v, is_causal=True)``: the flash kernel on GPUs
+   (seen: HF Llama 16% slower than eager on an H200 with the mask), and a mask context
+   parallelism can balance.  Masks over ``MASK_LIMIT`` elements are left as they are.
 """
 
 from __future__ import annotations
@@ -31,8 +38,12 @@ _VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten.reshape.default,
                     torch.ops.aten._unsafe_view.default})  # fmt: skip
 
 
+MASK_LIMIT = 2**28  # elements of the largest value step 4 evaluates (256 MB as bool)
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
 def canonicalize(graph: fx.Graph) -> None:
-    """Steps 1-3, in place."""
+    """Steps 1-4, in place."""
     for node in list(graph.nodes):
         if node.target is torch.ops.aten.dropout.default and _inference_dropout(node):
             node.replace_all_uses_with(node.args[0])
@@ -40,6 +51,14 @@ def canonicalize(graph: fx.Graph) -> None:
     for node in list(graph.nodes):
         if _is_add(node) and not _is_inner(node):
             _sum_matmuls_first(graph, node)
+    for node in list(graph.nodes):
+        mask = _mask_arg(node) if node.target is _SDPA else None
+        if isinstance(mask, fx.Node) and _constant_causal(mask):
+            dead = _ancestors(mask) or []
+            _make_causal(node)
+            for old in reversed(dead):  # the mask's computation, now unread
+                if not old.users:
+                    graph.erase_node(old)
 
 
 def _inference_dropout(node: fx.Node) -> bool:
@@ -116,3 +135,60 @@ def _inner_adds(root: fx.Node) -> list[fx.Node]:
             inner.extend(_inner_adds(arg))
             inner.append(arg)
     return inner
+
+
+def _mask_arg(node: fx.Node) -> object:
+    return node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+
+
+def _constant_causal(mask: fx.Node) -> bool:
+    """Step 4: ``mask`` depends on no input and is the causal lower triangle."""
+    nodes = _ancestors(mask)
+    if nodes is None:
+        return False
+    env: dict[fx.Node, object] = {}
+    for node in nodes:
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+        if "device" in kwargs:
+            kwargs = {**kwargs, "device": torch.device("cpu")}
+        env[node] = node.target(*args, **kwargs)
+    value = env[mask]
+    if not isinstance(value, torch.Tensor) or value.dim() < 2:
+        return False
+    q, k = value.shape[-2:]
+    if q != k:
+        return False
+    causal = torch.ones(q, k, dtype=torch.bool).tril()
+    if value.dtype == torch.bool:
+        return bool((value == causal).all())
+    if value.is_floating_point():
+        allowed = torch.where(causal, 0.0, float("-inf")).to(value.dtype)
+        return bool((value == allowed).all())
+    return False
+
+
+def _ancestors(mask: fx.Node) -> list[fx.Node] | None:
+    """The nodes ``mask`` is computed from, in graph order; None when one is an input or
+    a parameter, not a plain op, or too large to evaluate."""
+    seen, todo = set(), [mask]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        val = node.meta.get("val")
+        if node.op != "call_function" or not callable(node.target) or (
+            isinstance(val, torch.Tensor) and val.numel() > MASK_LIMIT
+        ):
+            return None
+        seen.add(node)
+        todo.extend(node.all_input_nodes)
+    order = {n: i for i, n in enumerate(mask.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+def _make_causal(node: fx.Node) -> None:
+    q, k, v = node.args[:3]
+    names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    kwargs = {**dict(zip(names, node.args[3:], strict=False)), **node.kwargs}
+    kwargs.update(attn_mask=None, is_causal=True)
+    node.args, node.kwargs = (q, k, v), {k_: v_ for k_, v_ in kwargs.items() if k_ != "attn_mask"}

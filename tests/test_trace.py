@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autopar import InputError, Mesh, TraceError, autoparallelize
+from autopar import InputError, Mesh, TraceError, autoparallelize, verify
 from autopar.testing import Config, build, lm_loss, tokens
 from autopar.trace import trace
 
@@ -118,3 +118,47 @@ def test_parallel_block_sums_its_matmuls_first_and_reduces_once():
     prog = autoparallelize(model, Mesh(tp=2), (x,))
     forward = [c.kind for c in prog.collectives() if c.direction == "fwd"]
     assert forward == ["all_reduce"], forward
+
+
+class MaskedAttention(nn.Module):
+    """SDPA with a mask built from shapes: causal (``tril``), or a sliding window."""
+
+    def __init__(self, window: int | None = None) -> None:
+        super().__init__()
+        self.qkv, self.window = nn.Linear(16, 48), window
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        i = torch.arange(s, device=x.device)
+        mask = i[None, :] <= i[:, None]
+        if self.window:
+            mask = mask & (i[:, None] - i[None, :] < self.window)
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
+
+
+def _sdpa(traced):
+    return next(n for n in traced.gm.graph.nodes if "scaled_dot" in str(n.target))
+
+
+def test_constant_causal_mask_becomes_is_causal():
+    model, x = MaskedAttention(), torch.randn(2, 8, 16)
+    sdpa = _sdpa(trace(model, (x,)))
+    assert sdpa.kwargs.get("is_causal") is True and len(sdpa.args) == 3
+    assert not [n for n in sdpa.graph.nodes if n.target is torch.ops.aten.arange.default]
+    report = verify(model, Mesh(tp=2), (x,))
+    assert report.ok, str(report)
+
+
+def test_hf_llama_mask_becomes_is_causal():
+    from autopar.testing import hf_tiny_llama
+
+    ids = torch.randint(0, 128, (2, 8))
+    sdpa = _sdpa(trace(hf_tiny_llama(1), (ids,)))
+    assert sdpa.kwargs.get("is_causal") is True and len(sdpa.args) == 3
+
+
+def test_sliding_window_mask_stays():
+    x = torch.randn(2, 8, 16)
+    sdpa = _sdpa(trace(MaskedAttention(window=3), (x,)))
+    assert not sdpa.kwargs.get("is_causal") and isinstance(sdpa.args[3], torch.fx.Node)
