@@ -315,21 +315,40 @@ def _ddp(module: torch.nn.Module, group: Any, reduction: str, param_dtype: torch
     """torch DDP over ``group`` (summed gradients for a sum loss).  Mixed precision: DDP's own
     ``_MixedPrecision`` needs CUDA streams, so the parameters stay fp32 and the caller's
     autocast casts them to ``param_dtype`` at each matrix product (cached for the forward);
-    gradients land fp32 and are reduced in fp32, or compressed to bf16 for a mean loss with
-    ``reduce_dtype=torch.bfloat16`` (torch's ``bf16_compress_hook``)."""
+    gradients land fp32 and are reduced in fp32, or in ``reduce_dtype`` (a comm hook that
+    casts each bucket down, reduces, and casts back: torch's ``bf16_compress_hook`` needs NCCL).
+    """
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(module, process_group=group, forward_sync_buffers=False)
     if param_dtype is not None and reduce_dtype != torch.float32:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        if reduction != "mean" or reduce_dtype != torch.bfloat16:
-            raise ValueError(f"reduce_dtype={reduce_dtype} under DDP (ZeRO-0/1) needs a mean "
-                             "loss and bfloat16; use reduce_dtype=torch.float32")  # fmt: skip
-        ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
+        ddp.register_comm_hook(_LowPrecision(group, reduce_dtype, reduction == "mean"),
+                               _low_precision_hook)  # fmt: skip
     elif reduction == "sum":
         ddp.register_comm_hook(group, _sum_hook)
     return ddp
+
+
+@dataclass(frozen=True)
+class _LowPrecision:
+    group: Any
+    dtype: torch.dtype
+    mean: bool
+
+
+def _low_precision_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP rejects string annotations
+    """DDP comm hook: reduce the bucket in ``state.dtype`` (averaged for a mean loss)."""
+    buf = bucket.buffer()
+    low = buf.to(state.dtype)
+    if state.mean:
+        low.div_(dist.get_world_size(state.group))
+    fut = dist.all_reduce(low, group=state.group, async_op=True).get_future()
+
+    def back(f):  # noqa: ANN001, ANN202
+        buf.copy_(f.value()[0])
+        return buf
+
+    return fut.then(back)
 
 
 def _mp_policy(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype) -> Any:
