@@ -444,3 +444,10 @@ def test_gradients_reduced_in_bf16_by_option(zero):
         err = (grads[0][name] - p.grad).abs().max() / p.grad.abs().max()
         assert err < 3e-2, (name, err)  # bf16 compute and a bf16 reduction of two halves
         assert torch.equal(grads[0][name], grads[1][name])
+
+
+def test_mixed_precision_with_pipeline_stages_is_a_clear_error():
+    c = Config(layers=2, batch=8)
+    with pytest.raises(PlanError, match=r"param_dtype=torch.bfloat16 with pipeline stages"):
+        autoparallelize(build("llama", c), Mesh(dp=2, pp=2), tokens(c), loss_fn=lm_loss,
+                        n_microbatches=2, param_dtype=torch.bfloat16)  # fmt: skip
