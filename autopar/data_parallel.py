@@ -17,7 +17,8 @@ Algorithm (:func:`compile_data_parallel`):
    gradient; ZeRO-1 the same plus the updated shards gathered after the optimizer step
    (ZeroRedundancyOptimizer broadcasts them); ZeRO-2 a forward all-gather of the parameters
    and a reduce-scatter of the gradients (= one all-reduce); ZeRO-3 also re-gathers the
-   parameters in backward (1.5x DDP).
+   parameters in backward (1.5x DDP).  ZeRO-2/3 gather and reduce one repeated block at a
+   time (runtime.shard_per_block); with ``param_dtype`` 16-bit the gathers move 16-bit.
 The runtime (autopar.runtime.DataParallelModule) reuses torch's engines for the reduction.
 """
 
@@ -399,10 +400,13 @@ def _fit_sub_mesh(inner: Any, table: tuple[ZeroMemory, ...], limit: float, zero:
 def _engine_note(stage: int) -> list[str]:
     engine = {0: "torch DDP (bucketed all-reduce overlapped with backward)",
               1: "torch DDP + ZeroRedundancyOptimizer (optimizer state sharded over dp)",
-              2: "torch FSDP2 fully_shard(reshard_after_forward=False): gradients "
+              2: "torch FSDP2 fully_shard(reshard_after_forward=False) per block: gradients "
                  "reduce-scattered, parameters kept whole between forward and backward",
-              3: "torch FSDP2 fully_shard(reshard_after_forward=True): parameters gathered "
-                 "in forward and again in backward, gradients reduce-scattered"}  # fmt: skip
+              3: "torch FSDP2 fully_shard(reshard_after_forward=True) per block (each "
+                 "repeated block one group, the rest of the program another): a block's "
+                 "parameters gathered just before it runs in forward and again in backward "
+                 "(the next block's prefetched), freed after; gradients reduce-scattered "
+                 "per block"}  # fmt: skip
     return [f"runs on {engine[stage]}"]
 
 

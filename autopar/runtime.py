@@ -315,21 +315,40 @@ def _ddp(module: torch.nn.Module, group: Any, reduction: str, param_dtype: torch
     """torch DDP over ``group`` (summed gradients for a sum loss).  Mixed precision: DDP's own
     ``_MixedPrecision`` needs CUDA streams, so the parameters stay fp32 and the caller's
     autocast casts them to ``param_dtype`` at each matrix product (cached for the forward);
-    gradients land fp32 and are reduced in fp32, or compressed to bf16 for a mean loss with
-    ``reduce_dtype=torch.bfloat16`` (torch's ``bf16_compress_hook``)."""
+    gradients land fp32 and are reduced in fp32, or in ``reduce_dtype`` (a comm hook that
+    casts each bucket down, reduces, and casts back: torch's ``bf16_compress_hook`` needs NCCL).
+    """
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(module, process_group=group, forward_sync_buffers=False)
     if param_dtype is not None and reduce_dtype != torch.float32:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        if reduction != "mean" or reduce_dtype != torch.bfloat16:
-            raise ValueError(f"reduce_dtype={reduce_dtype} under DDP (ZeRO-0/1) needs a mean "
-                             "loss and bfloat16; use reduce_dtype=torch.float32")  # fmt: skip
-        ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
+        ddp.register_comm_hook(_LowPrecision(group, reduce_dtype, reduction == "mean"),
+                               _low_precision_hook)  # fmt: skip
     elif reduction == "sum":
         ddp.register_comm_hook(group, _sum_hook)
     return ddp
+
+
+@dataclass(frozen=True)
+class _LowPrecision:
+    group: Any
+    dtype: torch.dtype
+    mean: bool
+
+
+def _low_precision_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP rejects string annotations
+    """DDP comm hook: reduce the bucket in ``state.dtype`` (averaged for a mean loss)."""
+    buf = bucket.buffer()
+    low = buf.to(state.dtype)
+    if state.mean:
+        low.div_(dist.get_world_size(state.group))
+    fut = dist.all_reduce(low, group=state.group, async_op=True).get_future()
+
+    def back(f):  # noqa: ANN001, ANN202
+        buf.copy_(f.value()[0])
+        return buf
+
+    return fut.then(back)
 
 
 def _mp_policy(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype) -> Any:
@@ -386,8 +405,9 @@ def shard_per_block(module: torch.nn.Module, dp_mesh: Any, *, reshard_after_forw
     """FSDP2 over ``dp_mesh`` with one parameter group per repeated block: the program's
     blocks become submodule calls (:func:`autopar.codegen.outline_blocks`), each block is
     ``fully_shard``-ed, then the rest of the program.  FSDP2 gathers a block's parameters
-    just before it runs (forward, and again in backward for ZeRO-3), frees them after, and
-    prefetches the next block's in backward.  A program without separable blocks is one
+    just before it runs (forward, and again in backward for ZeRO-3) and frees them after; each
+    block's pre-hook issues the next block's gather (forward and backward prefetch), so on an
+    asynchronous process group it overlaps the running block.  A program without separable blocks is one
     group.  Returns the module that runs (the outlined one when blocks were found)."""
     from torch.distributed.fsdp import fully_shard
 
@@ -395,14 +415,22 @@ def shard_per_block(module: torch.nn.Module, dp_mesh: Any, *, reshard_after_forw
 
     policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     outlined = outline_blocks(module) if isinstance(module, torch.fx.GraphModule) else None
+    blocks = []
     if outlined is not None:
         module = outlined
         for node in module.graph.nodes:
             if node.op == "call_module":
-                fully_shard(module.get_submodule(node.target), mesh=dp_mesh,
-                            reshard_after_forward=reshard_after_forward, **policy)  # fmt: skip
-    return fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                blocks.append(fully_shard(module.get_submodule(node.target), mesh=dp_mesh,
+                                          reshard_after_forward=reshard_after_forward,
+                                          **policy))  # fmt: skip
+    root = fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
                        **policy)  # fmt: skip
+    for i, block in enumerate(blocks):  # issue the next block's gather before this one runs
+        if i + 1 < len(blocks):
+            block.set_modules_to_forward_prefetch([blocks[i + 1]])
+        if i > 0:
+            block.set_modules_to_backward_prefetch([blocks[i - 1]])
+    return root
 
 
 def make_optimizer(params: Any, cls: type, data: DataAxis | None, **kwargs: Any) -> Any:
@@ -418,7 +446,8 @@ def make_optimizer(params: Any, cls: type, data: DataAxis | None, **kwargs: Any)
 def gathered_bytes(module: torch.nn.Module) -> tuple[int, int]:
     """(bytes of whole parameters FSDP2 holds gathered right now, bytes of the dp shards) under
     ``module``: the storages of every FSDP parameter's all-gather outputs that are allocated
-    (FSDP2 frees them by resizing to 0 when it reshards), and the local shards that stay."""
+    (FSDP2 frees them by resizing to 0 when it reshards), plus a group's in-flight (prefetched)
+    all-gather buffer not yet copied out, and the local shards that stay."""
     from torch.distributed.fsdp import FSDPModule
 
     seen: dict[int, int] = {}
@@ -427,6 +456,10 @@ def gathered_bytes(module: torch.nn.Module) -> tuple[int, int]:
         if not isinstance(m, FSDPModule):
             continue
         group = m._get_fsdp_state()._fsdp_param_group
+        pending = getattr(group, "_all_gather_result", None)
+        if pending is not None and pending.all_gather_output is not None:
+            storage = pending.all_gather_output.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
         for fp in group.fsdp_params if group is not None else ():
             shards += fp._sharded_local_tensor.untyped_storage().nbytes()
             for t in (*fp.all_gather_outputs, *getattr(fp, "_unsharded_inner_tensors", ())):

@@ -395,3 +395,59 @@ def test_bf16_mixed_precision_matches_single_device_autocast(zero):
         # ZeRO-2/3 compute with bf16 norm weights and embeddings too), and not the fp32 run
         assert losses == pytest.approx(bf16, rel=2e-3)
         assert max(abs(a - b) for a, b in zip(losses, fp32, strict=True)) > 2e-5
+
+
+def _bf16_reduce_step(rank, groups, module, x, y, zero):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from autopar.runtime import DataParallelModule
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket)
+            if "reduce" in name:  # allreduce_, _reduce_scatter_base_
+                tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+                reduced.update(str(t.dtype) for t in tensors if t.numel() > 1)
+            return func(*args, **(kwargs or {}))
+
+    dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
+    wrapped = DataParallelModule(module, group=groups["dp"], dp_mesh=dp_mesh, zero=zero,
+                                 reduction="mean", param_dtype=torch.bfloat16,
+                                 reduce_dtype=torch.bfloat16)  # fmt: skip
+    reduced: set[str] = set()
+    with Log():
+        wrapped(x, y).backward()
+    return {n: g.float() for n, g in wrapped.full_grads().items()}, reduced
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_gradients_reduced_in_bf16_by_option(zero):
+    c = Config(layers=1, hidden=32, heads=4, ffn=64, vocab=48, seq=8, batch=4, bias=False)
+    x, y = tokens(c)
+    prog = autoparallelize(build("llama", c), Mesh(dp=2), (x, y), loss_fn=lm_loss, zero=zero,
+                           param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)  # fmt: skip
+    assert "reduced in bfloat16" in str(prog.plan)
+    reduce = {c.dtype for c in prog.collectives() if c.axis == "dp" and c.kind != "all_gather"
+              and c.shape}  # fmt: skip
+    assert reduce == {"bfloat16"}
+    jobs = [(prog.module(r), x.chunk(2)[r], y.chunk(2)[r], zero) for r in range(2)]
+    results = get_pool(2).run(_bf16_reduce_step, prog.mesh.axes, jobs)
+    grads = [g for g, _ in results]
+    assert all(reduced == {"torch.bfloat16"} for _, reduced in results), results[0][1]
+    model = build("llama", c)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = lm_loss(model(x), y)
+    loss.backward()
+    for name, p in model.named_parameters():
+        err = (grads[0][name] - p.grad).abs().max() / p.grad.abs().max()
+        assert err < 3e-2, (name, err)  # bf16 compute and a bf16 reduction of two halves
+        assert torch.equal(grads[0][name], grads[1][name])
+
+
+def test_mixed_precision_with_pipeline_stages_is_a_clear_error():
+    c = Config(layers=2, batch=8)
+    with pytest.raises(PlanError, match=r"param_dtype=torch.bfloat16 with pipeline stages"):
+        autoparallelize(build("llama", c), Mesh(dp=2, pp=2), tokens(c), loss_fn=lm_loss,
+                        n_microbatches=2, param_dtype=torch.bfloat16)  # fmt: skip

@@ -118,10 +118,13 @@ def test_per_block_zero3_gathers_one_block_at_a_time():
     for res in results:
         per_peak, per_shards, per_calls = res["per_block"]
         whole_peak, whole_shards, _ = res["whole"]
-        assert whole_peak == total  # one group: every parameter whole at once
-        # per block: the rest of the program, the running block and at most the prefetched one
-        assert root + block <= per_peak <= root + 2 * block, (per_peak, root, block)
-        assert per_peak < 0.6 * whole_peak
+        # one group: every parameter whole at once, twice while FSDP2 copies the gathered
+        # buffer out into the parameters
+        assert whole_peak == 2 * total
+        # per block: the rest of the program, the running block and the next block's
+        # prefetched gather (or one group's buffer and its copy-out)
+        assert root + block < per_peak <= root + max(root, 2 * block), (per_peak, root, block)
+        assert per_peak < 0.5 * whole_peak
         assert per_shards == whole_shards  # the same dp shards at rest
         gathers = {ph: sum(1 for p, n in per_calls if p == ph and "allgather" in n)
                    for ph in ("fwd", "bwd")}  # fmt: skip
