@@ -102,11 +102,12 @@ class Heartbeat:
 
 
 def diagnose(me: Heartbeat, peers: Sequence[Heartbeat | None], groups: dict[str, list[int]],
-             now: float, timeout: float, stuck_s: float) -> str | None:  # fmt: skip
+             now: float, timeout: float, stuck_s: float, since: float = 0.0) -> str | None:  # fmt: skip
     """Step 3: the named failure (a dead rank, or one that never joined this rank's
-    collective), or None when every rank is alive and keeping up."""
+    collective), or None when every rank is alive and keeping up.  ``since``: when this
+    watchdog started (a peer's first heartbeat may come up to ``timeout`` later)."""
     for r, hb in enumerate(peers):
-        if r == me.rank:
+        if r == me.rank or (hb is None and now - since <= timeout):
             continue
         if hb is None or now - hb.time > timeout:
             age = "never started" if hb is None else f"stopped {now - hb.time:.1f} s ago"
@@ -152,6 +153,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._progress = (None, time.monotonic())  # (last collectives, since when unchanged)
         self.failure: str | None = None
+        self.started = time.time()
         self._publish()
         self._thread = threading.Thread(target=self._loop, name="autopar-watchdog", daemon=True)
         self._thread.start()
@@ -212,7 +214,7 @@ class Watchdog:
             if me.seqs != self._progress[0]:
                 self._progress = (me.seqs, time.monotonic())
             stuck = time.monotonic() - self._progress[1]
-            why = diagnose(me, peers, groups, time.time(), self.timeout, stuck)
+            why = diagnose(me, peers, groups, time.time(), self.timeout, stuck, self.started)
             if why is not None:
                 self._end(why)
                 return
