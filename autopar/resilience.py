@@ -172,7 +172,7 @@ class Watchdog:
             yield
         except RankFailure:
             raise
-        except Exception as e:
+        except RuntimeError as e:  # c10d's errors (DistBackendError, Gloo's) are RuntimeErrors
             why = self._wait_for_diagnosis()
             if why is None:
                 raise
