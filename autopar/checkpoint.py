@@ -145,9 +145,10 @@ class Pieces:
         return sum(t.numel() * t.element_size() for t in self.pieces.values())
 
     def staged(self) -> Pieces:
-        """Step 2: a copy that training cannot change under the writer."""
-        return Pieces(self.shape, [(o, t.detach().clone()) for o, t in self.pieces.items()],
-                      self.dtype)  # fmt: skip
+        """Step 2: a host copy that training cannot change under the writer (on a GPU it also
+        frees the device of the staging copy)."""
+        return Pieces(self.shape, [(o, t.detach().to("cpu", copy=True))
+                                   for o, t in self.pieces.items()], self.dtype)  # fmt: skip
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         del obj
@@ -366,7 +367,7 @@ class Checkpointer:
         """Stage this rank's state and write checkpoint ``step`` (steps 1-4); returns once the
         copy is staged unless ``blocking``.  A previous save is waited for first."""
         self.wait()
-        state = {k: v.staged() if isinstance(v, Pieces) else v.detach().clone()
+        state = {k: v.staged() if isinstance(v, Pieces) else v.detach().to("cpu", copy=True)
                  for k, v in self._state().items()}  # fmt: skip
         self.staged_bytes = sum(v.nbytes if isinstance(v, Pieces) else v.nbytes
                                 for v in state.values())  # fmt: skip

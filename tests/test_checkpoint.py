@@ -132,7 +132,7 @@ def test_saved_under_tp2_resumes_under_tp4_and_one_device(tmp_path):
     assert staged < 1.3 * whole
 
 
-def _dp_rank(rank, groups, module, root):
+def _dp_rank(rank, groups, module, root, zero):
     from torch.distributed.device_mesh import DeviceMesh
 
     from autopar import collectives
@@ -140,7 +140,7 @@ def _dp_rank(rank, groups, module, root):
 
     collectives.bind({a: g for a, g in groups.items() if a != "dp"})
     dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
-    wrapped = DataParallelModule(module, group=groups["dp"], dp_mesh=dp_mesh, zero=3,
+    wrapped = DataParallelModule(module, group=groups["dp"], dp_mesh=dp_mesh, zero=zero,
                                  reduction="mean")  # fmt: skip
     x, y = (t.chunk(2)[dp_mesh.get_local_rank()] for t in tokens(LLAMA))
     opt = wrapped.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
@@ -161,12 +161,13 @@ def _pp_rank(rank, groups, share, root):
     return _run(runner, opt, ck, lambda: runner.step(x, y), 6, 10)
 
 
-def test_saved_under_dp_tp_zero3_resumes_under_pp_tp(tmp_path):
+@pytest.mark.parametrize("zero", [1, 3])  # ZeroRedundancyOptimizer's / FSDP2's shards
+def test_saved_under_dp_tp_zero_resumes_under_pp_tp(tmp_path, zero):
     ref = _reference("llama", LLAMA)
     x, y = tokens(LLAMA)
     dp = autoparallelize(build("llama", LLAMA), Mesh(dp=2, tp=2), (x, y), loss_fn=lm_loss,
-                         zero=3)  # fmt: skip
-    jobs = [(dp.module(r), tmp_path) for r in range(4)]
+                         zero=zero)  # fmt: skip
+    jobs = [(dp.module(r), tmp_path, zero) for r in range(4)]
     first = _pool().run(_dp_rank, dp.mesh.axes, jobs)
     assert first[0] == pytest.approx(ref[:5], rel=1e-5)
     pp = autoparallelize(build("llama", LLAMA, seed=3), Mesh(pp=2, tp=2), (x, y),
