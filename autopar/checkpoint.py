@@ -509,12 +509,21 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def export_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+def export_state_dict(path: str | Path, model: torch.nn.Module | None = None
+                      ) -> dict[str, torch.Tensor]:  # fmt: skip
     """A committed checkpoint as a plain single-device state dict (whole tensors, the model's
-    own names and shapes): ``model.load_state_dict(export_state_dict(path))``."""
+    own names and shapes): ``model.load_state_dict(export_state_dict(path, model))``.  With
+    ``model``, every alias of a tied weight gets the tensor too (a checkpoint holds it once)."""
     md = read_metadata(path).state_dict_metadata
     state = {k: torch.zeros(tuple(v.size), dtype=v.properties.dtype)
              for k, v in md.items() if k.startswith("model.")}  # fmt: skip
     with _quiet():
         dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=True)
-    return {k.removeprefix("model."): v for k, v in state.items()}
+    out = {k.removeprefix("model."): v for k, v in state.items()}
+    if model is not None:
+        first: dict[int, str] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            canonical = first.setdefault(id(p), name)
+            if name not in out and canonical in out:
+                out[name] = out[canonical]
+    return out

@@ -26,6 +26,7 @@ from autopar.checkpoint import (
     export_state_dict,
     global_pieces,
     read_metadata,
+    step_dir,
 )
 from autopar.codegen import shard_tensor
 from autopar.layout import Layout
@@ -200,6 +201,19 @@ def test_pieces_of_every_rank_tile_the_global_tensor_once(shape, layout, sizes, 
                 cover[where] += 1
     assert torch.equal(out, full[tuple(slice(0, n) for n in true)])
     assert bool((cover == 1).all())
+
+
+def test_export_gives_every_alias_of_a_tied_weight():
+    import tempfile
+
+    c = Config(layers=1, vocab=32, tied=True)
+    model = build("gpt", c)
+    with tempfile.TemporaryDirectory() as root:
+        Checkpointer(root, model).save(1, blocking=True)
+        state = export_state_dict(step_dir(root, 1), model)
+    other = build("gpt", c, seed=5)
+    other.load_state_dict(state)  # strict: head.weight (tied to wte.weight) is there too
+    assert torch.equal(other.head.weight, model.wte.weight)
 
 
 def test_tampered_metadata_is_refused_without_running_it(tmp_path):
