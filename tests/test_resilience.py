@@ -84,8 +84,9 @@ def test_a_dead_or_hung_rank_ends_every_rank_with_a_named_error(mode):
         if r == VICTIM and mode == "kill":
             assert code == 17
             continue
-        assert code != 0, (r, err[-2000:])
-        assert mode == "kill" or code == EXIT_CODE, (r, code, err[-2000:])
+        # ended by the watchdog, or by guard() raising RankFailure once a peer's exit broke
+        # the collective (both name the rank)
+        assert code in (1, EXIT_CODE), (r, code, err[-2000:])
         if r != VICTIM:  # the survivors name the victim and the collective it never joined
             assert f"rank {VICTIM}" in err and "gloo:" in err, (r, err[-2000:])
             assert ("is dead" if mode == "kill" else "did not join") in err, (r, err[-2000:])
