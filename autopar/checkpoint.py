@@ -145,9 +145,10 @@ class Pieces:
         return sum(t.numel() * t.element_size() for t in self.pieces.values())
 
     def staged(self) -> Pieces:
-        """Step 2: a copy that training cannot change under the writer."""
-        return Pieces(self.shape, [(o, t.detach().clone()) for o, t in self.pieces.items()],
-                      self.dtype)  # fmt: skip
+        """Step 2: a host copy that training cannot change under the writer (on a GPU it also
+        frees the device of the staging copy)."""
+        return Pieces(self.shape, [(o, t.detach().to("cpu", copy=True))
+                                   for o, t in self.pieces.items()], self.dtype)  # fmt: skip
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         del obj
@@ -366,7 +367,7 @@ class Checkpointer:
         """Stage this rank's state and write checkpoint ``step`` (steps 1-4); returns once the
         copy is staged unless ``blocking``.  A previous save is waited for first."""
         self.wait()
-        state = {k: v.staged() if isinstance(v, Pieces) else v.detach().clone()
+        state = {k: v.staged() if isinstance(v, Pieces) else v.detach().to("cpu", copy=True)
                  for k, v in self._state().items()}  # fmt: skip
         self.staged_bytes = sum(v.nbytes if isinstance(v, Pieces) else v.nbytes
                                 for v in state.values())  # fmt: skip
@@ -508,12 +509,21 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def export_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+def export_state_dict(path: str | Path, model: torch.nn.Module | None = None
+                      ) -> dict[str, torch.Tensor]:  # fmt: skip
     """A committed checkpoint as a plain single-device state dict (whole tensors, the model's
-    own names and shapes): ``model.load_state_dict(export_state_dict(path))``."""
+    own names and shapes): ``model.load_state_dict(export_state_dict(path, model))``.  With
+    ``model``, every alias of a tied weight gets the tensor too (a checkpoint holds it once)."""
     md = read_metadata(path).state_dict_metadata
     state = {k: torch.zeros(tuple(v.size), dtype=v.properties.dtype)
              for k, v in md.items() if k.startswith("model.")}  # fmt: skip
     with _quiet():
         dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=True)
-    return {k.removeprefix("model."): v for k, v in state.items()}
+    out = {k.removeprefix("model."): v for k, v in state.items()}
+    if model is not None:
+        first: dict[int, str] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            canonical = first.setdefault(id(p), name)
+            if name not in out and canonical in out:
+                out[name] = out[canonical]
+    return out

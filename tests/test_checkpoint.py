@@ -7,10 +7,15 @@ losses must equal an uninterrupted single-device run (fp32, rtol 1e-5).
 
 from __future__ import annotations
 
+import os
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from autopar import Mesh, autoparallelize
 from autopar.checkpoint import (
@@ -21,10 +26,11 @@ from autopar.checkpoint import (
     export_state_dict,
     global_pieces,
     read_metadata,
+    step_dir,
 )
 from autopar.codegen import shard_tensor
 from autopar.layout import Layout
-from autopar.pool import get_pool
+from autopar.pool import free_port, get_pool
 from autopar.testing import Config, build, lm_loss, tokens, train_loop
 
 GPT = Config(layers=1, vocab=90, fused_qkv=True, batch=4)  # 90 rows: padded to 92 at tp=4
@@ -127,7 +133,7 @@ def test_saved_under_tp2_resumes_under_tp4_and_one_device(tmp_path):
     assert staged < 1.3 * whole
 
 
-def _dp_rank(rank, groups, module, root):
+def _dp_rank(rank, groups, module, root, zero):
     from torch.distributed.device_mesh import DeviceMesh
 
     from autopar import collectives
@@ -135,7 +141,7 @@ def _dp_rank(rank, groups, module, root):
 
     collectives.bind({a: g for a, g in groups.items() if a != "dp"})
     dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
-    wrapped = DataParallelModule(module, group=groups["dp"], dp_mesh=dp_mesh, zero=3,
+    wrapped = DataParallelModule(module, group=groups["dp"], dp_mesh=dp_mesh, zero=zero,
                                  reduction="mean")  # fmt: skip
     x, y = (t.chunk(2)[dp_mesh.get_local_rank()] for t in tokens(LLAMA))
     opt = wrapped.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
@@ -156,12 +162,13 @@ def _pp_rank(rank, groups, share, root):
     return _run(runner, opt, ck, lambda: runner.step(x, y), 6, 10)
 
 
-def test_saved_under_dp_tp_zero3_resumes_under_pp_tp(tmp_path):
+@pytest.mark.parametrize("zero", [1, 3])  # ZeroRedundancyOptimizer's / FSDP2's shards
+def test_saved_under_dp_tp_zero_resumes_under_pp_tp(tmp_path, zero):
     ref = _reference("llama", LLAMA)
     x, y = tokens(LLAMA)
     dp = autoparallelize(build("llama", LLAMA), Mesh(dp=2, tp=2), (x, y), loss_fn=lm_loss,
-                         zero=3)  # fmt: skip
-    jobs = [(dp.module(r), tmp_path) for r in range(4)]
+                         zero=zero)  # fmt: skip
+    jobs = [(dp.module(r), tmp_path, zero) for r in range(4)]
     first = _pool().run(_dp_rank, dp.mesh.axes, jobs)
     assert first[0] == pytest.approx(ref[:5], rel=1e-5)
     pp = autoparallelize(build("llama", LLAMA, seed=3), Mesh(pp=2, tp=2), (x, y),
@@ -196,6 +203,19 @@ def test_pieces_of_every_rank_tile_the_global_tensor_once(shape, layout, sizes, 
     assert bool((cover == 1).all())
 
 
+def test_export_gives_every_alias_of_a_tied_weight():
+    import tempfile
+
+    c = Config(layers=1, vocab=32, tied=True)
+    model = build("gpt", c)
+    with tempfile.TemporaryDirectory() as root:
+        Checkpointer(root, model).save(1, blocking=True)
+        state = export_state_dict(step_dir(root, 1), model)
+    other = build("gpt", c, seed=5)
+    other.load_state_dict(state)  # strict: head.weight (tied to wte.weight) is there too
+    assert torch.equal(other.head.weight, model.wte.weight)
+
+
 def test_tampered_metadata_is_refused_without_running_it(tmp_path):
     model = build("gpt", GPT)
     Checkpointer(tmp_path, model).save(1, blocking=True)
@@ -208,3 +228,79 @@ def test_tampered_metadata_is_refused_without_running_it(tmp_path):
     path.write_bytes(pickle.dumps(Evil()))
     with pytest.raises(CheckpointError, match=r"builtins\.print.*refusing"):
         Checkpointer(tmp_path, model).load()
+
+
+# ---------------------------------------------------------------- a save killed part-way
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _DyingWriter(dcp.FileSystemWriter):
+    """Rank 1 writes its files of step 5's checkpoint, then its process is killed."""
+
+    def write_data(self, plan, planner):
+        import torch.distributed as dist
+
+        result = super().write_data(plan, planner)
+        if dist.get_rank() == 1 and "step_00000005" in str(self.path):
+            result.wait()
+            os._exit(9)
+        return result
+
+
+def _killed_save_main(rank: int, port: int, root: str) -> None:
+    """A real 2-rank tp job (not the pool): saves at steps 3 and 5; rank 1 dies in save 5."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=60))  # fmt: skip
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    x, y = tokens(GPT)
+    module = autoparallelize(build("gpt", GPT), mesh, (x, y), loss_fn=lm_loss)
+    opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WD)
+    ck = Checkpointer(root, module, opt, writer=_DyingWriter)
+    _run(module, opt, ck, lambda: _backward(module(x, y)), 1, 5, save_at=(3, 5))
+
+
+def _resume_rank(rank, groups, module, root):
+    from autopar import collectives
+
+    collectives.bind(groups)
+    x, y = tokens(GPT)
+    opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WD)
+    ck = Checkpointer(root, module, opt, group=_ckpt_group(2))
+    assert ck.load().step == 3
+    return _run(module, opt, ck, lambda: _backward(module(x, y)), 4, 10)
+
+
+def test_a_save_killed_part_way_leaves_the_previous_checkpoint_loadable(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(tmp_path)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]  # fmt: skip
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[1].returncode == 9, errs[1][-2000:]
+    assert procs[0].returncode != 0 and "checkpoint save failed" in errs[0], errs[0][-2000:]
+    assert committed_steps(tmp_path) == [3]  # step 5 never became visible
+    assert any((tmp_path / "step_00000005.tmp").iterdir())  # though rank 1 wrote its files
+    ref = _reference("gpt", GPT)
+    two = autoparallelize(build("gpt", GPT, seed=4), Mesh(tp=2), tokens(GPT), loss_fn=lm_loss)
+    resumed = _pool().run(
+        _resume_rank, two.mesh.axes, [(two.module(r), tmp_path) for r in range(2)]
+    )
+    assert resumed[0] == pytest.approx(ref[3:], rel=1e-5)
+
+
+if __name__ == "__main__":
+    _killed_save_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

@@ -1,0 +1,226 @@
+"""Failures end cleanly and named; stragglers are named; the numerics guard and loss scaling.
+
+The failure tests start real processes (4 Gloo ranks running an autopar tp=4 program; not the
+shared pool, which must survive): this file is also their entry point.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopar.pool import free_port, get_pool
+from autopar.resilience import (
+    EXIT_CODE,
+    Heartbeat,
+    LossScaler,
+    SpikeGuard,
+    StragglerMonitor,
+    diagnose,
+    find_stragglers,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD, VICTIM, TIMEOUT = 4, 2, 4.0
+
+
+def _rank_main(rank: int, port: int, mode: str) -> None:
+    """One rank: train an autopar tp=4 MLP; the victim dies (or hangs) in step 3's forward."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar import autoparallelize
+    from autopar.resilience import Watchdog, enable_flight_recorder
+    from autopar.testing import MLP
+
+    enable_flight_recorder()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD, timeout=timedelta(seconds=120))  # fmt: skip
+    watchdog = Watchdog(timeout=TIMEOUT)
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    module = autoparallelize(MLP(), mesh, (x,))
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    with watchdog.guard():
+        for step in range(1, 1000):
+            watchdog.step(step)
+            out = module(x)
+            if rank == VICTIM and step == 3:
+                if mode == "kill":
+                    os._exit(17)
+                time.sleep(3600)
+            out.pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    print("finished", flush=True)
+
+
+@pytest.mark.parametrize("mode", ["kill", "hang"])
+def test_a_dead_or_hung_rank_ends_every_rank_with_a_named_error(mode):
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), mode], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(WORLD)]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:  # no process left behind, whatever happened
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    codes = [p.returncode for p in procs]
+    for r, (code, (_, err)) in enumerate(zip(codes, outs, strict=True)):
+        if r == VICTIM and mode == "kill":
+            assert code == 17
+            continue
+        # ended by the watchdog, or by guard() raising RankFailure once a peer's exit broke
+        # the collective (both name the rank)
+        assert code in (1, EXIT_CODE), (r, code, err[-2000:])
+        if r != VICTIM:  # the survivors name the victim and the collective it never joined
+            assert f"rank {VICTIM}" in err and "gloo:" in err, (r, err[-2000:])
+            assert ("is dead" if mode == "kill" else "did not join") in err, (r, err[-2000:])
+    assert all(p.poll() is not None for p in procs)
+
+
+def test_diagnose_names_the_rank_behind_on_a_shared_group():
+    groups = {"1": [0, 1, 2, 3], "2": [0, 1]}
+    me = Heartbeat(rank=0, time=100.0, seqs={"1": (7, "gloo:all_reduce"), "2": (3, "x")}, step=4)
+    peers = [me, Heartbeat(rank=1, time=100.0, seqs={"1": (7, "a"), "2": (3, "x")}, step=4),
+             Heartbeat(rank=2, time=100.0, seqs={"1": (6, "a")}, step=3),
+             Heartbeat(rank=3, time=100.0, seqs={"1": (7, "a")}, step=4)]  # fmt: skip
+    assert diagnose(me, peers, groups, now=100.0, timeout=5, stuck_s=1) is None  # not yet stuck
+    why = diagnose(me, peers, groups, now=100.0, timeout=5, stuck_s=6)
+    assert why.startswith("rank 2 did not join gloo:all_reduce #7 on process group 1")
+    peers[3] = Heartbeat(rank=3, time=90.0, seqs={"1": (7, "a")}, step=4)
+    assert diagnose(me, peers, groups, now=100.0, timeout=5, stuck_s=0).startswith("rank 3 is dead")
+
+
+# ---------------------------------------------------------------- stragglers
+
+_GROUP: dict[int, object] = {}
+
+
+def _monitor_group(rank, groups):
+    import torch.distributed as dist
+
+    if "all" not in _GROUP:
+        _GROUP["all"] = dist.new_group(list(range(WORLD)), backend="gloo")
+
+
+def _straggler_rank(rank, groups, steps, slow_rank, delay):
+    import torch.distributed as dist
+
+    monitor = StragglerMonitor(every=5, margin=0.5, min_s=0.02, group=_GROUP["all"])
+    x = torch.randn(64, 64)
+    for _ in range(steps):
+        with monitor.step():
+            y = x @ x  # compute
+            if rank == slow_rank:
+                time.sleep(delay)
+            dist.all_reduce(y, group=groups["tp"])
+    first = next((rep.step for rep in monitor.reports if rep.slow), None)
+    return monitor.slow_ranks(), first, str(monitor.reports[-1])
+
+
+def test_a_slowed_rank_is_named_within_20_steps_and_nobody_over_50_normal_steps():
+    pool = get_pool(WORLD)
+    pool.run(_monitor_group, (), [()] * pool.world)
+    axes = (("tp", WORLD),)
+    slow = pool.run(_straggler_rank, axes, [(20, 1, 0.08)] * WORLD)
+    for named, first, report in slow:
+        assert named == {1} and first <= 20, report
+    assert "rank 1" in slow[0][2] and "slow in compute" in slow[0][2]
+    normal = pool.run(_straggler_rank, axes, [(50, None, 0.0)] * WORLD)
+    for named, _, report in normal:
+        assert named == set(), report
+
+
+def test_find_stragglers_tells_compute_from_waiting():
+    assert find_stragglers([0.1, 0.1, 0.1, 0.1], [0.08, 0.08, 0.0, 0.08], 0.5, 0.01) == (
+        (2, "compute"),
+    )
+    assert find_stragglers([0.1, 0.1, 0.1, 0.1], [0.01, 0.01, 0.01, 0.06], 0.5, 0.01) == (
+        (3, "waiting"),
+    )
+    assert find_stragglers([0.1, 0.101, 0.099, 0.1], [0.01] * 4, 0.5, 0.01) == ()
+
+
+# ---------------------------------------------------------------- numerics
+
+
+def test_spike_guard_skips_spikes_and_non_finite_values():
+    guard = SpikeGuard(factor=3.0, warmup=3, action="skip")
+    assert [guard.check(i, v) for i, v in enumerate([2.0, 1.9, 1.8, 1.7])] == ["ok"] * 4
+    assert guard.check(4, 9.0) == "skip"  # 9 > 3 x 1.85
+    assert guard.check(5, float("nan")) == "skip"
+    assert guard.check(6, 1.6, grad_norm=float("inf")) == "skip"
+    assert guard.check(7, 1.6) == "ok"
+    assert [s for s, _ in guard.spikes] == [4, 5, 6]
+
+
+def test_rollback_to_the_checkpoint_and_skipping_the_batch_equals_never_seeing_it(tmp_path):
+    """A poisoned batch at step 6 spikes the loss; the guard rolls back to step 5's checkpoint
+    and skips the batch: the run equals one that never had the batch."""
+    from autopar.checkpoint import Checkpointer
+    from autopar.testing import Config, build, lm_loss, tokens
+
+    c = Config(layers=1, vocab=32, batch=2)
+    good = [tokens(c, seed=1)] * 10  # memorised quickly: the loss falls steadily
+    poisoned = (good[0][0], tokens(c, seed=2)[1])  # the same ids with other labels
+
+    def run(batches, guard=None):
+        model = build("gpt", c)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ck = Checkpointer(tmp_path / str(guard is not None), model, opt)
+        losses, queue = [], list(batches)
+        while queue:
+            x, y = queue.pop(0)
+            loss = lm_loss(model(x), y)
+            loss.backward()
+            if guard is not None and guard.check(len(losses), loss.item()) == "rollback":
+                opt.zero_grad()
+                ck.load()
+                continue
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            ck.save(len(losses), blocking=True)
+        return losses, model
+
+    guard = SpikeGuard(factor=1.5, warmup=3, action="rollback")
+    spiky = [*good[:5], poisoned, *good[5:]]
+    ref, ref_model = run(good)
+    got, model = run(spiky, guard)
+    assert len(guard.spikes) == 1 and guard.spikes[0][0] == 5
+    assert got == ref
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                ref_model.state_dict().values(), strict=True))  # fmt: skip
+
+
+def test_loss_scaler_backs_off_on_overflow_and_grows_after_clean_steps():
+    p = torch.nn.Parameter(torch.ones(3))
+    scaler = LossScaler(scale=8.0, growth_interval=2)
+    scaler.scaled(p.sum()).backward()
+    assert scaler.unscale_and_check([p]) and torch.equal(p.grad, torch.ones(3))
+    p.grad = torch.tensor([1.0, float("inf"), 0.0])
+    assert not scaler.unscale_and_check([p]) and scaler.scale == 4.0
+    for _ in range(2):
+        p.grad = torch.ones(3)
+        assert scaler.unscale_and_check([p])
+    assert scaler.scale == 8.0
+
+
+if __name__ == "__main__":
+    _rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    sys.exit(0)
