@@ -1,4 +1,4 @@
-"""Mixture-of-experts under tensor parallelism (the MoE section of autopar/rules.py).
+"""Mixture-of-experts under tensor parallelism (autopar/rules/moe.py).
 
 A reference MoE block written with plain torch ops (router, top-k, sort, histogram offsets,
 a grouped matmul over stacked expert weights, routed combine; the grouped matmul is HF's

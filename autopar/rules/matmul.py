@@ -1,0 +1,125 @@
+"""The matmul family (linear, mm/bmm/matmul, baddbmm, addmm), attention (SDPA), embedding and
+cross-entropy: Megatron's column/row splits, head-parallel attention, vocab-parallel
+embedding and loss."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from autopar.layout import PARTIAL, Placement, R, Shard
+from autopar.rules.core import RuleContext, Strategy, _shape, aten, rule
+from autopar.rules.pointwise import _broadcast_placement
+from autopar.trace import tensor_args
+
+
+@rule(aten.linear.default)
+def linear(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """x[..., k] @ w[n, k].T (+ b[n]): batch dims, column (n) and row (k) splits, partial x."""
+    x = _shape(node.args[0])
+    has_bias = len(tensor_args(node)) == 3
+    nd = len(x)
+    bias = lambda p: (p,) if has_bias else ()  # noqa: E731
+    found = []
+    for d in range(nd - 1):
+        found.append(Strategy((Shard(d), R) + bias(R), Shard(d)))
+    for b in ctx.blocks:
+        found.append(Strategy((R, Shard(0, b)) + bias(Shard(0, b)), Shard(nd - 1, b)))
+    if not has_bias:  # trace.py splits biases off, so row splits add the bias after reducing
+        found.append(Strategy((Shard(nd - 1), Shard(1)), PARTIAL))
+        found.append(Strategy((PARTIAL, R), PARTIAL))
+    return found
+
+
+@rule(aten.mm.default, aten.bmm.default, aten.matmul.default)
+def matmul(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """a[..., m, k] @ b[..., k, n]: batch, m, n (blocked: fused QKV) and k (-> partial)."""
+    a, b = _shape(node.args[0]), _shape(node.args[1])
+    out = _shape(node)
+    if len(a) < 2 or len(b) < 2:
+        return []
+    found = [
+        Strategy((Shard(len(a) - 2), R), Shard(len(out) - 2)),
+        *[Strategy((R, Shard(len(b) - 1, n)), Shard(len(out) - 1, n)) for n in ctx.blocks],
+        Strategy((Shard(len(a) - 1), Shard(len(b) - 2)), PARTIAL),
+        Strategy((PARTIAL, R), PARTIAL),
+        Strategy((R, PARTIAL), PARTIAL),
+    ]
+    for d in range(len(out) - 2):
+        for n in ctx.blocks:
+            pa, pb = (_broadcast_placement(s[:-2], out[:-2], d, n) for s in (a, b))
+            found.append(Strategy((pa, pb), Shard(d, n)))
+    return found
+
+
+@rule(aten.baddbmm.default)
+def baddbmm(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """beta * c + alpha * (a[B, m, k] @ b[B, k, n]), c broadcast to [B, m, n] (ALiBi scores).
+
+    Splits the batch dim (blocked: [batch * heads] split by heads), m or n; c follows the
+    output where it is not broadcast.  No k split: each rank would add its own c.
+    """
+    c, out = _shape(node.args[0]), _shape(node)
+    found = []
+    for n in ctx.blocks:
+        found.append(Strategy((_broadcast_placement(c, out, 0, n), Shard(0, n), Shard(0, n)),
+                              Shard(0, n)))  # fmt: skip
+    found.append(Strategy((_broadcast_placement(c, out, 1, 1), Shard(1), R), Shard(1)))
+    found.append(Strategy((_broadcast_placement(c, out, 2, 1), R, Shard(2)), Shard(2)))
+    return found
+
+
+@rule(aten.addmm.default)
+def addmm(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    bias_n = len(_shape(node.args[0])) == 1 or _shape(node.args[0])[0] == 1
+    return [
+        Strategy((R if bias_n else Shard(0), Shard(0), R), Shard(0)),
+        Strategy((Shard(len(_shape(node.args[0])) - 1), R, Shard(1)), Shard(1)),
+    ]
+
+
+@rule(aten.scaled_dot_product_attention.default)
+def sdpa(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """q[b, a, s, d], k/v[b, g, s, d]: split batch or heads; heads with g < size replicate KV."""
+    args = tensor_args(node)
+    q, k = _shape(args[0]), _shape(args[1])
+    masks = [_shape(m) for m in args[3:]]
+    found = [Strategy((Shard(d),) * 3 + _mask_placements(masks, d), Shard(d)) for d in (0, 1)]
+    heads_q, heads_kv = q[1], k[1]
+    if heads_kv % ctx.size and ctx.size % heads_kv == 0 and heads_q % ctx.size == 0:
+        ins = (Shard(1), R, R) + _mask_placements(masks, 1)
+        found.append(Strategy(ins, Shard(1), "replicated_kv_heads"))
+    return found
+
+
+def _mask_placements(masks: list[torch.Size], d: int) -> tuple[Placement, ...]:
+    """An attention mask broadcasts against [b, heads, s, s]: split it where it is not 1."""
+    out: list[Placement] = []
+    for m in masks:
+        md = d - (4 - len(m))
+        out.append(R if md < 0 or m[md] == 1 else Shard(md))
+    return tuple(out)
+
+
+@rule(aten.embedding.default)
+def embedding(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """weight[V, h], ids[...]: split ids dims, the hidden dim, or the vocab (masked, partial)."""
+    ids = _shape(node.args[1])
+    found = [Strategy((R, Shard(d)), Shard(d)) for d in range(len(ids))]
+    found.append(Strategy((Shard(1), R), Shard(len(ids))))
+    found.append(Strategy((Shard(0), R), PARTIAL, "vocab_parallel_embedding"))
+    return found
+
+
+@rule(aten.cross_entropy_loss.default)
+def cross_entropy(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """logits[N, V] split on V: max / sum-exp / target-logit all-reduces of [N] values."""
+    args = tensor_args(node)
+    if len(args) != 2 or len(node.args) > 5 and node.args[5]:
+        return []  # class weights or label smoothing: replicated only
+    logits = _shape(args[0])
+    if len(logits) != 2:
+        return []
+    nbytes = logits[0] * 4
+    comm = (("all_reduce", nbytes), ("all_reduce", 2 * nbytes))
+    return [Strategy((Shard(1), R), R, "vocab_parallel_cross_entropy", comm)]

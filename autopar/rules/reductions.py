@@ -1,0 +1,97 @@
+"""Reductions, softmax-like ops along a dim, and norms: split any dim not reduced; a sum over
+the split dim gives a partial sum (mean: ``partial_mean``)."""
+
+from __future__ import annotations
+
+import math
+
+import torch.fx as fx
+
+from autopar.layout import PARTIAL, R, Shard
+from autopar.rules.core import RuleContext, Strategy, _dim, _shape, aten, rule
+from autopar.trace import tensor_args
+
+
+def _reduced_dims(node: fx.Node) -> tuple[list[int], bool]:
+    src = _shape(node.args[0])
+    dims = node.args[1] if len(node.args) > 1 else None
+    dims = node.kwargs.get("dim", dims)
+    keep = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+    if dims is None or dims == []:
+        return list(range(len(src))), keep
+    dims = [dims] if isinstance(dims, int) else dims
+    return sorted(_dim(d, len(src)) for d in dims), keep
+
+
+@rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default,
+      aten.amin.default, aten.max.dim, aten.min.dim, aten.var.correction, aten.std.correction)  # fmt: skip
+def reduction(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    dims, keep = _reduced_dims(node)
+    linear = node.target in (aten.sum.dim_IntList, aten.sum.default, aten.mean.dim,
+                             aten.mean.default)  # fmt: skip
+    tuple_out = isinstance(node.meta["val"], (tuple, list))
+    wrap = (lambda p: (p, p)) if tuple_out else (lambda p: p)  # noqa: E731
+    found = [Strategy((PARTIAL,), PARTIAL)] if linear else []
+    nd = len(_shape(node.args[0]))
+    for d in range(nd):
+        for b in ctx.blocks:
+            if d in dims:
+                if node.target in (aten.sum.dim_IntList, aten.sum.default):
+                    found.append(Strategy((Shard(d, b),), PARTIAL))
+                elif node.target in (aten.mean.dim, aten.mean.default):
+                    found.append(Strategy((Shard(d, b),), PARTIAL, "partial_mean"))
+                continue
+            out_d = d if keep else d - sum(1 for r in dims if r < d)
+            found.append(Strategy((Shard(d, b),), wrap(Shard(out_d, b))))
+    return found
+
+
+@rule(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default,
+      aten.cumsum.default, aten.diff.default, aten.sort.default, aten.argmax.default)  # fmt: skip
+def along_dim(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    nd = len(_shape(node.args[0]))
+    at = _dim(node.args[1] if len(node.args) > 1 else -1, nd)
+    n_in = len(tensor_args(node))
+    found = []
+    for d in range(nd):
+        for b in ctx.blocks:
+            if d != at:
+                out = Shard(d, b)
+                val = node.meta["val"]
+                found.append(
+                    Strategy(
+                        (Shard(d, b),) + (R,) * (n_in - 1),
+                        (out, out) if isinstance(val, tuple) else out,
+                    )
+                )
+    return found
+
+
+@rule(aten.layer_norm.default, aten.rms_norm.default)
+def norm(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """Split a batch dim (weights replicated), or a normalized dim: the distributed norm
+    all-reduces [..., 1] statistics (sum of squares; layer_norm first the sum) and splits the
+    weight and bias the same way."""
+    shape = _shape(node.args[0])
+    nd, normed = len(shape), len(node.args[1])
+    n_in = len(tensor_args(node))
+    found = [
+        Strategy((Shard(d, b),) + (R,) * (n_in - 1), Shard(d, b))
+        for d in range(nd - normed)
+        for b in ctx.blocks
+    ]
+    rows = math.prod(shape[: nd - normed]) * 4  # fp32 statistics per row
+    stats = 1 if node.target is aten.rms_norm.default else 2
+    comm = (("all_reduce", rows),) * (2 * stats)  # forward and backward
+    for d in range(nd - normed, nd):
+        for b in ctx.blocks:
+            w = Shard(d - (nd - normed), b)
+            found.append(Strategy((Shard(d, b),) + (w,) * (n_in - 1), Shard(d, b),
+                                  "distributed_norm", comm))  # fmt: skip
+    return found
+
+
+@rule(aten.triu.default, aten.tril.default)
+def triangle(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    nd = len(_shape(node))
+    return [Strategy((Shard(d),), Shard(d)) for d in range(nd - 2)]
