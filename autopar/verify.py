@@ -409,11 +409,18 @@ def _verify_data_parallel(prog: Any, model: nn.Module, args: Sequence[Any], kwar
     pool = get_pool(prog.mesh.world_size)
     results = pool.run(_dp_rank_step, prog.mesh.axes, jobs)
     again = pool.run(_dp_rank_step, prog.mesh.axes, jobs)
-    unstable = unstable_names(prog.inner, results, again)
+    replicas = [_dp_replica(prog, results, d) for d in range(prog.mesh.size("dp"))]
+    return _replicas_report(prog, replicas, unstable_names(prog.inner, results, again), ref_out,
+                            ref_grads, rtol)  # fmt: skip
+
+
+def _replicas_report(prog: Any, replicas: list[list], unstable: set[str], ref_out: list,
+                     ref_grads: dict, rtol: float) -> VerifyReport:  # fmt: skip
+    """Compare every replica of the inner program (a dp or ep coordinate) with the reference;
+    each row keeps its worst replica."""
     out_scale, grad_scale = _scale(ref_out), _scale(list(ref_grads.values()))
     worst: dict[str, TensorCheck] = {}
-    for d in range(prog.mesh.size("dp")):
-        per_inner = _dp_replica(prog, results, d)
+    for per_inner in replicas:
         rows = _compare_outputs(prog.inner, ref_out, [r[0] for r in per_inner], rtol, out_scale)
         rows += _compare_grads(prog.inner, ref_grads, [r[1] for r in per_inner], rtol, grad_scale)
         for row in rows:
@@ -546,18 +553,9 @@ def _verify_expert_parallel(prog: Any, model: nn.Module, args: Sequence[Any],
     pool = get_pool(prog.mesh.world_size)
     results = pool.run(_rank_step, prog.mesh.axes, jobs)
     again = pool.run(_rank_step, prog.mesh.axes, jobs)
-    unstable = unstable_names(prog.inner, results, again)
-    out_scale, grad_scale = _scale(ref_out), _scale(list(ref_grads.values()))
-    worst: dict[str, TensorCheck] = {}
-    for e in range(prog.mesh.size("ep")):
-        per_inner = _ep_replica(prog, results, e)
-        rows = _compare_outputs(prog.inner, ref_out, [r[0] for r in per_inner], rtol, out_scale)
-        rows += _compare_grads(prog.inner, ref_grads, [r[1] for r in per_inner], rtol, grad_scale)
-        for row in rows:
-            if row.name not in worst or _worse(row, worst[row.name]):
-                worst[row.name] = row
-    rows = [_mark_unstable(r) if r.name in unstable else r for r in worst.values()]
-    return VerifyReport(mesh=str(prog.mesh), rtol=rtol, rows=tuple(rows))
+    replicas = [_ep_replica(prog, results, e) for e in range(prog.mesh.size("ep"))]
+    return _replicas_report(prog, replicas, unstable_names(prog.inner, results, again), ref_out,
+                            ref_grads, rtol)  # fmt: skip
 
 
 def _ep_job(prog: Any, rank: int, args: Sequence[Any], kwargs: dict | None, cots: list) -> tuple:
