@@ -239,6 +239,21 @@ def train_hf_single(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Ten
     return train_loop(lambda: model(ids, labels=labels).loss, opt, steps, log)
 
 
+def spawn_ranks(rank_main: Callable[..., None], world: int) -> tuple[list[float], bool]:
+    """Run ``rank_main(rank, port, results)`` on ``world`` spawned processes (each puts
+    ``(rank, losses)`` on ``results``); rank 0's losses and whether every rank agrees."""
+    import torch.multiprocessing as mp
+
+    from autopar.pool import free_port
+
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(rank_main, args=(free_port(), results), nprocs=world)
+    per_rank = dict(results.get() for _ in range(world))
+    agree = all(per_rank[r] == per_rank[0] for r in range(world))
+    print(f"every rank returned rank 0's losses: {agree}", flush=True)
+    return per_rank[0], agree
+
+
 def compare_losses(
     single: list[float], parallel: list[float], label: str, tolerance: float
 ) -> bool:

@@ -30,8 +30,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from autopar import Mesh, autoparallelize
-from autopar.pool import free_port, gloo_rank
-from autopar.testing import compare_losses, hf_tiny_llama, token_batch, train_loop
+from autopar.pool import gloo_rank
+from autopar.testing import compare_losses, hf_tiny_llama, spawn_ranks, token_batch, train_loop
 
 CP, BATCH, SEQ, VOCAB = 2, 2, 64, 128
 STEPS, LR, WEIGHT_DECAY, TOLERANCE = 20, 3e-3, 0.01, 1e-4
@@ -74,12 +74,7 @@ def main() -> int:
     print(prog.plan, flush=True)
 
     print(f"2. spawning {CP} Gloo ranks", flush=True)
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(rank_main, args=(free_port(), results), nprocs=CP)
-    per_rank = dict(results.get() for _ in range(CP))
-    parallel = per_rank[0]
-    agree = all(per_rank[r] == parallel for r in range(CP))
-    print(f"every rank returned rank 0's losses: {agree}", flush=True)
+    parallel, agree = spawn_ranks(rank_main, CP)
 
     print("3. training the unmodified model on one device", flush=True)
     single = train_single(lambda s: print(f"[single] {s}", flush=True))

@@ -30,8 +30,8 @@ import torch
 import torch.multiprocessing as mp
 
 from autopar import Mesh, autoparallelize
-from autopar.pool import free_port, gloo_rank
-from autopar.testing import compare_losses, hf_tiny_llama, token_batch, train_hf_single
+from autopar.pool import gloo_rank
+from autopar.testing import compare_losses, hf_tiny_llama, spawn_ranks, token_batch, train_hf_single
 
 DP, PP, ZERO, BATCH, SEQ, VOCAB, MICROBATCHES, SCHEDULE = 2, 2, 1, 8, 16, 128, 2, "1f1b"
 WORLD, STEPS, LR, WEIGHT_DECAY, TOLERANCE = DP * PP, 20, 3e-3, 0.01, 1e-4
@@ -82,12 +82,7 @@ def main() -> int:
     print(compile_for(Mesh(dp=DP, pp=PP)).plan, flush=True)
 
     print(f"2. spawning {WORLD} Gloo ranks", flush=True)
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(rank_main, args=(free_port(), results), nprocs=WORLD)
-    per_rank = dict(results.get() for _ in range(WORLD))
-    parallel = per_rank[0]
-    agree = all(per_rank[r] == parallel for r in range(WORLD))
-    print(f"every rank returned rank 0's losses: {agree}", flush=True)
+    parallel, agree = spawn_ranks(rank_main, WORLD)
 
     print("3. training the unmodified model on one device", flush=True)
     single = train_single(lambda s: print(f"[single] {s}", flush=True))

@@ -28,8 +28,8 @@ import torch
 import torch.multiprocessing as mp
 
 from autopar import Mesh, autoparallelize
-from autopar.pool import free_port, gloo_rank
-from autopar.testing import compare_losses, hf_tiny_llama, token_batch, train_hf_single
+from autopar.pool import gloo_rank
+from autopar.testing import compare_losses, hf_tiny_llama, spawn_ranks, token_batch, train_hf_single
 
 DP, TP, ZERO, BATCH, SEQ, VOCAB = 2, 2, 3, 4, 16, 128
 WORLD, STEPS, LR, WEIGHT_DECAY, TOLERANCE = DP * TP, 20, 3e-3, 0.01, 1e-4
@@ -79,12 +79,7 @@ def main() -> int:
     print(prog.plan, flush=True)
 
     print(f"2. spawning {WORLD} Gloo ranks", flush=True)
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(rank_main, args=(free_port(), results), nprocs=WORLD)
-    per_rank = dict(results.get() for _ in range(WORLD))
-    parallel = per_rank[0]
-    agree = all(per_rank[r] == parallel for r in range(WORLD))
-    print(f"every rank returned rank 0's losses: {agree}", flush=True)
+    parallel, agree = spawn_ranks(rank_main, WORLD)
 
     print("3. training the unmodified model on one device", flush=True)
     single = train_single(lambda s: print(f"[single] {s}", flush=True))
