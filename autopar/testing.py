@@ -239,6 +239,34 @@ def train_hf_single(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Ten
     return train_loop(lambda: model(ids, labels=labels).loss, opt, steps, log)
 
 
+def optimizer_step(loss_of: Callable[[], torch.Tensor],
+                   opt: torch.optim.Optimizer) -> Callable[[], float]:  # fmt: skip
+    """A step function for benchmarks: forward, backward, optimizer step, zero; the loss."""
+
+    def step() -> float:
+        loss = loss_of()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+def slowest_rank_time(step: Callable[[], float]) -> tuple[float, float]:
+    """One step's seconds on the slowest rank (after a barrier), and the step's loss."""
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    loss = step()
+    elapsed = torch.tensor(time.perf_counter() - start)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item(), loss
+
+
 def spawn_ranks(rank_main: Callable[..., None], world: int) -> tuple[list[float], bool]:
     """Run ``rank_main(rank, port, results)`` on ``world`` spawned processes (each puts
     ``(rank, losses)`` on ``results``); rank 0's losses and whether every rank agrees."""

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -42,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from autopar import autoparallelize
 from autopar.pool import free_port, gloo_rank
-from autopar.testing import Config, build, lm_loss, tokens
+from autopar.testing import Config, build, lm_loss, optimizer_step, slowest_rank_time, tokens
 
 WORLD, WARMUP, ITERS = 2, 3, 10
 SIZES = ((128, 64), (256, 64), (512, 64))  # (hidden, seq)
@@ -63,15 +62,15 @@ def variants(c: Config, mesh: object) -> dict[str, Callable[[], float]]:
     steps = {}
     for zero in (0, 3):
         ours = autoparallelize(build("llama", c), mesh, (x, y), loss_fn=lm_loss, zero=zero)
-        steps[f"autopar-zero{zero}"] = _step(lambda m=ours: m(xs, ys),
+        steps[f"autopar-zero{zero}"] = optimizer_step(lambda m=ours: m(xs, ys),
                                              ours.optimizer(torch.optim.AdamW, lr=1e-3))  # fmt: skip
     ddp = DistributedDataParallel(build("llama", c), process_group=group, forward_sync_buffers=False)
-    steps["ddp"] = _step(lambda: lm_loss(ddp(xs), ys), torch.optim.AdamW(ddp.parameters(), 1e-3))
+    steps["ddp"] = optimizer_step(lambda: lm_loss(ddp(xs), ys), torch.optim.AdamW(ddp.parameters(), 1e-3))
     fsdp = build("llama", c)
     for layer in fsdp.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(fsdp, mesh=mesh)
-    steps["fsdp2"] = _step(lambda: lm_loss(fsdp(xs), ys), torch.optim.AdamW(fsdp.parameters(), 1e-3))
+    steps["fsdp2"] = optimizer_step(lambda: lm_loss(fsdp(xs), ys), torch.optim.AdamW(fsdp.parameters(), 1e-3))
     steps["modules"] = {"autopar-zero3": ours, "fsdp2": fsdp}  # ours: the zero=3 one
     return steps
 
@@ -95,27 +94,6 @@ def peak_gathered(module: torch.nn.Module, step: Callable[[], float]) -> int:
     return Sample.peak
 
 
-def _step(loss_of: Callable[[], torch.Tensor], opt: torch.optim.Optimizer) -> Callable[[], float]:
-    def step() -> float:
-        loss = loss_of()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    return step
-
-
-def timed(step: Callable[[], float]) -> tuple[float, float]:
-    """One step's seconds on the slowest rank, and its loss."""
-    dist.barrier()
-    start = time.perf_counter()
-    loss = step()
-    elapsed = torch.tensor(time.perf_counter() - start)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item(), loss
-
-
 def rank_main(rank: int, port: int) -> None:
     """Steps 2-4 on one rank."""
     with gloo_rank(rank, WORLD, port, (WORLD,), ("dp",)) as mesh:
@@ -127,7 +105,7 @@ def rank_main(rank: int, port: int) -> None:
             losses: dict[str, float] = {}
             for i in range(WARMUP + ITERS):
                 for v in VARIANTS:
-                    t, losses[v] = timed(steps[v])
+                    t, losses[v] = slowest_rank_time(steps[v])
                     if i >= WARMUP:
                         times[v].append(t)
             for v in ("ddp", "fsdp2"):  # torch's losses are this rank's; autopar's are global

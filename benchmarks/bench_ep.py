@@ -40,7 +40,15 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from autopar import autoparallelize, collectives
 from autopar.pool import free_port, gloo_rank
-from autopar.testing import MoEConfig, build_moe, grouped_mm, lm_loss, tokens
+from autopar.testing import (
+    MoEConfig,
+    build_moe,
+    grouped_mm,
+    lm_loss,
+    optimizer_step,
+    slowest_rank_time,
+    tokens,
+)
 
 WARMUP, ITERS = 2, 8
 CONFIG = MoEConfig(layers=4, hidden=256, expert_ffn=512, experts=8, top_k=2, vocab=1024, seq=64,
@@ -63,35 +71,14 @@ def variants(world: int, mesh_ep: object, mesh_dp: object) -> dict[str, tuple[Ca
         collectives.bind(groups)
         return ep(xs, ys)
 
-    return {"ep": (_step(ep_loss, torch.optim.AdamW(ep.parameters(), 1e-3)),
+    return {"ep": (optimizer_step(ep_loss, torch.optim.AdamW(ep.parameters(), 1e-3)),
                    _bytes(ep)),
-            "replicated": (_step(lambda: dp(xs, ys), dp.optimizer(torch.optim.AdamW, lr=1e-3)),
+            "replicated": (optimizer_step(lambda: dp(xs, ys), dp.optimizer(torch.optim.AdamW, lr=1e-3)),
                            _bytes(dp))}  # fmt: skip
 
 
 def _bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
-def _step(loss_of: Callable[[], torch.Tensor], opt: torch.optim.Optimizer) -> Callable[[], float]:
-    def step() -> float:
-        loss = loss_of()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    return step
-
-
-def timed(step: Callable[[], float]) -> tuple[float, float]:
-    """One step's seconds on the slowest rank, and its (global) loss."""
-    dist.barrier()
-    start = time.perf_counter()
-    loss = step()
-    elapsed = torch.tensor(time.perf_counter() - start)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item(), loss
 
 
 def rank_main(rank: int, world: int, port: int) -> None:
@@ -103,7 +90,7 @@ def rank_main(rank: int, world: int, port: int) -> None:
         losses: dict[str, float] = {}
         for i in range(WARMUP + ITERS):
             for v in VARIANTS:
-                t, losses[v] = timed(steps[v][0])
+                t, losses[v] = slowest_rank_time(steps[v][0])
                 if i >= WARMUP:
                     times[v].append(t)
         if rank == 0:
