@@ -14,13 +14,14 @@ Algorithm (`step_time`):
 5. Pipeline: a send and a receive of the boundary activation per micro-batch per virtual
    stage; the bubble is (p−1)/v micro-batch times (GPipe and 1F1B: v = 1).
 6. Data parallelism (gradients of dense weights over dp·cp, of experts over dp·cp/ep), one
-   bucket per layer (`hidden_stream`): fp32 reduce-scatter + bf16 all-gather (ZeRO-1/2) or
-   all-reduce (stage 0), once per step, hidden behind the last micro-batch's backward when
-   overlap is on (the last bucket is always exposed). ZeRO-3 (`_zero3`) gathers each layer's
-   bf16 weights before its forward and again before its backward (the recompute forward, if
-   any, runs in the same window), reduce-scatters its gradients after, every micro-batch: each
-   layer's traffic hides only behind that layer's own compute in that pass; the first layer's
-   gather is exposed. Every collective pays alpha-beta with its group size, per layer.
+   bucket per layer: fp32 reduce-scatter + bf16 all-gather (ZeRO-1/2) or all-reduce (stage 0),
+   once per step, hidden (`cost.comm.exposed_behind`) behind the last micro-batch's backward
+   when overlap is on (the last layer's bucket is always exposed; the tables' gradients are
+   ready early, the LM head's first). ZeRO-3 (`_zero3`) gathers each layer's bf16 weights
+   before its forward and again before its backward (the recompute forward, if any, runs in
+   the same window) and reduce-scatters its gradients after, every micro-batch: each layer's
+   traffic hides only behind that layer's own compute in that pass; the first layer's gather
+   is exposed. Every collective pays alpha-beta with its group size, per layer.
    NIC sharing: when the dp group and the cp ring both leave the node they share each GPU's
    NIC, so the ring's time on the wire in a pass is subtracted from the window the dp traffic
    hides behind (pp sends are priced on the critical path, never inside a compute window).
@@ -165,7 +166,7 @@ def _dp_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
     edges = _reduce(coll, _groups(work, spans, 0, 1), cfg.zero)
     busy = ring.wire_bwd if shared else 0.0
     window = per_stage * max(0.0, work.layer_bwd_s - busy)
-    return max(bucket + edges, exposed_behind(per_stage * bucket + edges, window))
+    return max(bucket, exposed_behind(per_stage * bucket + edges, window))
 
 
 def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, recompute: str,
