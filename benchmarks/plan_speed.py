@@ -5,8 +5,9 @@ on this 2-core machine. Prints the configurations in the space, how many were pr
 pruned by exact bounds), the wall time (topology graph, search and ranking; imports excluded)
 and the time per configuration.
 
-Then ranks the published configurations (Llama 3 405B; the Megatron-LM 2021 runs of
-REFERENCE.md on the Megatron-2021 software stack) among the planner's.
+Then ranks the published configurations (Llama 3 405B at 8K and its 128K long-context stage,
+TP8 CP16 PP16 DP8; the Megatron-LM 2021 runs of REFERENCE.md on the Megatron-2021 software
+stack) among the planner's.
 
 Run: PYTHONPATH=. python benchmarks/plan_speed.py
 """
@@ -50,6 +51,8 @@ MEGATRON_2021 = SearchSpace(attention="unfused", sequence_parallel=(False,), zer
 PUBLISHED = (
     ("Llama 3 405B", ModelShape.preset("llama3-405b"), "dgx-h100", 16384, 2048, (8, 16, 128),
      None),
+    ("Llama 3 405B 128K", ModelShape.preset("llama3-405b").with_seq(131072), "dgx-h100", 16384,
+     128, (8, 16, 8, 16), None),
     ("Megatron 1.7B", ModelShape.gpt(layers=24, hidden=2304, heads=24, seq=2048, vocab=51200),
      "dgx-a100", 32, 512, (1, 1, 32), MEGATRON_2021),
     ("Megatron 18.4B", ModelShape.gpt(layers=40, hidden=6144, heads=48, seq=2048, vocab=51200),
@@ -65,16 +68,18 @@ PUBLISHED = (
 
 def published() -> None:
     """Where each published configuration ranks, and the planner's choice next to it."""
-    print(f"{'run':<16} {'published':<16} {'rank':>5} {'TFLOP/s':>8} {'planner TFLOP/s':>16}  "
+    print(f"{'run':<18} {'published':<20} {'rank':>5} {'TFLOP/s':>8} {'planner TFLOP/s':>16}  "
           "planner's choice")  # fmt: skip
-    for name, shape, preset, gpus, batch, (tp, pp, dp), space in PUBLISHED:
+    for name, shape, preset, gpus, batch, degrees, space in PUBLISHED:
+        tp, pp, dp, cp = (*degrees, 1)[:4]
         cluster = Cluster.preset(preset, nodes=gpus // 8)
-        cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, global_batch=batch)
+        cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, global_batch=batch)
         plan = plan_shape(shape, cluster, batch, compare=cfg, space=space)
         rank, choice = plan.compare_rank()
         theirs = plan.result.estimate(choice).tflops_per_gpu_megatron
         ours = plan.result.estimate(plan.best).tflops_per_gpu_megatron
-        print(f"{name:<16} {f'TP{tp} PP{pp} DP{dp}':<16} {rank:>5} {theirs:>8.1f} "
+        label = f"TP{tp} CP{cp} PP{pp} DP{dp}" if cp > 1 else f"TP{tp} PP{pp} DP{dp}"
+        print(f"{name:<18} {label:<20} {rank:>5} {theirs:>8.1f} "
               f"{ours:>16.1f}  {plan.best.describe()}")  # fmt: skip
 
 

@@ -92,3 +92,21 @@ def span_time(kind: str, nbytes: float, cluster: Cluster, stride: int, size: int
     if per_node == 1 or size % per_node:
         return collective_time(kind, nbytes, size, cluster.inter)
     return hierarchical_time(kind, nbytes, per_node, size // per_node, cluster.intra, cluster.inter)
+
+
+def exposed_behind(comm: float, window: float, busy: float = 0.0) -> float:
+    """Seconds of a background transfer of `comm` seconds that a compute window of `window`
+    seconds cannot hide, when other traffic keeps the same NIC busy for `busy` seconds of it.
+
+    Derivation: the transfer runs concurrently with the compute and finishes at the later of
+    the two; a NIC moves one stream's bytes at a time at full rate (or several at a shared
+    rate: the same total), so the window offers max(0, window − busy) seconds of free wire and
+    the rest of the transfer, max(0, comm − that), extends the step. Monotone non-decreasing in
+    `comm` and `busy`, so a cheaper collective never prices a step higher.
+    """
+    return max(0.0, comm - max(0.0, window - busy))
+
+
+def crosses_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
+    """Whether a group of `size` ranks `stride` apart leaves its node (rides the NIC)."""
+    return size > 1 and gpus_per_node % (stride * size) != 0

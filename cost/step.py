@@ -5,17 +5,26 @@ Algorithm (`step_time`):
    forward) plus the end-stage work (embedding; final norm, LM head and loss).
 2. Tensor parallelism: 2 collectives on the [b, s/c, h] activation per layer per pass
    (forward, backward, and the recompute forward under full recompute), on the critical path.
-3. Context parallelism: c−1 ring exchanges of the local K,V per forward (and recompute
-   forward), c of K,V,dK,dV backward, overlapped with the attention kernels: only the excess
-   over them is exposed.
+3. Context parallelism (`ring_attention`): the zig-zag-balanced causal ring runs c steps per
+   pass, each on 1/c of the attention work; a K/V block send overlaps only its own step's block
+   (not the whole attention), the backward ring carries K,V and the partial dK,dV (twice the
+   bytes, c sends: the last returns dK,dV to their owner), and every step pays its kernel
+   launches and the online-softmax merge of the partial outputs.
 4. Expert parallelism: dispatch + combine all-to-alls per layer per pass, exposed.
 5. Pipeline: a send and a receive of the boundary activation per micro-batch per virtual
    stage; the bubble is (p−1)/v micro-batch times (GPipe and 1F1B: v = 1).
-6. Data parallelism (gradients of dense weights over dp·cp, of experts over dp·cp/ep): fp32
-   reduce-scatter + bf16 all-gather (ZeRO-1/2) or all-reduce (stage 0), once per step, hidden
-   behind the last micro-batch's backward when overlap is on (the last layer's bucket is
-   always exposed). ZeRO-3 gathers bf16 weights per micro-batch per pass and reduce-scatters
-   gradients per micro-batch, prefetched behind compute; the first layer's gather is exposed.
+6. Data parallelism (gradients of dense weights over dp·cp, of experts over dp·cp/ep), one
+   bucket per layer: fp32 reduce-scatter + bf16 all-gather (ZeRO-1/2) or all-reduce (stage 0),
+   once per step, hidden (`cost.comm.exposed_behind`) behind the last micro-batch's backward
+   when overlap is on (the last layer's bucket is always exposed; the tables' gradients are
+   ready early, the LM head's first). ZeRO-3 (`_zero3`) gathers each layer's bf16 weights
+   before its forward and again before its backward (the recompute forward, if any, runs in
+   the same window) and reduce-scatters its gradients after, every micro-batch: each layer's
+   traffic hides only behind that layer's own compute in that pass; the first layer's gather
+   is exposed. Every collective pays alpha-beta with its group size, per layer.
+   NIC sharing: when the dp group and the cp ring both leave the node they share each GPU's
+   NIC, so the ring's time on the wire in a pass is subtracted from the window the dp traffic
+   hides behind (pp sends are priced on the critical path, never inside a compute window).
 7. Optimizer: Adam reads and writes ~34 B per local parameter shard at HBM speed.
 """
 
@@ -24,8 +33,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cost.comm import span_time
-from cost.compute import MEMORY_BW_FRACTION
+from cost.comm import crosses_nodes, exposed_behind, span_time
+from cost.compute import KERNEL_LAUNCH_S, MEMORY_BW_FRACTION
 from cost.config import ParallelConfig, stage_layers
 from cost.hardware import Cluster
 from cost.workload import Workload
@@ -67,42 +76,122 @@ def _passes(recompute: str) -> int:
     return 3 if recompute == "full" else 2
 
 
+CP_STEP_KERNELS = 3  # per ring step and pass: the block's attention kernel, the merge, the P2P
+CP_MERGE_FWD = 5.0  # merge bytes per bf16 output byte: read the block's output, r/w fp32 acc
+CP_MERGE_BWD = 4.0  # backward: read/write the fp32 dQ accumulator
+
+
+@dataclass(frozen=True, kw_only=True)
+class RingAttention:
+    """Seconds of one layer's ring attention per micro-batch: `fwd`/`bwd` exposed (the excess
+    over the blocks they hide behind, plus launches and merges), `wire_fwd`/`wire_bwd` the ring's
+    time on the wire (what it takes from a shared NIC)."""
+
+    fwd: float
+    bwd: float
+    wire_fwd: float
+    wire_bwd: float
+
+
+def ring_attention(work: Workload, c: int, ring_fwd: float, ring_bwd: float,
+                   hbm_bw: float) -> RingAttention:  # fmt: skip
+    """Ring attention over c ranks (module docstring, step 3).
+
+    Derivation: with the zig-zag split each of the c steps of a pass computes 1/c of the
+    causal attention, A/c forward (A = `attn_fwd_s`) and 2A/c backward. Forward: c−1 K/V sends
+    of `ring_fwd` seconds, each overlapped with one step's block only, so each exposes
+    max(0, ring_fwd − A/c) — never less than the whole-attention bound max(0, (c−1)·ring − A).
+    Backward: c sends of K,V,dK,dV (`ring_bwd`), each behind a 2A/c block. Every step launches
+    `CP_STEP_KERNELS` kernels, and each step after the first merges its partial output into
+    the fp32 accumulator by log-sum-exp (forward: read the bf16 block output and read/write
+    the fp32 accumulator, `CP_MERGE_FWD` bytes per output byte; backward: the fp32 dQ
+    accumulator, `CP_MERGE_BWD`), at streaming HBM bandwidth.
+    """
+    block = work.attn_fwd_s / c
+    launches = c * CP_STEP_KERNELS * KERNEL_LAUNCH_S
+    merge = work.attn_out_bytes / (hbm_bw * MEMORY_BW_FRACTION)
+    fwd = (c - 1) * (max(0.0, ring_fwd - block) + CP_MERGE_FWD * merge) + launches
+    bwd = c * max(0.0, ring_bwd - 2 * block) + (c - 1) * CP_MERGE_BWD * merge + launches
+    return RingAttention(fwd=fwd, bwd=bwd, wire_fwd=(c - 1) * ring_fwd, wire_bwd=c * ring_bwd)
+
+
+def _ring(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
+          cluster: Cluster) -> RingAttention:  # fmt: skip
+    if cfg.cp == 1:
+        return RingAttention(fwd=0.0, bwd=0.0, wire_fwd=0.0, wire_bwd=0.0)
+    fwd = coll("send_recv", work.cp_bytes, *spans["cp"])
+    bwd = coll("send_recv", 2 * work.cp_bytes, *spans["cp"])
+    return ring_attention(work, cfg.cp, fwd, bwd, cluster.gpu.hbm_bw)
+
+
 def _layer_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
-                recompute: str) -> dict:  # fmt: skip
+                recompute: str, ring: RingAttention) -> dict:  # fmt: skip
     """Exposed seconds per micro-batch per layer for tp, cp and ep (steps 2–4)."""
     passes = _passes(recompute)
     tp = work.tp_calls * coll("all_reduce", work.tp_bytes, *spans["tp"])
     ep = work.ep_calls * coll("all_to_all", work.ep_bytes, *spans["ep"])
-    ring = coll("send_recv", work.cp_bytes, *spans["cp"])
-    attn = work.attn_fwd_s
-    forward = max(0.0, work.cp_calls * ring - attn)
-    cp = (passes - 1) * forward + max(0.0, 2 * cfg.cp * ring - 2 * attn)
-    return {"tp": passes * tp, "cp": cp if cfg.cp > 1 else 0.0, "ep": passes * ep}
+    cp = (passes - 1) * ring.fwd + ring.bwd
+    return {"tp": passes * tp, "cp": cp, "ep": passes * ep}
+
+
+def _groups(work: Workload, spans: dict, layers: float, edges: float) -> tuple:
+    """((params, span), ...) of the dense and expert gradient groups."""
+    return ((layers * work.layer_dense_params + edges * work.edge_params, spans["dp"]),
+            (layers * work.layer_expert_params, spans["dp_expert"]))  # fmt: skip
+
+
+def _each(coll: Collective, groups: tuple, kind: str, bytes_per_param: int) -> float:
+    return sum(coll(kind, bytes_per_param * p, *span) for p, span in groups)
+
+
+def _reduce(coll: Collective, groups: tuple, zero: int) -> float:
+    """Gradient synchronisation of `groups`: fp32 all-reduce (stage 0), fp32 reduce-scatter
+    + bf16 all-gather (1, 2), fp32 reduce-scatter alone (3)."""
+    if zero == 0:
+        return _each(coll, groups, "all_reduce", 4)
+    gather = _each(coll, groups, "all_gather", 2) if zero < 3 else 0.0
+    return _each(coll, groups, "reduce_scatter", 4) + gather
 
 
 def _dp_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
-             micro_batches: int, recompute: str, per_stage: int) -> float:  # fmt: skip
-    """Exposed data-parallel seconds per step (step 6), for `per_stage` layers on the rank."""
-    groups = (
-        (per_stage * work.layer_dense_params + work.edge_params, spans["dp"]),
-        (per_stage * work.layer_expert_params, spans["dp_expert"]),
-    )
-
-    def each(kind: str, bytes_per_param: int) -> float:
-        return sum(coll(kind, bytes_per_param * p, *span) for p, span in groups)
-
-    if cfg.zero == 0:
-        reduce = each("all_reduce", 4)
-    else:
-        reduce = each("reduce_scatter", 4) + (each("all_gather", 2) if cfg.zero < 3 else 0.0)
+             micro_batches: int, recompute: str, per_stage: int, ring: RingAttention,
+             shared: bool) -> float:  # fmt: skip
+    """Exposed data-parallel seconds per step (step 6), for `per_stage` layers on the rank.
+    `shared`: the dp traffic and the cp ring share the NIC."""
     if cfg.zero == 3:
-        gather = each("all_gather", 2)
-        streamed = micro_batches * (_passes(recompute) * gather + reduce)
-        busy = micro_batches * per_stage * (work.layer_fwd_s + work.layer_bwd_s)
-        return max(gather / max(per_stage, 1.0), streamed - busy)
+        return _zero3(work, coll, spans, micro_batches, recompute, per_stage, ring, shared)
     if not cfg.overlap_grad_reduce:
-        return reduce
-    return max(reduce / max(per_stage, 1.0), reduce - per_stage * work.layer_bwd_s)
+        return _reduce(coll, _groups(work, spans, per_stage, 1), cfg.zero)
+    bucket = _reduce(coll, _groups(work, spans, 1, 0), cfg.zero)
+    edges = _reduce(coll, _groups(work, spans, 0, 1), cfg.zero)
+    busy = ring.wire_bwd if shared else 0.0
+    window = per_stage * max(0.0, work.layer_bwd_s - busy)
+    return max(bucket, exposed_behind(per_stage * bucket + edges, window))
+
+
+def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, recompute: str,
+           per_stage: int, ring: RingAttention, shared: bool) -> float:  # fmt: skip
+    """ZeRO-3 exposed seconds per step (step 6).
+
+    Derivation, per layer per micro-batch: its bf16 gather G (alpha-beta over the dp group:
+    the latency grows with the group, paid per layer) is prefetched behind the previous
+    layer's compute in the same pass, so the forward exposes max(0, G − free forward window)
+    and the backward, which also reduce-scatters the fp32 gradient R on the same NIC, exposes
+    max(0, G + R − free backward window); the backward window includes the recompute forward
+    (it runs between the gather and the backward). A window is free of the cp ring's wire
+    time when both share the NIC (`exposed_behind`). The embedding/head tables stream behind
+    the end stages' work. The first layer's gather of the step has nothing before it: exposed.
+    """
+    layer, edge = _groups(work, spans, 1, 0), _groups(work, spans, 0, 1)
+    gather = _each(coll, layer, "all_gather", 2)
+    scatter = _reduce(coll, layer, 3)
+    ends = 2 * _each(coll, edge, "all_gather", 2) + _reduce(coll, edge, 3)
+    busy_f, busy_b = (ring.wire_fwd, ring.wire_bwd) if shared else (0.0, 0.0)
+    fwd = exposed_behind(gather, work.layer_fwd_s, busy_f)
+    bwd = exposed_behind(gather + scatter, work.layer_bwd_s + work.recompute_s[recompute],
+                         busy_b)  # fmt: skip
+    tail = exposed_behind(ends, work.pre_s + work.post_s)
+    return gather + micro_batches * (per_stage * (fwd + bwd) + tail)
 
 
 def step_time(work: Workload, cfg: ParallelConfig, cluster: Cluster, *, micro_batches: int,
@@ -118,13 +207,17 @@ def step_time(work: Workload, cfg: ParallelConfig, cluster: Cluster, *, micro_ba
     ends = work.pre_s + work.post_s if cfg.pp == 1 else max(work.pre_s, work.post_s)
     layer = work.layer_fwd_s + work.layer_bwd_s + work.recompute_s[recompute]
     compute_mb = per_stage * layer + ends
-    layer_comm = _layer_comm(work, cfg, coll, spans, recompute)
+    ring = _ring(work, cfg, coll, spans, cluster)
+    layer_comm = _layer_comm(work, cfg, coll, spans, recompute, ring)
     comm_mb = {k: per_stage * v for k, v in layer_comm.items()}
     p2p = coll("send_recv", work.boundary_bytes, *spans["pp"])
     comm_mb["pp"] = 2 * v * p2p if cfg.pp > 1 else 0.0
     per_mb = compute_mb + sum(comm_mb.values())
     comm = {k: micro_batches * x for k, x in comm_mb.items()}
-    comm["dp"] = _dp_comm(work, cfg, coll, spans, micro_batches, recompute, per_stage)
+    gpn = cluster.gpus_per_node
+    shared = crosses_nodes(*spans["cp"], gpn) and crosses_nodes(*spans["dp"], gpn)
+    comm["dp"] = _dp_comm(work, cfg, coll, spans, micro_batches, recompute, per_stage, ring,
+                          shared)  # fmt: skip
     params = per_stage * (work.layer_dense_params + work.layer_expert_params) + work.edge_params
     shard = cfg.data_parallel if cfg.zero >= 1 else 1
     optimizer = ADAM_BYTES_PER_PARAM * params / shard / (cluster.gpu.hbm_bw * MEMORY_BW_FRACTION)

@@ -57,6 +57,7 @@ class Workload:
     layer_dense_params: float
     layer_expert_params: float
     edge_params: float
+    attn_out_bytes: float = 0.0  # bf16 attention output of one layer (the cp ring's merge)
 
 
 @dataclass(frozen=True)
@@ -208,4 +209,5 @@ def shape_workload(shape: ModelShape, cfg: ParallelConfig, b: int, gpu: GPU) -> 
         layer_dense_params=dense / t,
         layer_expert_params=experts / t,
         edge_params=tables * shape.embedding_params / t,
+        attn_out_bytes=BF16 * tokens * shape.heads // t * shape.head_dim,
     )

@@ -6,7 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cost.comm import KINDS, collective_time, hierarchical_time, span_time
+from cost.comm import (
+    KINDS,
+    collective_time,
+    crosses_nodes,
+    exposed_behind,
+    hierarchical_time,
+    span_time,
+)
 from cost.errors import CostInputError
 from cost.hardware import CLUSTER_PRESETS, Cluster, Link
 
@@ -128,3 +135,23 @@ def test_axis_crossing_nodes_is_never_cheaper_than_inside_one(preset, kind, n, s
     assert collective_time(kind, n, size, cluster.intra) <= collective_time(
         kind, n, size, cluster.inter
     )
+
+
+def test_exposed_behind_hides_only_up_to_the_free_window():
+    assert exposed_behind(1.0, 3.0) == 0.0  # fully hidden
+    assert exposed_behind(3.0, 1.0) == pytest.approx(2.0)  # the excess extends the step
+    assert exposed_behind(1.0, 3.0, busy=2.5) == pytest.approx(0.5)  # NIC busy with other traffic
+    assert exposed_behind(1.0, 3.0, busy=5.0) == pytest.approx(1.0)  # no free wire at all
+    # monotone in the transfer and in the competing traffic
+    grid = [0.0, 0.5, 1.0, 2.0, 4.0]
+    for window in grid:
+        for busy in grid:
+            values = [exposed_behind(c, window, busy) for c in grid]
+            assert values == sorted(values)
+            assert exposed_behind(1.0, window, busy) <= exposed_behind(1.0, window, busy + 1.0)
+
+
+def test_crosses_nodes_by_span():
+    assert not crosses_nodes(1, 8, 8) and not crosses_nodes(4, 2, 8)
+    assert crosses_nodes(8, 2, 8) and crosses_nodes(4, 4, 8) and crosses_nodes(1, 16, 8)
+    assert not crosses_nodes(64, 1, 8)  # a group of one rides nothing

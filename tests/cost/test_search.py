@@ -155,6 +155,30 @@ def test_a_long_sequence_gets_context_parallelism():
     assert no_cp.best.step_time_s > long.best.step_time_s
 
 
+def test_zero3_over_thousands_of_ranks_is_priced_by_its_per_layer_gathers():
+    # Llama 3 405B at 8K on 16,384 H100 with tp 8 and ZeRO-3 over the other 2,048 ranks: every
+    # layer's gather and reduce-scatter pays the ring's latency over the group and hides only
+    # behind that layer's compute, so it cannot be nearly free; the search's best stage is not 3
+    cluster = Cluster.preset("dgx-h100", nodes=2048)
+    zero3 = search("llama3-405b", cluster, 2048, top=1,
+                   space=SearchSpace(tp=(8,), pp=(1,), cp=(1,), zero=(3,)))  # fmt: skip
+    step = zero3.best.step
+    assert step.comm["dp"] > 0.5 * step.compute
+    best = search("llama3-405b", cluster, 2048, top=1).best
+    assert best.config.zero != 3 and best.step_time_s < zero3.best.step_time_s
+
+
+def test_the_cp_ring_is_never_free_and_grows_with_the_ring():
+    cluster = Cluster.preset("dgx-h100", nodes=8)
+    shape = ModelShape.preset("llama3-8b").with_seq(32768)
+    comm = {}
+    for cp in (2, 8):
+        result = search(shape, cluster, 64, top=1,
+                        space=SearchSpace(tp=(1,), pp=(1,), cp=(cp,), zero=(1,)))  # fmt: skip
+        comm[cp] = result.best.step.comm["cp"]
+    assert 0 < comm[2] < comm[8]
+
+
 def test_an_moe_model_that_needs_ep_gets_it_inside_a_node():
     # Mixtral-8x22B's shape (141B parameters, 8 experts, top-2) on 64 H100, Megatron's
     # distributed optimizer (ZeRO-1 at most): the experts do not fit without splitting

@@ -7,10 +7,11 @@ from dataclasses import replace
 import pytest
 
 from cost.comm import collective_time, span_time
+from cost.compute import KERNEL_LAUNCH_S, MEMORY_BW_FRACTION
 from cost.config import ParallelConfig, stage_layers
 from cost.hardware import Cluster
 from cost.model import ModelShape
-from cost.step import step_time
+from cost.step import CP_MERGE_BWD, CP_MERGE_FWD, CP_STEP_KERNELS, ring_attention, step_time
 from cost.workload import shape_workload
 
 SHAPE = ModelShape.gpt(layers=16, hidden=4096, heads=32, seq=2048, vocab=51200)
@@ -73,9 +74,17 @@ def test_zero_stages_change_dp_traffic_not_compute():
     scatter = span_time("reduce_scatter", 4 * params, CLUSTER, *span)
     gather = span_time("all_gather", 2 * params, CLUSTER, *span)
     assert z1.comm["dp"] == pytest.approx(scatter + gather)
-    streamed = 16 * (2 * gather + scatter)  # per micro-batch: forward + backward gathers
-    busy = 16 * 4 * (work.layer_fwd_s + work.layer_bwd_s)
-    assert z3.comm["dp"] == pytest.approx(max(gather / 4, streamed - busy))
+    # ZeRO-3: per layer, a bf16 gather before the forward and before the backward, an fp32
+    # reduce-scatter after it, each hidden only behind that layer's own pass; the first
+    # layer's gather is exposed; the tables stream behind the end-stage work
+    g_layer = span_time("all_gather", 2 * work.layer_dense_params, CLUSTER, *span)
+    r_layer = span_time("reduce_scatter", 4 * work.layer_dense_params, CLUSTER, *span)
+    fwd = max(0.0, g_layer - work.layer_fwd_s)
+    bwd = max(0.0, g_layer + r_layer - work.layer_bwd_s)
+    ends = (2 * span_time("all_gather", 2 * work.edge_params, CLUSTER, *span)
+            + span_time("reduce_scatter", 4 * work.edge_params, CLUSTER, *span))  # fmt: skip
+    tail = max(0.0, ends - work.pre_s - work.post_s)
+    assert z3.comm["dp"] == pytest.approx(g_layer + 16 * (4 * (fwd + bwd) + tail))
     assert z1.optimizer == pytest.approx(ddp.optimizer / 2)  # Adam on a 1/dp shard
 
 
@@ -86,12 +95,18 @@ def test_no_pipeline_no_bubble_and_step_total_adds_up():
     assert step.total == pytest.approx(total)
 
 
-def test_context_parallel_ring_is_hidden_behind_attention_when_it_can_be():
+def test_context_parallel_ring_overlaps_each_step_with_its_own_block():
     cfg = replace(BASE, tp=8, pp=1, dp=4, cp=2)
     work, step = _step(cfg)
     ring = span_time("send_recv", work.cp_bytes, CLUSTER, 8, 2)
-    exposed = max(0.0, ring - work.attn_fwd_s) + max(0.0, 4 * ring - 2 * work.attn_fwd_s)
-    assert step.comm["cp"] == pytest.approx(16 * 16 * exposed)
+    ring2 = span_time("send_recv", 2 * work.cp_bytes, CLUSTER, 8, 2)
+    block = work.attn_fwd_s / 2
+    merge = work.attn_out_bytes / (CLUSTER.gpu.hbm_bw * MEMORY_BW_FRACTION)
+    launches = 2 * CP_STEP_KERNELS * KERNEL_LAUNCH_S
+    fwd = max(0.0, ring - block) + CP_MERGE_FWD * merge + launches
+    bwd = 2 * max(0.0, ring2 - 2 * block) + CP_MERGE_BWD * merge + launches
+    assert work.attn_out_bytes == 2 * 2048 // 2 * 4096 // 8
+    assert step.comm["cp"] == pytest.approx(16 * 16 * (fwd + bwd))
 
 
 def test_uneven_pipeline_stages_price_the_most_loaded_stage():
@@ -105,3 +120,64 @@ def test_uneven_pipeline_stages_price_the_most_loaded_stage():
                      recompute="none")  # fmt: skip
     per_layer = work.layer_fwd_s + work.layer_bwd_s
     assert step.compute == pytest.approx(16 * (5 * per_layer + max(work.pre_s, work.post_s)))
+
+
+def test_ring_attention_never_hides_more_than_the_whole_attention_bound():
+    work = shape_workload(SHAPE, replace(BASE, cp=4), 1, CLUSTER.gpu)
+    a = work.attn_fwd_s
+    for c in (2, 4, 8):
+        for ring in (0.0, a / (4 * c), a / c, 2 * a / c, a):
+            r = ring_attention(work, c, ring, 2 * ring, CLUSTER.gpu.hbm_bw)
+            assert r.fwd >= max(0.0, (c - 1) * ring - a)  # the old, whole-attention bound
+            assert r.bwd >= max(0.0, 2 * c * ring - 2 * a)
+            assert r.wire_fwd == pytest.approx((c - 1) * ring)
+            assert r.wire_bwd == pytest.approx(2 * c * ring)
+        hidden = ring_attention(work, c, a / (4 * c), a / (2 * c), CLUSTER.gpu.hbm_bw)
+        late = ring_attention(work, c, 2 * a / c, 4 * a / c, CLUSTER.gpu.hbm_bw)
+        assert hidden.fwd > 0  # launches and merges even when every send hides
+        # a send longer than its block exposes the excess at every step
+        assert late.fwd - hidden.fwd == pytest.approx((c - 1) * a / c)
+        assert late.bwd - hidden.bwd == pytest.approx(c * 2 * a / c)
+    # more ring steps: more launches and merges for the same attention
+    two, eight = (ring_attention(work, c, 0.0, 0.0, CLUSTER.gpu.hbm_bw) for c in (2, 8))
+    assert eight.fwd > two.fwd and eight.bwd > two.bwd
+
+
+def test_zero3_gathers_pay_latency_per_layer_growing_with_the_group():
+    small = ModelShape.gpt(layers=4, hidden=1024, heads=16, seq=512, vocab=8192)
+
+    def zero3(nodes: int):
+        cluster = Cluster.preset("dgx-h100", nodes=nodes)
+        cfg = ParallelConfig(tp=1, pp=1, dp=8 * nodes, zero=3, global_batch=8 * nodes,
+                             micro_batch=1, recompute="none")  # fmt: skip
+        work = shape_workload(small, cfg, 1, cluster.gpu)
+        step = step_time(work, cfg, cluster, micro_batches=1, schedule="1f1b", virtual=1,
+                         recompute="none")  # fmt: skip
+        return work, cluster, step
+
+    work, cluster, step = zero3(256)
+    gather = span_time("all_gather", 2 * work.layer_dense_params, cluster, 1, 2048)
+    assert gather > 2047 * cluster.inter.latency  # alpha-beta: one hop per ring step
+    assert gather > work.layer_fwd_s  # per-layer compute too short to hide it
+    assert step.comm["dp"] >= gather + 4 * (gather - work.layer_fwd_s)
+    _, _, node = zero3(1)
+    _, _, few = zero3(8)
+    assert node.comm["dp"] < few.comm["dp"] < step.comm["dp"]
+
+
+def test_cp_ring_and_dp_traffic_share_the_nic_only_when_both_cross_nodes():
+    cfg = replace(BASE, tp=4, pp=1, dp=8, cp=2, zero=3, global_batch=64)
+    work = shape_workload(SHAPE, cfg, 1, CLUSTER.gpu)
+
+    def flat(kind, nbytes, stride, size):  # same price wherever the group sits
+        return 0.0 if size == 1 else 1e-5 + nbytes / 20e9
+
+    def run(cp_span):
+        spans = {"tp": (1, 4), "cp": cp_span, "ep": (8, 1), "dp": (4, 16),
+                 "dp_expert": (8, 8), "pp": (64, 1)}  # fmt: skip
+        return step_time(work, cfg, CLUSTER, micro_batches=8, schedule="1f1b", virtual=1,
+                         recompute="none", spans=spans, collective=flat)  # fmt: skip
+
+    inside, across = run((4, 2)), run((32, 2))  # cp in one node vs cp across two
+    assert inside.comm["cp"] == across.comm["cp"] and inside.compute == across.compute
+    assert across.comm["dp"] > inside.comm["dp"]
