@@ -70,6 +70,7 @@ class VerifyReport:
     rtol: float
     rows: tuple[TensorCheck, ...]
     recheck: VerifyReport | None = None  # the float64 re-run of a failed fp32 one (step 5)
+    recheck_error: str = ""  # why that re-run could not run (an op with no float64 kernel)
 
     @property
     def ok(self) -> bool:
@@ -94,6 +95,9 @@ class VerifyReport:
                       f"{self.recheck.max_rel_error:.2e}: {verdict}"]  # fmt: skip
             if not self.recheck.ok:
                 lines += ["float64 run:", *map(str, self.recheck.rows)]
+        if self.recheck_error:
+            lines += [f"re-run in float64 not possible ({self.recheck_error}): the fp32 verdict "
+                      "stands"]  # fmt: skip
         return "\n".join(lines)
 
 
@@ -123,8 +127,11 @@ def verify(
     wide = copy.deepcopy(model).to(torch.float64)
     inputs, kwargs = pytree.tree_map_only(torch.Tensor, _widen,
                                           (tuple(example_inputs), example_kwargs))  # fmt: skip
-    again = _verify(wide, mesh, inputs, loss_fn, example_kwargs=kwargs, rtol=rtol, seed=seed,
-                    **compile_options)  # fmt: skip
+    try:
+        again = _verify(wide, mesh, inputs, loss_fn, example_kwargs=kwargs, rtol=rtol, seed=seed,
+                        **compile_options)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - an op without a float64 kernel: keep the fp32 verdict
+        return dataclasses.replace(report, recheck_error=f"{type(exc).__name__}: {exc}"[:300])
     return dataclasses.replace(report, recheck=again)
 
 

@@ -98,6 +98,15 @@ class Kink(nn.Module):
         return self.c(torch.relu(self.b(torch.relu(self.a(x))) - self.h0)).sum()
 
 
+class KinkWithoutFloat64(Kink):
+    """The kink, in a model whose kernels refuse float64 (HF's grouped matmul has none)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float64:
+            raise RuntimeError("no float64 kernel")
+        return super().forward(x)
+
+
 class TracedDiffers(nn.Module):
     """A wrong program: the exported graph scales by 1.01, the eager model does not."""
 
@@ -171,6 +180,14 @@ def test_relu_kink_flip_is_told_apart_from_a_wrong_program_by_a_float64_rerun():
     wrong = verify(TracedDiffers(), Mesh(tp=2), (_x(),))
     assert not wrong.ok and wrong.recheck is not None and not wrong.recheck.ok
     assert "wrong in float64 too" in str(wrong)
+
+
+def test_float64_rerun_that_cannot_run_keeps_the_fp32_verdict():
+    torch.manual_seed(0)
+    x = torch.randn(16, 64)
+    report = verify(KinkWithoutFloat64(x), Mesh(tp=2), (x,))
+    assert not report.ok and report.recheck is None
+    assert "no float64 kernel" in report.recheck_error and "fp32 verdict stands" in str(report)
 
 
 def test_view_taken_after_an_in_place_add_is_relaid_out_after_the_view():
