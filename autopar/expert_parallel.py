@@ -23,6 +23,8 @@ Algorithm (:func:`compile_expert_parallel`):
    (``grad_all_reduce``); each scalar output (the loss) becomes the global loss
    (``batch_loss``: its gradient stays the rank's, 1/ep of it for a mean), so the experts'
    gradients, summed by the all-to-alls' backward over every rank's tokens, are exact.
+   Statistics over the batch feeding a non-linear loss term (the model's own load-balancing
+   loss) become global where they are computed (``autopar.batch_stats``, ``batch_mean``).
 4. Price the expert axis's collectives on the link its groups ride (the cluster's NVLink when
    ep fits inside a node with the axes inside it, else the fabric; alpha-beta, cost.comm):
    per MoE layer the count exchange, dispatch and combine, and their backward.
@@ -50,6 +52,7 @@ import torch.nn as nn
 
 from autopar import collectives as C
 from autopar import meta
+from autopar.batch_stats import globalize_batch_statistics
 from autopar.data_parallel import _graph, _model_name, loss_reduction, split_batch
 from autopar.errors import InputError, ShardingRuleError
 from autopar.mesh import Mesh
@@ -277,6 +280,7 @@ def place_experts(module: fx.GraphModule, layers: Sequence[MoELayer], *, axis: s
     for node in [n for n in graph.nodes if n.op == "get_attr"]:
         if node.target not in experts and _trainable(out, node.target):
             _reduce_grad(graph, node, axis)
+    globalize_batch_statistics(out, axis, reduction)
     _global_losses(graph, axis, reduction)
     graph.lint()
     out.recompile()

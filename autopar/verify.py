@@ -470,7 +470,7 @@ def _dp_rank_step(rank: int, groups: dict, module: torch.fx.GraphModule, args: t
 
     from autopar.runtime import DataParallelModule
 
-    collectives.bind({a: g for a, g in groups.items() if a != "dp"})
+    collectives.bind(groups)  # dp too: global batch statistics (batch_mean over dp)
     dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
     wrapped = DataParallelModule(module, group=groups["dp"], dp_mesh=dp_mesh, zero=zero,
                                  reduction=reduction)  # fmt: skip
