@@ -346,8 +346,9 @@ def _reduce_grad(graph: fx.Graph, node: fx.Node, axis: str) -> None:
 
 def _global_losses(graph: fx.Graph, axis: str, reduction: str) -> None:
     out = next(n for n in graph.nodes if n.op == "output")
-    for leaf in {a for a in torch.utils._pytree.tree_leaves(out.args[0])
-                 if isinstance(a, fx.Node)}:  # fmt: skip
+    # in output order: a set's order differs between ranks and would pair their all-reduces
+    for leaf in dict.fromkeys(a for a in torch.utils._pytree.tree_leaves(out.args[0])
+                              if isinstance(a, fx.Node)):  # fmt: skip
         v = leaf.meta.get("val")
         if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point():
             with graph.inserting_before(out):
