@@ -38,6 +38,7 @@ import torch.fx as fx
 from autopar import collectives as C
 from autopar import meta
 from autopar.errors import InputError
+from autopar.plan import Collective
 
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "logsumexp", "var", "std",
                "var_mean", "std_mean", "norm", "linalg_vector_norm", "prod", "nansum",
@@ -166,6 +167,20 @@ def _linear(node: fx.Node, varying: set[fx.Node]) -> bool:
         return False
     inputs = [a for a in node.args if isinstance(a, fx.Node) and a in varying]
     return len(inputs) == 1 and (name.startswith("mul") or node.args[0] is inputs[0])
+
+
+def statistic_collectives(gm: fx.GraphModule, axis: str) -> list[Collective]:
+    """The all-reduces :func:`globalize_batch_statistics` adds to ``gm`` (forward and backward
+    per statistic), listed as part of the loss."""
+    out = []
+    for node in boundaries(gm.graph):
+        val = node.meta["val"]
+        for direction in ("fwd", "bwd"):
+            out.append(Collective(kind="all_reduce", axis=axis, shape=tuple(val.shape),
+                                  dtype=str(val.dtype).replace("torch.", ""),
+                                  bytes=val.numel() * val.element_size(), direction=direction,
+                                  where="loss"))  # fmt: skip
+    return out
 
 
 def globalize_batch_statistics(gm: fx.GraphModule, axis: str, reduction: str,

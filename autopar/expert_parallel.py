@@ -52,7 +52,7 @@ import torch.nn as nn
 
 from autopar import collectives as C
 from autopar import meta
-from autopar.batch_stats import globalize_batch_statistics
+from autopar.batch_stats import globalize_batch_statistics, statistic_collectives
 from autopar.data_parallel import _graph, _model_name, loss_reduction, split_batch
 from autopar.errors import InputError, ShardingRuleError
 from autopar.mesh import Mesh
@@ -533,6 +533,7 @@ def compile_expert_parallel(mesh: Mesh, example_inputs: Sequence[Any],
     capacity = _capacity(capacity_factor, found_layers[stage][0], samples[stage], ep)
     found = (Collective(kind="all_reduce", axis="ep", shape=(), dtype="float32", bytes=4,
                         direction="fwd", where="loss"),
+             *(c for m in samples for c in statistic_collectives(m, "ep")),
              *(c for m, (ls, _) in zip(samples, found_layers, strict=True)
                for c in ep_collectives(m, ls, capacity > 0)))  # fmt: skip
     link = mesh.cluster.axis_link(mesh.axes, "ep")

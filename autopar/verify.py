@@ -617,7 +617,7 @@ def _verify_dp_expert(prog: Any, model: nn.Module, args: Sequence[Any], kwargs: 
         local = [mine(c, d) * scale if c is not None and c.dim() else c for c in cots]
         job = _ep_job(ep_prog, prog.inner_rank(rank), tuple(mine(a, d) for a in args),
                       {k: mine(v, d) for k, v in (kwargs or {}).items()}, local)  # fmt: skip
-        jobs.append((*job, prog.plan.zero, prog.plan.reduction))
+        jobs.append((prog.module(rank), *job[1:], prog.plan.zero, prog.plan.reduction))
     pool = get_pool(prog.mesh.world_size)
     results = pool.run(_dp_rank_step, prog.mesh.axes, jobs)
     again = pool.run(_dp_rank_step, prog.mesh.axes, jobs)

@@ -79,6 +79,8 @@ def test_the_statistics_found_are_the_aux_loss_reductions():
     code = prog.code(0)
     assert code.count("batch_mean(") == 4
     assert "batch_mean(cross_entropy" not in code
+    stats = [c for c in prog.collectives() if c.kind == "all_reduce" and c.shape == (4,)]
+    assert len(stats) == 8 and {c.where for c in stats} == {"loss"}  # 4 statistics, fwd + bwd
 
 
 def test_without_the_fix_ep_fails(monkeypatch):
@@ -140,3 +142,11 @@ def test_a_sum_loss_with_a_global_statistic_is_a_clear_error():
         prog = autoparallelize(model, Mesh(dp=2), _xy())
     with pytest.raises(InputError, match=r"statistic over the batch.*sum over the batch"):
         prog.module(0)
+
+
+@pytest.mark.parametrize("mesh", [Mesh(ep=2, tp=2), Mesh(dp=2, ep=2)], ids=str)
+def test_mixtral_load_balancing_loss_composes(mesh):
+    """Under dp x ep the statistics are global over both axes (a batch_mean per axis)."""
+    model, args, kwargs = _hf("mixtral", batch=4)
+    report = _check(model, mesh, args, kwargs)
+    assert report.ok, report
