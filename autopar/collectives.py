@@ -16,6 +16,8 @@ the wire in both directions:
   inverse all-to-all.  ``expert_combine`` is its inverse (backward: the dispatch's).
 - ``batch_loss(x, axis, reduction)``: a per-rank scalar loss -> the global one (mean or sum of
   a scalar over ``axis``); backward keeps this rank's gradient (scaled 1/size for a mean).
+- ``batch_mean(x, axis)``: a rank's statistic over its batch slice -> the mean over ``axis``
+  (the global statistic).  Backward: the mean of the ranks' gradients (each rank's share).
 
 A split dim with ``blocks`` > 1 is viewed as ``[blocks, n/blocks]`` and each block is split.
 Groups are bound per axis with :func:`bind` (``autopar.runtime`` does it).
@@ -319,6 +321,17 @@ class _BatchLoss(torch.autograd.Function):
         return g * ctx.scale, None, None
 
 
+class _BatchMean(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: str) -> torch.Tensor:
+        ctx.axis = axis
+        return _all_reduce(x, axis) / axis_size(axis)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return _all_reduce(g, ctx.axis) / axis_size(ctx.axis), None
+
+
 # ---------------------------------------------------------------- graph-facing ops
 
 
@@ -394,3 +407,10 @@ def batch_loss(x: torch.Tensor, axis: str, reduction: str) -> torch.Tensor:
     """A rank's scalar loss over its batch slice -> the global loss; backward keeps the rank's
     own gradient (1/size of it for a mean)."""
     return _BatchLoss.apply(x, axis, reduction)
+
+
+@graph_op
+def batch_mean(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """A rank's statistic over its (equal) batch slice -> its mean over ``axis``, the global
+    statistic; backward averages the ranks' gradients, so each rank gets its share."""
+    return _BatchMean.apply(x, axis)

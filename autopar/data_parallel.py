@@ -19,11 +19,14 @@ Algorithm (:func:`compile_data_parallel`):
    and a reduce-scatter of the gradients (= one all-reduce); ZeRO-3 also re-gathers the
    parameters in backward (1.5x DDP).  ZeRO-2/3 gather and reduce one repeated block at a
    time (runtime.shard_per_block); with ``param_dtype`` 16-bit the gathers move 16-bit.
+6. Statistics over the batch that feed a non-linear loss term (an MoE load-balancing loss)
+   become global over dp where they are computed (autopar.batch_stats).
 The runtime (autopar.runtime.DataParallelModule) reuses torch's engines for the reduction.
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -293,6 +296,7 @@ class DataParallelProgram:
     def __init__(self, *, inner: Any, mesh: Mesh, plan: DataParallelPlan) -> None:
         self.inner, self.mesh, self.plan = inner, mesh, plan
         self.inner_mesh = inner.mesh
+        self._modules: dict[int, Any] = {}
 
     def inner_rank(self, rank: int) -> int:
         """The sub-mesh rank that global ``rank`` plays (its non-dp coordinates)."""
@@ -300,8 +304,19 @@ class DataParallelProgram:
         return self.inner_mesh.rank_of({a: coords.get(a, 0) for a, _ in self.inner_mesh.axes})
 
     def module(self, rank: int) -> Any:
-        """The rank's sub-mesh module (every dp replica runs the same one)."""
-        return self.inner.module(self.inner_rank(rank))
+        """The rank's sub-mesh module (every dp replica runs the same one), its statistics
+        over the batch that feed a non-linear loss term made global over dp (batch_stats)."""
+        from autopar.batch_stats import boundaries, globalize_batch_statistics
+
+        inner = self.inner_rank(rank)
+        if inner not in self._modules:
+            module = self.inner.module(inner)
+            if isinstance(module, fx.GraphModule) and boundaries(module.graph):
+                module = copy.deepcopy(module)
+                globalize_batch_statistics(module, "dp", self.plan.reduction,
+                                           _model_name(self.inner))  # fmt: skip
+            self._modules[inner] = module
+        return self._modules[inner]
 
     def code(self, rank: int = 0) -> str:
         coords = ", ".join(f"{a}={c}" for a, c in self.mesh.coordinates(rank).items())

@@ -23,6 +23,8 @@ Algorithm (:func:`compile_expert_parallel`):
    (``grad_all_reduce``); each scalar output (the loss) becomes the global loss
    (``batch_loss``: its gradient stays the rank's, 1/ep of it for a mean), so the experts'
    gradients, summed by the all-to-alls' backward over every rank's tokens, are exact.
+   Statistics over the batch feeding a non-linear loss term (the model's own load-balancing
+   loss) become global where they are computed (``autopar.batch_stats``, ``batch_mean``).
 4. Price the expert axis's collectives on the link its groups ride (the cluster's NVLink when
    ep fits inside a node with the axes inside it, else the fabric; alpha-beta, cost.comm):
    per MoE layer the count exchange, dispatch and combine, and their backward.
@@ -50,6 +52,7 @@ import torch.nn as nn
 
 from autopar import collectives as C
 from autopar import meta
+from autopar.batch_stats import globalize_batch_statistics, statistic_collectives
 from autopar.data_parallel import _graph, _model_name, loss_reduction, split_batch
 from autopar.errors import InputError, ShardingRuleError
 from autopar.mesh import Mesh
@@ -277,6 +280,7 @@ def place_experts(module: fx.GraphModule, layers: Sequence[MoELayer], *, axis: s
     for node in [n for n in graph.nodes if n.op == "get_attr"]:
         if node.target not in experts and _trainable(out, node.target):
             _reduce_grad(graph, node, axis)
+    globalize_batch_statistics(out, axis, reduction)
     _global_losses(graph, axis, reduction)
     graph.lint()
     out.recompile()
@@ -342,8 +346,9 @@ def _reduce_grad(graph: fx.Graph, node: fx.Node, axis: str) -> None:
 
 def _global_losses(graph: fx.Graph, axis: str, reduction: str) -> None:
     out = next(n for n in graph.nodes if n.op == "output")
-    for leaf in {a for a in torch.utils._pytree.tree_leaves(out.args[0])
-                 if isinstance(a, fx.Node)}:  # fmt: skip
+    # in output order: a set's order differs between ranks and would pair their all-reduces
+    for leaf in dict.fromkeys(a for a in torch.utils._pytree.tree_leaves(out.args[0])
+                              if isinstance(a, fx.Node)):  # fmt: skip
         v = leaf.meta.get("val")
         if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point():
             with graph.inserting_before(out):
@@ -528,6 +533,7 @@ def compile_expert_parallel(mesh: Mesh, example_inputs: Sequence[Any],
     capacity = _capacity(capacity_factor, found_layers[stage][0], samples[stage], ep)
     found = (Collective(kind="all_reduce", axis="ep", shape=(), dtype="float32", bytes=4,
                         direction="fwd", where="loss"),
+             *(c for m in samples for c in statistic_collectives(m, "ep")),
              *(c for m, (ls, _) in zip(samples, found_layers, strict=True)
                for c in ep_collectives(m, ls, capacity > 0)))  # fmt: skip
     link = mesh.cluster.axis_link(mesh.axes, "ep")

@@ -484,7 +484,7 @@ def _dp_rank_step(rank: int, groups: dict, module: torch.fx.GraphModule, args: t
 
     from autopar.runtime import DataParallelModule
 
-    collectives.bind({a: g for a, g in groups.items() if a != "dp"})
+    collectives.bind(groups)  # dp too: global batch statistics (batch_mean over dp)
     dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
     wrapped = DataParallelModule(module, group=groups["dp"], dp_mesh=dp_mesh, zero=zero,
                                  reduction=reduction)  # fmt: skip
@@ -622,7 +622,7 @@ def _verify_dp_expert(prog: Any, model: nn.Module, args: Sequence[Any], kwargs: 
         local = [mine(c, d) * scale if c is not None and c.dim() else c for c in cots]
         job = _ep_job(ep_prog, prog.inner_rank(rank), tuple(mine(a, d) for a in args),
                       {k: mine(v, d) for k, v in (kwargs or {}).items()}, local)  # fmt: skip
-        jobs.append((*job, prog.plan.zero, prog.plan.reduction))
+        jobs.append((prog.module(rank), *job[1:], prog.plan.zero, prog.plan.reduction))
     pool = get_pool(prog.mesh.world_size)
     results = pool.run(_dp_rank_step, prog.mesh.axes, jobs)
     again = pool.run(_dp_rank_step, prog.mesh.axes, jobs)
