@@ -3,8 +3,9 @@ is a product of means over ALL tokens, so under ep and dp each rank's statistics
 slice are all-reduced where they are computed (``batch_mean``).  Loss and every gradient
 equal one device at relative 1e-5 (fp32).
 
-``autopar.verify._verify`` is used where a run is expected to fail: verify()'s float64 recheck
-cannot run HF's grouped matmul (no float64 kernel) and would raise instead of reporting.
+``autopar.verify._verify`` (the fp32 run alone) is used where a run is expected to fail:
+verify()'s float64 re-run cannot run HF's grouped matmul (no float64 kernel), so it would
+only add a compile before keeping the fp32 verdict.
 """
 
 from __future__ import annotations
