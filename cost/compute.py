@@ -20,11 +20,13 @@ Algorithm (`op_time`):
 from __future__ import annotations
 
 import math
-
-import torch
-import torch.fx
+from typing import TYPE_CHECKING
 
 from cost.hardware import GPU
+
+if TYPE_CHECKING:  # torch is imported where a graph is read, not for model shapes
+    import torch
+    import torch.fx
 
 MATMUL_PEAK_FRACTION = 0.72  # large GEMMs: ~82% kernel efficiency × ~88% sustained clock
 MATMUL_K_HALF = 64  # a K loop of 64 runs at half speed: fixed prologue/epilogue per tile
@@ -161,11 +163,15 @@ def _arg(node: torch.fx.Node, name: str, default=None):
 def _val(arg):
     if isinstance(arg, (list, tuple)):
         return [_val(a) for a in arg]
+    import torch.fx
+
     return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
 
 
 def tensors_of(val) -> list[torch.Tensor]:
     """The tensors in a (possibly nested) `meta["val"]`, in order."""
+    import torch
+
     if isinstance(val, torch.Tensor):
         return [val]
     if isinstance(val, (list, tuple)):

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from cost.config import ParallelConfig, validate
-from cost.graph import GraphModel
 from cost.hardware import GPU, Cluster
 from cost.memory import MemoryBreakdown, rank_memory
 from cost.model import ModelShape
@@ -164,6 +163,8 @@ def as_priced(model) -> Priced:
         return ShapeModel(shape=model)
     if hasattr(model, "workload"):
         return model
+    from cost.graph import GraphModel  # torch: only for traced graphs
+
     graph = getattr(model, "graph", None)
     if graph is None:
         return GraphModel.from_traced(model)  # not a graph: raises the explanation
