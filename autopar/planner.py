@@ -51,7 +51,17 @@ from autopar.meta import source
 from autopar.rules import RuleContext, Strategy, strategies, view_block_counts
 from autopar.trace import Traced, is_getitem, is_tensor, tensor_args
 from cost.comm import collective_time
-from cost.compute import KERNEL_LAUNCH_S, node_time
+from cost.compute import (
+    KERNEL_LAUNCH_S,
+    MATMUL_OPS,
+    gemm_dims,
+    matmul_efficiency,
+    node_flops_bytes,
+    node_time,
+    op_name,
+    op_time,
+    tensors_of,
+)
 from cost.hardware import GPU, Link
 
 ADAM_STATE_FACTOR = 4  # parameter + gradient + two Adam moments, per parameter element
@@ -285,7 +295,9 @@ def _choice_vars(prob: _Problem, nodes: list[fx.Node], rep: dict, cands: dict, g
         ids = []
         for i, s in enumerate(strats):
             share = 1.0 if s.redundant else 1.0 / size
-            t = max(base * share, min(base, KERNEL_LAUNCH_S)) * (3.0 if n in grad else 1.0)
+            local = _local_gemm_time(n, s, size, gpu) if base > 0 else None
+            t = base * share if local is None else local
+            t = max(t, min(base, KERNEL_LAUNCH_S)) * (3.0 if n in grad else 1.0)
             t += sum(pricer.t(kind, nbytes) for kind, nbytes in s.comm)
             mem = _memory(n, s, size, grad)
             xvar[(n, i)] = prob.var(
@@ -295,6 +307,29 @@ def _choice_vars(prob: _Problem, nodes: list[fx.Node], rep: dict, cands: dict, g
             ids.append(xvar[(n, i)])
         prob.row({i: 1.0 for i in ids}, 1.0, 1.0)
     return xvar
+
+
+def _local_gemm_time(n: fx.Node, s: Strategy, size: int, gpu: GPU) -> float | None:
+    """Seconds of one rank's GEMM under a split ``s``, at the efficiency of its *local* shape
+    (None for other ops and replicated GEMMs: the global time applies).  A GEMM runs on whole
+    128x128 output tiles, so splitting a head-dim-wide projection (n = 128 -> 64) halves its
+    FLOPs but also its tile occupancy: it runs no faster (step 3)."""
+    out = tensors_of(n.meta.get("val"))
+    if s.redundant or op_name(n) not in MATMUL_OPS or len(out) != 1 or out[0].dim() == 0:
+        return None
+    m, cols, k = gemm_dims(n, out[0])
+    if isinstance(s.output, Partial):
+        k /= size
+    elif isinstance(s.output, Shard) and s.output.dim in (-1, out[0].dim() - 1):
+        cols /= size
+    elif isinstance(s.output, Shard):
+        m /= size
+    else:
+        return None
+    flops, moved = node_flops_bytes(n)
+    dtype_bytes = min(max(out[0].element_size(), 2), 4)
+    return op_time(flops / size, moved / size, gpu, dtype_bytes,
+                   compute_efficiency=matmul_efficiency(m, cols, k))  # fmt: skip
 
 
 def _memory(n: fx.Node, s: Strategy, size: int, grad: set) -> float:
