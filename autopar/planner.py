@@ -476,6 +476,8 @@ def _price_inputs(prob: _Problem, v: fx.Node, rep: dict, cands: dict, xvar: dict
                 if needs and isinstance(want, Replicate) and not sb.redundant:
                     late = _deferred_bytes(u, arg, idx, grad) if sa.redundant else nbytes
                     g = pricer.grad_reduce(have, min(nbytes, late))
+                    if sa.redundant and idx is None and _reduced_at_weights(u, grad):
+                        g = 0.0
                     _bound_aux(prob, ("grad", ur, idx, a), (u, idx), g, edge, z[(a, b)], 0.0)
         if fresh:
             _transport_rows(prob, z, xvar, ur, vr, len(cands[ur]), len(cands[vr]))
@@ -495,6 +497,42 @@ def _deferred_bytes(u: fx.Node, arg: fx.Node, idx: int | None, grad: set) -> flo
             break
         node = ins[0]
     return _nbytes(node)
+
+
+def _reduced_at_weights(u: fx.Node, grad: set) -> bool:
+    """Whether ``lower_collectives`` (step 7) moves the reduction of replicated ``u``'s partial
+    gradient to weights: the replicated region above ``u`` (ops whose users all lie in it, e.g.
+    a rotary embedding and a key projection) reads, among values that need a gradient, only
+    weights and values that also feed another projection (whose reduction, Megatron's f,
+    absorbs it).  A
+    weight-gradient reduction overlaps the rest of backward like a data-parallel bucket: it
+    costs the step no time (step 4)."""
+    if len(u.users) != 1 or u.op != "call_function" or _mutates(u):
+        return False
+    region, grew = {u}, True
+    while grew:
+        grew = False
+        for n in list(region):
+            for a in tensor_args(n):
+                if (a not in region and a in grad and a.op == "call_function"
+                        and not _mutates(a) and all(x in region for x in a.users)):  # fmt: skip
+                    region.add(a)
+                    grew = True
+    frontier = {a for n in region for a in tensor_args(n) if a in grad and a not in region}
+    return bool(frontier) and all(_is_weight(f) or _projected(f, region) for f in frontier)
+
+
+def _projected(f: fx.Node, region: set) -> bool:
+    """``f`` also feeds a projection outside the region (a weight every tp plan splits, step
+    3, so ``f``'s gradient is reduced there anyway and the region's share merges into it)."""
+    return any(op_name(x) in MATMUL_OPS and any(_is_weight(a) for a in tensor_args(x) if a is not f)
+               for x in f.users if x not in region)  # fmt: skip
+
+
+def _is_weight(f: fx.Node) -> bool:
+    while f.op == "call_function" and len(tensor_args(f)) == 1 and not _mutates(f):
+        f = tensor_args(f)[0]
+    return f.op == "placeholder"
 
 
 def _mutates(node: fx.Node) -> bool:

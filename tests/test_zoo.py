@@ -34,7 +34,6 @@ _MOE = ("with distributed norms the planner keeps the residual split on the hidd
 KNOWN_GAPS: dict[tuple[str, str], str] = {
     ("gpt_bigcode", "comm"): _MQA + " (fused c_attn)",
     ("falcon", "comm"): _MQA + " (fused query_key_value)",
-    ("gemma", "comm"): _MQA,
     ("stablelm_parallel_qknorm", "comm"): _PARALLEL + " with per-head q/k layer norms: they "
                                           "read whole q and k, so both are all-gathered",
     ("phi3", "comm"): "fused [q | k | v] of unequal widths (GQA): no unequal blocked split yet",
