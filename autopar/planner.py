@@ -188,7 +188,8 @@ def _solve(traced: Traced, axis: str, size: int, link: Link, gpu: GPU, options: 
     if weight is None:
         weight = MEMORY_PRICE_S / gpu.hbm_bytes
     prob = _Problem()
-    pricer = _Pricer(size=size, link=link, fixed_params=in_place)
+    pricer = _Pricer(size=size, link=link, fixed_params=in_place,
+                     small=_small_matrices(cands, traced))  # fmt: skip
     xvar = _choice_vars(prob, graph_nodes, rep, cands, grad, gpu, pricer, weight)
     for v in graph_nodes:
         _price_inputs(prob, v, rep, cands, xvar, grad, pricer, options.replicate_outputs)
@@ -348,14 +349,11 @@ def _require_weight_split(prob: _Problem, cands: dict, xvar: dict, traced: Trace
     """Forbid replicating every large matrix (step 3); return those no strategy can split
     (they stay whole, with a warning)."""
     mats = [n for n in cands if n.name in traced.params and n.meta["val"].dim() >= 2]
-    sizes: dict[str, list[int]] = defaultdict(list)
-    for n in mats:
-        sizes[block_of(traced.params[n.name])].append(n.meta["val"].numel())
+    small = _small_matrices(cands, traced)
     unsplit = []
     for n in mats:
         fqn = traced.params[n.name]
-        group = sorted(sizes[block_of(fqn)])
-        if n.meta["val"].numel() * SMALL_MATRIX_RATIO <= group[len(group) // 2]:
+        if n.name in small:
             continue  # small next to its block's typical matrix: the cost model decides
         if all(s.redundant for s in cands[n]):
             unsplit.append(fqn)
@@ -395,6 +393,7 @@ class _Pricer:
     size: int
     link: Link
     fixed_params: frozenset[str] = frozenset()  # split weights (and views) are never moved
+    small: frozenset[str] = frozenset()  # matrices step 3 lets stay whole (may be replicated)
 
     def t(self, kind: str, nbytes: float) -> float:
         return COLLECTIVE_OVERHEAD_S + collective_time(kind, nbytes, self.size, self.link)
@@ -476,7 +475,7 @@ def _price_inputs(prob: _Problem, v: fx.Node, rep: dict, cands: dict, xvar: dict
                 if needs and isinstance(want, Replicate) and not sb.redundant:
                     late = _deferred_bytes(u, arg, idx, grad) if sa.redundant else nbytes
                     g = pricer.grad_reduce(have, min(nbytes, late))
-                    if sa.redundant and idx is None and _reduced_at_weights(u, grad):
+                    if sa.redundant and idx is None and _reduced_at_weights(u, grad, pricer.small):
                         g = 0.0
                     _bound_aux(prob, ("grad", ur, idx, a), (u, idx), g, edge, z[(a, b)], 0.0)
         if fresh:
@@ -499,14 +498,16 @@ def _deferred_bytes(u: fx.Node, arg: fx.Node, idx: int | None, grad: set) -> flo
     return _nbytes(node)
 
 
-def _reduced_at_weights(u: fx.Node, grad: set) -> bool:
+def _reduced_at_weights(u: fx.Node, grad: set, small: frozenset[str]) -> bool:
     """Whether ``lower_collectives`` (step 7) moves the reduction of replicated ``u``'s partial
     gradient to weights: the replicated region above ``u`` (ops whose users all lie in it, e.g.
     a rotary embedding and a key projection) reads, among values that need a gradient, only
     weights and values that also feed another projection (whose reduction, Megatron's f,
     absorbs it).  A
     weight-gradient reduction overlaps the rest of backward like a data-parallel bucket: it
-    costs the step no time (step 4)."""
+    costs the step no time (step 4).  A projection in the region must read a matrix step 3
+    lets stay whole: any other is split, so the replicated region (and the lowering's hoist)
+    stops before it."""
     if len(u.users) != 1 or u.op != "call_function" or _mutates(u):
         return False
     region, grew = {u}, True
@@ -518,6 +519,9 @@ def _reduced_at_weights(u: fx.Node, grad: set) -> bool:
                         and not _mutates(a) and all(x in region for x in a.users)):  # fmt: skip
                     region.add(a)
                     grew = True
+    if any(op_name(n) in MATMUL_OPS and any(_is_weight(a) and _root(a).name not in small
+                                             for a in tensor_args(n)) for n in region):  # fmt: skip
+        return False
     frontier = {a for n in region for a in tensor_args(n) if a in grad and a not in region}
     return bool(frontier) and all(_is_weight(f) or _projected(f, region) for f in frontier)
 
@@ -530,9 +534,28 @@ def _projected(f: fx.Node, region: set) -> bool:
 
 
 def _is_weight(f: fx.Node) -> bool:
+    return _root(f).op == "placeholder"
+
+
+def _root(f: fx.Node) -> fx.Node:
+    """The value a chain of single-input ops (views, casts) starts from."""
     while f.op == "call_function" and len(tensor_args(f)) == 1 and not _mutates(f):
         f = tensor_args(f)[0]
-    return f.op == "placeholder"
+    return f
+
+
+def _small_matrices(cands: dict, traced: Traced) -> frozenset[str]:
+    """Placeholder names of the matrices step 3 does not force to be split."""
+    mats = [n for n in cands if n.name in traced.params and n.meta["val"].dim() >= 2]
+    sizes: dict[str, list[int]] = defaultdict(list)
+    for n in mats:
+        sizes[block_of(traced.params[n.name])].append(n.meta["val"].numel())
+    small = set()
+    for n in mats:
+        group = sorted(sizes[block_of(traced.params[n.name])])
+        if n.meta["val"].numel() * SMALL_MATRIX_RATIO <= group[len(group) // 2]:
+            small.add(n.name)
+    return frozenset(small)
 
 
 def _mutates(node: fx.Node) -> bool:
