@@ -67,6 +67,9 @@ from cost.hardware import GPU, Link
 ADAM_STATE_FACTOR = 4  # parameter + gradient + two Adam moments, per parameter element
 COLLECTIVE_OVERHEAD_S = 10e-6  # launch + stream synchronisation per collective call
 SMALL_MATRIX_RATIO = 8  # a matrix 8x smaller than its block's median one may stay whole
+# GEMMs priced at their local shape; a grouped GEMM's tiles depend on the rows each expert
+# receives (routing, unknown at plan time), so it keeps the global time / size
+_LOCAL_GEMMS = {"linear", "addmm", "mm", "bmm", "matmul", "baddbmm"}
 MEMORY_PRICE_S = 1e-3  # default price of holding the GPU's whole memory, in seconds of step time
 
 
@@ -316,7 +319,7 @@ def _local_gemm_time(n: fx.Node, s: Strategy, size: int, gpu: GPU) -> float | No
     128x128 output tiles, so splitting a head-dim-wide projection (n = 128 -> 64) halves its
     FLOPs but also its tile occupancy: it runs no faster (step 3)."""
     out = tensors_of(n.meta.get("val"))
-    if s.redundant or op_name(n) not in MATMUL_OPS or len(out) != 1 or out[0].dim() == 0:
+    if s.redundant or op_name(n) not in _LOCAL_GEMMS or len(out) != 1 or out[0].dim() == 0:
         return None
     m, cols, k = gemm_dims(n, out[0])
     if isinstance(s.output, Partial):
@@ -329,8 +332,9 @@ def _local_gemm_time(n: fx.Node, s: Strategy, size: int, gpu: GPU) -> float | No
         return None
     flops, moved = node_flops_bytes(n)
     dtype_bytes = min(max(out[0].element_size(), 2), 4)
-    return op_time(flops / size, moved / size, gpu, dtype_bytes,
-                   compute_efficiency=matmul_efficiency(m, cols, k))  # fmt: skip
+    local = op_time(flops / size, moved / size, gpu, dtype_bytes,
+                    compute_efficiency=matmul_efficiency(m, cols, k))  # fmt: skip
+    return min(local, node_time(n, gpu))  # a part of a GEMM is never slower than all of it
 
 
 def _memory(n: fx.Node, s: Strategy, size: int, grad: set) -> float:
