@@ -53,3 +53,24 @@ def test_replicated_kv_projection_reduces_only_its_weight_gradients():
     assert not [s for s in shapes if d in s[2][-1:] and s[2] != (d, c.hidden)]  # no K/V acts
     report = verify(model, Mesh(tp=2), tokens(c), loss_fn=lm_loss, plan=plan)
     assert report.ok and report.max_rel_error < 1e-5, report
+
+
+def test_multi_query_gemma_backward_is_megatron_sp_plus_kv_weight_reductions():
+    """Gemma (1 KV head) at a realistic shape, meta device: the K/V projections are replicated
+    (REFERENCE, g < t), so the gathered attention input's gradient is reduce-scattered (the
+    all_gather + f pair folds, step 8), never all-reduced, and the only K/V traffic is the
+    backward all-reduce of the two [d, h] weight gradients per layer."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    from autopar import Mesh, autoparallelize, zoo
+
+    entry = zoo.family("gemma")
+    d = zoo.dims(entry, "realistic")
+    model, args, kwargs, loss_fn = zoo.build(entry, "realistic", device="meta")
+    prog = autoparallelize(model, Mesh(tp=2), args, loss_fn, example_kwargs=kwargs)
+    shapes = [(x.direction, x.kind, x.shape) for x in prog.collectives()]
+    bsh = (d.batch, d.seq, d.hidden)
+    assert ("bwd", "all_reduce", bsh) not in shapes
+    assert shapes.count(("bwd", "all_reduce", (d.head_dim, d.hidden))) == 2 * d.layers
+    assert not [s for s in shapes if s[0] == "fwd" and s[2][-1:] == (d.head_dim,)]
