@@ -9,7 +9,8 @@ Algorithm (:func:`solve_axis`):
    op/shape signature equals the first block's share its decision variables, so a 32-layer model
    is solved as one layer plus the ends.
 3. Price every (node, strategy): compute share (1 when every rank repeats the op, 1/size when
-   split), collectives inside lowerings, and activation / parameter memory.  Memory is priced by
+   split; a split GEMM at its local shape's tile efficiency), collectives inside lowerings, and
+   activation / parameter memory.  Memory is priced by
    default: holding the GPU's whole capacity costs ``MEMORY_PRICE_S`` seconds, so replicating a
    weight is never free.  Every matrix of a block (or outside blocks) must be split unless it is
    ``SMALL_MATRIX_RATIO`` times smaller than the block's median matrix: the user chose the axis
@@ -20,7 +21,8 @@ Algorithm (:func:`solve_axis`):
    job on the data axis, not tensor parallelism),
    shared per (producer, target layout) as the lowered graph shares it, plus the backward
    all-reduce (or reduce-scatter) a replicated value needs when a split consumer makes its
-   gradient partial.  Impossible re-layouts (to partial) are forbidden pairs.  Each collective
+   gradient partial (free when ``lower_collectives`` moves it to weight gradients, which
+   overlap the rest of backward).  Impossible re-layouts (to partial) are forbidden pairs.  Each collective
    also pays a fixed launch-and-synchronise overhead, so fewer, larger collectives win ties.
 5. Solve exactly with HiGHS (scipy.optimize.milp): binary choice per node, continuous
    linearisation variables per priced edge pair; optional per-rank memory limit.
