@@ -9,7 +9,8 @@ Algorithm (:func:`solve_axis`):
    op/shape signature equals the first block's share its decision variables, so a 32-layer model
    is solved as one layer plus the ends.
 3. Price every (node, strategy): compute share (1 when every rank repeats the op, 1/size when
-   split), collectives inside lowerings, and activation / parameter memory.  Memory is priced by
+   split; a split GEMM at its local shape's tile efficiency), collectives inside lowerings, and
+   activation / parameter memory.  Memory is priced by
    default: holding the GPU's whole capacity costs ``MEMORY_PRICE_S`` seconds, so replicating a
    weight is never free.  Every matrix of a block (or outside blocks) must be split unless it is
    ``SMALL_MATRIX_RATIO`` times smaller than the block's median matrix: the user chose the axis
@@ -20,7 +21,8 @@ Algorithm (:func:`solve_axis`):
    job on the data axis, not tensor parallelism),
    shared per (producer, target layout) as the lowered graph shares it, plus the backward
    all-reduce (or reduce-scatter) a replicated value needs when a split consumer makes its
-   gradient partial.  Impossible re-layouts (to partial) are forbidden pairs.  Each collective
+   gradient partial (free when ``lower_collectives`` moves it to weight gradients, which
+   overlap the rest of backward).  Impossible re-layouts (to partial) are forbidden pairs.  Each collective
    also pays a fixed launch-and-synchronise overhead, so fewer, larger collectives win ties.
 5. Solve exactly with HiGHS (scipy.optimize.milp): binary choice per node, continuous
    linearisation variables per priced edge pair; optional per-rank memory limit.
@@ -51,12 +53,25 @@ from autopar.meta import source
 from autopar.rules import RuleContext, Strategy, strategies, view_block_counts
 from autopar.trace import Traced, is_getitem, is_tensor, tensor_args
 from cost.comm import collective_time
-from cost.compute import KERNEL_LAUNCH_S, node_time
+from cost.compute import (
+    KERNEL_LAUNCH_S,
+    MATMUL_OPS,
+    gemm_dims,
+    matmul_efficiency,
+    node_flops_bytes,
+    node_time,
+    op_name,
+    op_time,
+    tensors_of,
+)
 from cost.hardware import GPU, Link
 
 ADAM_STATE_FACTOR = 4  # parameter + gradient + two Adam moments, per parameter element
 COLLECTIVE_OVERHEAD_S = 10e-6  # launch + stream synchronisation per collective call
 SMALL_MATRIX_RATIO = 8  # a matrix 8x smaller than its block's median one may stay whole
+# GEMMs priced at their local shape; a grouped GEMM's tiles depend on the rows each expert
+# receives (routing, unknown at plan time), so it keeps the global time / size
+_LOCAL_GEMMS = {"linear", "addmm", "mm", "bmm", "matmul", "baddbmm"}
 MEMORY_PRICE_S = 1e-3  # default price of holding the GPU's whole memory, in seconds of step time
 
 
@@ -178,7 +193,8 @@ def _solve(traced: Traced, axis: str, size: int, link: Link, gpu: GPU, options: 
     if weight is None:
         weight = MEMORY_PRICE_S / gpu.hbm_bytes
     prob = _Problem()
-    pricer = _Pricer(size=size, link=link, fixed_params=in_place)
+    pricer = _Pricer(size=size, link=link, fixed_params=in_place,
+                     small=_small_matrices(cands, traced))  # fmt: skip
     xvar = _choice_vars(prob, graph_nodes, rep, cands, grad, gpu, pricer, weight)
     for v in graph_nodes:
         _price_inputs(prob, v, rep, cands, xvar, grad, pricer, options.replicate_outputs)
@@ -285,7 +301,9 @@ def _choice_vars(prob: _Problem, nodes: list[fx.Node], rep: dict, cands: dict, g
         ids = []
         for i, s in enumerate(strats):
             share = 1.0 if s.redundant else 1.0 / size
-            t = max(base * share, min(base, KERNEL_LAUNCH_S)) * (3.0 if n in grad else 1.0)
+            local = _local_gemm_time(n, s, size, gpu) if base > 0 else None
+            t = base * share if local is None else local
+            t = max(t, min(base, KERNEL_LAUNCH_S)) * (3.0 if n in grad else 1.0)
             t += sum(pricer.t(kind, nbytes) for kind, nbytes in s.comm)
             mem = _memory(n, s, size, grad)
             xvar[(n, i)] = prob.var(
@@ -295,6 +313,30 @@ def _choice_vars(prob: _Problem, nodes: list[fx.Node], rep: dict, cands: dict, g
             ids.append(xvar[(n, i)])
         prob.row({i: 1.0 for i in ids}, 1.0, 1.0)
     return xvar
+
+
+def _local_gemm_time(n: fx.Node, s: Strategy, size: int, gpu: GPU) -> float | None:
+    """Seconds of one rank's GEMM under a split ``s``, at the efficiency of its *local* shape
+    (None for other ops and replicated GEMMs: the global time applies).  A GEMM runs on whole
+    128x128 output tiles, so splitting a head-dim-wide projection (n = 128 -> 64) halves its
+    FLOPs but also its tile occupancy: it runs no faster (step 3)."""
+    out = tensors_of(n.meta.get("val"))
+    if s.redundant or op_name(n) not in _LOCAL_GEMMS or len(out) != 1 or out[0].dim() == 0:
+        return None
+    m, cols, k = gemm_dims(n, out[0])
+    if isinstance(s.output, Partial):
+        k /= size
+    elif isinstance(s.output, Shard) and s.output.dim in (-1, out[0].dim() - 1):
+        cols /= size
+    elif isinstance(s.output, Shard):
+        m /= size
+    else:
+        return None
+    flops, moved = node_flops_bytes(n)
+    dtype_bytes = min(max(out[0].element_size(), 2), 4)
+    local = op_time(flops / size, moved / size, gpu, dtype_bytes,
+                    compute_efficiency=matmul_efficiency(m, cols, k))  # fmt: skip
+    return min(local, node_time(n, gpu))  # a part of a GEMM is never slower than all of it
 
 
 def _memory(n: fx.Node, s: Strategy, size: int, grad: set) -> float:
@@ -313,14 +355,11 @@ def _require_weight_split(prob: _Problem, cands: dict, xvar: dict, traced: Trace
     """Forbid replicating every large matrix (step 3); return those no strategy can split
     (they stay whole, with a warning)."""
     mats = [n for n in cands if n.name in traced.params and n.meta["val"].dim() >= 2]
-    sizes: dict[str, list[int]] = defaultdict(list)
-    for n in mats:
-        sizes[block_of(traced.params[n.name])].append(n.meta["val"].numel())
+    small = _small_matrices(cands, traced)
     unsplit = []
     for n in mats:
         fqn = traced.params[n.name]
-        group = sorted(sizes[block_of(fqn)])
-        if n.meta["val"].numel() * SMALL_MATRIX_RATIO <= group[len(group) // 2]:
+        if n.name in small:
             continue  # small next to its block's typical matrix: the cost model decides
         if all(s.redundant for s in cands[n]):
             unsplit.append(fqn)
@@ -360,6 +399,7 @@ class _Pricer:
     size: int
     link: Link
     fixed_params: frozenset[str] = frozenset()  # split weights (and views) are never moved
+    small: frozenset[str] = frozenset()  # matrices step 3 lets stay whole (may be replicated)
 
     def t(self, kind: str, nbytes: float) -> float:
         return COLLECTIVE_OVERHEAD_S + collective_time(kind, nbytes, self.size, self.link)
@@ -441,6 +481,8 @@ def _price_inputs(prob: _Problem, v: fx.Node, rep: dict, cands: dict, xvar: dict
                 if needs and isinstance(want, Replicate) and not sb.redundant:
                     late = _deferred_bytes(u, arg, idx, grad) if sa.redundant else nbytes
                     g = pricer.grad_reduce(have, min(nbytes, late))
+                    if sa.redundant and idx is None and _reduced_at_weights(u, grad, pricer.small):
+                        g = 0.0
                     _bound_aux(prob, ("grad", ur, idx, a), (u, idx), g, edge, z[(a, b)], 0.0)
         if fresh:
             _transport_rows(prob, z, xvar, ur, vr, len(cands[ur]), len(cands[vr]))
@@ -460,6 +502,66 @@ def _deferred_bytes(u: fx.Node, arg: fx.Node, idx: int | None, grad: set) -> flo
             break
         node = ins[0]
     return _nbytes(node)
+
+
+def _reduced_at_weights(u: fx.Node, grad: set, small: frozenset[str]) -> bool:
+    """Whether ``lower_collectives`` (step 7) moves the reduction of replicated ``u``'s partial
+    gradient to weights: the replicated region above ``u`` (ops whose users all lie in it, e.g.
+    a rotary embedding and a key projection) reads, among values that need a gradient, only
+    weights and values that also feed another projection (whose reduction, Megatron's f,
+    absorbs it).  A
+    weight-gradient reduction overlaps the rest of backward like a data-parallel bucket: it
+    costs the step no time (step 4).  A projection in the region must read a matrix step 3
+    lets stay whole: any other is split, so the replicated region (and the lowering's hoist)
+    stops before it."""
+    if len(u.users) != 1 or u.op != "call_function" or _mutates(u):
+        return False
+    region, grew = {u}, True
+    while grew:
+        grew = False
+        for n in list(region):
+            for a in tensor_args(n):
+                if (a not in region and a in grad and a.op == "call_function"
+                        and not _mutates(a) and all(x in region for x in a.users)):  # fmt: skip
+                    region.add(a)
+                    grew = True
+    if any(op_name(n) in MATMUL_OPS and any(_is_weight(a) and _root(a).name not in small
+                                             for a in tensor_args(n)) for n in region):  # fmt: skip
+        return False
+    frontier = {a for n in region for a in tensor_args(n) if a in grad and a not in region}
+    return bool(frontier) and all(_is_weight(f) or _projected(f, region) for f in frontier)
+
+
+def _projected(f: fx.Node, region: set) -> bool:
+    """``f`` also feeds a projection outside the region (a weight every tp plan splits, step
+    3, so ``f``'s gradient is reduced there anyway and the region's share merges into it)."""
+    return any(op_name(x) in MATMUL_OPS and any(_is_weight(a) for a in tensor_args(x) if a is not f)
+               for x in f.users if x not in region)  # fmt: skip
+
+
+def _is_weight(f: fx.Node) -> bool:
+    return _root(f).op == "placeholder"
+
+
+def _root(f: fx.Node) -> fx.Node:
+    """The value a chain of single-input ops (views, casts) starts from."""
+    while f.op == "call_function" and len(tensor_args(f)) == 1 and not _mutates(f):
+        f = tensor_args(f)[0]
+    return f
+
+
+def _small_matrices(cands: dict, traced: Traced) -> frozenset[str]:
+    """Placeholder names of the matrices step 3 does not force to be split."""
+    mats = [n for n in cands if n.name in traced.params and n.meta["val"].dim() >= 2]
+    sizes: dict[str, list[int]] = defaultdict(list)
+    for n in mats:
+        sizes[block_of(traced.params[n.name])].append(n.meta["val"].numel())
+    small = set()
+    for n in mats:
+        group = sorted(sizes[block_of(traced.params[n.name])])
+        if n.meta["val"].numel() * SMALL_MATRIX_RATIO <= group[len(group) // 2]:
+            small.add(n.name)
+    return frozenset(small)
 
 
 def _mutates(node: fx.Node) -> bool:

@@ -11,6 +11,14 @@ Algorithm (one mesh axis; ``pg`` = the consumers make the gradient partial):
    stays partial through any op every rank repeats (its backward is linear in the gradient),
    so a routed gather ``x[index]`` reduces the [T, h] gradient of ``x``, not its [T*k, h] rows.
    Two reductions of the same value merge (the sum of partial sums is one partial sum).
+7. Else hoist it through a whole replicated region (ops every rank repeats whose users all lie
+   in the region, e.g. a rotary embedding and the key projection feeding attention) to the
+   region's inputs that need a gradient, when each is a weight (its gradient reduction runs off
+   the critical path, overlapped with the rest of backward like a data-parallel bucket) or
+   already has a reduction to merge into (Megatron's f on the projection input).  A replicated
+   key/value projection then costs no activation reduction at all.
+8. An ``all_gather`` (slice backward) whose only user is a ``grad_all_reduce`` becomes an
+   ``all_gather`` with a reduce-scatter backward (slice of a sum = reduce-scatter).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ def lower_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             x, axis, src, dst, pg = node.args
             _lower(gm.graph, node, x, axis, parse_placement(src), parse_placement(dst), pg)
     _hoist_grad_reductions(gm.graph, ctx)
+    _fold_gather_reductions(gm.graph)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -78,6 +87,7 @@ def _hoist_grad_reductions(graph: fx.Graph, ctx: PassContext) -> None:
         y, axis = g.args
         x = _hoistable_input(y, g, ctx)
         if x is None:
+            work.extend(_hoist_region(graph, g, ctx))
             continue
         new = next((u for u in x.users if u.target is C.grad_all_reduce and u.args[1] == axis),
                    None)  # fmt: skip
@@ -90,6 +100,83 @@ def _hoist_grad_reductions(graph: fx.Graph, ctx: PassContext) -> None:
         y.replace_input_with(x, new)
         g.replace_all_uses_with(y)
         graph.erase_node(g)
+
+
+def _hoist_region(graph: fx.Graph, g: fx.Node, ctx: PassContext) -> list[fx.Node]:
+    """Step 7: move ``g`` to the gradient-needing inputs of the replicated region ending at its
+    input, when each input is a weight or already reduced; returns new reductions."""
+    y, axis = g.args
+    region = _replicated_region(y, g, ctx)
+    if region is None:
+        return []
+    frontier = [a for n in region for a in dict.fromkeys(tensor_args(n))
+                if a not in region and _may_need_grad(a, ctx)]  # fmt: skip
+    frontier = list(dict.fromkeys(frontier))
+    merged = {f: _reduction_of(f, axis) for f in frontier}
+    if not frontier or any(m is None and not _is_weight(f, ctx) for f, m in merged.items()):
+        return []
+    created = []
+    for f, new in merged.items():
+        if new is None:
+            with graph.inserting_after(f):
+                new = graph.call_function(C.grad_all_reduce, (f, axis))
+            new.meta.update({k: v for k, v in f.meta.items() if k != "val"}, val=f.meta["val"])
+            meta.update(new, origin="lower_collectives")
+            created.append(new)
+        for n in region:
+            if f in n.all_input_nodes:
+                n.replace_input_with(f, new)
+    g.replace_all_uses_with(y)
+    graph.erase_node(g)
+    return created
+
+
+def _replicated_region(y: fx.Node, g: fx.Node, ctx: PassContext) -> set[fx.Node] | None:
+    """The ops above ``y`` that every rank repeats and whose users all lie in the region."""
+    if not _repeated(y, ctx) or list(y.users) != [g]:
+        return None
+    region = {y}
+    grew = True
+    while grew:
+        grew = False
+        for n in list(region):
+            for a in tensor_args(n):
+                if a in region or not _may_need_grad(a, ctx) or not _repeated(a, ctx):
+                    continue
+                if all(u in region for u in a.users):
+                    region.add(a)
+                    grew = True
+    return region
+
+
+def _repeated(n: fx.Node, ctx: PassContext) -> bool:
+    strat = ctx.choice.get(n.name)
+    schema = getattr(n.target, "_schema", None)
+    return (n.op == "call_function" and strat is not None and strat.redundant
+            and schema is not None and not schema.is_mutable)  # fmt: skip
+
+
+def _reduction_of(f: fx.Node, axis: str) -> fx.Node | None:
+    return next((u for u in f.users if u.target is C.grad_all_reduce and u.args[1] == axis), None)
+
+
+def _is_weight(f: fx.Node, ctx: PassContext) -> bool:
+    """A parameter, or a view / cast chain of one (its gradient is the weight's)."""
+    while f.op == "call_function" and _repeated(f, ctx) and len(tensor_args(f)) == 1:
+        f = tensor_args(f)[0]
+    return f.op == "placeholder" and f.name in ctx.traced.params
+
+
+def _fold_gather_reductions(graph: fx.Graph) -> None:
+    """Step 8: all_gather(split backward) -> grad_all_reduce is one reduce-scatter backward."""
+    for ag in list(graph.nodes):
+        if ag.op != "call_function" or ag.target is not C.all_gather or ag.args[4] != "split":
+            continue
+        users = list(ag.users)
+        if len(users) == 1 and users[0].target is C.grad_all_reduce and users[0].args[1] == ag.args[1]:
+            ag.args = (*ag.args[:4], "reduce_scatter")
+            users[0].replace_all_uses_with(ag)
+            graph.erase_node(users[0])
 
 
 def _hoistable_input(y: fx.Node, g: fx.Node, ctx: PassContext) -> fx.Node | None:

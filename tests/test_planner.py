@@ -164,3 +164,25 @@ def test_mesh_size_that_divides_nothing_has_no_valid_plan():
 def test_unknown_mesh_axis_is_named():
     with pytest.raises(MeshError, match=r"unknown mesh axis 'tensor'"):
         Mesh(tensor=2)
+
+
+def test_split_gemm_is_priced_at_its_local_shape():
+    """A head-dim-wide projection (n = 128) split in two fills half of each 128-wide output
+    tile: per rank it runs no faster than whole; a wide one runs twice as fast."""
+    from autopar.planner import _local_gemm_time
+    from autopar.rules import RuleContext, strategies
+    from cost.compute import node_time
+    from cost.hardware import GPU
+
+    gpu = Mesh(tp=2).cluster.gpu
+    assert isinstance(gpu, GPU)
+    for width, speedup in ((128, 1.0), (2048, 2.0)):
+        with torch.device("meta"):
+            model = torch.nn.Linear(2048, width, bias=False)
+        traced = trace(model, (torch.empty(1, 2048, 2048, device="meta"),), {}, None)
+        node = next(n for n in traced.gm.graph.nodes if "linear" in str(n.target))
+        cols = [s for s in strategies(node, RuleContext(size=2, blocks=(1,)), False)
+                if str(s.output) == "S(2)"]  # fmt: skip
+        assert cols
+        local = _local_gemm_time(node, cols[0], 2, gpu)
+        assert local == pytest.approx(node_time(node, gpu) / speedup, rel=0.02)
