@@ -15,7 +15,14 @@ from cost.errors import CostInputError
 from cost.estimate import Estimate, estimate
 from cost.hardware import GPU, Cluster, Link
 from cost.model import ModelShape
-from cost.symbolic import formulas
+
+
+def formulas() -> dict:
+    """The closed forms of the cost model (sympy; loaded on first call): `cost.symbolic`."""
+    from cost.symbolic import formulas as closed_forms
+
+    return closed_forms()
+
 
 __all__ = [
     "GPU",

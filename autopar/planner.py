@@ -37,8 +37,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.fx as fx
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from autopar.analysis import (
     batch_dims,
@@ -634,6 +632,9 @@ def _finish_aux(prob: _Problem, memory_weight: float) -> None:
 
 
 def _run(prob: _Problem, options: PlanOptions) -> np.ndarray:
+    from scipy.optimize import Bounds, LinearConstraint, milp  # HiGHS: loaded on first solve
+    from scipy.sparse import coo_matrix
+
     n = len(prob.costs)
     rows, cols, vals, lo, hi = [], [], [], [], []
     for r, (coeffs, a, b) in enumerate(prob.rows):

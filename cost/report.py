@@ -14,7 +14,6 @@ recompute / sequence-parallel mode, FLOP counts — and print each with the plan
 from __future__ import annotations
 
 from cost.config import stage_layers
-from cost.symbolic import formulas
 
 GIB = 2**30
 
@@ -130,6 +129,8 @@ def explain(est) -> str:
                   t=cfg.tp, p=cfg.pp, d=cfg.data_parallel, m=est.micro_batches, v=v,
                   L=shape.layers, V=shape.vocab, B_g=cfg.global_batch, N_r=per_rank,
                   N=shape.active_params)  # fmt: skip
+    from cost.symbolic import formulas  # sympy: only when --explain asks for the closed forms
+
     table = formulas()
     lines = [f"why: {est.model} (N = {shape.active_params:.4g} parameters per token; "
              f"N_r = {per_rank:.4g} on the most loaded rank)"]  # fmt: skip
