@@ -198,13 +198,17 @@ def rank_modules(model: Any) -> list[torch.nn.Module]:
     return [model]
 
 
-def named_specs(model: Any) -> Iterator[tuple[str, torch.nn.Parameter, ShardSpec]]:
-    """(fqn, parameter, its ShardSpec) for every parameter this rank holds."""
+def named_specs(model: Any) -> Iterator[tuple[str, torch.Tensor, ShardSpec]]:
+    """(fqn, tensor, its ShardSpec) for every parameter and persistent buffer this rank holds
+    (a rank program lists its persistent buffers in ``meta["shards"]``; a plain model in its
+    ``state_dict``)."""
     for module in rank_modules(model):
         info = getattr(module, "meta", None)
         info = info if isinstance(info, dict) else {}
         shards, coords = info.get("shards", {}), info.get("coords", {})
-        for fqn, p in module.named_parameters():
+        keep = set(shards) if "shards" in info else set(module.state_dict())
+        buffers = [(n, b) for n, b in module.named_buffers() if n in keep]
+        for fqn, p in [*module.named_parameters(), *buffers]:
             if fqn in shards:
                 shape, padded, layout, sizes = shards[fqn]
                 yield fqn, p, ShardSpec(shape=shape, padded=padded, layout=layout, sizes=sizes,

@@ -99,9 +99,10 @@ def build_module(gm: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> f
 
 
 def shard_specs(graph: fx.Graph, traced: Traced, mesh: Mesh) -> dict[str, tuple]:
-    """Per parameter FQN: (global shape before vocab padding, padded shape, layout, axis sizes)
+    """Per parameter (and persistent buffer) FQN: (global shape before vocab padding, padded
+    shape, layout, axis sizes)
     -- what :mod:`autopar.checkpoint` needs to describe a local shard as part of the whole."""
-    out, params = {}, set(traced.params.values())
+    out, params = {}, set(traced.params.values()) | set(traced.persistent)
     for node in graph.nodes:
         if node.op == "get_attr" and node.target in params:
             fqn, full = node.target, tuple(traced.tensors[node.target].shape)

@@ -58,6 +58,7 @@ class Traced:
     model_name: str
     grad_inputs: frozenset[str] = frozenset()  # inputs that carry a gradient (stage boundaries)
     padded: dict[str, int] = field(default_factory=dict)  # FQN -> dim-0 size before padding
+    persistent: frozenset[str] = frozenset()  # buffer FQNs in the model's state_dict
 
 
 class _WithLoss(nn.Module):
@@ -152,6 +153,7 @@ def _collect(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str) ->
         user_inputs=tuple(sig.user_inputs),
         tensors=tensors,
         trainable=trainable,
+        persistent=frozenset(buffers.values()) & frozenset(model.state_dict()),
         in_spec=ep.call_spec.in_spec,
         out_spec=ep.call_spec.out_spec,
         model_name=type(model).__name__,

@@ -304,3 +304,53 @@ def test_a_save_killed_part_way_leaves_the_previous_checkpoint_loadable(tmp_path
 
 if __name__ == "__main__":
     _killed_save_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+
+
+class _Gained(torch.nn.Module):
+    """A persistent buffer split with the activation it scales (``gain``) and a
+    non-persistent one (``scratch``, not in the state dict, so never checkpointed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+        self.register_buffer("gain", torch.ones(64))
+        self.register_buffer("scratch", torch.ones(64), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)) * self.gain * self.scratch).sum()
+
+
+def _save_rank(rank, groups, module, root):
+    from autopar import collectives
+
+    collectives.bind(groups)
+    Checkpointer(root, module, group=_ckpt_group(2)).save(1, blocking=True)
+    return module.get_buffer("gain").clone()
+
+
+def _load_rank(rank, groups, module, root):
+    from autopar import collectives
+
+    collectives.bind(groups)
+    Checkpointer(root, module, group=_ckpt_group(2)).load()
+    return module.get_buffer("gain").clone()
+
+
+def test_persistent_buffers_are_saved_and_resharded(tmp_path):
+    x = torch.randn(4, 16)
+    saved_model = _Gained()
+    saved_model.gain.copy_(torch.randn(64))
+    prog = autoparallelize(saved_model, Mesh(tp=2), (x,))
+    shards = _pool().run(_save_rank, prog.mesh.axes, [(prog.module(r), tmp_path)
+                                                       for r in range(2)])  # fmt: skip
+    assert shards[0].shape == (32,)  # split like the activation it scales
+    names = set(read_metadata(tmp_path / "step_00000001").state_dict_metadata)
+    assert "model.gain" in names and "model.scratch" not in names
+    fresh = autoparallelize(_Gained(), Mesh(tp=2), (x,))
+    loaded = _pool().run(_load_rank, fresh.mesh.axes, [(fresh.module(r), tmp_path)
+                                                        for r in range(2)])  # fmt: skip
+    assert torch.equal(torch.cat(loaded), saved_model.gain)
+    single = _Gained()
+    Checkpointer(tmp_path, single).load()
+    assert torch.equal(single.gain, saved_model.gain)
+    assert torch.equal(export_state_dict(tmp_path / "step_00000001")["gain"], saved_model.gain)
