@@ -275,17 +275,28 @@ class StragglerReport:
     step_s: tuple[float, ...]
     waiting_s: tuple[float, ...]
     slow: tuple[tuple[int, str], ...]  # (rank, 'compute' | 'waiting')
+    expert_rows: tuple[float, ...] = ()  # rows each rank's experts took in the window (MoE)
 
     @property
     def compute_s(self) -> tuple[float, ...]:
         return tuple(s - w for s, w in zip(self.step_s, self.waiting_s, strict=True))
 
+    @property
+    def expert_imbalance(self) -> float:
+        """Max / mean expert rows over ranks (1.0 even; a rank with hot experts computes
+        longer and every collective waits for it)."""
+        mean = sum(self.expert_rows) / max(len(self.expert_rows), 1)
+        return max(self.expert_rows) / mean if mean else 1.0
+
     def __str__(self) -> str:
         lines = [f"straggler report at step {self.step} (per-rank medians):"]
+        mean = sum(self.expert_rows) / max(len(self.expert_rows), 1)
         for r, (s, w) in enumerate(zip(self.step_s, self.waiting_s, strict=True)):
             flag = next((f"  <- slow in {k}" for q, k in self.slow if q == r), "")
+            experts = (f"  expert rows {self.expert_rows[r]:9.0f} ({self.expert_rows[r] / mean:.2f}"
+                       f" x mean)" if self.expert_rows and mean else "")  # fmt: skip
             lines.append(f"  rank {r}: step {s * 1e3:7.1f} ms  compute {(s - w) * 1e3:7.1f} ms  "
-                         f"waiting {w * 1e3:7.1f} ms{flag}")  # fmt: skip
+                         f"waiting {w * 1e3:7.1f} ms{experts}{flag}")  # fmt: skip
         return "\n".join(lines)
 
 
@@ -308,14 +319,17 @@ class StragglerMonitor:
 
     ``with monitor.step(): ...`` around each training step.  Every ``every`` steps the ranks
     all-gather their medians over ``group`` (one tiny collective) and :attr:`reports` gains a
-    :class:`StragglerReport` (the same on every rank).
+    :class:`StragglerReport` (the same on every rank).  With ``expert_load=True`` each step
+    also takes the rows this rank's experts processed (``autopar.expert_parallel``'s record,
+    which it resets), so the report shows which ranks' experts ran hot.
     """
 
     def __init__(self, every: int = 5, margin: float = 0.5, min_s: float = 0.01,
-                 group: Any = None) -> None:  # fmt: skip
+                 group: Any = None, expert_load: bool = False) -> None:  # fmt: skip
         self.every, self.margin, self.min_s, self.group = every, margin, min_s, group
+        self.expert_load = expert_load
         self.clock = _CollectiveClock()
-        self.steps: list[tuple[float, float]] = []
+        self.steps: list[tuple[float, float, float]] = []
         self.reports: list[StragglerReport] = []
         self.count = 0
 
@@ -329,23 +343,32 @@ class StragglerMonitor:
         finally:
             elapsed = time.perf_counter() - start
             self.clock.uninstall()
-            self.steps.append((elapsed, self.clock.waiting))
+            self.steps.append((elapsed, self.clock.waiting, self._expert_rows()))
             self.count += 1
         if self.count % self.every == 0:
             self.reports.append(self._report())
 
+    def _expert_rows(self) -> float:
+        if not self.expert_load:
+            return 0.0
+        from autopar import collectives
+
+        return float(sum(sum(rows) for rows, _ in collectives.expert_load(reset=True)))
+
     def _report(self) -> StragglerReport:
-        mine = torch.tensor([statistics.median(s for s, _ in self.steps),
-                             statistics.median(w for _, w in self.steps)], dtype=torch.float64)  # fmt: skip
+        mine = torch.tensor([statistics.median(s for s, _, _ in self.steps),
+                             statistics.median(w for _, w, _ in self.steps),
+                             sum(e for _, _, e in self.steps)], dtype=torch.float64)  # fmt: skip
         world = dist.get_world_size(self.group)
-        out = torch.zeros(world * 2, dtype=torch.float64)
+        out = torch.zeros(world * 3, dtype=torch.float64)
         dist.all_gather_into_tensor(out, mine, group=self.group)
-        step_s, waiting_s = out.view(world, 2).unbind(1)
+        step_s, waiting_s, rows = out.view(world, 3).unbind(1)
         self.steps.clear()
         return StragglerReport(step=self.count, step_s=tuple(step_s.tolist()),
                                waiting_s=tuple(waiting_s.tolist()),
                                slow=find_stragglers(step_s.tolist(), waiting_s.tolist(),
-                                                    self.margin, self.min_s))  # fmt: skip
+                                                    self.margin, self.min_s),
+                               expert_rows=tuple(rows.tolist()) if self.expert_load else ())  # fmt: skip
 
     def slow_ranks(self) -> set[int]:
         return {r for rep in self.reports for r, _ in rep.slow}

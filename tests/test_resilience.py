@@ -146,6 +146,30 @@ def test_a_slowed_rank_is_named_within_20_steps_and_nobody_over_50_normal_steps(
         assert named == set(), report
 
 
+def _expert_rank(rank, groups):
+    from autopar import collectives
+
+    monitor = StragglerMonitor(every=4, group=_GROUP["all"], expert_load=True)
+    for _ in range(4):
+        with monitor.step():  # what expert_dispatch records: rows per local expert, dropped
+            collectives._LOAD.append(([10 * (rank + 1), 5], 0))
+            collectives._LOAD.append(([1, 1], 0))  # a second MoE layer
+    return monitor.reports[-1]
+
+
+def test_expert_load_feeds_the_straggler_report():
+    """Each rank's expert rows over the window (every MoE layer, every step) are gathered with
+    the timings; a rank whose experts ran hot shows it."""
+    pool = get_pool(WORLD)
+    pool.run(_monitor_group, (), [()] * pool.world)
+    reports = pool.run(_expert_rank, (("tp", WORLD),), [()] * WORLD)
+    want = tuple(4.0 * (10 * (r + 1) + 5 + 2) for r in range(WORLD))
+    for rep in reports:
+        assert rep.expert_rows == want
+    assert reports[0].expert_imbalance == pytest.approx(max(want) / (sum(want) / WORLD))
+    assert f"expert rows {want[-1]:9.0f}" in str(reports[0])
+
+
 def test_find_stragglers_tells_compute_from_waiting():
     assert find_stragglers([0.1, 0.1, 0.1, 0.1], [0.08, 0.08, 0.0, 0.08], 0.5, 0.01) == (
         (2, "compute"),
