@@ -354,3 +354,37 @@ def test_persistent_buffers_are_saved_and_resharded(tmp_path):
     Checkpointer(tmp_path, single).load()
     assert torch.equal(single.gain, saved_model.gain)
     assert torch.equal(export_state_dict(tmp_path / "step_00000001")["gain"], saved_model.gain)
+
+
+def _dp_pp_rank(rank, groups, share, root, zero, reduction):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autopar import collectives
+    from autopar.runtime import DataAxis, PipelineRunner
+
+    collectives.bind({a: g for a, g in groups.items() if a != "dp"})
+    dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
+    data = DataAxis(group=groups["dp"], mesh=dp_mesh, zero=zero, reduction=reduction)
+    runner = PipelineRunner(share, groups["pp"], data=data)
+    x, y = (t.chunk(2)[dp_mesh.get_local_rank()] for t in tokens(LLAMA))
+    opt = runner.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+    ck = Checkpointer(root, runner, opt, group=_ckpt_group(4))
+    return _run(runner, opt, ck, lambda: runner.step(x, y), 1, 5, save_at=(5,))
+
+
+def test_saved_under_dp_pp_resumes_on_one_device(tmp_path):
+    ref = _reference("llama", LLAMA)
+    x, y = tokens(LLAMA)
+    prog = autoparallelize(build("llama", LLAMA), Mesh(dp=2, pp=2), (x, y), loss_fn=lm_loss,
+                           n_microbatches=2)  # fmt: skip
+    jobs = [(prog.inner.share(prog.inner_rank(r)), tmp_path, prog.plan.zero, prog.plan.reduction)
+            for r in range(4)]  # fmt: skip
+    first = _pool().run(_dp_pp_rank, prog.mesh.axes, jobs)
+    for losses in first:
+        assert losses == pytest.approx(ref[:5], rel=1e-5)
+    model = build("llama", LLAMA, seed=9)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    ck = Checkpointer(tmp_path, model, opt)
+    assert ck.load().step == 5
+    rest = _run(model, opt, ck, lambda: _backward(lm_loss(model(x), y)), 6, 10)
+    assert rest == pytest.approx(ref[5:], rel=1e-5)
