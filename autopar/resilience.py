@@ -328,6 +328,7 @@ class StragglerMonitor:
                  group: Any = None, expert_load: bool = False) -> None:  # fmt: skip
         self.every, self.margin, self.min_s, self.group = every, margin, min_s, group
         self.expert_load = expert_load
+        self._expert_rows()  # the first window starts now: drop dispatches recorded before
         self.clock = _CollectiveClock()
         self.steps: list[tuple[float, float, float]] = []
         self.reports: list[StragglerReport] = []
