@@ -59,6 +59,7 @@ from autopar.program import Program, collectives_of
 from autopar.rules import RuleContext, Strategy, strategies
 from autopar.trace import Traced, is_getitem, tensor_args, trace
 from cost.comm import collective_time
+from cost.compute import node_time, op_time
 from passes import PassContext
 from passes.localize import localize
 
@@ -565,8 +566,29 @@ def _plan(traced: Traced, gm: fx.GraphModule, mesh: Mesh, lay: SeqLayout,
     return Plan(model=traced.model_name, mesh=mesh.axes,
                 hardware=f"{mesh.cluster.gpu.name} ×{mesh.cluster.gpus_per_node}/node",
                 params=params, collectives=tuple(found),
-                choice=tuple((p.node, p.chosen) for p in prices), compute_s=0.0, comm_s=comm,
+                choice=tuple((p.node, p.chosen) for p in prices),
+                compute_s=compute_time(gm, grad, mesh.cluster.gpu), comm_s=comm,
                 memory_bytes=4.0 * param_bytes + act, notes=(*notes, *tp_notes))  # fmt: skip
+
+
+def compute_time(gm: fx.GraphModule, grad: frozenset[str], gpu: Any) -> float:
+    """Seconds of one rank's forward + backward at its local shapes, priced as the tp planner
+    prices them (roofline per node, x3 for nodes on the gradient path).  A ring attention is
+    the attention of this rank's queries over every key: 4·b·h·s_local·S·d FLOPs forward,
+    half of that under a causal mask."""
+    total = 0.0
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is cp_ops.ring_attention:
+            q, causal, seq = n.args[0].meta["val"], n.args[5], n.args[7]
+            b, h, s, d = q.shape
+            flops = 4.0 * b * h * s * seq * d * (0.5 if causal else 1.0)
+            t = op_time(flops, 4.0 * q.numel() * q.element_size(), gpu, q.element_size())
+        else:
+            t = node_time(n, gpu)
+        total += t * (3.0 if n.name in grad else 1.0)
+    return total
 
 
 def activation_bytes(gm: fx.GraphModule, traced: Traced) -> float:

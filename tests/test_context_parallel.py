@@ -314,3 +314,15 @@ def test_llama3_8b_at_128k_tokens_fits_one_dgx_node_and_says_why():
     assert c.tp * c.cp * c.pp * c.dp == 8
     assert fit.why and all(any(k in w for k in ("cp=", "tp=", "pp=", "recompute")) for w in fit.why)
     assert "131072 tokens" in str(fit)
+
+
+def test_plan_prices_the_local_compute():
+    """The cp plan's compute is one rank's share: about half of one device's at cp=2 (ring
+    attention priced as the attention it does), never zero."""
+    c = Config(layers=2, hidden=512, heads=8, kv_heads=8, ffn=1024, vocab=1000, seq=512, batch=2)
+    with torch.device("meta"):
+        model = build("llama", c)
+    one = autoparallelize(model, Mesh(tp=1), tokens(c), loss_fn=lm_loss).plan.compute_s
+    two = autoparallelize(model, Mesh(cp=2), tokens(c), loss_fn=lm_loss,
+                          cp_attention="ring").plan.compute_s  # fmt: skip
+    assert 0.4 < two / one < 0.7, (one, two)
