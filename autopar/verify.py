@@ -411,20 +411,23 @@ def _verify_data_parallel(prog: Any, model: nn.Module, args: Sequence[Any], kwar
         return _verify_dp_pipeline(prog, model, args, kwargs, loss_fn, rtol)
     if "ep" in prog.mesh.sizes:
         return _verify_dp_expert(prog, model, args, kwargs, loss_fn, rtol, seed)
+    return _verify_replicas(prog, model, args, kwargs, loss_fn, rtol, seed, "dp", _dp_job,
+                            _dp_rank_step, _dp_replica)  # fmt: skip
+
+
+def _verify_replicas(prog: Any, model: nn.Module, args: Sequence[Any], kwargs: dict | None,
+                     loss_fn: Callable | None, rtol: float, seed: int, axis: str, job: Callable,
+                     step: Callable, replica: Callable) -> VerifyReport:  # fmt: skip
+    """Run every rank twice on its ``job`` (a dp or ep slice) and compare every replica of the
+    inner program (``replica(prog, results, i)`` for each coordinate i of ``axis``) with the
+    reference; each row keeps its worst replica."""
     ref_out, ref_grads, cots = _reference(model, args, kwargs, loss_fn, seed)
-    jobs = [_dp_job(prog, rank, args, kwargs, cots) for rank in range(prog.mesh.world_size)]
+    jobs = [job(prog, rank, args, kwargs, cots) for rank in range(prog.mesh.world_size)]
     pool = get_pool(prog.mesh.world_size)
-    results = pool.run(_dp_rank_step, prog.mesh.axes, jobs)
-    again = pool.run(_dp_rank_step, prog.mesh.axes, jobs)
-    replicas = [_dp_replica(prog, results, d) for d in range(prog.mesh.size("dp"))]
-    return _replicas_report(prog, replicas, unstable_names(prog.inner, results, again), ref_out,
-                            ref_grads, rtol)  # fmt: skip
-
-
-def _replicas_report(prog: Any, replicas: list[list], unstable: set[str], ref_out: list,
-                     ref_grads: dict, rtol: float) -> VerifyReport:  # fmt: skip
-    """Compare every replica of the inner program (a dp or ep coordinate) with the reference;
-    each row keeps its worst replica."""
+    results = pool.run(step, prog.mesh.axes, jobs)
+    again = pool.run(step, prog.mesh.axes, jobs)
+    replicas = [replica(prog, results, i) for i in range(prog.mesh.size(axis))]
+    unstable = unstable_names(prog.inner, results, again)
     out_scale, grad_scale = _scale(ref_out), _scale(list(ref_grads.values()))
     worst: dict[str, TensorCheck] = {}
     for per_inner in replicas:
@@ -555,14 +558,8 @@ def _verify_expert_parallel(prog: Any, model: nn.Module, args: Sequence[Any],
     gradients must match."""
     if "pp" in prog.mesh.sizes:
         return _verify_ep_pipeline(prog, model, args, kwargs, loss_fn, rtol)
-    ref_out, ref_grads, cots = _reference(model, args, kwargs, loss_fn, seed)
-    jobs = [_ep_job(prog, rank, args, kwargs, cots) for rank in range(prog.mesh.world_size)]
-    pool = get_pool(prog.mesh.world_size)
-    results = pool.run(_rank_step, prog.mesh.axes, jobs)
-    again = pool.run(_rank_step, prog.mesh.axes, jobs)
-    replicas = [_ep_replica(prog, results, e) for e in range(prog.mesh.size("ep"))]
-    return _replicas_report(prog, replicas, unstable_names(prog.inner, results, again), ref_out,
-                            ref_grads, rtol)  # fmt: skip
+    return _verify_replicas(prog, model, args, kwargs, loss_fn, rtol, seed, "ep", _ep_job,
+                            _rank_step, _ep_replica)  # fmt: skip
 
 
 def _ep_job(prog: Any, rank: int, args: Sequence[Any], kwargs: dict | None, cots: list) -> tuple:
