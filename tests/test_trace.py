@@ -162,3 +162,79 @@ def test_sliding_window_mask_stays():
     x = torch.randn(2, 8, 16)
     sdpa = _sdpa(trace(MaskedAttention(window=3), (x,)))
     assert not sdpa.kwargs.get("is_causal") and isinstance(sdpa.args[3], torch.fx.Node)
+
+
+class PerHeadNorm(nn.Module):
+    """q projected, viewed as heads, each head normalised by its own LayerNorm (StableLM's
+    per-head q/k norm), then attended and projected back."""
+
+    def __init__(self, heads: int = 8, d: int = 32, split: int = 1, affine: bool = True,
+                 norm_over_heads: bool = False, norms: bool = True) -> None:  # fmt: skip
+        super().__init__()
+        self.heads, self.d, self.split, self.over = heads, d, split, norm_over_heads
+        self.use_norms = norms
+        self.q, self.o = nn.Linear(heads * d, heads * d), nn.Linear(heads * d, heads * d)
+        shape = (split, d) if norm_over_heads else (d,)
+        self.norms = nn.ModuleList(nn.LayerNorm(shape, elementwise_affine=affine)
+                                   for _ in range(heads // split))  # fmt: skip
+        if affine:
+            with torch.no_grad():
+                for n in self.norms:
+                    n.weight.normal_()
+                    n.bias.normal_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.d).transpose(1, 2)
+        pieces = torch.split(q, self.split, dim=1)
+        if not self.use_norms:
+            pass
+        elif self.over:  # the norm covers the split dim: pieces must stay separate
+            pieces = [p.transpose(1, 2) for p in pieces]
+            q = torch.cat([n(p) for n, p in zip(self.norms, pieces, strict=True)], dim=2).transpose(1, 2)
+        else:
+            q = torch.cat([n(p) for n, p in zip(self.norms, pieces, strict=True)], dim=1)
+        return self.o(q.transpose(1, 2).reshape(b, s, -1))
+
+
+class PerHeadNormModel(nn.Module):
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(PerHeadNorm(**kwargs) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("split, affine", [(1, True), (2, True), (1, False)])
+def test_per_piece_norms_become_one_norm_over_the_whole_tensor(split, affine):
+    model, x = PerHeadNormModel(split=split, affine=affine), torch.randn(2, 64, 256)
+    traced = trace(model, (x,))
+    targets = [n.target for n in traced.gm.graph.nodes]
+    assert torch.ops.aten.split.Tensor not in targets
+    assert targets.count(torch.ops.aten.layer_norm.default) == 2  # one per layer
+    params = [traced.tensors[traced.params[n.name]] for n in traced.gm.graph.nodes
+              if n.name in traced.params]  # fmt: skip
+    out = traced.gm(*params, x)
+    assert torch.allclose(out[0] if isinstance(out, (tuple, list)) else out, model(x),
+                          rtol=1e-5, atol=1e-6)  # fmt: skip
+    report = verify(model, Mesh(tp=2), (x,))
+    assert report.ok, str(report)
+
+    def forward_bytes(norms: bool) -> list:  # at a realistic size
+        with torch.device("meta"):
+            big = PerHeadNormModel(heads=16, d=128, split=split, affine=affine, norms=norms)
+            xb = torch.empty(1, 2048, 2048)
+        prog = autoparallelize(big, Mesh(tp=2), (xb,))
+        return sorted(c.bytes for c in prog.collectives() if c.direction == "fwd")
+
+    # each rank normalises its own heads: the norms add no forward communication
+    assert forward_bytes(True) == forward_bytes(False)
+
+
+def test_pieces_normalised_over_the_split_dim_stay_apart():
+    model, x = PerHeadNormModel(split=2, norm_over_heads=True), torch.randn(2, 64, 256)
+    targets = [n.target for n in trace(model, (x,)).gm.graph.nodes]
+    assert targets.count(torch.ops.aten.layer_norm.default) == 8  # 4 per layer
