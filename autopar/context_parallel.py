@@ -135,6 +135,8 @@ def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = Non
         meta.update(n, layout=None)
     split = _SplitSequence(gm, traced, lay, grad, mesh, cp_attention)
     split.run()
+    kept.update({n: kept[n.args[0]] for n in gm.graph.nodes  # a gathered output keeps its tp split
+                 if n.target is cp_ops.cp_gather and n.args[0] in kept})  # fmt: skip
     cp_only = Mesh.ordered(((AXIS, lay.size),), mesh.cluster)
     gm = localize(gm, PassContext(mesh=cp_only, axis=AXIS, choice={}, grad=grad, traced=traced))
     _merge_layouts(gm, kept)
@@ -204,11 +206,12 @@ class _SplitSequence:
 
     def run(self) -> None:
         nodes = list(self.graph.nodes)
+        self.whole = _input_derived(nodes, self.traced, self.grad)
         self._split_inputs(nodes)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for n in nodes:
-                if n.op == "call_function":
+                if n.op == "call_function" and n not in self.whole:
                     self._visit(n)
         self._gather_outputs()
         for n, p in self.place.items():
@@ -220,7 +223,8 @@ class _SplitSequence:
         for n in nodes:
             val = n.meta.get("val")
             if (n.name in self.traced.user_inputs and isinstance(val, torch.Tensor)
-                    and val.dim() >= 2 and val.shape[1] == self.lay.seq):  # fmt: skip
+                    and n not in self.whole and val.dim() >= 2
+                    and val.shape[1] == self.lay.seq):  # fmt: skip
                 users = list(n.users)
                 loc = self._localize(n, Shard(1))
                 for u in users:
@@ -248,6 +252,7 @@ class _SplitSequence:
             if isinstance(parent, tuple) and isinstance(parent[n.args[1]], Shard):
                 self.place[n] = parent[n.args[1]]
             return
+        self._seed(n)
         args = tensor_args(n)
         have = [self.place.get(a, R) for a in args]
         if all(not isinstance(p, Shard) for p in have):
@@ -260,6 +265,15 @@ class _SplitSequence:
             self._through_tp_op(n, have)
         else:
             self._by_rules(n, args, have)
+
+    def _seed(self, n: fx.Node) -> None:
+        """An op of the model reading an input-derived value with the sequence at dim 1 reads
+        this rank's chunks of it (the split starts here, not at the input: what the model
+        computes from its inputs alone, a label shift, ran whole on every rank)."""
+        for a in tensor_args(n):
+            val = a.meta["val"]
+            if a in self.whole and val.dim() >= 2 and val.shape[1] == self.lay.seq:
+                n.replace_input_with(a, self._localize(a, Shard(1), n))
 
     def _through_tp_op(self, n: fx.Node, have: list) -> None:
         """A tp collective or lowering moves or splits a non-sequence dim: the sequence stays
@@ -389,6 +403,11 @@ class _SplitSequence:
     # -- loss (step 4)
 
     def _loss(self, n: fx.Node, args: list[fx.Node], have: list) -> None:
+        p = self.place.get(n.args[0], R)
+        if isinstance(p, Shard) and self.place.get(n.args[1], R) == R \
+                and n.args[0].meta["val"].dim() == 2:  # fmt: skip
+            n.replace_input_with(n.args[1], self._localize(n.args[1], p, n))
+            args, have = tensor_args(n), [self.place.get(a, R) for a in tensor_args(n)]
         logits, target = n.args[0], n.args[1]
         if n.target is _CE:
             weight = n.args[2] if len(n.args) > 2 else n.kwargs.get("weight")
@@ -401,13 +420,10 @@ class _SplitSequence:
             reduction = n.args[3] if len(n.args) > 3 else _MEAN
             ignore = n.args[4] if len(n.args) > 4 else -100
             summed = (logits, target, n.args[2], _SUM, ignore)
-        p = self.place.get(logits, R)
         if weight is not None or not isinstance(p, Shard) or p.dim != 0 \
                 or logits.meta["val"].dim() != 2:  # fmt: skip
             self._by_rules(n, args, have)
             return
-        if self.place.get(target, R) == R:
-            n.replace_input_with(target, self._localize(target, p, n))
         if reduction not in (_MEAN, _SUM):
             self.place[n] = p
             return
@@ -464,6 +480,28 @@ class _SplitSequence:
         with self.graph.inserting_after(n):
             red = self._call(C.all_reduce, (n, AXIS, "identity"), n.meta["val"])
         n.replace_all_uses_with(red, delete_user_cb=lambda u: u is not red)
+
+
+def _input_derived(nodes: list[fx.Node], traced: Traced, grad: frozenset[str]) -> set[fx.Node]:
+    """User inputs off the gradient path and what is computed from them and constants alone
+    (no parameter): run whole on every rank, like the inputs they come from."""
+    const: set[fx.Node] = set()
+    out: set[fx.Node] = set()
+    for n in nodes:
+        if n.name in grad:
+            continue
+        if n.op == "placeholder":
+            if n.name in traced.user_inputs:
+                out.add(n)
+            continue
+        if n.op != "call_function":
+            continue
+        ins = n.all_input_nodes
+        if all(a in const for a in ins):
+            const.add(n)
+        elif all(a in const or a in out for a in ins):
+            out.add(n)
+    return out
 
 
 def _pick(n: fx.Node, ctx: RuleContext, have: list) -> Strategy | None:

@@ -282,10 +282,27 @@ def test_attention_the_rules_cannot_split_is_named_with_its_line():
         autoparallelize(EagerAttention(), Mesh(cp=2), (torch.randint(0, 32, (2, 8)),))
 
 
-def test_labels_shifted_inside_the_model_are_refused():
-    ids = torch.randint(0, 128, (2, 16))
-    with pytest.raises(ContextParallelError, match=r"pre-shifted labels"):
-        autoparallelize(_hf("llama"), Mesh(cp=2), (ids,), example_kwargs={"labels": ids})
+@pytest.mark.parametrize("axes", [{"cp": 2}, {"cp": 2, "tp": 2}])
+def test_hf_shifts_labels_inside_the_model(axes):
+    """``LlamaForCausalLM(ids, labels=labels)``: the model pads and shifts the labels itself.
+    The shift reads the input alone, so it runs whole on every rank and the loss reads this
+    rank's chunks of the shifted labels: no communication, and the loss and logits outputs
+    and every gradient equal one device's."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (2, 32), generator=g)
+    labels = torch.randint(0, 128, (2, 32), generator=g)
+    labels[0, 5] = -100
+    model = _hf("llama")
+    prog = autoparallelize(model, Mesh(**axes), (ids,), example_kwargs={"labels": labels},
+                           cp_attention="ring")  # fmt: skip
+    code = prog.code(0)
+    assert "aten.pad.default(labels" in code and "cp_localize" in code
+    fwd = [c for c in prog.collectives() if c.kind == "send_recv" and c.direction == "fwd"]
+    assert len(fwd) == 2  # the ring's, one per layer: the label shift exchanges nothing
+    report = verify(model, Mesh(**axes), (ids,), example_kwargs={"labels": labels}, rtol=1e-5,
+                    cp_attention="ring", reference_dtype=torch.float64)  # fmt: skip
+    assert report.ok, report
+    assert len([r for r in report.rows if r.kind == "output"]) == 2  # loss and logits
 
 
 def test_train_cp_example_matches_single_device() -> None:
