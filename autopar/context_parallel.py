@@ -36,6 +36,7 @@ factorisations of a cluster with the cost model for a sequence that must fit in 
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ STRATEGIES = ("ring", "all_to_all")
 _SDPA = aten.scaled_dot_product_attention.default
 _CE = aten.cross_entropy_loss.default
 _MEAN, _SUM = 1, 2
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _TP_DIM_OPS = (C.all_gather, C.reduce_scatter, C.split, C.all_to_all)
 _TP_OPS = (*_TP_DIM_OPS, C.all_reduce, C.grad_all_reduce, parallel_ops.local_kv_heads,
            parallel_ops.vocab_parallel_embedding)  # fmt: skip
@@ -99,6 +101,28 @@ class AttentionPrice:
     ring: float
     all_to_all: float | None  # None: heads do not divide by cp
     chosen: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Window:
+    """A slice of a sequence-split activation kept at full length: along ``dim`` (viewed as
+    ``[outer, seq, inner]``) positions ``[lo, seq - hi)`` are the slice's, the rest are
+    marked invalid (a loss's target holds its ignore_index there)."""
+
+    dim: int
+    outer: int
+    inner: int
+    lo: int
+    hi: int
+    seq: int
+    source: str  # where the user sliced
+
+    def kept(self) -> int:
+        """The dim's size as the user's program has it (the slice's length)."""
+        return self.outer * (self.seq - self.lo - self.hi) * self.inner
+
+    def full(self) -> int:
+        return self.outer * self.seq * self.inner
 
 
 def compile_context_parallel(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
@@ -135,8 +159,10 @@ def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = Non
         meta.update(n, layout=None)
     split = _SplitSequence(gm, traced, lay, grad, mesh, cp_attention)
     split.run()
-    kept.update({n: kept[n.args[0]] for n in gm.graph.nodes  # a gathered output keeps its tp split
-                 if n.target is cp_ops.cp_gather and n.args[0] in kept})  # fmt: skip
+    for n in gm.graph.nodes:  # a gathered output (cut to the user's slice) keeps its tp split
+        src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if src in kept and (n.target is cp_ops.cp_gather or src.target is cp_ops.cp_gather):
+            kept[n] = kept[src]
     cp_only = Mesh.ordered(((AXIS, lay.size),), mesh.cluster)
     gm = localize(gm, PassContext(mesh=cp_only, axis=AXIS, choice={}, grad=grad, traced=traced))
     _merge_layouts(gm, kept)
@@ -202,6 +228,7 @@ class _SplitSequence:
         self.localized: dict[tuple[fx.Node, Placement], fx.Node] = {}
         self.reduced: dict[fx.Node, fx.Node] = {}
         self.prices: list[AttentionPrice] = []
+        self.window: dict[fx.Node, Window] = {}
         self.ctx = RuleContext(size=lay.chunks, blocks=_block_counts(traced))
 
     def run(self) -> None:
@@ -240,6 +267,14 @@ class _SplitSequence:
             with self.graph.inserting_before(out):
                 g = self._call(cp_ops.cp_gather, (a, AXIS, p.dim, p.blocks, self.lay.balanced),
                                a.meta["val"])  # fmt: skip
+                w = self.window.get(a)
+                if w is not None:  # the user's slice, cut from the whole value
+                    if (w.outer, w.inner) != (1, 1):
+                        self._refuse(out, w)
+                    shape = list(a.meta["val"].shape)
+                    shape[w.dim] = w.kept()
+                    g = self._call(aten.slice.Tensor, (g, w.dim, w.lo, w.seq - w.hi),
+                                   _empty(a.meta["val"], shape))  # fmt: skip
             return g
 
         out.args = (pytree.tree_map(whole, out.args[0]),)
@@ -257,6 +292,10 @@ class _SplitSequence:
         have = [self.place.get(a, R) for a in args]
         if all(not isinstance(p, Shard) for p in have):
             return
+        if n.target is aten.slice.Tensor and self._open_window(n, have[0]):
+            return
+        if any(a in self.window for a in args):
+            self._widen(n, args)
         if n.target is _SDPA:
             self._attention(n)
         elif n.target in (_CE, parallel_ops.vocab_parallel_cross_entropy):
@@ -319,6 +358,113 @@ class _SplitSequence:
             self._all_reduce_after(n)
         elif isinstance(out, tuple) or isinstance(out, Shard):
             self.place[n] = out
+
+    # -- slices of split activations (step 2)
+
+    def _open_window(self, n: fx.Node, p: Placement) -> bool:
+        """``x[:, a:b]`` along the split sequence of an activation: kept at full length (an
+        alias of ``x``, the dropped positions marked by a :class:`Window`): no exchange."""
+        x, dim = n.args[0], n.args[1] if len(n.args) > 1 else 0
+        seq = x.meta["val"].shape[dim] if isinstance(dim, int) else None
+        step = n.args[4] if len(n.args) > 4 else 1
+        if not (isinstance(p, Shard) and p.dim == dim and p.blocks == 1 and seq == self.lay.seq
+                and step == 1 and x not in self.window):  # fmt: skip
+            return False
+        start = n.args[2] if len(n.args) > 2 and n.args[2] is not None else 0
+        end = n.args[3] if len(n.args) > 3 and n.args[3] is not None else seq
+        start, end = (min(max(i + seq if i < 0 else i, 0), seq) for i in (start, end))
+        n.target, n.args, n.kwargs = aten.alias.default, (x,), {}
+        n.meta["val"] = x.meta["val"]
+        self.place[n] = p
+        if (start, end) != (0, seq):
+            self.window[n] = Window(dim=dim, outer=1, inner=1, lo=start, hi=seq - end, seq=seq,
+                                    source=meta.source(n))  # fmt: skip
+        return True
+
+    def _widen(self, n: fx.Node, args: list[fx.Node]) -> None:
+        """``n`` reads a windowed slice: give it the full length (views re-shaped, a loss's
+        target padded with its ignore_index, an input-derived partner padded), or refuse."""
+        ws = {self.window[a] for a in args if a in self.window}
+        w = next(iter(ws))
+        if len({(v.lo, v.hi, v.seq) for v in ws}) > 1:
+            raise ContextParallelError(
+                f"{_op(n)} at {meta.source(n)} combines differently shifted slices of "
+                f"sequence-split activations ({', '.join(v.source for v in ws)}): that needs "
+                "the neighbour rank's boundary tokens (a halo exchange), which cp does not "
+                "build; shift an input instead (e.g. the labels)")  # fmt: skip
+        src = next(a for a in args if a in self.window)
+        if n.target in _VIEWS:
+            self._widen_view(n, src, w)
+        elif n.target in (_CE, parallel_ops.vocab_parallel_cross_entropy) and src is n.args[0] \
+                and w.dim == 0 and n.args[1] not in self.window:  # fmt: skip
+            ignore = n.args[4] if len(n.args) > 4 else n.kwargs.get("ignore_index", -100)
+            n.replace_input_with(n.args[1], self._pad_partner(n.args[1], n, w, 0, ignore))
+            reduction = n.args[3] if len(n.args) > 3 else n.kwargs.get("reduction", _MEAN)
+            if reduction not in (_MEAN, _SUM):
+                self._widen_positionwise(n, args, w)
+        else:
+            self._widen_positionwise(n, args, w)
+
+    def _widen_view(self, n: fx.Node, src: fx.Node, w: Window) -> None:
+        old_in = list(src.meta["val"].shape)
+        old_in[w.dim] = w.kept()
+        old_out = list(n.meta["val"].shape)
+        found = _view_window(old_in, old_out, w)
+        if found is None:
+            self._refuse(n, w)
+        j, outer, inner = found
+        new_out = list(old_out)
+        new_out[j] = outer * w.seq * inner
+        n.args = (n.args[0], new_out, *n.args[2:])
+        n.meta["val"] = _empty(n.meta["val"], new_out)
+        self.window[n] = Window(dim=j, outer=outer, inner=inner, lo=w.lo, hi=w.hi, seq=w.seq,
+                                source=w.source)  # fmt: skip
+
+    def _widen_positionwise(self, n: fx.Node, args: list[fx.Node], w: Window) -> None:
+        """An op keeping every position where it is (same rank, same windowed dim): other
+        operands along that dim must be input-derived (padded here) or broadcast."""
+        val = n.meta["val"]
+        if not isinstance(val, torch.Tensor) or val.dim() <= w.dim \
+                or val.shape[w.dim] != w.kept():  # fmt: skip
+            self._refuse(n, w)
+        for a in args:
+            av = a.meta["val"]
+            k = w.dim - (val.dim() - av.dim())
+            if a in self.window or k < 0 or av.shape[k] == 1:
+                continue
+            if a not in self.whole:
+                self._refuse(n, w)
+            n.replace_input_with(a, self._pad_partner(a, n, w, k, 0))
+        self.window[n] = w
+        n.meta["val"] = _empty(val, [*val.shape[:w.dim], w.full(), *val.shape[w.dim + 1:]])
+
+    def _pad_partner(self, a: fx.Node, before: fx.Node, w: Window, dim: int,
+                     value: float) -> fx.Node:  # fmt: skip
+        """Input-derived ``a`` (computed whole) at full length along ``dim``: ``value`` at the
+        window's dropped positions."""
+        if a not in self.whole:
+            self._refuse(before, w)
+        shape = list(a.meta["val"].shape)
+        split = [*shape[:dim], w.outer, w.seq - w.lo - w.hi, w.inner, *shape[dim + 1:]]
+        wide = [*shape[:dim], w.outer, w.seq, w.inner, *shape[dim + 1:]]
+        pad = [0, 0] * (len(shape) - dim) + [w.lo, w.hi]
+        with self.graph.inserting_before(before):
+            v = self._call(aten.view.default, (a, split), _empty(a.meta["val"], split), like=a)
+            p = self._call(aten.constant_pad_nd.default, (v, pad, value),
+                           _empty(a.meta["val"], wide), like=a)  # fmt: skip
+            out_shape = [*shape[:dim], w.full(), *shape[dim + 1:]]
+            out = self._call(aten.view.default, (p, out_shape), _empty(a.meta["val"], out_shape),
+                             like=a)  # fmt: skip
+        self.whole.update((v, p, out))
+        return out
+
+    def _refuse(self, n: fx.Node, w: Window) -> None:
+        raise ContextParallelError(
+            f"{_op(n)} at {meta.source(n)} reads a slice of a sequence-split activation "
+            f"({w.source}); cp keeps such a slice at full length with the dropped positions "
+            "marked, which position-wise ops, views and a cross-entropy (its target padded with "
+            "ignore_index) can read; a reduction over the sequence or a whole-rank op cannot. "
+            "Shift the labels instead of the activation")  # fmt: skip
 
     # -- attention (step 3)
 
@@ -480,6 +626,28 @@ class _SplitSequence:
         with self.graph.inserting_after(n):
             red = self._call(C.all_reduce, (n, AXIS, "identity"), n.meta["val"])
         n.replace_all_uses_with(red, delete_user_cb=lambda u: u is not red)
+
+
+def _empty(like: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=like.dtype, device="meta")
+
+
+def _view_window(old_in: list[int], old_out: list[int],
+                 w: Window) -> tuple[int, int, int] | None:  # fmt: skip
+    """The output dim of a view holding the window's positions whole, with its (outer, inner)
+    factors; None when the view cuts through the positions."""
+    d = w.dim
+    before = math.prod(old_in[:d]) * w.outer
+    after = w.inner * math.prod(old_in[d + 1:])
+    kept = w.seq - w.lo - w.hi
+    for j, size in enumerate(old_out):
+        pre, post = math.prod(old_out[:j]), math.prod(old_out[j + 1:])
+        if before % pre or after % post:
+            continue
+        outer, inner = before // pre, after // post
+        if size == outer * kept * inner:
+            return j, outer, inner
+    return None
 
 
 def _input_derived(nodes: list[fx.Node], traced: Traced, grad: frozenset[str]) -> set[fx.Node]:

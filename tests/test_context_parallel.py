@@ -305,6 +305,54 @@ def test_hf_shifts_labels_inside_the_model(axes):
     assert len([r for r in report.rows if r.kind == "output"]) == 2  # loss and logits
 
 
+class SlicedLogits(nn.Module):
+    """GPT computing its loss inside, the older HF way: ``logits[:, :-1]`` against
+    ``labels[:, 1:]``, and returning the sliced logits too."""
+
+    def __init__(self, c: Config) -> None:
+        super().__init__()
+        self.gpt = build("gpt", c)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = self.gpt(ids)
+        shift = logits[:, :-1, :].contiguous()
+        loss = F.cross_entropy(shift.view(-1, shift.shape[-1]), labels[:, 1:].reshape(-1))
+        return loss, shift
+
+
+@pytest.mark.parametrize("axes", [{"cp": 2}, {"cp": 2, "tp": 2}])
+def test_model_slicing_its_logits_inside(axes):
+    """A slice of the split logits stays at full length (no exchange); the labels, shifted
+    whole, are padded with ignore_index where the slice dropped positions; the sliced logits
+    output is cut from the gathered whole."""
+    c = Config(seq=32, bias=True)
+    model = SlicedLogits(c)
+    x, y = tokens(c)
+    y[0, 3] = -100
+    prog = autoparallelize(model, Mesh(**axes), (x, y), cp_attention="ring")
+    assert "constant_pad_nd.default(" in prog.code(0)
+    fwd = [c for c in prog.collectives() if c.kind == "send_recv" and c.direction == "fwd"]
+    assert len(fwd) == c.layers  # the ring's only
+    report = verify(model, Mesh(**axes), (x, y), rtol=1e-5, cp_attention="ring",
+                    reference_dtype=torch.float64)  # fmt: skip
+    assert report.ok, report
+
+
+class TemporalDifference(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        return (h[:, 1:] - h[:, :-1]).pow(2).sum()
+
+
+def test_differently_shifted_activations_are_refused():
+    with pytest.raises(ContextParallelError, match=r"sub.*differently shifted.*halo exchange"):
+        autoparallelize(TemporalDifference(), Mesh(cp=2), (torch.randint(0, 32, (2, 8)),))
+
+
 def test_train_cp_example_matches_single_device() -> None:
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root)}
