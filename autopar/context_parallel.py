@@ -340,8 +340,8 @@ class _SplitSequence:
                     "is not split; cp rewrites aten.scaled_dot_product_attention (e.g. HF "
                     "attn_implementation='sdpa')") if both else (
                     "cp splits every sequence-dim tensor, so this op needs a rule in "
-                    "autopar/rules/, or the model must not mix positions (e.g. pass "
-                    "pre-shifted labels instead of labels= that the model shifts)")  # fmt: skip
+                    "autopar/rules/ (a mean over the split sequence has none: sum, then "
+                    "divide)")  # fmt: skip
             raise ContextParallelError(
                 f"{_op(n)} at {meta.source(n)} reads sequence-split values ({split}) and no "
                 f"sharding strategy runs it split along the sequence; {hint}"

@@ -166,6 +166,92 @@ def test_hf_causal_lm(name, axes, strategy):
     assert report.ok, report
 
 
+# ---------------------------------------------------------------- masks built by the model
+
+
+class BuiltMask(nn.Module):
+    """Attention with a mask the model builds from positions: ``kind`` picks how."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.emb = nn.Embedding(32, 32)
+        self.qkv = nn.Linear(32, 96)
+        self.out = nn.Linear(32, 32)
+
+    def mask(self, s: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        pos = torch.arange(s, device=device)
+        if self.kind == "bool":  # HF's form: key position <= query position, and-ed with truth
+            same_doc = torch.zeros(s, device=device)[:, None] == torch.zeros(s, device=device)
+            return (pos[None, :] <= pos[:, None]) & same_doc
+        if self.kind == "float":  # -inf above the diagonal
+            full = torch.full((s, s), float("-inf"), device=device, dtype=dtype)
+            return torch.triu(full, diagonal=1)
+        if self.kind == "window":  # not causal: a band of 4
+            return (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - 4)
+        return pos[None, :] >= pos[:, None]  # "anti": keys at or after the query
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s = x.shape
+        q, k, v = self.qkv(self.emb(x)).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(s, x.device, q.dtype))
+        return self.out(o.transpose(1, 2).reshape(b, s, 32)).pow(2).sum()
+
+
+def _sdpa_causal(prog) -> list:
+    return [n.args[5] for n in prog.graph_module.graph.nodes
+            if n.target is cp_ops.ring_attention]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_causal_mask_recognised_from_its_structure(kind, monkeypatch):
+    """With evaluation of masks switched off (``MASK_LIMIT = 0``), a causal mask built from
+    position comparisons (or ``triu`` of -inf) is still recognised: balanced chunks, the ring
+    told ``causal``, and the program equals the model with its mask."""
+    from autopar import canonical
+
+    monkeypatch.setattr(canonical, "MASK_LIMIT", 0)
+    x = torch.randint(0, 32, (2, 16))
+    prog = autoparallelize(BuiltMask(kind), Mesh(cp=2), (x,), cp_attention="ring")
+    assert _sdpa_causal(prog) == [True]
+    assert any("4 chunks, rank i holds chunks i and 3-i" in n for n in prog.plan.notes)
+    report = verify(BuiltMask(kind), Mesh(cp=2), (x,), rtol=1e-5, cp_attention="ring",
+                    reference_dtype=torch.float64)  # fmt: skip
+    assert report.ok, report
+
+
+@pytest.mark.parametrize("kind", ["window", "anti"])
+def test_masks_that_are_not_causal_stay_masks(kind, monkeypatch):
+    from autopar import canonical
+
+    monkeypatch.setattr(canonical, "MASK_LIMIT", 0)
+    x = torch.randint(0, 32, (2, 16))
+    prog = autoparallelize(BuiltMask(kind), Mesh(cp=2), (x,), cp_attention="ring")
+    assert _sdpa_causal(prog) == [False]
+    assert any("2 chunks, rank i holds chunk i" in n for n in prog.plan.notes)
+    report = verify(BuiltMask(kind), Mesh(cp=2), (x,), rtol=1e-5, cp_attention="ring",
+                    reference_dtype=torch.float64)  # fmt: skip
+    assert report.ok, report
+
+
+def test_hf_mask_at_32k_tokens_gives_balanced_chunks():
+    """HF Llama at 32768 tokens (meta weights, plan only): its 2^30-element causal mask is
+    recognised from how it is built, so the sequence gets the balanced layout."""
+    import transformers
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,
+              use_cache=False)  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+    ids = torch.randint(0, 128, (1, 32768))
+    prog = autoparallelize(model, Mesh(cp=4), (ids,), example_kwargs={"labels": ids})
+    note = "32768 tokens into 8 chunks, rank i holds chunks i and 7-i (causal"
+    assert any(note in n for n in prog.plan.notes), prog.plan
+    assert note in str(prog.plan)
+    assert _sdpa_causal(prog) == [True, True]
+
+
 # ---------------------------------------------------------------- collectives
 
 
