@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ _SDPA = aten.scaled_dot_product_attention.default
 _CE = aten.cross_entropy_loss.default
 _MEAN, _SUM = 1, 2
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_RING_STEPS = (cp_ops.ring_send, cp_ops.ring_recv, cp_ops.ring_block)
 _TP_DIM_OPS = (C.all_gather, C.reduce_scatter, C.split, C.all_to_all)
 _TP_OPS = (*_TP_DIM_OPS, C.all_reduce, C.grad_all_reduce, parallel_ops.local_kv_heads,
            parallel_ops.vocab_parallel_embedding)  # fmt: skip
@@ -166,10 +168,20 @@ def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = Non
     cp_only = Mesh.ordered(((AXIS, lay.size),), mesh.cluster)
     gm = localize(gm, PassContext(mesh=cp_only, axis=AXIS, choice={}, grad=grad, traced=traced))
     _merge_layouts(gm, kept)
+    _note_exchanges(gm)
     gm.graph.lint()
     gm.recompile()
     plan = _plan(traced, gm, mesh, lay, split.prices, grad, tp_notes)
     return Program(plan=plan, mesh=mesh, graph_module=gm, traced=traced, history=[])
+
+
+def _note_exchanges(gm: fx.GraphModule) -> None:
+    """Each ring exchange prints its peers and local bytes (codegen.render shows the note)."""
+    for n in gm.graph.nodes:
+        if n.target is cp_ops.ring_send:
+            kv = sum(_nbytes(b.meta["val"]) for b in n.args[0])
+            n.meta["note"] = (f"p2p: send {kv / 2**10:.1f} KiB (K+V) to {AXIS} rank r+1, "
+                              f"recv from r-1")  # fmt: skip
 
 
 def _merge_layouts(gm: fx.GraphModule, kept: dict[fx.Node, Any]) -> None:
@@ -500,11 +512,38 @@ class _SplitSequence:
 
     def _ring(self, n: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, mask: Any,
               a: dict) -> fx.Node:  # fmt: skip
-        scale = a["scale"] or q.meta["val"].shape[-1] ** -0.5
+        """One node per ring step: start the exchange of the block in hand, attend to it,
+        wait for the next (cp_ops: the exchanges print as ``ring_send`` / ``ring_recv``)."""
+        scale = float(a["scale"] or q.meta["val"].shape[-1] ** -0.5)
+        causal, lay = bool(a["is_causal"]), self.lay
+        qv = q.meta["val"]
+        acc = _meta(qv.shape, cp_ops._ACCUMULATE.get(qv.dtype, qv.dtype))
+        state = (acc, _meta(qv.shape[:-1], acc.dtype))
+        block, o, lse = (k, v), None, None
         with self.graph.inserting_before(n):
-            return self._call(cp_ops.ring_attention,
-                              (q, k, v, mask, AXIS, bool(a["is_causal"]), float(scale),
-                               self.lay.seq, self.lay.balanced), n.meta["val"], like=n)  # fmt: skip
+            for step in range(lay.size):
+                pending = (self._call(cp_ops.ring_send, ([*block], AXIS), None, like=n)
+                           if step < lay.size - 1 else None)  # fmt: skip
+                merged = self._call(cp_ops.ring_block, (q, *block, o, lse, mask, AXIS, step,
+                                                        causal, scale, lay.seq, lay.balanced),
+                                    state, like=n)  # fmt: skip
+                o, lse = self._items(merged, state, (Shard(2), Shard(2)))
+                if pending is not None:
+                    vals = (k.meta["val"], v.meta["val"])
+                    got = self._call(cp_ops.ring_recv, (pending,), vals, like=n)
+                    block = self._items(got, vals, (Shard(2), Shard(2)))
+            return self._call(cp_ops.ring_attention_out,
+                              (q, k, v, o, lse, mask, AXIS, causal, scale, lay.seq,
+                               lay.balanced), n.meta["val"], like=n)  # fmt: skip
+
+    def _items(self, node: fx.Node, vals: tuple, places: tuple) -> tuple[fx.Node, ...]:
+        self.place[node] = places
+        out = []
+        for i, (val, p) in enumerate(zip(vals, places, strict=True)):
+            item = self._call(operator.getitem, (node, i), val)
+            self.place[item] = p
+            out.append(item)
+        return tuple(out)
 
     def _ulysses(self, n: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, mask: Any,
                  a: dict) -> fx.Node:  # fmt: skip
@@ -630,6 +669,10 @@ class _SplitSequence:
 
 def _empty(like: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=like.dtype, device="meta")
+
+
+def _meta(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, device="meta")
 
 
 def _view_window(old_in: list[int], old_out: list[int],
@@ -786,8 +829,11 @@ def compute_time(gm: fx.GraphModule, grad: frozenset[str], gpu: Any) -> float:
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
-        if n.target is cp_ops.ring_attention:
-            q, causal, seq = n.args[0].meta["val"], n.args[5], n.args[7]
+        if n.target in _RING_STEPS:
+            continue  # priced whole at ring_attention_out
+        if n.target in (cp_ops.ring_attention, cp_ops.ring_attention_out):
+            at = 0 if n.target is cp_ops.ring_attention else 2
+            q, causal, seq = n.args[0].meta["val"], n.args[5 + at], n.args[7 + at]
             b, h, s, d = q.shape
             flops = 4.0 * b * h * s * seq * d * (0.5 if causal else 1.0)
             t = op_time(flops, 4.0 * q.numel() * q.element_size(), gpu, q.element_size())
@@ -802,7 +848,7 @@ def activation_bytes(gm: fx.GraphModule, traced: Traced) -> float:
     activations saved for backward, per rank)."""
     total = 0.0
     for n in gm.graph.nodes:
-        if n.op != "call_function":
+        if n.op != "call_function" or _transient(n):
             continue
         vals = n.meta.get("val")
         for v in vals if isinstance(vals, (tuple, list)) else (vals,):
@@ -811,16 +857,27 @@ def activation_bytes(gm: fx.GraphModule, traced: Traced) -> float:
     return total
 
 
+def _transient(n: fx.Node) -> bool:
+    """A ring step's block or running (o, lse): freed by the next step, never saved."""
+    src = n.args[0] if n.target is operator.getitem else n
+    return isinstance(src, fx.Node) and src.target in _RING_STEPS
+
+
 def _cp_collectives(gm: fx.GraphModule, lay: SeqLayout, grad: frozenset[str]) -> list[Collective]:
     """The cp ops collectives_of does not know: ring exchanges, localize / gather, the loss."""
     out: list[Collective] = []
     for n in gm.graph.nodes:
         where = meta.module_path(n)
-        if n.target is cp_ops.ring_attention:
+        if n.target is cp_ops.ring_send:
+            k, v = (b.meta["val"] for b in n.args[0])
+            kv = (k.numel() + v.numel()) * k.element_size()
+            out.append(_rec("send_recv", (2, *k.shape), kv, "fwd", where))
+        elif n.target in (cp_ops.ring_attention, cp_ops.ring_attention_out):
             k, v = n.args[1].meta["val"], n.args[2].meta["val"]
             kv = (k.numel() + v.numel()) * k.element_size()
             shape = (2, *k.shape)
-            out += [_rec("send_recv", shape, kv, "fwd", where)] * (lay.size - 1)
+            if n.target is cp_ops.ring_attention:
+                out += [_rec("send_recv", shape, kv, "fwd", where)] * (lay.size - 1)
             out += [_rec("send_recv", shape, kv, "bwd", where)] * (2 * lay.size - 1)
         elif n.target is cp_ops.cp_gather:
             val = n.meta["val"]

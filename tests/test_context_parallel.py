@@ -199,8 +199,8 @@ class BuiltMask(nn.Module):
 
 
 def _sdpa_causal(prog) -> list:
-    return [n.args[5] for n in prog.graph_module.graph.nodes
-            if n.target is cp_ops.ring_attention]  # fmt: skip
+    return [n.args[7] for n in prog.graph_module.graph.nodes
+            if n.target is cp_ops.ring_attention_out]  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["bool", "float"])
@@ -273,7 +273,11 @@ def test_ring_exchanges_kv_cp_minus_one_times_per_attention(cp):
     x, y = tokens(c)
     prog = autoparallelize(model, Mesh(cp=cp), (x, y), lm_loss, cp_attention="ring")
     code = prog.code(0)
-    assert code.count("autopar_cp_ops_ring_attention(") == c.layers
+    assert code.count("autopar_cp_ops_ring_attention_out(") == c.layers
+    sends = re.findall(r"autopar_cp_ops_ring_send\(.*# p2p: send ([\d.]+) KiB", code)
+    kv_kib = 2 * c.batch * c.kv_heads * (c.seq // cp) * (c.hidden // c.heads) * 4 / 2**10
+    assert [float(k) for k in sends] == [kv_kib] * (c.layers * (cp - 1))  # one node per step
+    assert code.count("autopar_cp_ops_ring_recv(") == c.layers * (cp - 1)
     sends = [col for col in prog.collectives() if col.kind == "send_recv"]
     assert len([s for s in sends if s.direction == "fwd"]) == c.layers * (cp - 1)
     kv = sends[0]
@@ -282,6 +286,39 @@ def test_ring_exchanges_kv_cp_minus_one_times_per_attention(cp):
     counts = get_pool(cp).run(_forward_exchanges, prog.mesh.axes, jobs)
     # forward: cp-1 fused K/V exchanges; backward: cp-1 K/V plus cp dK/dV exchanges
     assert all(n == {"fwd": c.layers * (cp - 1), "bwd": c.layers * (2 * cp - 1)} for n in counts)
+
+
+def _ring_saved_bytes(rank: int, groups: dict, cp: int) -> tuple[int, int]:
+    from autopar import collectives
+
+    collectives.bind(groups)
+    b, h, s, d = 1, 4, 64, 8
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(b, h, s // cp, d, generator=g, requires_grad=True) for _ in "qkv")
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block, o, lse = [k, v], None, None
+        for step in range(cp):  # as the program runs it: one node per ring step
+            pending = cp_ops.ring_send(block, "cp") if step < cp - 1 else None
+            o, lse = cp_ops.ring_block(q, *block, o, lse, None, "cp", step, True, 0.5, s, True)
+            block = cp_ops.ring_recv(pending) if pending is not None else block
+        out = cp_ops.ring_attention_out(q, k, v, o, lse, None, "cp", True, 0.5, s, True)
+    out.sum().backward()
+    own = 3 * q.numel() * 4 + o.numel() * 8 + lse.numel() * 8  # q, k, v; o, lse in float64
+    return sum(seen.values()), own
+
+
+def test_ring_steps_as_nodes_save_only_this_ranks_blocks():
+    """The ring's steps are separate graph nodes, yet backward saves only this rank's q, k, v
+    and the merged (o, lse): the blocks received from other ranks are never saved (backward
+    passes K/V around the ring again), so saved bytes stay O(S/cp)."""
+    for saved, own in get_pool(4).run(_ring_saved_bytes, Mesh(cp=4).axes, [(4,)] * 4):
+        assert saved == own, (saved, own)
 
 
 def test_all_to_all_attention_is_four_all_to_alls_forward():
