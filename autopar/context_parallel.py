@@ -7,18 +7,25 @@ when no attention is causal (autopar.cp_ops).  Parameters are replicated over cp
 gradients are summed over cp (the cp ranks then join the dp reduction, like a data axis).
 
 Algorithm (:func:`compile_context_parallel`):
-1. Trace at the global shape.  The sequence length S is dim 1 of the first user input; every
-   user input whose dim 1 is S is localized (``cp_localize``: the rank's chunks, no
+1. Trace at the global shape.  The sequence length S is dim 1 of the first user input.
+   What the model computes from its inputs alone, off the gradient path (a label shift, a
+   ``labels[..., 1:]``), runs whole on every rank like the inputs; the first op of the model
+   reading such a value with S at dim 1 reads this rank's chunks of it (``cp_localize``: no
    communication).  Attention is causal if any SDPA says so; S must divide into the chunks.
 2. Walk the graph.  An op reading a sequence-split value runs split when its sharding rules
    (autopar.rules, on an axis of one rank per chunk) offer a strategy whose split inputs are
    where they are: replicated inputs it needs split are localized (their gradient is gathered
    back), replicated inputs it reads whole get ``grad_all_reduce`` (each rank's gradient is
    the sum over its own tokens), a partial sum is all-reduced.  No strategy: an error naming
-   the op and the user's source line.
+   the op and the user's source line.  A slice of a split activation along the sequence
+   (``logits[:, :-1]``) stays at full length, its dropped positions marked (a ``Window``):
+   views and position-wise ops carry it, an input-derived partner is padded, and a
+   cross-entropy's target gets its ignore_index there, so the loss is exact with no exchange.
+   Differently shifted slices meeting (which needs a halo exchange) are refused.
 3. Attention (``aten.scaled_dot_product_attention``) with split q, k, v becomes ring attention
-   or all-to-all (Ulysses) attention: each priced on the link cp rides, the cheaper chosen
-   unless ``cp_attention`` forces one.
+   (one node per ring step: ``ring_send`` / ``ring_block`` / ``ring_recv``, then
+   ``ring_attention_out``, cp_ops) or all-to-all (Ulysses) attention: each priced on the
+   link cp rides, the cheaper chosen unless ``cp_attention`` forces one.
 4. A mean cross-entropy becomes a sum plus the count of counted tokens, both all-reduced
    (``cp_global_mean``): the loss over the global sequence keeps its meaning.  Split graph
    outputs are gathered whole.
