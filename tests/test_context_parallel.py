@@ -428,6 +428,22 @@ def test_hf_shifts_labels_inside_the_model(axes):
     assert len([r for r in report.rows if r.kind == "output"]) == 2  # loss and logits
 
 
+@pytest.mark.parametrize("strategy", ["ring", "all_to_all"])
+def test_hf_padding_mask_from_the_attention_mask_input(strategy):
+    """HF builds its mask from ``attention_mask`` (an input): that runs whole on every rank,
+    so attention gets the whole padding-and-causal mask (contiguous chunks: the mask is not
+    the plain causal triangle)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (2, 32), generator=g)
+    mask = torch.ones(2, 32, dtype=torch.long)
+    mask[1, 24:] = 0  # right padding: every query still sees a key
+    labels = ids.masked_fill(mask == 0, -100)
+    kwargs = {"attention_mask": mask, "labels": labels}
+    report = verify(_hf("llama"), Mesh(cp=2), (ids,), example_kwargs=kwargs, rtol=1e-5,
+                    cp_attention=strategy, reference_dtype=reference(strategy))  # fmt: skip
+    assert report.ok, report
+
+
 class SlicedLogits(nn.Module):
     """GPT computing its loss inside, the older HF way: ``logits[:, :-1]`` against
     ``labels[:, 1:]``, and returning the sliced logits too."""
