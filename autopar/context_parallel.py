@@ -315,6 +315,8 @@ class _SplitSequence:
             return
         if any(a in self.window for a in args):
             self._widen(n, args)
+            args = tensor_args(n)  # a padded partner replaced its input
+            have = [self.place.get(a, R) for a in args]
         if n.target is _SDPA:
             self._attention(n)
         elif n.target in (_CE, parallel_ops.vocab_parallel_cross_entropy):
@@ -420,7 +422,7 @@ class _SplitSequence:
             n.replace_input_with(n.args[1], self._pad_partner(n.args[1], n, w, 0, ignore))
             reduction = n.args[3] if len(n.args) > 3 else n.kwargs.get("reduction", _MEAN)
             if reduction not in (_MEAN, _SUM):
-                self._widen_positionwise(n, args, w)
+                self._widen_positionwise(n, [src], w)
         else:
             self._widen_positionwise(n, args, w)
 

@@ -477,6 +477,29 @@ def test_model_slicing_its_logits_inside(axes):
     assert report.ok, report
 
 
+class TemperedSlice(nn.Module):
+    """A sliced activation meeting an input-derived partner of the same shift."""
+
+    def __init__(self, c: Config) -> None:
+        super().__init__()
+        self.gpt = build("gpt", c)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor,
+                temp: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        logits = self.gpt(ids)[:, :-1] * temp[:, 1:, None]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+
+def test_sliced_activation_times_an_input_derived_partner():
+    """The partner ``temp[:, 1:]`` is padded whole to the full length, then localized."""
+    c = Config(seq=32)
+    x, y = tokens(c)
+    temp = torch.rand(c.batch, c.seq, generator=torch.Generator().manual_seed(0)) + 0.5
+    report = verify(TemperedSlice(c), Mesh(cp=2), (x, y, temp), rtol=1e-5, cp_attention="ring",
+                    reference_dtype=torch.float64)  # fmt: skip
+    assert report.ok, report
+
+
 class TemporalDifference(nn.Module):
     def __init__(self) -> None:
         super().__init__()
