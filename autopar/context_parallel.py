@@ -386,6 +386,7 @@ class _SplitSequence:
         """``x[:, a:b]`` along the split sequence of an activation: kept at full length (an
         alias of ``x``, the dropped positions marked by a :class:`Window`): no exchange."""
         x, dim = n.args[0], n.args[1] if len(n.args) > 1 else 0
+        dim = dim + x.meta["val"].dim() if isinstance(dim, int) and dim < 0 else dim
         seq = x.meta["val"].shape[dim] if isinstance(dim, int) else None
         step = n.args[4] if len(n.args) > 4 else 1
         if not (isinstance(p, Shard) and p.dim == dim and p.blocks == 1 and seq == self.lay.seq
