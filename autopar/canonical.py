@@ -23,7 +23,9 @@ Algorithm:
    score matrix, ``scaled_dot_product_attention(q, k, v, mask)`` becomes
    ``scaled_dot_product_attention(q, k, v, is_causal=True)``: the flash kernel on GPUs
    (seen: HF Llama 16% slower than eager on an H200 with the mask), and a mask context
-   parallelism can balance.  Masks over ``MASK_LIMIT`` elements are left as they are.
+   parallelism can balance.  A mask is first recognised from how it is built, whatever its
+   size (autopar.mask_structure: positions compared, never materialised); one it does not
+   recognise is evaluated when no value on its way is over ``MASK_LIMIT`` elements.
 5. A tensor split into equal pieces along a dim, each piece normalised by its own
    ``layer_norm`` (same normalised shape and eps, parameters of equal shapes) and the
    results concatenated back in order along that dim (StableLM's per-head q/k norms), is one
@@ -37,6 +39,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+
+from autopar.mask_structure import is_causal_mask
 
 _ADD = torch.ops.aten.add.Tensor
 _MATMULS = frozenset({torch.ops.aten.linear.default, torch.ops.aten.mm.default,
@@ -61,7 +65,7 @@ def canonicalize(graph: fx.Graph) -> None:
     for node in list(graph.nodes):
         mask = _mask_arg(node) if node.target is _SDPA else None
         if isinstance(mask, fx.Node) and _constant_causal(mask):
-            dead = _ancestors(mask) or []
+            dead = _ancestors(mask, limit=None) or []
             _make_causal(node)
             for old in reversed(dead):  # the mask's computation, now unread
                 if not old.users:
@@ -155,6 +159,9 @@ def _mask_arg(node: fx.Node) -> object:
 
 def _constant_causal(mask: fx.Node) -> bool:
     """Step 4: ``mask`` depends on no input and is the causal lower triangle."""
+    built = _ancestors(mask, limit=None)
+    if built is not None and is_causal_mask(mask, built):
+        return True
     nodes = _ancestors(mask)
     if nodes is None:
         return False
@@ -179,9 +186,9 @@ def _constant_causal(mask: fx.Node) -> bool:
     return False
 
 
-def _ancestors(mask: fx.Node) -> list[fx.Node] | None:
+def _ancestors(mask: fx.Node, limit: int | None = MASK_LIMIT) -> list[fx.Node] | None:
     """The nodes ``mask`` is computed from, in graph order; None when one is an input or
-    a parameter, not a plain op, or too large to evaluate."""
+    a parameter, not a plain op, or over ``limit`` elements."""
     seen, todo = set(), [mask]
     while todo:
         node = todo.pop()
@@ -189,7 +196,7 @@ def _ancestors(mask: fx.Node) -> list[fx.Node] | None:
             continue
         val = node.meta.get("val")
         if node.op != "call_function" or not callable(node.target) or (
-            isinstance(val, torch.Tensor) and val.numel() > MASK_LIMIT
+            limit is not None and isinstance(val, torch.Tensor) and val.numel() > limit
         ):
             return None
         seen.add(node)

@@ -180,6 +180,7 @@ def render(module: fx.GraphModule, header: str) -> str:
     """Readable source of a rank's program: header, then each line with its layout."""
     text = module.print_readable(print_output=False, include_stride=False, include_device=False)
     layouts = {n.name: meta.layout(n) for n in module.graph.nodes}
+    notes = {n.name: n.meta["note"] for n in module.graph.nodes if n.meta.get("note")}
     lines = []
     for line in text.splitlines():
         m = _ASSIGN.match(line)
@@ -187,6 +188,8 @@ def render(module: fx.GraphModule, header: str) -> str:
         if lay is not None and "#" not in line:
             shown = ", ".join(map(str, lay)) if isinstance(lay, tuple) else str(lay)
             line = f"{line}  # {shown}"
+        if m and m.group(2) in notes:  # a node's own note (a point-to-point op's peers, bytes)
+            line = f"{line}  # {notes[m.group(2)]}"
         lines.append(line)
     return header + "\n".join(lines) + "\n"
 

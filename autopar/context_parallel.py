@@ -7,18 +7,25 @@ when no attention is causal (autopar.cp_ops).  Parameters are replicated over cp
 gradients are summed over cp (the cp ranks then join the dp reduction, like a data axis).
 
 Algorithm (:func:`compile_context_parallel`):
-1. Trace at the global shape.  The sequence length S is dim 1 of the first user input; every
-   user input whose dim 1 is S is localized (``cp_localize``: the rank's chunks, no
+1. Trace at the global shape.  The sequence length S is dim 1 of the first user input.
+   What the model computes from its inputs alone, off the gradient path (a label shift, a
+   ``labels[..., 1:]``), runs whole on every rank like the inputs; the first op of the model
+   reading such a value with S at dim 1 reads this rank's chunks of it (``cp_localize``: no
    communication).  Attention is causal if any SDPA says so; S must divide into the chunks.
 2. Walk the graph.  An op reading a sequence-split value runs split when its sharding rules
    (autopar.rules, on an axis of one rank per chunk) offer a strategy whose split inputs are
    where they are: replicated inputs it needs split are localized (their gradient is gathered
    back), replicated inputs it reads whole get ``grad_all_reduce`` (each rank's gradient is
    the sum over its own tokens), a partial sum is all-reduced.  No strategy: an error naming
-   the op and the user's source line.
+   the op and the user's source line.  A slice of a split activation along the sequence
+   (``logits[:, :-1]``) stays at full length, its dropped positions marked (a ``Window``):
+   views and position-wise ops carry it, an input-derived partner is padded, and a
+   cross-entropy's target gets its ignore_index there, so the loss is exact with no exchange.
+   Differently shifted slices meeting (which needs a halo exchange) are refused.
 3. Attention (``aten.scaled_dot_product_attention``) with split q, k, v becomes ring attention
-   or all-to-all (Ulysses) attention: each priced on the link cp rides, the cheaper chosen
-   unless ``cp_attention`` forces one.
+   (one node per ring step: ``ring_send`` / ``ring_block`` / ``ring_recv``, then
+   ``ring_attention_out``, cp_ops) or all-to-all (Ulysses) attention: each priced on the
+   link cp rides, the cheaper chosen unless ``cp_attention`` forces one.
 4. A mean cross-entropy becomes a sum plus the count of counted tokens, both all-reduced
    (``cp_global_mean``): the loss over the global sequence keeps its meaning.  Split graph
    outputs are gathered whole.
@@ -36,6 +43,8 @@ factorisations of a cluster with the cost model for a sequence that must fit in 
 from __future__ import annotations
 
 import copy
+import math
+import operator
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -69,6 +78,8 @@ STRATEGIES = ("ring", "all_to_all")
 _SDPA = aten.scaled_dot_product_attention.default
 _CE = aten.cross_entropy_loss.default
 _MEAN, _SUM = 1, 2
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_RING_STEPS = (cp_ops.ring_send, cp_ops.ring_recv, cp_ops.ring_block)
 _TP_DIM_OPS = (C.all_gather, C.reduce_scatter, C.split, C.all_to_all)
 _TP_OPS = (*_TP_DIM_OPS, C.all_reduce, C.grad_all_reduce, parallel_ops.local_kv_heads,
            parallel_ops.vocab_parallel_embedding)  # fmt: skip
@@ -99,6 +110,28 @@ class AttentionPrice:
     ring: float
     all_to_all: float | None  # None: heads do not divide by cp
     chosen: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Window:
+    """A slice of a sequence-split activation kept at full length: along ``dim`` (viewed as
+    ``[outer, seq, inner]``) positions ``[lo, seq - hi)`` are the slice's, the rest are
+    marked invalid (a loss's target holds its ignore_index there)."""
+
+    dim: int
+    outer: int
+    inner: int
+    lo: int
+    hi: int
+    seq: int
+    source: str  # where the user sliced
+
+    def kept(self) -> int:
+        """The dim's size as the user's program has it (the slice's length)."""
+        return self.outer * (self.seq - self.lo - self.hi) * self.inner
+
+    def full(self) -> int:
+        return self.outer * self.seq * self.inner
 
 
 def compile_context_parallel(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
@@ -135,13 +168,27 @@ def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = Non
         meta.update(n, layout=None)
     split = _SplitSequence(gm, traced, lay, grad, mesh, cp_attention)
     split.run()
+    for n in gm.graph.nodes:  # a gathered output (cut to the user's slice) keeps its tp split
+        src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if src in kept and (n.target is cp_ops.cp_gather or src.target is cp_ops.cp_gather):
+            kept[n] = kept[src]
     cp_only = Mesh.ordered(((AXIS, lay.size),), mesh.cluster)
     gm = localize(gm, PassContext(mesh=cp_only, axis=AXIS, choice={}, grad=grad, traced=traced))
     _merge_layouts(gm, kept)
+    _note_exchanges(gm)
     gm.graph.lint()
     gm.recompile()
     plan = _plan(traced, gm, mesh, lay, split.prices, grad, tp_notes)
     return Program(plan=plan, mesh=mesh, graph_module=gm, traced=traced, history=[])
+
+
+def _note_exchanges(gm: fx.GraphModule) -> None:
+    """Each ring exchange prints its peers and local bytes (codegen.render shows the note)."""
+    for n in gm.graph.nodes:
+        if n.target is cp_ops.ring_send:
+            kv = sum(_nbytes(b.meta["val"]) for b in n.args[0])
+            n.meta["note"] = (f"p2p: send {kv / 2**10:.1f} KiB (K+V) to {AXIS} rank r+1, "
+                              f"recv from r-1")  # fmt: skip
 
 
 def _merge_layouts(gm: fx.GraphModule, kept: dict[fx.Node, Any]) -> None:
@@ -200,15 +247,17 @@ class _SplitSequence:
         self.localized: dict[tuple[fx.Node, Placement], fx.Node] = {}
         self.reduced: dict[fx.Node, fx.Node] = {}
         self.prices: list[AttentionPrice] = []
+        self.window: dict[fx.Node, Window] = {}
         self.ctx = RuleContext(size=lay.chunks, blocks=_block_counts(traced))
 
     def run(self) -> None:
         nodes = list(self.graph.nodes)
+        self.whole = _input_derived(nodes, self.traced, self.grad)
         self._split_inputs(nodes)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for n in nodes:
-                if n.op == "call_function":
+                if n.op == "call_function" and n not in self.whole:
                     self._visit(n)
         self._gather_outputs()
         for n, p in self.place.items():
@@ -220,7 +269,8 @@ class _SplitSequence:
         for n in nodes:
             val = n.meta.get("val")
             if (n.name in self.traced.user_inputs and isinstance(val, torch.Tensor)
-                    and val.dim() >= 2 and val.shape[1] == self.lay.seq):  # fmt: skip
+                    and n not in self.whole and val.dim() >= 2
+                    and val.shape[1] == self.lay.seq):  # fmt: skip
                 users = list(n.users)
                 loc = self._localize(n, Shard(1))
                 for u in users:
@@ -236,6 +286,14 @@ class _SplitSequence:
             with self.graph.inserting_before(out):
                 g = self._call(cp_ops.cp_gather, (a, AXIS, p.dim, p.blocks, self.lay.balanced),
                                a.meta["val"])  # fmt: skip
+                w = self.window.get(a)
+                if w is not None:  # the user's slice, cut from the whole value
+                    if (w.outer, w.inner) != (1, 1):
+                        self._refuse(out, w)
+                    shape = list(a.meta["val"].shape)
+                    shape[w.dim] = w.kept()
+                    g = self._call(aten.slice.Tensor, (g, w.dim, w.lo, w.seq - w.hi),
+                                   _empty(a.meta["val"], shape))  # fmt: skip
             return g
 
         out.args = (pytree.tree_map(whole, out.args[0]),)
@@ -248,10 +306,17 @@ class _SplitSequence:
             if isinstance(parent, tuple) and isinstance(parent[n.args[1]], Shard):
                 self.place[n] = parent[n.args[1]]
             return
+        self._seed(n)
         args = tensor_args(n)
         have = [self.place.get(a, R) for a in args]
         if all(not isinstance(p, Shard) for p in have):
             return
+        if n.target is aten.slice.Tensor and self._open_window(n, have[0]):
+            return
+        if any(a in self.window for a in args):
+            self._widen(n, args)
+            args = tensor_args(n)  # a padded partner replaced its input
+            have = [self.place.get(a, R) for a in args]
         if n.target is _SDPA:
             self._attention(n)
         elif n.target in (_CE, parallel_ops.vocab_parallel_cross_entropy):
@@ -260,6 +325,15 @@ class _SplitSequence:
             self._through_tp_op(n, have)
         else:
             self._by_rules(n, args, have)
+
+    def _seed(self, n: fx.Node) -> None:
+        """An op of the model reading an input-derived value with the sequence at dim 1 reads
+        this rank's chunks of it (the split starts here, not at the input: what the model
+        computes from its inputs alone, a label shift, ran whole on every rank)."""
+        for a in tensor_args(n):
+            val = a.meta["val"]
+            if a in self.whole and val.dim() >= 2 and val.shape[1] == self.lay.seq:
+                n.replace_input_with(a, self._localize(a, Shard(1), n))
 
     def _through_tp_op(self, n: fx.Node, have: list) -> None:
         """A tp collective or lowering moves or splits a non-sequence dim: the sequence stays
@@ -287,8 +361,8 @@ class _SplitSequence:
                     "is not split; cp rewrites aten.scaled_dot_product_attention (e.g. HF "
                     "attn_implementation='sdpa')") if both else (
                     "cp splits every sequence-dim tensor, so this op needs a rule in "
-                    "autopar/rules/, or the model must not mix positions (e.g. pass "
-                    "pre-shifted labels instead of labels= that the model shifts)")  # fmt: skip
+                    "autopar/rules/ (a mean over the split sequence has none: sum, then "
+                    "divide)")  # fmt: skip
             raise ContextParallelError(
                 f"{_op(n)} at {meta.source(n)} reads sequence-split values ({split}) and no "
                 f"sharding strategy runs it split along the sequence; {hint}"
@@ -305,6 +379,114 @@ class _SplitSequence:
             self._all_reduce_after(n)
         elif isinstance(out, tuple) or isinstance(out, Shard):
             self.place[n] = out
+
+    # -- slices of split activations (step 2)
+
+    def _open_window(self, n: fx.Node, p: Placement) -> bool:
+        """``x[:, a:b]`` along the split sequence of an activation: kept at full length (an
+        alias of ``x``, the dropped positions marked by a :class:`Window`): no exchange."""
+        x, dim = n.args[0], n.args[1] if len(n.args) > 1 else 0
+        dim = dim + x.meta["val"].dim() if isinstance(dim, int) and dim < 0 else dim
+        seq = x.meta["val"].shape[dim] if isinstance(dim, int) else None
+        step = n.args[4] if len(n.args) > 4 else 1
+        if not (isinstance(p, Shard) and p.dim == dim and p.blocks == 1 and seq == self.lay.seq
+                and step == 1 and x not in self.window):  # fmt: skip
+            return False
+        start = n.args[2] if len(n.args) > 2 and n.args[2] is not None else 0
+        end = n.args[3] if len(n.args) > 3 and n.args[3] is not None else seq
+        start, end = (min(max(i + seq if i < 0 else i, 0), seq) for i in (start, end))
+        n.target, n.args, n.kwargs = aten.alias.default, (x,), {}
+        n.meta["val"] = x.meta["val"]
+        self.place[n] = p
+        if (start, end) != (0, seq):
+            self.window[n] = Window(dim=dim, outer=1, inner=1, lo=start, hi=seq - end, seq=seq,
+                                    source=meta.source(n))  # fmt: skip
+        return True
+
+    def _widen(self, n: fx.Node, args: list[fx.Node]) -> None:
+        """``n`` reads a windowed slice: give it the full length (views re-shaped, a loss's
+        target padded with its ignore_index, an input-derived partner padded), or refuse."""
+        ws = {self.window[a] for a in args if a in self.window}
+        w = next(iter(ws))
+        if len({(v.lo, v.hi, v.seq) for v in ws}) > 1:
+            raise ContextParallelError(
+                f"{_op(n)} at {meta.source(n)} combines differently shifted slices of "
+                f"sequence-split activations ({', '.join(v.source for v in ws)}): that needs "
+                "the neighbour rank's boundary tokens (a halo exchange), which cp does not "
+                "build; shift an input instead (e.g. the labels)")  # fmt: skip
+        src = next(a for a in args if a in self.window)
+        if n.target in _VIEWS:
+            self._widen_view(n, src, w)
+        elif n.target in (_CE, parallel_ops.vocab_parallel_cross_entropy) and src is n.args[0] \
+                and w.dim == 0 and n.args[1] not in self.window:  # fmt: skip
+            ignore = n.args[4] if len(n.args) > 4 else n.kwargs.get("ignore_index", -100)
+            n.replace_input_with(n.args[1], self._pad_partner(n.args[1], n, w, 0, ignore))
+            reduction = n.args[3] if len(n.args) > 3 else n.kwargs.get("reduction", _MEAN)
+            if reduction not in (_MEAN, _SUM):
+                self._widen_positionwise(n, [src], w)
+        else:
+            self._widen_positionwise(n, args, w)
+
+    def _widen_view(self, n: fx.Node, src: fx.Node, w: Window) -> None:
+        old_in = list(src.meta["val"].shape)
+        old_in[w.dim] = w.kept()
+        old_out = list(n.meta["val"].shape)
+        found = _view_window(old_in, old_out, w)
+        if found is None:
+            self._refuse(n, w)
+        j, outer, inner = found
+        new_out = list(old_out)
+        new_out[j] = outer * w.seq * inner
+        n.args = (n.args[0], new_out, *n.args[2:])
+        n.meta["val"] = _empty(n.meta["val"], new_out)
+        self.window[n] = Window(dim=j, outer=outer, inner=inner, lo=w.lo, hi=w.hi, seq=w.seq,
+                                source=w.source)  # fmt: skip
+
+    def _widen_positionwise(self, n: fx.Node, args: list[fx.Node], w: Window) -> None:
+        """An op keeping every position where it is (same rank, same windowed dim): other
+        operands along that dim must be input-derived (padded here) or broadcast."""
+        val = n.meta["val"]
+        if not isinstance(val, torch.Tensor) or val.dim() <= w.dim \
+                or val.shape[w.dim] != w.kept():  # fmt: skip
+            self._refuse(n, w)
+        for a in args:
+            av = a.meta["val"]
+            k = w.dim - (val.dim() - av.dim())
+            if a in self.window or k < 0 or av.shape[k] == 1:
+                continue
+            if a not in self.whole:
+                self._refuse(n, w)
+            n.replace_input_with(a, self._pad_partner(a, n, w, k, 0))
+        self.window[n] = w
+        n.meta["val"] = _empty(val, [*val.shape[:w.dim], w.full(), *val.shape[w.dim + 1:]])
+
+    def _pad_partner(self, a: fx.Node, before: fx.Node, w: Window, dim: int,
+                     value: float) -> fx.Node:  # fmt: skip
+        """Input-derived ``a`` (computed whole) at full length along ``dim``: ``value`` at the
+        window's dropped positions."""
+        if a not in self.whole:
+            self._refuse(before, w)
+        shape = list(a.meta["val"].shape)
+        split = [*shape[:dim], w.outer, w.seq - w.lo - w.hi, w.inner, *shape[dim + 1:]]
+        wide = [*shape[:dim], w.outer, w.seq, w.inner, *shape[dim + 1:]]
+        pad = [0, 0] * (len(shape) - dim) + [w.lo, w.hi]
+        with self.graph.inserting_before(before):
+            v = self._call(aten.view.default, (a, split), _empty(a.meta["val"], split), like=a)
+            p = self._call(aten.constant_pad_nd.default, (v, pad, value),
+                           _empty(a.meta["val"], wide), like=a)  # fmt: skip
+            out_shape = [*shape[:dim], w.full(), *shape[dim + 1:]]
+            out = self._call(aten.view.default, (p, out_shape), _empty(a.meta["val"], out_shape),
+                             like=a)  # fmt: skip
+        self.whole.update((v, p, out))
+        return out
+
+    def _refuse(self, n: fx.Node, w: Window) -> None:
+        raise ContextParallelError(
+            f"{_op(n)} at {meta.source(n)} reads a slice of a sequence-split activation "
+            f"({w.source}); cp keeps such a slice at full length with the dropped positions "
+            "marked, which position-wise ops, views and a cross-entropy (its target padded with "
+            "ignore_index) can read; a reduction over the sequence or a whole-rank op cannot. "
+            "Shift the labels instead of the activation")  # fmt: skip
 
     # -- attention (step 3)
 
@@ -340,11 +522,38 @@ class _SplitSequence:
 
     def _ring(self, n: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, mask: Any,
               a: dict) -> fx.Node:  # fmt: skip
-        scale = a["scale"] or q.meta["val"].shape[-1] ** -0.5
+        """One node per ring step: start the exchange of the block in hand, attend to it,
+        wait for the next (cp_ops: the exchanges print as ``ring_send`` / ``ring_recv``)."""
+        scale = float(a["scale"] or q.meta["val"].shape[-1] ** -0.5)
+        causal, lay = bool(a["is_causal"]), self.lay
+        qv = q.meta["val"]
+        acc = _meta(qv.shape, cp_ops._ACCUMULATE.get(qv.dtype, qv.dtype))
+        state = (acc, _meta(qv.shape[:-1], acc.dtype))
+        block, o, lse = (k, v), None, None
         with self.graph.inserting_before(n):
-            return self._call(cp_ops.ring_attention,
-                              (q, k, v, mask, AXIS, bool(a["is_causal"]), float(scale),
-                               self.lay.seq, self.lay.balanced), n.meta["val"], like=n)  # fmt: skip
+            for step in range(lay.size):
+                pending = (self._call(cp_ops.ring_send, ([*block], AXIS), None, like=n)
+                           if step < lay.size - 1 else None)  # fmt: skip
+                merged = self._call(cp_ops.ring_block, (q, *block, o, lse, mask, AXIS, step,
+                                                        causal, scale, lay.seq, lay.balanced),
+                                    state, like=n)  # fmt: skip
+                o, lse = self._items(merged, state, (Shard(2), Shard(2)))
+                if pending is not None:
+                    vals = (k.meta["val"], v.meta["val"])
+                    got = self._call(cp_ops.ring_recv, (pending,), vals, like=n)
+                    block = self._items(got, vals, (Shard(2), Shard(2)))
+            return self._call(cp_ops.ring_attention_out,
+                              (q, k, v, o, lse, mask, AXIS, causal, scale, lay.seq,
+                               lay.balanced), n.meta["val"], like=n)  # fmt: skip
+
+    def _items(self, node: fx.Node, vals: tuple, places: tuple) -> tuple[fx.Node, ...]:
+        self.place[node] = places
+        out = []
+        for i, (val, p) in enumerate(zip(vals, places, strict=True)):
+            item = self._call(operator.getitem, (node, i), val)
+            self.place[item] = p
+            out.append(item)
+        return tuple(out)
 
     def _ulysses(self, n: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, mask: Any,
                  a: dict) -> fx.Node:  # fmt: skip
@@ -389,6 +598,11 @@ class _SplitSequence:
     # -- loss (step 4)
 
     def _loss(self, n: fx.Node, args: list[fx.Node], have: list) -> None:
+        p = self.place.get(n.args[0], R)
+        if isinstance(p, Shard) and self.place.get(n.args[1], R) == R \
+                and n.args[0].meta["val"].dim() == 2:  # fmt: skip
+            n.replace_input_with(n.args[1], self._localize(n.args[1], p, n))
+            args, have = tensor_args(n), [self.place.get(a, R) for a in tensor_args(n)]
         logits, target = n.args[0], n.args[1]
         if n.target is _CE:
             weight = n.args[2] if len(n.args) > 2 else n.kwargs.get("weight")
@@ -401,13 +615,10 @@ class _SplitSequence:
             reduction = n.args[3] if len(n.args) > 3 else _MEAN
             ignore = n.args[4] if len(n.args) > 4 else -100
             summed = (logits, target, n.args[2], _SUM, ignore)
-        p = self.place.get(logits, R)
         if weight is not None or not isinstance(p, Shard) or p.dim != 0 \
                 or logits.meta["val"].dim() != 2:  # fmt: skip
             self._by_rules(n, args, have)
             return
-        if self.place.get(target, R) == R:
-            n.replace_input_with(target, self._localize(target, p, n))
         if reduction not in (_MEAN, _SUM):
             self.place[n] = p
             return
@@ -464,6 +675,54 @@ class _SplitSequence:
         with self.graph.inserting_after(n):
             red = self._call(C.all_reduce, (n, AXIS, "identity"), n.meta["val"])
         n.replace_all_uses_with(red, delete_user_cb=lambda u: u is not red)
+
+
+def _empty(like: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=like.dtype, device="meta")
+
+
+def _meta(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+
+def _view_window(old_in: list[int], old_out: list[int],
+                 w: Window) -> tuple[int, int, int] | None:  # fmt: skip
+    """The output dim of a view holding the window's positions whole, with its (outer, inner)
+    factors; None when the view cuts through the positions."""
+    d = w.dim
+    before = math.prod(old_in[:d]) * w.outer
+    after = w.inner * math.prod(old_in[d + 1:])
+    kept = w.seq - w.lo - w.hi
+    for j, size in enumerate(old_out):
+        pre, post = math.prod(old_out[:j]), math.prod(old_out[j + 1:])
+        if before % pre or after % post:
+            continue
+        outer, inner = before // pre, after // post
+        if size == outer * kept * inner:
+            return j, outer, inner
+    return None
+
+
+def _input_derived(nodes: list[fx.Node], traced: Traced, grad: frozenset[str]) -> set[fx.Node]:
+    """User inputs off the gradient path and what is computed from them and constants alone
+    (no parameter): run whole on every rank, like the inputs they come from."""
+    const: set[fx.Node] = set()
+    out: set[fx.Node] = set()
+    for n in nodes:
+        if n.name in grad:
+            continue
+        if n.op == "placeholder":
+            if n.name in traced.user_inputs:
+                out.add(n)
+            continue
+        if n.op != "call_function":
+            continue
+        ins = n.all_input_nodes
+        if all(a in const for a in ins):
+            const.add(n)
+        elif all(a in const or a in out for a in ins):
+            out.add(n)
+    return out
 
 
 def _pick(n: fx.Node, ctx: RuleContext, have: list) -> Strategy | None:
@@ -580,8 +839,11 @@ def compute_time(gm: fx.GraphModule, grad: frozenset[str], gpu: Any) -> float:
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
-        if n.target is cp_ops.ring_attention:
-            q, causal, seq = n.args[0].meta["val"], n.args[5], n.args[7]
+        if n.target in _RING_STEPS:
+            continue  # priced whole at ring_attention_out
+        if n.target in (cp_ops.ring_attention, cp_ops.ring_attention_out):
+            at = 0 if n.target is cp_ops.ring_attention else 2
+            q, causal, seq = n.args[0].meta["val"], n.args[5 + at], n.args[7 + at]
             b, h, s, d = q.shape
             flops = 4.0 * b * h * s * seq * d * (0.5 if causal else 1.0)
             t = op_time(flops, 4.0 * q.numel() * q.element_size(), gpu, q.element_size())
@@ -596,7 +858,7 @@ def activation_bytes(gm: fx.GraphModule, traced: Traced) -> float:
     activations saved for backward, per rank)."""
     total = 0.0
     for n in gm.graph.nodes:
-        if n.op != "call_function":
+        if n.op != "call_function" or _transient(n):
             continue
         vals = n.meta.get("val")
         for v in vals if isinstance(vals, (tuple, list)) else (vals,):
@@ -605,16 +867,27 @@ def activation_bytes(gm: fx.GraphModule, traced: Traced) -> float:
     return total
 
 
+def _transient(n: fx.Node) -> bool:
+    """A ring step's block or running (o, lse): freed by the next step, never saved."""
+    src = n.args[0] if n.target is operator.getitem else n
+    return isinstance(src, fx.Node) and src.target in _RING_STEPS
+
+
 def _cp_collectives(gm: fx.GraphModule, lay: SeqLayout, grad: frozenset[str]) -> list[Collective]:
     """The cp ops collectives_of does not know: ring exchanges, localize / gather, the loss."""
     out: list[Collective] = []
     for n in gm.graph.nodes:
         where = meta.module_path(n)
-        if n.target is cp_ops.ring_attention:
+        if n.target is cp_ops.ring_send:
+            k, v = (b.meta["val"] for b in n.args[0])
+            kv = (k.numel() + v.numel()) * k.element_size()
+            out.append(_rec("send_recv", (2, *k.shape), kv, "fwd", where))
+        elif n.target in (cp_ops.ring_attention, cp_ops.ring_attention_out):
             k, v = n.args[1].meta["val"], n.args[2].meta["val"]
             kv = (k.numel() + v.numel()) * k.element_size()
             shape = (2, *k.shape)
-            out += [_rec("send_recv", shape, kv, "fwd", where)] * (lay.size - 1)
+            if n.target is cp_ops.ring_attention:
+                out += [_rec("send_recv", shape, kv, "fwd", where)] * (lay.size - 1)
             out += [_rec("send_recv", shape, kv, "bwd", where)] * (2 * lay.size - 1)
         elif n.target is cp_ops.cp_gather:
             val = n.meta["val"]

@@ -13,7 +13,11 @@ is autograd-aware and prints by name in a per-rank program:
   <-> the global order (local, for all-to-all attention).
 - ``cp_global_mean(total, count, axis)``: a mean over every rank's tokens from local sums.
 - ``ring_attention(q, k, v, mask, axis, causal, scale, seq, balanced)``: attention of the local
-  queries over every rank's keys.
+  queries over every rank's keys, in one op.
+- The same ring one graph node per step (what a cp program prints): ``ring_send([k, v])``
+  starts an exchange, ``ring_block`` attends to the block in hand (no autograd), ``ring_recv``
+  waits for the next block, and ``ring_attention_out`` turns the merged (o, lse) into the
+  output; its backward is the ring's backward, so the received blocks are never saved.
 
 Algorithm of :func:`ring_attention` (forward):
 1. Expand the KV heads a query-head group shares (GQA) only for the block in hand; the ring
@@ -296,30 +300,35 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, mask = ctx.saved_tensors
-        axis, causal, scale, seq, balanced = ctx.args
-        n, r = axis_size(axis), axis_rank(axis)
-        groups = q.shape[1] // k.shape[1]
-        acc = o.dtype
-        qa, do = q.to(acc), do.to(acc)
-        delta = (do * o).sum(-1)
-        dq = torch.zeros_like(qa)
-        qruns = runs(seq, n, r, balanced)
-        block = [k, v, torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)]
-        for step in range(n):
-            src = (r - step) % n
-            ring = _Exchange(block[:2], axis, "bwd") if step < n - 1 else None
-            dk = torch.zeros_like(qa)
-            dv = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=acc, device=q.device)
-            _attend_backward(qa, _expand(block[0].to(acc), groups),
-                             _expand(block[1].to(acc), groups), do, delta, lse, mask, qruns,
-                             runs(seq, n, src, balanced), causal, scale, dq, dk, dv)  # fmt: skip
-            grads = _Exchange([block[2] + _fold(dk, groups), block[3] + _fold(dv, groups)],
-                              axis, "bwd")  # fmt: skip
-            kv = ring.result() if ring is not None else block[:2]
-            block = [*kv, *grads.result()]
-        return (dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype),
-                None, None, None, None, None, None)  # fmt: skip
+        dq, dk, dv = _ring_backward(ctx.saved_tensors, ctx.args, do)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _ring_backward(saved: tuple, args: tuple, do: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """dQ, dK, dV of the ring (module docstring): K/V and dK/dV pass around it again."""
+    q, k, v, o, lse, mask = saved
+    axis, causal, scale, seq, balanced = args
+    n, r = axis_size(axis), axis_rank(axis)
+    groups = q.shape[1] // k.shape[1]
+    acc = o.dtype
+    qa, do = q.to(acc), do.to(acc)
+    delta = (do * o).sum(-1)
+    dq = torch.zeros_like(qa)
+    qruns = runs(seq, n, r, balanced)
+    block = [k, v, torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)]
+    for step in range(n):
+        src = (r - step) % n
+        ring = _Exchange(block[:2], axis, "bwd") if step < n - 1 else None
+        dk = torch.zeros_like(qa)
+        dv = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=acc, device=q.device)
+        _attend_backward(qa, _expand(block[0].to(acc), groups),
+                         _expand(block[1].to(acc), groups), do, delta, lse, mask, qruns,
+                         runs(seq, n, src, balanced), causal, scale, dq, dk, dv)  # fmt: skip
+        grads = _Exchange([block[2] + _fold(dk, groups), block[3] + _fold(dv, groups)],
+                          axis, "bwd")  # fmt: skip
+        kv = ring.result() if ring is not None else block[:2]
+        block = [*kv, *grads.result()]
+    return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype)
 
 
 @graph_op
@@ -328,6 +337,66 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
                    balanced: bool) -> torch.Tensor:  # fmt: skip
     """Attention of this rank's queries over every rank's keys (module docstring)."""
     return _RingAttention.apply(q, k, v, mask, axis, causal, scale, seq, balanced)
+
+
+# ---------------------------------------------------------------- the ring, one node per step
+
+
+class _RingOut(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, o, lse, mask, axis, causal, scale, seq, balanced):
+        ctx.save_for_backward(q, k, v, o, lse, mask)
+        ctx.args = (axis, causal, scale, seq, balanced)
+        return o.to(q.dtype) if o.dtype != q.dtype else o.clone()
+
+    @staticmethod
+    def backward(ctx, do):
+        dq, dk, dv = _ring_backward(ctx.saved_tensors, ctx.args, do)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+@graph_op
+def ring_send(block: list[torch.Tensor], axis: str) -> _Exchange:
+    """Start passing the K/V block in hand around the ring: to axis rank + 1, from rank − 1,
+    fused into one message (``batch_isend_irecv``); :func:`ring_recv` waits for it."""
+    return _Exchange([t.detach() for t in block], axis, "fwd")
+
+
+@graph_op
+def ring_recv(pending: _Exchange) -> list[torch.Tensor]:
+    """Wait for the exchange :func:`ring_send` started: the block of rank − 1 (K, V)."""
+    return pending.result()
+
+
+@graph_op
+def ring_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor | None,
+               lse: torch.Tensor | None, mask: torch.Tensor | None, axis: str, step: int,
+               causal: bool, scale: float, seq: int,
+               balanced: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Step ``step`` of the ring forward: the local queries over the K/V block of rank
+    r − step, merged into (o, lse) one precision up (no autograd: :func:`ring_attention_out`
+    differentiates the whole ring, so no block is saved for backward)."""
+    with torch.no_grad():
+        n, r = axis_size(axis), axis_rank(axis)
+        groups = q.shape[1] // k.shape[1]
+        acc = _ACCUMULATE.get(q.dtype, q.dtype)
+        qa = q.detach().to(acc)
+        if o is None:
+            o = torch.zeros_like(qa)
+            lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        _attend(qa, _expand(k.to(acc), groups), _expand(v.to(acc), groups), mask,
+                runs(seq, n, r, balanced), runs(seq, n, (r - step) % n, balanced), causal,
+                scale, o, lse)  # fmt: skip
+    return o, lse
+
+
+@graph_op
+def ring_attention_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                       lse: torch.Tensor, mask: torch.Tensor | None, axis: str, causal: bool,
+                       scale: float, seq: int, balanced: bool) -> torch.Tensor:  # fmt: skip
+    """The ring's result from its merged (o, lse); backward is the ring's backward: c steps
+    passing K/V and dK/dV around again, so only this rank's q, k, v, o, lse are saved."""
+    return _RingOut.apply(q, k, v, o, lse, mask, axis, causal, scale, seq, balanced)
 
 
 def reset_exchanges() -> dict[str, Any]:

@@ -12,6 +12,9 @@ Algorithm:
    test Llama (unique storages, bytes), measured per rank with saved-tensor hooks, next to
    the plan's predicted activations per rank (every floating intermediate at its local shape:
    an upper bound) and both ratios to cp = 1.
+3. Ring memory (cp = 2, 4): bytes one ring attention saves per rank, as the fused op, as the
+   program runs it (one node per step, backward passing K/V around again), and with every
+   step its own autograd node (saving its received K/V block and running o, lse).
 Tests never assert on time; this prints ratios measured side by side in one run.
 """
 
@@ -122,12 +125,72 @@ def memory(seq: int) -> None:
               f"{preds[cp] / 2**20:>10.2f}MB {preds[cp] / pred1:>7.2f}")  # fmt: skip
 
 
+class _SavingStep(torch.autograd.Function):
+    """A ring step as its own autograd node (the design cp does not use): backward needs the
+    step's K/V block and running (o, lse), so it saves them."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, o, lse, step, shape):
+        ctx.save_for_backward(q, k, v, *(t for t in (o, lse) if t is not None))
+        b, h, s, d = shape
+        return cp_ops.ring_block(q, k, v, None if o is None else o.clone(),
+                                 None if lse is None else lse.clone(), None, "cp", step, True,
+                                 d**-0.5, s, True)  # fmt: skip
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None,) * 7
+
+
+def _ring_saved(rank: int, cp: int, port: int, shape: tuple, out: mp.SimpleQueue) -> None:
+    with gloo_rank(rank, cp, port, (cp,), ("cp",)) as mesh:
+        collectives.bind({"cp": mesh.get_group("cp")})
+        b, h, s, d = shape
+        g = torch.Generator().manual_seed(rank)
+        q, k, v = (torch.randn(b, h, s // cp, d, generator=g, requires_grad=True) for _ in "qkv")
+
+        def unrolled(saving: bool):
+            block, o, lse = [k, v], None, None
+            for step in range(cp):
+                pending = cp_ops.ring_send(block, "cp") if step < cp - 1 else None
+                if saving:
+                    o, lse = _SavingStep.apply(q, *block, o, lse, step, shape)
+                else:
+                    o, lse = cp_ops.ring_block(q, *block, o, lse, None, "cp", step, True,
+                                               d**-0.5, s, True)  # fmt: skip
+                if pending is not None:
+                    block = [t.requires_grad_() for t in cp_ops.ring_recv(pending)]
+            if saving:
+                return o
+            return cp_ops.ring_attention_out(q, k, v, o, lse, None, "cp", True, d**-0.5, s, True)
+
+        fused = measure_saved(lambda: cp_ops.ring_attention(q, k, v, None, "cp", True, d**-0.5,
+                                                            s, True))  # fmt: skip
+        ours = measure_saved(lambda: unrolled(False))
+        per_step = measure_saved(lambda: unrolled(True))
+        out.put((rank, (fused, ours, per_step)))
+
+
+def ring_memory(seq: int) -> None:
+    shape = (1, 8, seq, 64)
+    print(f"\n3. bytes one ring attention saves for backward per rank (b=1, h=8, s={seq}, d=64, "
+          "fp32; own q, k, v count)")  # fmt: skip
+    print(f"{'cp':>3} {'fused op':>12} {'node/step':>12} {'saving steps':>13}")
+    for cp in (2, 4):
+        results = mp.get_context("spawn").SimpleQueue()
+        mp.spawn(_ring_saved, args=(cp, free_port(), shape, results), nprocs=cp)
+        per = [results.get()[1] for _ in range(cp)]
+        fused, ours, steps = (max(p[i] for p in per) for i in range(3))
+        print(f"{cp:>3} {fused / 2**20:>10.2f}MB {ours / 2**20:>10.2f}MB {steps / 2**20:>11.2f}MB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=1024)
     args = parser.parse_args()
     overlap(args.seq)
     memory(args.seq)
+    ring_memory(args.seq)
 
 
 if __name__ == "__main__":

@@ -166,6 +166,92 @@ def test_hf_causal_lm(name, axes, strategy):
     assert report.ok, report
 
 
+# ---------------------------------------------------------------- masks built by the model
+
+
+class BuiltMask(nn.Module):
+    """Attention with a mask the model builds from positions: ``kind`` picks how."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.emb = nn.Embedding(32, 32)
+        self.qkv = nn.Linear(32, 96)
+        self.out = nn.Linear(32, 32)
+
+    def mask(self, s: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        pos = torch.arange(s, device=device)
+        if self.kind == "bool":  # HF's form: key position <= query position, and-ed with truth
+            same_doc = torch.zeros(s, device=device)[:, None] == torch.zeros(s, device=device)
+            return (pos[None, :] <= pos[:, None]) & same_doc
+        if self.kind == "float":  # -inf above the diagonal
+            full = torch.full((s, s), float("-inf"), device=device, dtype=dtype)
+            return torch.triu(full, diagonal=1)
+        if self.kind == "window":  # not causal: a band of 4
+            return (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - 4)
+        return pos[None, :] >= pos[:, None]  # "anti": keys at or after the query
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s = x.shape
+        q, k, v = self.qkv(self.emb(x)).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(s, x.device, q.dtype))
+        return self.out(o.transpose(1, 2).reshape(b, s, 32)).pow(2).sum()
+
+
+def _sdpa_causal(prog) -> list:
+    return [n.args[7] for n in prog.graph_module.graph.nodes
+            if n.target is cp_ops.ring_attention_out]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_causal_mask_recognised_from_its_structure(kind, monkeypatch):
+    """With evaluation of masks switched off (``MASK_LIMIT = 0``), a causal mask built from
+    position comparisons (or ``triu`` of -inf) is still recognised: balanced chunks, the ring
+    told ``causal``, and the program equals the model with its mask."""
+    from autopar import canonical
+
+    monkeypatch.setattr(canonical, "MASK_LIMIT", 0)
+    x = torch.randint(0, 32, (2, 16))
+    prog = autoparallelize(BuiltMask(kind), Mesh(cp=2), (x,), cp_attention="ring")
+    assert _sdpa_causal(prog) == [True]
+    assert any("4 chunks, rank i holds chunks i and 3-i" in n for n in prog.plan.notes)
+    report = verify(BuiltMask(kind), Mesh(cp=2), (x,), rtol=1e-5, cp_attention="ring",
+                    reference_dtype=torch.float64)  # fmt: skip
+    assert report.ok, report
+
+
+@pytest.mark.parametrize("kind", ["window", "anti"])
+def test_masks_that_are_not_causal_stay_masks(kind, monkeypatch):
+    from autopar import canonical
+
+    monkeypatch.setattr(canonical, "MASK_LIMIT", 0)
+    x = torch.randint(0, 32, (2, 16))
+    prog = autoparallelize(BuiltMask(kind), Mesh(cp=2), (x,), cp_attention="ring")
+    assert _sdpa_causal(prog) == [False]
+    assert any("2 chunks, rank i holds chunk i" in n for n in prog.plan.notes)
+    report = verify(BuiltMask(kind), Mesh(cp=2), (x,), rtol=1e-5, cp_attention="ring",
+                    reference_dtype=torch.float64)  # fmt: skip
+    assert report.ok, report
+
+
+def test_hf_mask_at_32k_tokens_gives_balanced_chunks():
+    """HF Llama at 32768 tokens (meta weights, plan only): its 2^30-element causal mask is
+    recognised from how it is built, so the sequence gets the balanced layout."""
+    import transformers
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,
+              use_cache=False)  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+    ids = torch.randint(0, 128, (1, 32768))
+    prog = autoparallelize(model, Mesh(cp=4), (ids,), example_kwargs={"labels": ids})
+    note = "32768 tokens into 8 chunks, rank i holds chunks i and 7-i (causal"
+    assert any(note in n for n in prog.plan.notes), prog.plan
+    assert note in str(prog.plan)
+    assert _sdpa_causal(prog) == [True, True]
+
+
 # ---------------------------------------------------------------- collectives
 
 
@@ -187,7 +273,11 @@ def test_ring_exchanges_kv_cp_minus_one_times_per_attention(cp):
     x, y = tokens(c)
     prog = autoparallelize(model, Mesh(cp=cp), (x, y), lm_loss, cp_attention="ring")
     code = prog.code(0)
-    assert code.count("autopar_cp_ops_ring_attention(") == c.layers
+    assert code.count("autopar_cp_ops_ring_attention_out(") == c.layers
+    sends = re.findall(r"autopar_cp_ops_ring_send\(.*# p2p: send ([\d.]+) KiB", code)
+    kv_kib = 2 * c.batch * c.kv_heads * (c.seq // cp) * (c.hidden // c.heads) * 4 / 2**10
+    assert [float(k) for k in sends] == [kv_kib] * (c.layers * (cp - 1))  # one node per step
+    assert code.count("autopar_cp_ops_ring_recv(") == c.layers * (cp - 1)
     sends = [col for col in prog.collectives() if col.kind == "send_recv"]
     assert len([s for s in sends if s.direction == "fwd"]) == c.layers * (cp - 1)
     kv = sends[0]
@@ -196,6 +286,39 @@ def test_ring_exchanges_kv_cp_minus_one_times_per_attention(cp):
     counts = get_pool(cp).run(_forward_exchanges, prog.mesh.axes, jobs)
     # forward: cp-1 fused K/V exchanges; backward: cp-1 K/V plus cp dK/dV exchanges
     assert all(n == {"fwd": c.layers * (cp - 1), "bwd": c.layers * (2 * cp - 1)} for n in counts)
+
+
+def _ring_saved_bytes(rank: int, groups: dict, cp: int) -> tuple[int, int]:
+    from autopar import collectives
+
+    collectives.bind(groups)
+    b, h, s, d = 1, 4, 64, 8
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(b, h, s // cp, d, generator=g, requires_grad=True) for _ in "qkv")
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block, o, lse = [k, v], None, None
+        for step in range(cp):  # as the program runs it: one node per ring step
+            pending = cp_ops.ring_send(block, "cp") if step < cp - 1 else None
+            o, lse = cp_ops.ring_block(q, *block, o, lse, None, "cp", step, True, 0.5, s, True)
+            block = cp_ops.ring_recv(pending) if pending is not None else block
+        out = cp_ops.ring_attention_out(q, k, v, o, lse, None, "cp", True, 0.5, s, True)
+    out.sum().backward()
+    own = 3 * q.numel() * 4 + o.numel() * 8 + lse.numel() * 8  # q, k, v; o, lse in float64
+    return sum(seen.values()), own
+
+
+def test_ring_steps_as_nodes_save_only_this_ranks_blocks():
+    """The ring's steps are separate graph nodes, yet backward saves only this rank's q, k, v
+    and the merged (o, lse): the blocks received from other ranks are never saved (backward
+    passes K/V around the ring again), so saved bytes stay O(S/cp)."""
+    for saved, own in get_pool(4).run(_ring_saved_bytes, Mesh(cp=4).axes, [(4,)] * 4):
+        assert saved == own, (saved, own)
 
 
 def test_all_to_all_attention_is_four_all_to_alls_forward():
@@ -282,10 +405,114 @@ def test_attention_the_rules_cannot_split_is_named_with_its_line():
         autoparallelize(EagerAttention(), Mesh(cp=2), (torch.randint(0, 32, (2, 8)),))
 
 
-def test_labels_shifted_inside_the_model_are_refused():
-    ids = torch.randint(0, 128, (2, 16))
-    with pytest.raises(ContextParallelError, match=r"pre-shifted labels"):
-        autoparallelize(_hf("llama"), Mesh(cp=2), (ids,), example_kwargs={"labels": ids})
+@pytest.mark.parametrize("axes", [{"cp": 2}, {"cp": 2, "tp": 2}])
+def test_hf_shifts_labels_inside_the_model(axes):
+    """``LlamaForCausalLM(ids, labels=labels)``: the model pads and shifts the labels itself.
+    The shift reads the input alone, so it runs whole on every rank and the loss reads this
+    rank's chunks of the shifted labels: no communication, and the loss and logits outputs
+    and every gradient equal one device's."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (2, 32), generator=g)
+    labels = torch.randint(0, 128, (2, 32), generator=g)
+    labels[0, 5] = -100
+    model = _hf("llama")
+    prog = autoparallelize(model, Mesh(**axes), (ids,), example_kwargs={"labels": labels},
+                           cp_attention="ring")  # fmt: skip
+    code = prog.code(0)
+    assert "aten.pad.default(labels" in code and "cp_localize" in code
+    fwd = [c for c in prog.collectives() if c.kind == "send_recv" and c.direction == "fwd"]
+    assert len(fwd) == 2  # the ring's, one per layer: the label shift exchanges nothing
+    report = verify(model, Mesh(**axes), (ids,), example_kwargs={"labels": labels}, rtol=1e-5,
+                    cp_attention="ring", reference_dtype=torch.float64)  # fmt: skip
+    assert report.ok, report
+    assert len([r for r in report.rows if r.kind == "output"]) == 2  # loss and logits
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_to_all"])
+def test_hf_padding_mask_from_the_attention_mask_input(strategy):
+    """HF builds its mask from ``attention_mask`` (an input): that runs whole on every rank,
+    so attention gets the whole padding-and-causal mask (contiguous chunks: the mask is not
+    the plain causal triangle)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (2, 32), generator=g)
+    mask = torch.ones(2, 32, dtype=torch.long)
+    mask[1, 24:] = 0  # right padding: every query still sees a key
+    labels = ids.masked_fill(mask == 0, -100)
+    kwargs = {"attention_mask": mask, "labels": labels}
+    report = verify(_hf("llama"), Mesh(cp=2), (ids,), example_kwargs=kwargs, rtol=1e-5,
+                    cp_attention=strategy, reference_dtype=reference(strategy))  # fmt: skip
+    assert report.ok, report
+
+
+class SlicedLogits(nn.Module):
+    """GPT computing its loss inside, the older HF way: ``logits[:, :-1]`` against
+    ``labels[:, 1:]``, and returning the sliced logits too."""
+
+    def __init__(self, c: Config) -> None:
+        super().__init__()
+        self.gpt = build("gpt", c)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = self.gpt(ids)
+        shift = logits[:, :-1, :].contiguous()
+        loss = F.cross_entropy(shift.view(-1, shift.shape[-1]), labels[:, 1:].reshape(-1))
+        return loss, shift
+
+
+@pytest.mark.parametrize("axes", [{"cp": 2}, {"cp": 2, "tp": 2}])
+def test_model_slicing_its_logits_inside(axes):
+    """A slice of the split logits stays at full length (no exchange); the labels, shifted
+    whole, are padded with ignore_index where the slice dropped positions; the sliced logits
+    output is cut from the gathered whole."""
+    c = Config(seq=32, bias=True)
+    model = SlicedLogits(c)
+    x, y = tokens(c)
+    y[0, 3] = -100
+    prog = autoparallelize(model, Mesh(**axes), (x, y), cp_attention="ring")
+    assert "constant_pad_nd.default(" in prog.code(0)
+    fwd = [c for c in prog.collectives() if c.kind == "send_recv" and c.direction == "fwd"]
+    assert len(fwd) == c.layers  # the ring's only
+    report = verify(model, Mesh(**axes), (x, y), rtol=1e-5, cp_attention="ring",
+                    reference_dtype=torch.float64)  # fmt: skip
+    assert report.ok, report
+
+
+class TemperedSlice(nn.Module):
+    """A sliced activation meeting an input-derived partner of the same shift."""
+
+    def __init__(self, c: Config) -> None:
+        super().__init__()
+        self.gpt = build("gpt", c)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor,
+                temp: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        logits = self.gpt(ids)[:, :-1] * temp[:, 1:, None]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+
+def test_sliced_activation_times_an_input_derived_partner():
+    """The partner ``temp[:, 1:]`` is padded whole to the full length, then localized."""
+    c = Config(seq=32)
+    x, y = tokens(c)
+    temp = torch.rand(c.batch, c.seq, generator=torch.Generator().manual_seed(0)) + 0.5
+    report = verify(TemperedSlice(c), Mesh(cp=2), (x, y, temp), rtol=1e-5, cp_attention="ring",
+                    reference_dtype=torch.float64)  # fmt: skip
+    assert report.ok, report
+
+
+class TemporalDifference(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        return (h[:, 1:] - h[:, :-1]).pow(2).sum()
+
+
+def test_differently_shifted_activations_are_refused():
+    with pytest.raises(ContextParallelError, match=r"sub.*differently shifted.*halo exchange"):
+        autoparallelize(TemporalDifference(), Mesh(cp=2), (torch.randint(0, 32, (2, 8)),))
 
 
 def test_train_cp_example_matches_single_device() -> None:
