@@ -444,10 +444,11 @@ def _batch(example_inputs: Sequence[Any], example_kwargs: dict | None) -> int:
 
 def _grad_shapes(inner: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Local shape and dtype of each trainable parameter on sub-mesh rank 0 (every stage)."""
-    programs = inner.stages if hasattr(inner, "stages") else [inner]
+    modules = ([inner.module(0, s) for s in range(len(inner.stages))]  # an ep program's: its
+               if hasattr(inner, "stages") else [inner.module(0)])  # experts' share  # fmt: skip
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for prog in programs:
-        for name, p in prog.module(0).named_parameters():
+    for module in modules:
+        for name, p in module.named_parameters():
             if p.requires_grad:
                 out.setdefault(name, (tuple(p.shape), p.dtype))
     return out

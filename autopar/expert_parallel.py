@@ -445,6 +445,19 @@ class ExpertParallelProgram:
             self.traced = inner.traced
         self._modules: dict[tuple[int, int], fx.GraphModule] = {}
 
+    @property
+    def model_name(self) -> str:
+        return _model_name(self.inner)
+
+    @property
+    def stages(self) -> list[Any]:
+        """Under pp: the sub-mesh pipeline's stage programs (their modules hold every expert;
+        :meth:`module` gives a rank's with its share)."""
+        return self.inner.stages
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        return self.inner.stages_of(pp_rank)
+
     def inner_rank(self, rank: int) -> int:
         coords = self.mesh.coordinates(rank)
         return self.inner_mesh.rank_of({a: coords.get(a, 0) for a, _ in self.inner_mesh.axes})
