@@ -52,7 +52,7 @@ import torch.nn as nn
 
 from autopar import collectives as C
 from autopar import meta
-from autopar.batch_stats import globalize_batch_statistics, statistic_collectives
+from autopar.batch_stats import boundaries, globalize_batch_statistics, statistic_collectives
 from autopar.data_parallel import _graph, _model_name, loss_reduction, split_batch
 from autopar.errors import InputError, ShardingRuleError
 from autopar.mesh import Mesh
@@ -541,6 +541,7 @@ def compile_expert_parallel(mesh: Mesh, example_inputs: Sequence[Any],
                              "ep that divides the expert count")  # fmt: skip
     if not layers and not notes:
         notes.append("no MoE layer found: ep runs as a data axis (every weight replicated)")
+    notes += _micro_batch_note(inner, samples)
     reduction = loss_reduction(_graph(inner), model)
     stage = next((i for i, (ls, _) in enumerate(found_layers) if ls), 0)
     capacity = _capacity(capacity_factor, found_layers[stage][0], samples[stage], ep)
@@ -560,6 +561,20 @@ def compile_expert_parallel(mesh: Mesh, example_inputs: Sequence[Any],
         layer_s=per_layer, comm_s=sum(times), param_bytes=_param_bytes(samples, layers, ep),
         notes=tuple(notes))  # fmt: skip
     return ExpertParallelProgram(inner=inner, mesh=mesh, plan=plan, capacity=capacity)
+
+
+def _micro_batch_note(inner: Any, samples: list[fx.GraphModule]) -> list[str]:
+    """Under pp: torch's schedule computes the loss once per micro-batch, so statistics over
+    the batch (a load-balancing loss) are global over ep within each micro-batch only."""
+    micro = inner.config.n_microbatches if hasattr(inner, "config") else 1
+    found = sum(len(boundaries(m.graph)) for m in samples)
+    if micro <= 1 or not found:
+        return []
+    return [f"{found} statistics over the batch feed the loss (a load-balancing loss): each is "
+            f"global over ep within each of the {micro} micro-batches, so the step's loss is "
+            "the mean of per-micro-batch terms (a one-device run over the same global "
+            "micro-batches), not the global batch's; n_microbatches=1 (schedule='gpipe') "
+            "computes that"]  # fmt: skip
 
 
 def _param_bytes(modules: list[fx.GraphModule], layers: list[MoELayer], ep: int) -> tuple[int, int]:
