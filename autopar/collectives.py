@@ -207,6 +207,24 @@ class _GradAllReduce(torch.autograd.Function):
         return _all_reduce(g, ctx.axis), None
 
 
+class _GradBucketAllReduce(torch.autograd.Function):
+    """Identity forward on several tensors; backward, once all their gradients are ready, one
+    all-reduce of them flattened into a bucket (a missing gradient counts as zeros)."""
+
+    @staticmethod
+    def forward(ctx, axis: str, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.axis, ctx.shapes = axis, [(x.shape, x.dtype, x.device) for x in xs]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        flat = torch.cat([(g if g is not None else torch.zeros(s, dtype=t, device=d)).reshape(-1)
+                          for g, (s, t, d) in zip(grads, ctx.shapes, strict=True)])  # fmt: skip
+        dist.all_reduce(flat, group=group(ctx.axis))
+        parts = flat.split([s.numel() for s, _, _ in ctx.shapes])
+        return None, *(p.view(s) for p, (s, _, _) in zip(parts, ctx.shapes, strict=True))
+
+
 class _ExpertDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, offs: torch.Tensor, axis: str, capacity: float):
@@ -371,6 +389,13 @@ def all_to_all(x: torch.Tensor, axis: str, src_dim: int, dst_dim: int) -> torch.
 def grad_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     """Identity forward; all-reduce the gradient over ``axis`` in backward."""
     return _GradAllReduce.apply(x, axis)
+
+
+@graph_op
+def grad_bucket_all_reduce(axis: str, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Identity forward on ``xs``; their gradients all-reduced over ``axis`` as one bucket
+    in backward (one collective, launched when the last of them is computed)."""
+    return _GradBucketAllReduce.apply(axis, *xs)
 
 
 @graph_op

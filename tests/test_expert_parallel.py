@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar import Mesh, autoparallelize, zoo
+from autopar import collectives as C
 from autopar.errors import InputError, ShardingRuleError
 from autopar.expert_parallel import ExpertParallelProgram, expert_load
 from autopar.pool import get_pool
@@ -341,6 +342,39 @@ def test_dp_pp_ep_on_eight_ranks():
         report = verify(build_moe(c), Mesh(dp=2, pp=2, ep=2), _ids(c), lm_loss, rtol=1e-5)
     assert report.ok, report
     assert any("gate_up (stage 1)" in r.name for r in report.rows)  # experts compared
+
+
+@pytest.mark.parametrize("cap", [0, 3000, None], ids=["per-parameter", "small-buckets", "default"])
+def test_dense_gradients_are_bucketed(cap, monkeypatch):
+    """Dense gradients are all-reduced over ep in buckets of at most BUCKET_BYTES (one dtype,
+    in reverse order of first use); the plan lists exactly the program's buckets, and the
+    loss and every gradient still match one device."""
+    from autopar import expert_parallel as ep_module
+
+    if cap is not None:
+        monkeypatch.setattr(ep_module, "BUCKET_BYTES", cap)
+    c = MoEConfig(shared=True)
+    model = build_moe(c)
+    prog = autoparallelize(model, Mesh(ep=2), _ids(c), lm_loss)
+    graph = prog.module(0).graph
+    buckets = [n for n in graph.nodes if n.target is C.grad_bucket_all_reduce]
+    single = [n for n in graph.nodes if n.target is C.grad_all_reduce]
+    listed = [x for x in prog.collectives() if x.axis == "ep" and x.kind == "all_reduce"
+              and x.direction == "bwd"]  # fmt: skip
+    assert len(listed) == len(buckets) + len(single)
+    dense = [n for n, _ in model.named_parameters() if not n.endswith(("gate_up", "down"))]
+    held = [a.target for b in buckets for a in b.args[1:]] + [n.args[0].target for n in single]
+    assert sorted(held) == sorted(dense)  # every dense parameter reduced once
+    assert sum(x.bytes for x in listed) == 4 * sum(
+        p.numel() for n, p in model.named_parameters() if n in dense)  # fmt: skip
+    if cap == 0:
+        assert not buckets and len(single) == len(dense)
+    elif cap is None:
+        assert len(buckets) == 1 and not single
+    else:
+        assert len(buckets) > 1 and all(x.bytes <= cap for x in listed if "parameters" in x.where)
+    report = verify(model, Mesh(ep=2), _ids(c), lm_loss, rtol=1e-5)
+    assert report.ok, report
 
 
 # ---------------------------------------------------------------- cost
