@@ -513,7 +513,7 @@ def _verify_dp_pipeline(prog: Any, model: nn.Module, args: Sequence[Any], kwargs
         def mine(t: Any, d: int = d) -> Any:
             return batch_slices(t, dp)[d] if isinstance(t, torch.Tensor) and t.dim() else t
 
-        jobs.append((prog.inner.share(prog.inner_rank(rank)), tuple(mine(a) for a in args),
+        jobs.append((prog.share(rank), tuple(mine(a) for a in args),
                      {k: mine(v) for k, v in (kwargs or {}).items()}, prog.plan.zero,
                      prog.plan.reduction))  # fmt: skip
     pool = get_pool(prog.mesh.world_size)
@@ -537,7 +537,7 @@ def _dp_pipeline_rank_step(rank: int, groups: dict, share: Any, args: tuple, kwa
 
     from autopar.runtime import DataAxis, PipelineRunner
 
-    collectives.bind({a: g for a, g in groups.items() if a != "dp"})
+    collectives.bind(groups)  # dp too: global batch statistics (batch_mean over dp)
     dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
     data = DataAxis(group=groups["dp"], mesh=dp_mesh, zero=zero, reduction=reduction)
     runner = PipelineRunner(share, groups["pp"], data=data)
@@ -671,7 +671,7 @@ def _verify_ep_pipeline(prog: Any, model: nn.Module, args: Sequence[Any], kwargs
 
     jobs = []
     for r in range(world):
-        share = prog.share(outer.inner_rank(r) if outer is not None else r)
+        share = outer.share(r) if outer is not None else prog.share(r)
         job = (share, tuple(mine(a, coords[r]) for a in args),
                {k: mine(v, coords[r]) for k, v in (kwargs or {}).items()})  # fmt: skip
         jobs.append((*job, outer.plan.zero, outer.plan.reduction) if outer is not None else job)

@@ -222,3 +222,13 @@ def _partial(options):
         return _verify(*a, **k, **options)
 
     return run
+
+
+def test_mixtral_aux_loss_under_dp_x_pp_is_global_over_dp():
+    """Mesh(dp=2, pp=2), one micro-batch: each stage module's statistics are made global over
+    dp too (DataParallelProgram.share), so the aux loss is the global batch's."""
+    model, args, kwargs = _hf("mixtral", batch=4)
+    args = (args[0], kwargs["labels"])
+    report = _check(model, Mesh(dp=2, pp=2), args, loss_fn=_aux_lm_loss,
+                    run=_partial(dict(n_microbatches=1, schedule="gpipe")))  # fmt: skip
+    assert report.ok, report
