@@ -40,6 +40,7 @@ import copy
 import dataclasses
 import math
 import operator
+import uuid
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -269,7 +270,7 @@ def _not_rowwise(node: fx.Node, region: set[fx.Node], allowed: set[fx.Node],
 
 def place_experts(module: fx.GraphModule, layers: Sequence[MoELayer], *, axis: str, size: int,
                   coord: int, reduction: str, capacity: float = 0.0,
-                  bucket_bytes: int = BUCKET_BYTES) -> fx.GraphModule:  # fmt: skip
+                  bucket_bytes: int = BUCKET_BYTES, micro: int = 1) -> fx.GraphModule:  # fmt: skip
     """Step 3 on a copy of a rank's sub-mesh module (see the module docstring)."""
     out = copy.deepcopy(module)
     graph = out.graph
@@ -280,10 +281,10 @@ def place_experts(module: fx.GraphModule, layers: Sequence[MoELayer], *, axis: s
     for w in experts:
         _keep_slice(out, w, size, coord)
     for bucket in dense_buckets(out, experts, bucket_bytes):
-        if len(bucket) == 1:
+        if len(bucket) == 1 and micro == 1:
             _reduce_grad(graph, bucket[0], axis)
         else:
-            _reduce_bucket(graph, bucket, axis)
+            _reduce_bucket(graph, bucket, axis, micro)
     globalize_batch_statistics(out, axis, reduction)
     _global_losses(graph, axis, reduction)
     graph.lint()
@@ -372,13 +373,15 @@ def dense_buckets(gm: fx.GraphModule, experts: set[str], cap: int) -> list[list[
     return [b[::-1] for b in reversed(buckets)]
 
 
-def _reduce_bucket(graph: fx.Graph, nodes: list[fx.Node], axis: str) -> None:
-    """One ``grad_bucket_all_reduce`` before the first use of any of ``nodes``."""
+def _reduce_bucket(graph: fx.Graph, nodes: list[fx.Node], axis: str, micro: int) -> None:
+    """One ``grad_bucket_all_reduce`` before the first use of any of ``nodes`` (with
+    ``micro`` pipeline micro-batches: reduced once, after the last one's backward)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     users = {n: list(n.users) for n in nodes}
     first = min((u for us in users.values() for u in us), key=order.__getitem__)
     with graph.inserting_before(first):
-        red = graph.call_function(C.grad_bucket_all_reduce, (axis, *nodes))
+        key = f"{uuid.uuid4().hex}:{nodes[0].target}"  # this module's bucket (local state)
+        red = graph.call_function(C.grad_bucket_all_reduce, (axis, key, micro, *nodes))
         outs = [graph.call_function(operator.getitem, (red, i)) for i in range(len(nodes))]
     red.meta["val"] = tuple(n.meta.get("val") for n in nodes)
     for node, out in zip(nodes, outs, strict=True):
@@ -522,10 +525,13 @@ class ExpertParallelProgram:
             module = place_experts(local, self.plan.stage_layers[stage], axis="ep",
                                    size=self.plan.ep, coord=self.mesh.coordinates(rank)["ep"],
                                    reduction=self.plan.reduction, capacity=self.capacity,
-                                   bucket_bytes=self.bucket_bytes)  # fmt: skip
+                                   bucket_bytes=self.bucket_bytes, micro=self._micro())  # fmt: skip
             module.meta = {"rank": rank, "coords": self.mesh.coordinates(rank)}
             self._modules[(rank, stage)] = module
         return self._modules[(rank, stage)]
+
+    def _micro(self) -> int:
+        return self.inner.config.n_microbatches if hasattr(self.inner, "config") else 1
 
     def share(self, rank: int) -> Any:
         """Under pp: what ``rank`` runs, its stages' modules with this rank's experts."""

@@ -344,6 +344,23 @@ def test_dp_pp_ep_on_eight_ranks():
     assert any("gate_up (stage 1)" in r.name for r in report.rows)  # experts compared
 
 
+def test_pipeline_reduces_dense_gradients_once_per_step():
+    """Under pp the ep buckets add the micro-batches' dense gradients up locally and
+    all-reduce once, after the last micro-batch's backward (as DDP's no_sync does)."""
+    c = MoEConfig(batch=8, shared=True)
+    mesh = Mesh(pp=2, ep=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = autoparallelize(build_moe(c), mesh, _ids(c), lm_loss, n_microbatches=2)
+        report = verify(build_moe(c), mesh, _ids(c), lm_loss, rtol=1e-5, n_microbatches=2)
+    assert report.ok, report
+    for stage in (0, 1):
+        graph = prog.module(0 if stage == 0 else 2, stage).graph
+        buckets = [n for n in graph.nodes if n.target is C.grad_bucket_all_reduce]
+        assert buckets and all(b.args[2] == 2 for b in buckets)
+        assert not [n for n in graph.nodes if n.target is C.grad_all_reduce]
+
+
 @pytest.mark.parametrize("cap", [0, 3000, None], ids=["per-parameter", "small-buckets", "default"])
 def test_dense_gradients_are_bucketed(cap, monkeypatch):
     """Dense gradients are all-reduced over ep in buckets of at most BUCKET_BYTES (one dtype,
@@ -363,7 +380,7 @@ def test_dense_gradients_are_bucketed(cap, monkeypatch):
               and x.direction == "bwd"]  # fmt: skip
     assert len(listed) == len(buckets) + len(single)
     dense = [n for n, _ in model.named_parameters() if not n.endswith(("gate_up", "down"))]
-    held = [a.target for b in buckets for a in b.args[1:]] + [n.args[0].target for n in single]
+    held = [a.target for b in buckets for a in b.args[3:]] + [n.args[0].target for n in single]
     assert sorted(held) == sorted(dense)  # every dense parameter reduced once
     assert sum(x.bytes for x in listed) == 4 * sum(
         p.numel() for n, p in model.named_parameters() if n in dense)  # fmt: skip
