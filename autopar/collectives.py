@@ -207,6 +207,40 @@ class _GradAllReduce(torch.autograd.Function):
         return _all_reduce(g, ctx.axis), None
 
 
+_PENDING: dict[str, tuple[int, torch.Tensor]] = {}  # bucket key -> (backwards seen, their sum)
+
+
+class _GradBucketAllReduce(torch.autograd.Function):
+    """Identity forward on several tensors; backward, once all their gradients are ready, one
+    all-reduce of them flattened into a bucket (a missing gradient counts as zeros).  With
+    ``micro`` > 1 (pipeline micro-batches) the first micro - 1 backwards of the bucket (keyed
+    by ``key``) only add up locally and return zeros; the last all-reduces the sum."""
+
+    @staticmethod
+    def forward(ctx, axis: str, key: str, micro: int, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.axis, ctx.key, ctx.micro = axis, key, micro
+        ctx.shapes = [(x.shape, x.dtype, x.device) for x in xs]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        flat = torch.cat([(g if g is not None else torch.zeros(s, dtype=t, device=d)).reshape(-1)
+                          for g, (s, t, d) in zip(grads, ctx.shapes, strict=True)])  # fmt: skip
+        if ctx.micro > 1:
+            seen, total = _PENDING.pop(ctx.key, (0, None))
+            flat = flat if total is None else total + flat
+            if seen + 1 < ctx.micro:
+                _PENDING[ctx.key] = (seen + 1, flat)
+                flat = torch.zeros_like(flat)
+            else:
+                dist.all_reduce(flat, group=group(ctx.axis))
+        else:
+            dist.all_reduce(flat, group=group(ctx.axis))
+        parts = flat.split([s.numel() for s, _, _ in ctx.shapes])
+        return None, None, None, *(p.view(s) for p, (s, _, _) in
+                                   zip(parts, ctx.shapes, strict=True))  # fmt: skip
+
+
 class _ExpertDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, offs: torch.Tensor, axis: str, capacity: float):
@@ -371,6 +405,15 @@ def all_to_all(x: torch.Tensor, axis: str, src_dim: int, dst_dim: int) -> torch.
 def grad_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     """Identity forward; all-reduce the gradient over ``axis`` in backward."""
     return _GradAllReduce.apply(x, axis)
+
+
+@graph_op
+def grad_bucket_all_reduce(axis: str, key: str, micro: int,
+                           *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """Identity forward on ``xs``; their gradients all-reduced over ``axis`` as one bucket
+    in backward (one collective, launched when the last of them is computed); under a
+    pipeline of ``micro`` micro-batches, once per step: the sum of the micro-batches'."""
+    return _GradBucketAllReduce.apply(axis, key, micro, *xs)
 
 
 @graph_op

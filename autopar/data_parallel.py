@@ -27,6 +27,7 @@ The runtime (autopar.runtime.DataParallelModule) reuses torch's engines for the 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -297,6 +298,7 @@ class DataParallelProgram:
         self.inner, self.mesh, self.plan = inner, mesh, plan
         self.inner_mesh = inner.mesh
         self._modules: dict[int, Any] = {}
+        self._shares: dict[int, Any] = {}
 
     def inner_rank(self, rank: int) -> int:
         """The sub-mesh rank that global ``rank`` plays (its non-dp coordinates)."""
@@ -317,6 +319,24 @@ class DataParallelProgram:
                                            _model_name(self.inner))  # fmt: skip
             self._modules[inner] = module
         return self._modules[inner]
+
+    def share(self, rank: int) -> Any:
+        """Under pp: the rank's pipeline share, each stage module's statistics over the batch
+        that feed a non-linear loss term made global over dp (within each micro-batch)."""
+        from autopar.batch_stats import boundaries, globalize_batch_statistics
+
+        inner = self.inner_rank(rank)
+        if inner not in self._shares:
+            share = self.inner.share(inner)
+            modules = {}
+            for s, module in share.modules.items():
+                if isinstance(module, fx.GraphModule) and boundaries(module.graph):
+                    module = copy.deepcopy(module)
+                    globalize_batch_statistics(module, "dp", self.plan.reduction,
+                                               _model_name(self.inner))  # fmt: skip
+                modules[s] = module
+            self._shares[inner] = dataclasses.replace(share, modules=modules)
+        return self._shares[inner]
 
     def code(self, rank: int = 0) -> str:
         coords = ", ".join(f"{a}={c}" for a, c in self.mesh.coordinates(rank).items())
@@ -444,10 +464,11 @@ def _batch(example_inputs: Sequence[Any], example_kwargs: dict | None) -> int:
 
 def _grad_shapes(inner: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Local shape and dtype of each trainable parameter on sub-mesh rank 0 (every stage)."""
-    programs = inner.stages if hasattr(inner, "stages") else [inner]
+    modules = ([inner.module(0, s) for s in range(len(inner.stages))]  # an ep program's: its
+               if hasattr(inner, "stages") else [inner.module(0)])  # experts' share  # fmt: skip
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for prog in programs:
-        for name, p in prog.module(0).named_parameters():
+    for module in modules:
+        for name, p in module.named_parameters():
             if p.requires_grad:
                 out.setdefault(name, (tuple(p.shape), p.dtype))
     return out

@@ -40,6 +40,7 @@ import copy
 import dataclasses
 import math
 import operator
+import uuid
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ import torch.nn as nn
 
 from autopar import collectives as C
 from autopar import meta
-from autopar.batch_stats import globalize_batch_statistics, statistic_collectives
+from autopar.batch_stats import boundaries, globalize_batch_statistics, statistic_collectives
 from autopar.data_parallel import _graph, _model_name, loss_reduction, split_batch
 from autopar.errors import InputError, ShardingRuleError
 from autopar.mesh import Mesh
@@ -64,6 +65,7 @@ _ROWWISE = {"silu", "gelu", "relu", "sigmoid", "tanh", "mul", "add", "sub", "div
             "_to_copy", "clone", "contiguous", "alias", "detach", "getitem", "minimum",
             "maximum", "where", "relu_", "mul_", "add_", "slice"}  # fmt: skip
 _DIM_OPS = {"chunk": 2, "split": 2, "split_with_sizes": 2, "slice": 1}  # op -> index of its dim argument
+BUCKET_BYTES = 25 * 2**20  # dense gradients per ep all-reduce at most (DDP's default bucket cap)
 _WEIGHT_VIEWS = {"transpose", "permute", "to", "_to_copy", "alias", "contiguous", "clone",
                  "detach", "view", "reshape"}  # fmt: skip
 
@@ -267,7 +269,8 @@ def _not_rowwise(node: fx.Node, region: set[fx.Node], allowed: set[fx.Node],
 
 
 def place_experts(module: fx.GraphModule, layers: Sequence[MoELayer], *, axis: str, size: int,
-                  coord: int, reduction: str, capacity: float = 0.0) -> fx.GraphModule:  # fmt: skip
+                  coord: int, reduction: str, capacity: float = 0.0,
+                  bucket_bytes: int = BUCKET_BYTES, micro: int = 1) -> fx.GraphModule:  # fmt: skip
     """Step 3 on a copy of a rank's sub-mesh module (see the module docstring)."""
     out = copy.deepcopy(module)
     graph = out.graph
@@ -277,9 +280,11 @@ def place_experts(module: fx.GraphModule, layers: Sequence[MoELayer], *, axis: s
         _rewrite_layer(graph, nodes, layer, axis, capacity)
     for w in experts:
         _keep_slice(out, w, size, coord)
-    for node in [n for n in graph.nodes if n.op == "get_attr"]:
-        if node.target not in experts and _trainable(out, node.target):
-            _reduce_grad(graph, node, axis)
+    for bucket in dense_buckets(out, experts, bucket_bytes):
+        if len(bucket) == 1 and micro == 1:
+            _reduce_grad(graph, bucket[0], axis)
+        else:
+            _reduce_bucket(graph, bucket, axis, micro)
     globalize_batch_statistics(out, axis, reduction)
     _global_losses(graph, axis, reduction)
     graph.lint()
@@ -342,6 +347,49 @@ def _reduce_grad(graph: fx.Graph, node: fx.Node, axis: str) -> None:
         red = graph.call_function(C.grad_all_reduce, (node, axis))
     red.meta.update(node.meta)
     node.replace_all_uses_with(red, delete_user_cb=lambda u: u is not red)
+
+
+def dense_buckets(gm: fx.GraphModule, experts: set[str], cap: int) -> list[list[fx.Node]]:
+    """Step 3: the trainable non-expert parameters (get_attr nodes) in order of first use,
+    cut from the last used (its gradient is computed first) into buckets of one dtype and at
+    most ``cap`` bytes (a larger parameter alone); ``cap`` 0: one bucket per parameter."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    dense = [n for n in gm.graph.nodes
+             if n.op == "get_attr" and n.users and n.target not in experts
+             and _trainable(gm, n.target)]  # fmt: skip
+    dense.sort(key=lambda n: min((order[u] for u in n.users), default=order[n]))
+    buckets: list[list[fx.Node]] = []
+    size = 0
+    for node in reversed(dense):
+        p = gm.get_parameter(node.target)
+        nbytes = p.numel() * p.element_size()
+        same = buckets and gm.get_parameter(buckets[-1][0].target).dtype == p.dtype
+        if same and size + nbytes <= cap:
+            buckets[-1].append(node)
+            size += nbytes
+        else:
+            buckets.append([node])
+            size = nbytes
+    return [b[::-1] for b in reversed(buckets)]
+
+
+def _reduce_bucket(graph: fx.Graph, nodes: list[fx.Node], axis: str, micro: int) -> None:
+    """One ``grad_bucket_all_reduce`` before the first use of any of ``nodes`` (with
+    ``micro`` pipeline micro-batches: reduced once, after the last one's backward)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    users = {n: list(n.users) for n in nodes}
+    first = min((u for us in users.values() for u in us), key=order.__getitem__)
+    with graph.inserting_before(first):
+        key = f"{uuid.uuid4().hex}:{nodes[0].target}"  # this module's bucket (local state)
+        red = graph.call_function(C.grad_bucket_all_reduce, (axis, key, micro, *nodes))
+        outs = [graph.call_function(operator.getitem, (red, i)) for i in range(len(nodes))]
+    red.meta["val"] = tuple(n.meta.get("val") for n in nodes)
+    for node, out in zip(nodes, outs, strict=True):
+        if order[node] > order[first]:
+            red.prepend(node)  # a parameter read later in forward: fetched before the bucket
+        out.meta.update(node.meta)
+        for user in users[node]:
+            user.replace_input_with(node, out)
 
 
 def _global_losses(graph: fx.Graph, axis: str, reduction: str) -> None:
@@ -426,8 +474,8 @@ class ExpertParallelPlan:
             if c.kind == "all_to_all" or c.where == "loss":
                 out.append(f"  {c!s:<44} {_fmt_bytes(c.bytes):>10}  {c.where}")
         dense = [c for c in self.collectives if c.kind == "all_reduce" and c.where != "loss"]
-        out.append(f"  bwd all_reduce ep x{len(dense)} dense gradients, "
-                   f"{_fmt_bytes(sum(c.bytes for c in dense))}")  # fmt: skip
+        out.append(f"  bwd all_reduce ep x{len(dense)} dense-gradient buckets (at most "
+                   f"{_fmt_bytes(BUCKET_BYTES)} each), {_fmt_bytes(sum(c.bytes for c in dense))}")  # fmt: skip
         out += [f"why: {n}" for n in self.notes]
         out.append("sub-mesh program (every ep rank runs it on its batch slice):")
         out.append(str(self.inner))
@@ -437,13 +485,27 @@ class ExpertParallelPlan:
 class ExpertParallelProgram:
     """What :func:`autopar.autoparallelize` returns for a mesh with an ``ep`` axis."""
 
-    def __init__(self, *, inner: Any, mesh: Mesh, plan: ExpertParallelPlan,
-                 capacity: float) -> None:  # fmt: skip
+    def __init__(self, *, inner: Any, mesh: Mesh, plan: ExpertParallelPlan, capacity: float,
+                 bucket_bytes: int = BUCKET_BYTES) -> None:  # fmt: skip
         self.inner, self.mesh, self.plan, self.capacity = inner, mesh, plan, capacity
+        self.bucket_bytes = bucket_bytes
         self.inner_mesh = inner.mesh
         if hasattr(inner, "traced"):
             self.traced = inner.traced
         self._modules: dict[tuple[int, int], fx.GraphModule] = {}
+
+    @property
+    def model_name(self) -> str:
+        return _model_name(self.inner)
+
+    @property
+    def stages(self) -> list[Any]:
+        """Under pp: the sub-mesh pipeline's stage programs (their modules hold every expert;
+        :meth:`module` gives a rank's with its share)."""
+        return self.inner.stages
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        return self.inner.stages_of(pp_rank)
 
     def inner_rank(self, rank: int) -> int:
         coords = self.mesh.coordinates(rank)
@@ -462,10 +524,14 @@ class ExpertParallelProgram:
         if (rank, stage) not in self._modules:
             module = place_experts(local, self.plan.stage_layers[stage], axis="ep",
                                    size=self.plan.ep, coord=self.mesh.coordinates(rank)["ep"],
-                                   reduction=self.plan.reduction, capacity=self.capacity)  # fmt: skip
+                                   reduction=self.plan.reduction, capacity=self.capacity,
+                                   bucket_bytes=self.bucket_bytes, micro=self._micro())  # fmt: skip
             module.meta = {"rank": rank, "coords": self.mesh.coordinates(rank)}
             self._modules[(rank, stage)] = module
         return self._modules[(rank, stage)]
+
+    def _micro(self) -> int:
+        return self.inner.config.n_microbatches if hasattr(self.inner, "config") else 1
 
     def share(self, rank: int) -> Any:
         """Under pp: what ``rank`` runs, its stages' modules with this rank's experts."""
@@ -528,6 +594,7 @@ def compile_expert_parallel(mesh: Mesh, example_inputs: Sequence[Any],
                              "ep that divides the expert count")  # fmt: skip
     if not layers and not notes:
         notes.append("no MoE layer found: ep runs as a data axis (every weight replicated)")
+    notes += _micro_batch_note(inner, samples)
     reduction = loss_reduction(_graph(inner), model)
     stage = next((i for i, (ls, _) in enumerate(found_layers) if ls), 0)
     capacity = _capacity(capacity_factor, found_layers[stage][0], samples[stage], ep)
@@ -535,7 +602,7 @@ def compile_expert_parallel(mesh: Mesh, example_inputs: Sequence[Any],
                         direction="fwd", where="loss"),
              *(c for m in samples for c in statistic_collectives(m, "ep")),
              *(c for m, (ls, _) in zip(samples, found_layers, strict=True)
-               for c in ep_collectives(m, ls, capacity > 0)))  # fmt: skip
+               for c in ep_collectives(m, ls, capacity > 0, BUCKET_BYTES)))  # fmt: skip
     link = mesh.cluster.axis_link(mesh.axes, "ep")
     times = [collective_time(c.kind, c.bytes, ep, link) for c in found]
     per_layer = sum(t for c, t in zip(found, times, strict=True)
@@ -546,7 +613,22 @@ def compile_expert_parallel(mesh: Mesh, example_inputs: Sequence[Any],
         capacity_factor=capacity_factor, collectives=found, link=link.name,
         layer_s=per_layer, comm_s=sum(times), param_bytes=_param_bytes(samples, layers, ep),
         notes=tuple(notes))  # fmt: skip
-    return ExpertParallelProgram(inner=inner, mesh=mesh, plan=plan, capacity=capacity)
+    return ExpertParallelProgram(inner=inner, mesh=mesh, plan=plan, capacity=capacity,
+                                 bucket_bytes=BUCKET_BYTES)  # fmt: skip
+
+
+def _micro_batch_note(inner: Any, samples: list[fx.GraphModule]) -> list[str]:
+    """Under pp: torch's schedule computes the loss once per micro-batch, so statistics over
+    the batch (a load-balancing loss) are global over ep within each micro-batch only."""
+    micro = inner.config.n_microbatches if hasattr(inner, "config") else 1
+    found = sum(len(boundaries(m.graph)) for m in samples)
+    if micro <= 1 or not found:
+        return []
+    return [f"{found} statistics over the batch feed the loss (a load-balancing loss): each is "
+            f"global over ep within each of the {micro} micro-batches, so the step's loss is "
+            "the mean of per-micro-batch terms (a one-device run over the same global "
+            "micro-batches), not the global batch's; n_microbatches=1 (schedule='gpipe') "
+            "computes that"]  # fmt: skip
 
 
 def _param_bytes(modules: list[fx.GraphModule], layers: list[MoELayer], ep: int) -> tuple[int, int]:
@@ -590,12 +672,12 @@ def _batch(example_inputs: Sequence[Any], example_kwargs: dict | None) -> int:
     return 0
 
 
-def ep_collectives(gm: fx.GraphModule, layers: Sequence[MoELayer],
-                   capped: bool = False) -> list[Collective]:  # fmt: skip
+def ep_collectives(gm: fx.GraphModule, layers: Sequence[MoELayer], capped: bool = False,
+                   bucket_bytes: int = BUCKET_BYTES) -> list[Collective]:  # fmt: skip
     """The expert axis's collectives of one step (local shapes of ep rank 0): per MoE layer
     the count exchange (with a capacity, also an all-gather of every rank's counts) and the
     dispatch and combine all-to-alls (each with its conjugate in backward, dropless sizes);
-    one gradient all-reduce per dense parameter."""
+    one gradient all-reduce per bucket of dense parameters (:func:`dense_buckets`)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     out = []
     for layer in layers:
@@ -607,12 +689,16 @@ def ep_collectives(gm: fx.GraphModule, layers: Sequence[MoELayer],
         for val in (entry, exit_):
             out += [_record(val, d, layer.where) for d in ("fwd", "bwd")]
     experts = {w for layer in layers for w in layer.weights}
-    for name, p in gm.named_parameters():
-        if p.requires_grad and name not in experts:
-            out.append(Collective(kind="all_reduce", axis="ep", shape=tuple(p.shape),
-                                  dtype=str(p.dtype).replace("torch.", ""),
-                                  bytes=p.numel() * p.element_size(), direction="bwd",
-                                  where=name.rsplit(".", 1)[0]))  # fmt: skip
+    for bucket in dense_buckets(gm, experts, bucket_bytes):
+        params = [gm.get_parameter(n.target) for n in bucket]
+        numel = sum(p.numel() for p in params)
+        shape = tuple(params[0].shape) if len(params) == 1 else (numel,)
+        where = bucket[0].target.rsplit(".", 1)[0]
+        out.append(Collective(kind="all_reduce", axis="ep", shape=shape,
+                              dtype=str(params[0].dtype).replace("torch.", ""),
+                              bytes=numel * params[0].element_size(), direction="bwd",
+                              where=where if len(bucket) == 1 else
+                              f"{where} .. {bucket[-1].target} ({len(bucket)} parameters)"))  # fmt: skip
     return out
 
 

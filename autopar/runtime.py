@@ -371,8 +371,7 @@ def wrap_data_parallel(device_mesh: Any, prog: Any, mesh: Mesh) -> Any:
     if "pp" in mesh.sizes:
         data = DataAxis(group=device_mesh.get_group("dp"), mesh=device_mesh["dp"],
                         zero=prog.plan.zero, reduction=prog.plan.reduction)  # fmt: skip
-        return PipelineRunner(prog.inner.share(prog.inner_rank(rank)),
-                              device_mesh.get_group("pp"), data=data)  # fmt: skip
+        return PipelineRunner(prog.share(rank), device_mesh.get_group("pp"), data=data)
     return DataParallelModule(prog.module(rank), group=device_mesh.get_group("dp"),
                               dp_mesh=device_mesh["dp"], zero=prog.plan.zero,
                               reduction=prog.plan.reduction, param_dtype=prog.plan.param_dtype,

@@ -407,6 +407,8 @@ def _verify_data_parallel(prog: Any, model: nn.Module, args: Sequence[Any], kwar
     every gradient (after the dp reduction, ZeRO shards gathered) must match on each dp
     replica.  A mean loss averages gradients over dp, so the cotangents of batched outputs
     are scaled by dp to keep their single-device weight."""
+    if "pp" in prog.mesh.sizes and "ep" in prog.mesh.sizes:
+        return _verify_ep_pipeline(prog.inner, model, args, kwargs, loss_fn, rtol, outer=prog)
     if "pp" in prog.mesh.sizes:
         return _verify_dp_pipeline(prog, model, args, kwargs, loss_fn, rtol)
     if "ep" in prog.mesh.sizes:
@@ -511,7 +513,7 @@ def _verify_dp_pipeline(prog: Any, model: nn.Module, args: Sequence[Any], kwargs
         def mine(t: Any, d: int = d) -> Any:
             return batch_slices(t, dp)[d] if isinstance(t, torch.Tensor) and t.dim() else t
 
-        jobs.append((prog.inner.share(prog.inner_rank(rank)), tuple(mine(a) for a in args),
+        jobs.append((prog.share(rank), tuple(mine(a) for a in args),
                      {k: mine(v) for k, v in (kwargs or {}).items()}, prog.plan.zero,
                      prog.plan.reduction))  # fmt: skip
     pool = get_pool(prog.mesh.world_size)
@@ -535,7 +537,7 @@ def _dp_pipeline_rank_step(rank: int, groups: dict, share: Any, args: tuple, kwa
 
     from autopar.runtime import DataAxis, PipelineRunner
 
-    collectives.bind({a: g for a, g in groups.items() if a != "dp"})
+    collectives.bind(groups)  # dp too: global batch statistics (batch_mean over dp)
     dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
     data = DataAxis(group=groups["dp"], mesh=dp_mesh, zero=zero, reduction=reduction)
     runner = PipelineRunner(share, groups["pp"], data=data)
@@ -647,26 +649,52 @@ def _verify_dp_expert(prog: Any, model: nn.Module, args: Sequence[Any], kwargs: 
 
 
 def _verify_ep_pipeline(prog: Any, model: nn.Module, args: Sequence[Any], kwargs: dict | None,
-                        loss_fn: Callable | None, rtol: float) -> VerifyReport:  # fmt: skip
-    """pp x ep: every rank runs its pipeline share on its ep batch slice; the loss on every
-    rank and each stage's gradients (expert ones concatenated over ep, dense ones on every ep
-    replica) against one full-batch step on one device."""
+                        loss_fn: Callable | None, rtol: float,
+                        outer: Any = None) -> VerifyReport:  # fmt: skip
+    """pp x ep (under dp when ``outer`` is the data-parallel program wrapping ``prog``): every
+    rank runs its pipeline share on its (dp, then ep) batch slice, its stages under DDP /
+    FSDP2 over dp; the loss on every rank and each stage's gradients (expert ones
+    concatenated over ep, dense ones on every (dp, ep) replica) against one full-batch step
+    on one device."""
     from autopar.data_parallel import batch_slices
 
     ref_out, ref_grads, _ = _reference(model, args, kwargs, loss_fn, seed=0, unit_cotangent=True)
     ref_loss = next(x for x in ref_out if x.dim() == 0)
-    world, ep = prog.mesh.world_size, prog.mesh.size("ep")
+    top = outer if outer is not None else prog
+    world, dp, ep = top.mesh.world_size, top.mesh.size("dp"), prog.mesh.size("ep")
+    coords = [top.mesh.coordinates(r) for r in range(world)]
 
-    def mine(t: Any, e: int) -> Any:
-        return batch_slices(t, ep)[e] if isinstance(t, torch.Tensor) and t.dim() else t
+    def mine(t: Any, c: dict[str, int]) -> Any:
+        if not (isinstance(t, torch.Tensor) and t.dim()):
+            return t
+        return batch_slices(batch_slices(t, dp)[c.get("dp", 0)], ep)[c["ep"]]
 
-    coords = [prog.mesh.coordinates(r) for r in range(world)]
-    jobs = [(prog.share(r), tuple(mine(a, coords[r]["ep"]) for a in args),
-             {k: mine(v, coords[r]["ep"]) for k, v in (kwargs or {}).items()})
-            for r in range(world)]  # fmt: skip
-    results = get_pool(world).run(_pipeline_rank_step, prog.mesh.axes, jobs)
-    again = get_pool(world).run(_pipeline_rank_step, prog.mesh.axes, jobs)
+    jobs = []
+    for r in range(world):
+        share = outer.share(r) if outer is not None else prog.share(r)
+        job = (share, tuple(mine(a, coords[r]) for a in args),
+               {k: mine(v, coords[r]) for k, v in (kwargs or {}).items()})  # fmt: skip
+        jobs.append((*job, outer.plan.zero, outer.plan.reduction) if outer is not None else job)
+    step = _dp_pipeline_rank_step if outer is not None else _pipeline_rank_step
+    results = get_pool(world).run(step, top.mesh.axes, jobs)
+    again = get_pool(world).run(step, top.mesh.axes, jobs)
     unstable = _unstable_pipeline(results, again)
+    worst: dict[str, TensorCheck] = {}
+    for d in range(dp):
+        ranks = [r for r in range(world) if coords[r].get("dp", 0) == d]
+        rows = _ep_pipeline_rows(prog, [results[r] for r in ranks],
+                                 [coords[r]["ep"] for r in ranks], ref_loss, ref_grads, rtol)  # fmt: skip
+        for row in rows:
+            if row.name not in worst or _worse(row, worst[row.name]):
+                worst[row.name] = row
+    rows = [_mark_unstable(r) if r.name in unstable else r for r in worst.values()]
+    return VerifyReport(mesh=str(top.mesh), rtol=rtol, rows=tuple(rows))
+
+
+def _ep_pipeline_rows(prog: Any, results: list, eps: list[int], ref_loss: torch.Tensor,
+                      ref_grads: dict, rtol: float) -> list[TensorCheck]:  # fmt: skip
+    """One data replica of a pp x ep run (``results`` of its ranks, ``eps`` their ep
+    coordinates): the loss and each stage's gradients."""
     rows = [_check("loss", "output", [loss for loss, _ in results], None, ref_loss, prog.mesh,
                    rtol, ref_loss.abs().item())]  # fmt: skip
     scale = _scale(list(ref_grads.values()))
@@ -676,9 +704,9 @@ def _verify_ep_pipeline(prog: Any, model: nn.Module, args: Sequence[Any], kwargs
             if fqn not in ref_grads:
                 continue
             lay = meta.layout(next(n for n in stage.graph_module.graph.nodes if n.name == ph))
-            per_ep = [[results[r][1][stage_id].get(fqn) for r in range(world)
-                       if coords[r]["ep"] == e and stage_id in results[r][1]]
-                      for e in range(ep)]  # fmt: skip
+            per_ep = [[res[1][stage_id].get(fqn) for res, e_ in zip(results, eps, strict=True)
+                       if e_ == e and stage_id in res[1]]
+                      for e in range(prog.mesh.size("ep"))]  # fmt: skip
             name = f"{fqn} (stage {stage_id})"
             if any(g is None for gs in per_ep for g in gs):
                 rows.append(_failed(name, "grad", "no gradient on some rank"))
@@ -688,5 +716,4 @@ def _verify_ep_pipeline(prog: Any, model: nn.Module, args: Sequence[Any], kwargs
             checks = [_check(name, "grad", shards, lay, ref_grads[fqn], stage.mesh, rtol, scale)
                       for shards in per_ep]  # fmt: skip
             rows.append(max(checks, key=lambda c: (not c.ok, c.max_rel)))
-    rows = [_mark_unstable(r) if r.name in unstable else r for r in rows]
-    return VerifyReport(mesh=str(prog.mesh), rtol=rtol, rows=tuple(rows))
+    return rows

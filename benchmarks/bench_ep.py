@@ -9,13 +9,16 @@ Algorithm:
    same autopar.testing MoE language model (fp32, seed 0) and from it
    a. autopar ep: ``autoparallelize(model, mesh_ep, (x, y), lm_loss)`` (each rank E/WORLD
       experts; tokens dispatched and combined with all-to-alls, dense gradients all-reduced);
-   b. replicated experts: ``autoparallelize(model, mesh_dp, (x, y), lm_loss, zero=0)`` (torch
+   b. the same with the dense gradients all-reduced one parameter at a time (``BUCKET_BYTES
+      = 0``; the default cuts them into buckets of up to 25 MiB, one all-reduce each);
+   c. replicated experts: ``autoparallelize(model, mesh_dp, (x, y), lm_loss, zero=0)`` (torch
       DDP over the same ranks, every rank every expert).
    Both take AdamW steps on the rank's slice of one fixed global batch.
 2. Warm up WARMUP rounds, then time ITERS interleaved rounds of one training step (forward,
    backward, optimizer); a distributed step costs its slowest rank's time.
-3. Rank 0 prints the median ms per step, the ratio ep / replicated, the parameter bytes per
-   rank of each, and the last global losses (they agree: dropless ep is exact).
+3. Rank 0 prints the median ms per step, the ratios ep / replicated and bucketed / per
+   parameter, the parameter bytes per rank of each, and the last global losses (they agree:
+   dropless ep is exact).
 4. One process: the local experts' compute, one grouped matmul pair over the rows grouped by
    expert (``transformers::grouped_mm_fallback``, what the traced model runs) against an eager
    per-expert loop of two matmuls (the loop HF's eager experts run), as a ratio.
@@ -39,6 +42,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from autopar import autoparallelize, collectives
+from autopar import expert_parallel as ep_module
 from autopar.pool import free_port, gloo_rank
 from autopar.testing import (
     MoEConfig,
@@ -53,7 +57,7 @@ from autopar.testing import (
 WARMUP, ITERS = 2, 8
 CONFIG = MoEConfig(layers=4, hidden=256, expert_ffn=512, experts=8, top_k=2, vocab=1024, seq=64,
                    batch=8)  # fmt: skip
-VARIANTS = ("ep", "replicated")
+VARIANTS = ("ep", "ep_per_param", "replicated")
 
 
 def variants(world: int, mesh_ep: object, mesh_dp: object) -> dict[str, tuple[Callable, int]]:
@@ -64,15 +68,24 @@ def variants(world: int, mesh_ep: object, mesh_dp: object) -> dict[str, tuple[Ca
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ep = autoparallelize(build_moe(CONFIG), mesh_ep, (x, y), lm_loss)
+        cap, ep_module.BUCKET_BYTES = ep_module.BUCKET_BYTES, 0
+        per_param = autoparallelize(build_moe(CONFIG), mesh_ep, (x, y), lm_loss)
+        ep_module.BUCKET_BYTES = cap
         dp = autoparallelize(build_moe(CONFIG), mesh_dp, (x, y), lm_loss, zero=0)
     groups = {"ep": mesh_ep.get_group("ep")}  # the dp compile rebinds the collectives' axes
 
-    def ep_loss() -> torch.Tensor:
-        collectives.bind(groups)
-        return ep(xs, ys)
+    def ep_loss(module: torch.nn.Module) -> Callable[[], torch.Tensor]:
+        def loss() -> torch.Tensor:
+            collectives.bind(groups)
+            return module(xs, ys)
 
-    return {"ep": (optimizer_step(ep_loss, torch.optim.AdamW(ep.parameters(), 1e-3)),
+        return loss
+
+    return {"ep": (optimizer_step(ep_loss(ep), torch.optim.AdamW(ep.parameters(), 1e-3)),
                    _bytes(ep)),
+            "ep_per_param": (optimizer_step(ep_loss(per_param),
+                                            torch.optim.AdamW(per_param.parameters(), 1e-3)),
+                             _bytes(per_param)),
             "replicated": (optimizer_step(lambda: dp(xs, ys), dp.optimizer(torch.optim.AdamW, lr=1e-3)),
                            _bytes(dp))}  # fmt: skip
 
@@ -100,6 +113,10 @@ def rank_main(rank: int, world: int, port: int) -> None:
                   f"rank {steps['ep'][1] / 2**20:.2f} MiB vs {steps['replicated'][1] / 2**20:.2f} "
                   f"MiB ({steps['ep'][1] / steps['replicated'][1]:.3f})  last losses "
                   f"{losses['ep']:.5f} {losses['replicated']:.5f}", flush=True)  # fmt: skip
+            print(f"ep={world}: dense gradients bucketed {ms['ep']:8.2f} ms  per parameter "
+                  f"{ms['ep_per_param']:8.2f} ms  ratio bucketed/per-parameter "
+                  f"{ms['ep'] / ms['ep_per_param']:.3f}  last losses {losses['ep']:.5f} "
+                  f"{losses['ep_per_param']:.5f}", flush=True)  # fmt: skip
 
 
 def local_experts() -> None:

@@ -10,6 +10,7 @@ only add a compile before keeping the fp32 verdict.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import warnings
 
@@ -150,4 +151,84 @@ def test_mixtral_load_balancing_loss_composes(mesh):
     """Under dp x ep the statistics are global over both axes (a batch_mean per axis)."""
     model, args, kwargs = _hf("mixtral", batch=4)
     report = _check(model, mesh, args, kwargs)
+    assert report.ok, report
+
+
+# ---------------------------------------------------------------- under pipeline parallelism
+
+
+def _aux_lm_loss(out, labels):
+    """A pipeline needs one scalar: the token cross-entropy plus the weighted aux loss (what
+    HF's ``loss`` adds up when labels are given)."""
+    from autopar.testing import lm_loss
+
+    return lm_loss(out.logits, labels) + 0.5 * out.aux_loss
+
+
+def _micro_batches(rows: int, ep: int, micro: int) -> list[list[int]]:
+    """The global micro-batches of a pp x ep run: micro-batch k is the k-th chunk of every ep
+    rank's batch slice (torch's schedule splits each rank's slice along dim 0)."""
+    per = rows // ep // micro
+    return [[e * (rows // ep) + k * per + j for e in range(ep) for j in range(per)]
+            for k in range(micro)]  # fmt: skip
+
+
+def _per_micro_batch_reference(ep: int, micro: int):
+    """One device, the batch cut into the pipeline's global micro-batches: the loss (and so
+    the aux loss) per micro-batch, their mean differentiated."""
+
+    def reference(model, args, kwargs, loss_fn, seed, unit_cotangent=False):
+        ids, labels = args
+        model.zero_grad(set_to_none=True)
+        losses = [loss_fn(model(ids[rows]), labels[rows])
+                  for rows in _micro_batches(ids.shape[0], ep, micro)]  # fmt: skip
+        loss = torch.stack(losses).mean()
+        loss.backward()
+        named = model.named_parameters(remove_duplicate=False)
+        grads = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
+        return [loss.detach()], grads, [torch.ones(())]
+
+    return reference
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_mixtral_aux_loss_under_pp_is_per_micro_batch(micro, monkeypatch):
+    """Mesh(pp=2, ep=2), HF Mixtral with its load-balancing loss: torch's schedule computes
+    the loss once per micro-batch, so the aux loss's statistics are global over ep ranks
+    within each micro-batch (batch_mean over ep in the last stage) and the step's loss is the
+    mean of the per-micro-batch losses (as Megatron-LM computes it).  With one micro-batch
+    that is the global batch's aux loss (verify against one device as it is); with two it
+    equals a one-device run over the same global micro-batches and differs from the
+    global-batch value (so the first comparison can fail)."""
+    V = importlib.import_module("autopar.verify")  # the module (autopar.verify is the function)
+    model, args, kwargs = _hf("mixtral", batch=4)
+    args = (args[0], kwargs["labels"])
+    run = dict(n_microbatches=micro, schedule="gpipe")
+    if micro == 2:
+        whole = _check(model, Mesh(pp=2, ep=2), args, loss_fn=_aux_lm_loss, run=_partial(run))
+        assert not whole.ok  # the global-batch aux loss is not what a pipeline computes
+        monkeypatch.setattr(V, "_reference", _per_micro_batch_reference(ep=2, micro=micro))
+    report = _check(model, Mesh(pp=2, ep=2), args, loss_fn=_aux_lm_loss, run=_partial(run))
+    assert report.ok, report
+    assert any("mlp.gate.weight (stage 1)" in r.name for r in report.rows)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autoparallelize(model, Mesh(pp=2, ep=2), args, _aux_lm_loss, **run).plan
+    assert ("global over ep within each of the 2 micro-batches" in str(plan)) == (micro == 2)
+
+
+def _partial(options):
+    def run(*a, **k):
+        return _verify(*a, **k, **options)
+
+    return run
+
+
+def test_mixtral_aux_loss_under_dp_x_pp_is_global_over_dp():
+    """Mesh(dp=2, pp=2), one micro-batch: each stage module's statistics are made global over
+    dp too (DataParallelProgram.share), so the aux loss is the global batch's."""
+    model, args, kwargs = _hf("mixtral", batch=4)
+    args = (args[0], kwargs["labels"])
+    report = _check(model, Mesh(dp=2, pp=2), args, loss_fn=_aux_lm_loss,
+                    run=_partial(dict(n_microbatches=1, schedule="gpipe")))  # fmt: skip
     assert report.ok, report

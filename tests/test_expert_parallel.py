@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar import Mesh, autoparallelize, zoo
+from autopar import collectives as C
 from autopar.errors import InputError, ShardingRuleError
 from autopar.expert_parallel import ExpertParallelProgram, expert_load
 from autopar.pool import get_pool
@@ -305,6 +306,92 @@ def test_composes_with_tp_and_dp(mesh):
     if "pp" in mesh.sizes:  # each stage recognised its own layers
         assert [len(ls) for ls in ep_prog.plan.stage_layers] == [1, 1]
 
+
+_WITH_EP = [Mesh(**{a: 2 for a in axes}) for axes in
+            (("ep",), ("dp", "ep"), ("pp", "ep"), ("ep", "tp"), ("dp", "pp", "ep"),
+             ("dp", "ep", "tp"), ("pp", "ep", "tp"), ("dp", "pp", "ep", "tp"))]  # fmt: skip
+
+
+@pytest.mark.parametrize("mesh", _WITH_EP, ids=str)
+def test_every_mesh_with_ep_compiles(mesh):
+    """Every combination of dp, pp and tp around ep: each rank holds E/ep experts (tp-split)
+    on every stage, and each stage recognised its own MoE layer."""
+    c = MoEConfig(batch=8, shared=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = autoparallelize(build_moe(c), mesh, _ids(c), lm_loss)
+    ep_prog = prog.inner if "dp" in mesh.sizes else prog
+    assert isinstance(ep_prog, ExpertParallelProgram)
+    tp, pp = mesh.size("tp"), mesh.size("pp")
+    for rank in range(mesh.world_size):
+        stage = mesh.coordinates(rank)["pp"] if pp > 1 else 0
+        inner = prog.inner_rank(rank) if "dp" in mesh.sizes else rank
+        held = dict(ep_prog.module(inner, stage if pp > 1 else None).named_parameters())
+        assert held[f"blocks.{stage}.gate_up"].shape == (c.experts // 2,
+                                                         2 * c.expert_ffn // tp, c.hidden)
+    assert [len(ls) for ls in ep_prog.plan.stage_layers] == ([1, 1] if pp > 1 else [2])
+
+
+def test_dp_pp_ep_on_eight_ranks():
+    """Mesh(dp=2, pp=2, ep=2): each dp replica runs the pp x ep program on its batch slice,
+    its stages under DDP over dp; expert gradients are reduced over dp only (each (pp, ep)
+    rank holds its own experts), dense ones over ep in the program and then over dp."""
+    c = MoEConfig(batch=8, shared=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = verify(build_moe(c), Mesh(dp=2, pp=2, ep=2), _ids(c), lm_loss, rtol=1e-5)
+    assert report.ok, report
+    assert any("gate_up (stage 1)" in r.name for r in report.rows)  # experts compared
+
+
+def test_pipeline_reduces_dense_gradients_once_per_step():
+    """Under pp the ep buckets add the micro-batches' dense gradients up locally and
+    all-reduce once, after the last micro-batch's backward (as DDP's no_sync does)."""
+    c = MoEConfig(batch=8, shared=True)
+    mesh = Mesh(pp=2, ep=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = autoparallelize(build_moe(c), mesh, _ids(c), lm_loss, n_microbatches=2)
+        report = verify(build_moe(c), mesh, _ids(c), lm_loss, rtol=1e-5, n_microbatches=2)
+    assert report.ok, report
+    for stage in (0, 1):
+        graph = prog.module(0 if stage == 0 else 2, stage).graph
+        buckets = [n for n in graph.nodes if n.target is C.grad_bucket_all_reduce]
+        assert buckets and all(b.args[2] == 2 for b in buckets)
+        assert not [n for n in graph.nodes if n.target is C.grad_all_reduce]
+
+
+@pytest.mark.parametrize("cap", [0, 3000, None], ids=["per-parameter", "small-buckets", "default"])
+def test_dense_gradients_are_bucketed(cap, monkeypatch):
+    """Dense gradients are all-reduced over ep in buckets of at most BUCKET_BYTES (one dtype,
+    in reverse order of first use); the plan lists exactly the program's buckets, and the
+    loss and every gradient still match one device."""
+    from autopar import expert_parallel as ep_module
+
+    if cap is not None:
+        monkeypatch.setattr(ep_module, "BUCKET_BYTES", cap)
+    c = MoEConfig(shared=True)
+    model = build_moe(c)
+    prog = autoparallelize(model, Mesh(ep=2), _ids(c), lm_loss)
+    graph = prog.module(0).graph
+    buckets = [n for n in graph.nodes if n.target is C.grad_bucket_all_reduce]
+    single = [n for n in graph.nodes if n.target is C.grad_all_reduce]
+    listed = [x for x in prog.collectives() if x.axis == "ep" and x.kind == "all_reduce"
+              and x.direction == "bwd"]  # fmt: skip
+    assert len(listed) == len(buckets) + len(single)
+    dense = [n for n, _ in model.named_parameters() if not n.endswith(("gate_up", "down"))]
+    held = [a.target for b in buckets for a in b.args[3:]] + [n.args[0].target for n in single]
+    assert sorted(held) == sorted(dense)  # every dense parameter reduced once
+    assert sum(x.bytes for x in listed) == 4 * sum(
+        p.numel() for n, p in model.named_parameters() if n in dense)  # fmt: skip
+    if cap == 0:
+        assert not buckets and len(single) == len(dense)
+    elif cap is None:
+        assert len(buckets) == 1 and not single
+    else:
+        assert len(buckets) > 1 and all(x.bytes <= cap for x in listed if "parameters" in x.where)
+    report = verify(model, Mesh(ep=2), _ids(c), lm_loss, rtol=1e-5)
+    assert report.ok, report
 
 
 # ---------------------------------------------------------------- cost
