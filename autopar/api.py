@@ -23,6 +23,7 @@ from autopar.errors import MeshError, PlanError
 from autopar.mesh import AutoMesh, Mesh
 from autopar.plan import Plan
 from autopar.planner import PlanOptions
+from autopar.recompute import attach, check_mode
 from cost.hardware import Cluster
 
 
@@ -49,6 +50,7 @@ def autoparallelize(
     reduce_dtype: torch.dtype = torch.float32,
     cp_attention: str | None = None,
     capacity_factor: float | None = None,
+    recompute: str = "none",
 ) -> Any:
     """Compile ``model`` for ``mesh``.
 
@@ -87,7 +89,13 @@ def autoparallelize(
 
     A mesh with a ``cp`` axis splits the sequence (autopar.context_parallel); attention runs
     as ring or all-to-all attention, chosen by cost unless ``cp_attention`` forces one.
+
+    ``recompute`` ("none", "selective", "full") trades backward time for activation memory in
+    every rank program (autopar.recompute): "full" keeps only each repeated block's inputs and
+    re-runs the block in backward (``checkpoint(layers_0, ...)`` in the code), "selective" re-runs
+    only the unfused attention core (the [.., s, s] score ops; nothing under a fused SDPA).
     """
+    check_mode(recompute)
     if isinstance(mesh, AutoMesh):
         from autopar.search import compile_auto
 
@@ -103,14 +111,14 @@ def autoparallelize(
                               memory_weight=memory_weight, strict=strict, verbose=verbose,
                               schedule=schedule, virtual_stages=virtual_stages,
                               split_points=split_points, cp_attention=cp_attention,
-                              capacity_factor=capacity_factor)  # fmt: skip
+                              capacity_factor=capacity_factor, recompute=recompute)  # fmt: skip
     if "ep" in virtual.sizes:
         return _expert_parallel(model, virtual, device_mesh, example_inputs, loss_fn,
                                 example_kwargs, strict=strict, verbose=verbose,
                                 capacity_factor=capacity_factor, memory_limit=memory_limit,
                                 memory_weight=memory_weight, n_microbatches=n_microbatches,
                                 schedule=schedule, virtual_stages=virtual_stages,
-                                split_points=split_points)  # fmt: skip
+                                split_points=split_points, recompute=recompute)  # fmt: skip
     if zero is not None:
         raise PlanError(f"zero={zero} shards over the data axis, but {virtual} has no dp axis; "
                         "use e.g. Mesh(dp=2, tp=2)")  # fmt: skip
@@ -131,6 +139,7 @@ def autoparallelize(
         prog = compile_program(
             model, virtual, example_inputs, loss_fn, example_kwargs, options, verbose
         )
+    attach(prog, recompute)
     if device_mesh is None:
         return prog
     from autopar.runtime import PipelineRunner, bind_mesh

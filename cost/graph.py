@@ -350,3 +350,10 @@ def _analyse(graph: torch.fx.Graph, params: set[str], inputs: set[str], name: st
               "tp_bytes": sum(_out_bytes(n) for n in rows) / max(len(rows), 1),
               "kv_bytes": sum(_out_bytes(a) for n in sdpa for a in n.args[1:3])},
     )  # fmt: skip
+
+
+def attention_core(graph: torch.fx.Graph, params: set[str], seq: int) -> set[torch.fx.Node]:
+    """The unfused attention-core nodes of `graph` (`_is_core`: what selective recompute
+    repeats); `params` names the parameter nodes, `seq` the sequence length."""
+    walk = _Walk(graph, params, set())
+    return {n for n in walk.nodes if n.op == "call_function" and _is_core(n, seq, walk)}
