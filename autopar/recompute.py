@@ -40,6 +40,7 @@ import torch.utils.checkpoint
 
 from autopar.codegen import _block_container, _owning_block, outline_blocks
 from autopar.errors import PlanError
+from cost.errors import CostInputError
 
 MODES = ("none", "selective", "full")
 
@@ -327,7 +328,12 @@ def _attach_one(prog: Any, mode: str, whole: bool) -> int:
         regions = len(core_regions(sample))
     prog.recompute = mode if regions else "none"
     prog._modules.clear()
-    effect = predict(prog.traced.gm, prog.mesh.sizes, mode, regions, prog.mesh.cluster.gpu)
-    prog.plan = annotate(prog.plan, effect)
+    try:
+        effect = predict(prog.traced.gm, prog.mesh.sizes, mode, regions, prog.mesh.cluster.gpu)
+        prog.plan = annotate(prog.plan, effect)
+    except CostInputError as exc:  # e.g. a float64 model: the cost model prices fp32/16/8
+        effect = None
+        prog.plan = dataclasses.replace(prog.plan, notes=(
+            *prog.plan.notes, f"recompute {mode} ({regions} regions), not priced: {exc}"))  # fmt: skip
     prog.recompute_effect = effect
     return regions

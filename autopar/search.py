@@ -214,7 +214,7 @@ class AutoChoice:
             lines.append(f"  the best needs {' and '.join(self.missing)}, which autopar does not "
                          f"compile yet; compiled the best among {', '.join(SUPPORTED_AXES)}: "
                          f"{self.compiled.describe()} ({ratio:.3f}× the best's step time)")  # fmt: skip
-        lines.append(f"  compiled on {self.mesh}")
+        lines.append(f"  compiled on {self.mesh} with recompute={self.compiled.config.recompute}")
         return "\n".join(lines + ["", str(self.plan)])
 
 
@@ -240,7 +240,7 @@ def compile_auto(model: Any, mesh: AutoMesh, example_inputs: Sequence[Any],
     sizes = {"pp": c.pp, "dp": c.dp, "tp": c.tp}
     axes = tuple((a, sizes[a]) for a in chosen.order if sizes[a] > 1) or (("tp", 1),)
     concrete = Mesh.ordered(axes, mesh.cluster)
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"recompute": c.recompute or "none"}
     if c.dp > 1:
         options["zero"] = c.zero
     if c.pp > 1:
