@@ -152,9 +152,22 @@ def core_regions(gm: fx.GraphModule) -> list[list[fx.Node]]:
         region = sorted(comp, key=pos.__getitem__)
         last = pos[region[-1]]
         late = all(pos[u] > last for n in region for u in n.users if u not in comp)
-        if late and any(_is_matmul(n) for n in region):
+        if late and _between_matmuls(region, seq):
             out.append(region)
     return out
+
+
+def _between_matmuls(region: list[fx.Node], seq: int) -> bool:
+    """A region holds an attention core when a matmul in it makes the scores (QKᵀ) and another
+    consumes them (·V); a lone projection that only looks [s, s]-shaped (hidden == seq) is none."""
+    def scores(n: fx.Node) -> bool:
+        val = n.meta.get("val")
+        return isinstance(val, torch.Tensor) and tuple(val.shape[-2:]) == (seq, seq)
+
+    matmuls = [n for n in region if _is_matmul(n)]
+    makes = any(scores(n) for n in matmuls)
+    uses = any(not scores(n) and any(scores(a) for a in n.all_input_nodes) for n in matmuls)
+    return makes and uses
 
 
 def _seq(gm: fx.GraphModule) -> int | None:
@@ -337,3 +350,43 @@ def _attach_one(prog: Any, mode: str, whole: bool) -> int:
             *prog.plan.notes, f"recompute {mode} ({regions} regions), not priced: {exc}"))  # fmt: skip
     prog.recompute_effect = effect
     return regions
+
+
+# ---------------------------------------------------------------- measuring it
+
+
+def saved_bytes(run: Any, exclude: set[int] = frozenset()) -> int:
+    """Bytes of the distinct storages autograd saves for backward during ``run()`` (a
+    checkpointed region saves only its inputs), less the storages in ``exclude``
+    (parameters: a weight saved by a matmul is no activation)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in exclude:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    del out
+    return sum(seen.values())
+
+
+def measure_saved(prog: Any, args: tuple, kwargs: dict | None = None) -> list[int]:
+    """Per rank of program ``prog`` (tp / cp), the activation bytes its forward saves,
+    measured on the worker pool (:func:`saved_bytes`)."""
+    from autopar.pool import get_pool
+
+    world = prog.mesh.world_size
+    jobs = [(prog.module(r), tuple(args), dict(kwargs or {})) for r in range(world)]
+    return get_pool(world).run(_measure_rank, prog.mesh.axes, jobs)
+
+
+def _measure_rank(rank: int, groups: dict, module: torch.nn.Module, args: tuple,
+                  kwargs: dict) -> int:  # fmt: skip
+    from autopar import collectives
+
+    collectives.bind(groups)
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    return saved_bytes(lambda: module(*args, **kwargs), params)
