@@ -181,16 +181,21 @@ def _data_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any, example_input
 def _expert_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any,
                      example_inputs: Sequence[Any], loss_fn: Callable | None,
                      example_kwargs: dict | None, *, strict: bool,
-                     capacity_factor: float | None, **inner_options: Any) -> Any:  # fmt: skip
-    """The ep branch: compile the sub-mesh program on B/ep, place the experts across ep."""
+                     capacity_factor: float | None, recompute: str,
+                     **inner_options: Any) -> Any:  # fmt: skip
+    """The ep branch: compile the sub-mesh program on B/ep, place the experts across ep; the
+    recompute mode is priced on the sub-mesh plan and applied after the experts are placed."""
     from autopar.expert_parallel import compile_expert_parallel
 
     def inner(sub: Mesh, args: tuple, kwargs: dict) -> Any:  # strict: no rule needed at size 1
-        return autoparallelize(model, sub, args, loss_fn, example_kwargs=kwargs or None,
-                               strict=strict and sub.world_size > 1, **inner_options)  # fmt: skip
+        sub_prog = autoparallelize(model, sub, args, loss_fn, example_kwargs=kwargs or None,
+                                   strict=strict and sub.world_size > 1,
+                                   **inner_options)  # fmt: skip
+        return attach(sub_prog, recompute, apply=False)
 
     prog = compile_expert_parallel(mesh, example_inputs, example_kwargs, inner, strict=strict,
                                    capacity_factor=capacity_factor)  # fmt: skip
+    prog.recompute = recompute
     if device_mesh is None:
         return prog
     from autopar.runtime import PipelineRunner, bind_mesh

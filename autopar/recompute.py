@@ -30,6 +30,7 @@ reads them (FSDP2 skips its forward hooks while in backward).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import operator
 from typing import Any
@@ -95,19 +96,42 @@ def is_recomputed(gm: torch.nn.Module) -> bool:
 
 def _checkpoint_blocks(gm: fx.GraphModule, model: str) -> fx.GraphModule:
     """Step 1."""
-    outlined = outline_blocks(gm)
+    outlined = _outline(gm)
     if outlined is None:
         raise RecomputeError(_no_blocks(model))
     graph = outlined.graph
     for node in [n for n in graph.nodes if n.op == "call_module"]:
         with graph.inserting_before(node):
-            region = graph.get_attr(node.target)
-            call = graph.call_function(checkpoint, (region, *node.args))
+            call = graph.call_function(checkpoint, node.args)
         call.meta.update(node.meta)
         node.replace_all_uses_with(call)
+        name = node.name
         graph.erase_node(node)
+        graph._graph_namespace._used_names.discard(name)  # the block's value reads layers_0
+        with graph.inserting_before(call):
+            region = graph.get_attr(node.target)
+        call.args = (region, *call.args)
     outlined.recompile()
     return outlined
+
+
+def _outline(gm: fx.GraphModule) -> fx.GraphModule | None:
+    """:func:`outline_blocks` after moving ops on parameters alone (a replicated weight's
+    gradient all-reduce under ep / cp, a transpose) from the program's top to their first
+    user, inside their block (in place: ``gm`` is a fresh rank module)."""
+    graph = gm.graph
+    pure: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "call_function" and n.all_input_nodes and all(
+            a.op == "get_attr" or a in pure for a in n.all_input_nodes
+        ):
+            pure.add(n)
+    for n in reversed([n for n in graph.nodes if n in pure]):  # users are placed first
+        users = [u for u in graph.nodes if u in n.users]
+        if users:
+            users[0].prepend(n)
+    gm.recompile()
+    return outline_blocks(gm)
 
 
 def _no_blocks(model: str) -> str:
@@ -312,35 +336,38 @@ def annotate(plan: Any, effect: RecomputeEffect) -> Any:
         notes=(*plan.notes, str(effect)))  # fmt: skip
 
 
-def attach(prog: Any, mode: str) -> Any:
+def attach(prog: Any, mode: str, apply: bool = True) -> Any:
     """Compile ``prog`` (a Program, or a PipelineProgram's stages) to recompute ``mode``:
-    every rank module it builds runs it, and its plan says so.  Returns ``prog``."""
+    every rank module it builds runs it, and its plan says so.  Returns ``prog``.  With
+    ``apply=False`` only the plan is priced: a wrapper (expert parallelism) applies the mode
+    to the modules it derives from ``prog``'s."""
     if check_mode(mode) == "none":
         return prog
     stages = getattr(prog, "stages", None)
     programs = list(stages) if stages is not None else [prog]
     found = 0
     for p in programs:
-        found += _attach_one(p, mode, whole=stages is None)
+        found += _attach_one(p, mode, whole=stages is None, apply=apply)
     if found == 0 and mode == "full":
         raise RecomputeError(_no_blocks(programs[0].traced.model_name))
     return prog
 
 
-def _attach_one(prog: Any, mode: str, whole: bool) -> int:
+def _attach_one(prog: Any, mode: str, whole: bool, apply: bool) -> int:
     """One Program: check the mode applies (rank 0's module), price it, set it; returns the
     number of regions it recomputes."""
     name = prog.traced.model_name
     sample = prog.module(0)
     if mode == "full":
-        outlined = outline_blocks(sample)
+        outlined = _outline(fx.GraphModule(sample, copy.deepcopy(sample.graph)))
         if outlined is None and whole:
             raise RecomputeError(_no_blocks(name))
         regions = len(block_targets(outlined)) if outlined is not None else 0
     else:
         regions = len(core_regions(sample))
-    prog.recompute = mode if regions else "none"
-    prog._modules.clear()
+    if apply:
+        prog.recompute = mode if regions else "none"
+        prog._modules.clear()
     try:
         effect = predict(prog.traced.gm, prog.mesh.sizes, mode, regions, prog.mesh.cluster.gpu)
         prog.plan = annotate(prog.plan, effect)
