@@ -50,7 +50,7 @@ def autoparallelize(
     reduce_dtype: torch.dtype = torch.float32,
     cp_attention: str | None = None,
     capacity_factor: float | None = None,
-    recompute: str = "none",
+    recompute: str | None = None,
 ) -> Any:
     """Compile ``model`` for ``mesh``.
 
@@ -94,13 +94,17 @@ def autoparallelize(
     every rank program (autopar.recompute): "full" keeps only each repeated block's inputs and
     re-runs the block in backward (``checkpoint(layers_0, ...)`` in the code), "selective" re-runs
     only the unfused attention core (the [.., s, s] score ops; nothing under a fused SDPA).
+    Default "none"; under ``Mesh.auto`` the search chooses unless ``recompute`` is given.
     """
-    check_mode(recompute)
+    if recompute is not None:
+        check_mode(recompute)
     if isinstance(mesh, AutoMesh):
         from autopar.search import compile_auto
 
         return compile_auto(model, mesh, example_inputs, loss_fn, example_kwargs=example_kwargs,
-                            global_batch=global_batch, verbose=verbose)  # fmt: skip
+                            global_batch=global_batch, verbose=verbose,
+                            recompute=recompute)  # fmt: skip
+    recompute = recompute or "none"
     device_mesh = None if isinstance(mesh, Mesh) else mesh
     virtual = mesh if isinstance(mesh, Mesh) else Mesh.from_device_mesh(mesh, cluster)
     if "dp" in virtual.sizes:

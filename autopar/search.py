@@ -220,11 +220,12 @@ class AutoChoice:
 
 def compile_auto(model: Any, mesh: AutoMesh, example_inputs: Sequence[Any],
                  loss_fn: Callable[..., Any] | None, *, example_kwargs: dict | None = None,
-                 global_batch: int | None = None, verbose: bool = False) -> Any:  # fmt: skip
+                 global_batch: int | None = None, verbose: bool = False,
+                 recompute: str | None = None) -> Any:  # fmt: skip
     """`autoparallelize(model, Mesh.auto(cluster), ...)`: trace, price the graph
     (`cost.graph`), search, keep the best configuration autopar compiles, compile it with its
-    nesting, micro-batch count, schedule and ZeRO stage; the program's `search` holds the
-    choice."""
+    nesting, micro-batch count, schedule, ZeRO stage and recompute mode (searched unless
+    `recompute` fixes it); the program's `search` holds the choice."""
     from autopar.api import autoparallelize
     from autopar.trace import trace
     from cost.graph import GraphModel
@@ -233,7 +234,8 @@ def compile_auto(model: Any, mesh: AutoMesh, example_inputs: Sequence[Any],
     priced = GraphModel.from_traced(traced.gm, name=type(model).__name__)
     examples = _example_batch(example_inputs)
     batch = global_batch or mesh.global_batch or examples
-    plan = plan_shape(priced, mesh.cluster, batch, zero=mesh.zero)
+    space = SearchSpace(zero=mesh.zero, recompute=(recompute,)) if recompute else None
+    plan = plan_shape(priced, mesh.cluster, batch, zero=mesh.zero, space=space)
     best, fallback = auto_degrees(plan, SUPPORTED_AXES)
     chosen = fallback or best
     c = chosen.config

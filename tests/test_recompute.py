@@ -139,6 +139,13 @@ def test_mesh_auto_on_a_tight_cluster_compiles_recompute():
     assert "autopar_recompute_checkpoint(" in prog.code(0)
     report = verify(build("gpt", c), Mesh.auto(cluster), (x, y), lm_loss, rtol=1e-5)
     assert report.ok, str(report)
+    roomy = dataclasses.replace(base, gpus_per_node=2)  # the search's own choice: no recompute
+    assert autoparallelize(build("gpt", c), Mesh.auto(roomy), (x, y),
+                           lm_loss).search.compiled.config.recompute == "none"  # fmt: skip
+    forced = autoparallelize(build("gpt", c), Mesh.auto(roomy), (x, y), lm_loss,
+                             recompute="full")  # fmt: skip
+    assert forced.search.compiled.config.recompute == "full"
+    assert "recompute full: re-runs" in str(forced.plan)
 
 
 def test_full_without_repeated_blocks_says_so():
