@@ -87,11 +87,10 @@ def block_targets(gm: fx.GraphModule) -> list[str]:
     return out
 
 
-def is_recomputed(gm: torch.nn.Module) -> bool:
-    """Whether ``gm`` already calls regions under ``checkpoint`` (its blocks are outlined)."""
-    return isinstance(gm, fx.GraphModule) and any(
-        n.op == "call_function" and n.target is checkpoint for n in gm.graph.nodes
-    )
+def blocks_outlined(gm: torch.nn.Module) -> bool:
+    """Whether ``gm`` is a "full" recompute program: its blocks already outlined, each
+    called under ``checkpoint`` (:func:`block_targets`)."""
+    return isinstance(gm, fx.GraphModule) and getattr(gm, "meta", {}).get("recompute") == "full"
 
 
 def _checkpoint_blocks(gm: fx.GraphModule, model: str) -> fx.GraphModule:
@@ -107,11 +106,13 @@ def _checkpoint_blocks(gm: fx.GraphModule, model: str) -> fx.GraphModule:
         node.replace_all_uses_with(call)
         name = node.name
         graph.erase_node(node)
-        graph._graph_namespace._used_names.discard(name)  # the block's value reads layers_0
+        used = getattr(graph._graph_namespace, "_used_names", set())
+        used.discard(name)  # the freed name: the block's read prints as layers_0
         with graph.inserting_before(call):
             region = graph.get_attr(node.target)
         call.args = (region, *call.args)
     outlined.recompile()
+    outlined.meta = {**outlined.meta, "recompute": "full"}
     return outlined
 
 
@@ -244,9 +245,10 @@ def _outline_region(gm: fx.GraphModule, region: list[fx.Node], name: str) -> Non
     sub.output(tuple(env[o] for o in outputs))
     gm.add_submodule(name, fx.GraphModule(gm, sub, class_name="AttentionCore"))
     graph = gm.graph
-    with graph.inserting_after(region[-1]):
+    first = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))
+    with graph.inserting_before(first):  # with the parameter reads (outline_blocks wants so)
         attr = graph.get_attr(name)
-    with graph.inserting_after(attr):
+    with graph.inserting_after(region[-1]):
         call = graph.call_function(checkpoint, (attr, *inputs))
     call.meta.update({k: v for k, v in region[-1].meta.items() if k != "val"})
     call.meta["val"] = tuple(o.meta.get("val") for o in outputs)

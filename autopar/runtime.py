@@ -412,11 +412,11 @@ def shard_per_block(module: torch.nn.Module, dp_mesh: Any, *, reshard_after_forw
     from torch.distributed.fsdp import fully_shard
 
     from autopar.codegen import outline_blocks
-    from autopar.recompute import block_targets, is_recomputed
+    from autopar.recompute import block_targets, blocks_outlined
 
     policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     outlined = outline_blocks(module) if isinstance(module, torch.fx.GraphModule) else None
-    if is_recomputed(module) and block_targets(module):  # recompute="full": already outlined
+    if blocks_outlined(module):  # recompute="full": already outlined, each block checkpointed
         outlined = module
     blocks = []
     if outlined is not None:

@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from autopar import Mesh, autoparallelize
-from autopar.recompute import RecomputeError, core_regions, measure_saved
+from autopar.codegen import outline_blocks
+from autopar.recompute import (
+    RecomputeError,
+    block_targets,
+    blocks_outlined,
+    core_regions,
+    measure_saved,
+)
 from autopar.testing import MLP, Config, MoEConfig, build, build_moe, lm_loss, tokens
 from autopar.verify import verify
 from cost.hardware import Cluster
@@ -86,6 +93,23 @@ def test_full_checkpoints_every_block_and_prints_where():
     module = prog.module(0)
     again = pickle.loads(pickle.dumps(module))
     assert [n for n, _ in again.named_parameters()] == [n for n, _ in module.named_parameters()]
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recomputing_programs_still_shard_per_block(mode):
+    """ZeRO-3's per-block FSDP2 groups (runtime.shard_per_block) on the pool's pickled copy:
+    "full" programs arrive outlined, "selective" ones outline with the core inside its block."""
+    c = Config(layers=2, batch=4, seq=24, attention="unfused")
+    x, y = tokens(c)
+    prog = autoparallelize(build("gpt", c), Mesh(dp=2), (x, y), lm_loss, recompute=mode)
+    module = pickle.loads(pickle.dumps(prog.module(0)))
+    if mode == "full":
+        assert blocks_outlined(module) and block_targets(module) == ["blocks.0", "blocks.1"]
+        return
+    outlined = outline_blocks(module)
+    assert [n.target for n in outlined.graph.nodes if n.op == "call_module"] == [
+        "blocks.0", "blocks.1"]
+    assert "attention_core" in dict(outlined.get_submodule("blocks.0").named_children())
 
 
 def test_selective_regions_are_the_attention_core():
