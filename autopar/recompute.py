@@ -295,12 +295,13 @@ class RecomputeEffect:
             return ("recompute selective: nothing to recompute -- attention is a fused kernel "
                     "(SDPA keeps no [s, s] scores, it recomputes them itself), so the plan's "
                     "time and memory are unchanged")  # fmt: skip
-        what = (f"re-runs the forward of each of the {self.regions} blocks in backward"
+        blocks = f"{self.regions} blocks" if self.regions > 1 else "its one block"
+        what = (f"re-runs the forward of each of {blocks} in backward"
                 if self.mode == "full" else
                 f"re-runs the unfused attention core ({self.regions} regions) in backward")  # fmt: skip
         return (f"recompute {self.mode}: {what}: +{self.extra_s * 1e3:.3f} ms per step; saved "
                 f"activations {_mib(self.saved_none)} -> {_mib(self.saved + self.working)} per "
-                "rank" + (f" (incl. {_mib(self.working)} of one re-run block)"
+                "rank and micro-batch" + (f" (incl. {_mib(self.working)} of one re-run block)"
                           if self.working else ""))  # fmt: skip
 
 
