@@ -7,16 +7,18 @@ score-shaped [.., s, s] ops between QKᵀ and ·V (cost/graph.py ``attention_cor
 re-runs it.
 
 Algorithm (:func:`apply_recompute`, on one rank's GraphModule, before it is pickled or wrapped):
-1. "full": outline the repeated blocks (:func:`autopar.codegen.outline_blocks`: each block one
-   submodule holding its parameters under their own names) and turn each block call into
+1. "full": sink ops on parameters alone (a replicated weight's ``grad_all_reduce``) to their
+   first user, outline the repeated blocks (:func:`autopar.codegen.outline_blocks`: each block
+   one submodule holding its parameters under their own names) and turn each block call into
    ``checkpoint(layers_0, ...)`` (``torch.utils.checkpoint``, non-reentrant).  A program without
    separable blocks is an error naming the model.
 2. "selective": group the attention-core nodes into connected regions; each region whose values
    are used only after its last node becomes a submodule (``layers.0.attention_core``) called as
    ``checkpoint(...)``.  A fused SDPA has no core (it never keeps the scores): nothing to do.
 3. The plan is priced (:func:`annotate`): the cost model's saved bytes and re-run forward time
-   per block (cost.graph on the rank's lowered graph) give the memory saved and the time added,
-   and the plan's ``compute_s`` / ``memory_bytes`` and notes say so.
+   per block (cost.graph on the program's traced graph, split as its mesh splits it: the
+   search's own numbers) give the memory saved and the time added; the plan's ``compute_s`` /
+   ``memory_bytes`` and notes say so.
 
 Collectives inside a checkpointed region run again during backward.  That is safe: every rank
 of a group runs the same program, and autograd runs one rank's backward in an order fixed by
@@ -41,9 +43,8 @@ import torch.utils.checkpoint
 
 from autopar.codegen import _block_container, _owning_block, outline_blocks
 from autopar.errors import PlanError
+from cost.config import RECOMPUTE as MODES
 from cost.errors import CostInputError
-
-MODES = ("none", "selective", "full")
 
 
 class RecomputeError(PlanError):
