@@ -23,6 +23,7 @@ from autopar.errors import MeshError, PlanError
 from autopar.mesh import AutoMesh, Mesh
 from autopar.plan import Plan
 from autopar.planner import PlanOptions
+from autopar.recompute import attach, check_mode
 from cost.hardware import Cluster
 
 
@@ -49,6 +50,7 @@ def autoparallelize(
     reduce_dtype: torch.dtype = torch.float32,
     cp_attention: str | None = None,
     capacity_factor: float | None = None,
+    recompute: str | None = None,
 ) -> Any:
     """Compile ``model`` for ``mesh``.
 
@@ -87,12 +89,22 @@ def autoparallelize(
 
     A mesh with a ``cp`` axis splits the sequence (autopar.context_parallel); attention runs
     as ring or all-to-all attention, chosen by cost unless ``cp_attention`` forces one.
+
+    ``recompute`` ("none", "selective", "full") trades backward time for activation memory in
+    every rank program (autopar.recompute): "full" keeps only each repeated block's inputs and
+    re-runs the block in backward (``checkpoint(layers_0, ...)`` in the code), "selective" re-runs
+    only the unfused attention core (the [.., s, s] score ops; nothing under a fused SDPA).
+    Default "none"; under ``Mesh.auto`` the search chooses unless ``recompute`` is given.
     """
+    if recompute is not None:
+        check_mode(recompute)
     if isinstance(mesh, AutoMesh):
         from autopar.search import compile_auto
 
         return compile_auto(model, mesh, example_inputs, loss_fn, example_kwargs=example_kwargs,
-                            global_batch=global_batch, verbose=verbose)  # fmt: skip
+                            global_batch=global_batch, verbose=verbose,
+                            recompute=recompute)  # fmt: skip
+    recompute = recompute or "none"
     device_mesh = None if isinstance(mesh, Mesh) else mesh
     virtual = mesh if isinstance(mesh, Mesh) else Mesh.from_device_mesh(mesh, cluster)
     if "dp" in virtual.sizes:
@@ -103,14 +115,14 @@ def autoparallelize(
                               memory_weight=memory_weight, strict=strict, verbose=verbose,
                               schedule=schedule, virtual_stages=virtual_stages,
                               split_points=split_points, cp_attention=cp_attention,
-                              capacity_factor=capacity_factor)  # fmt: skip
+                              capacity_factor=capacity_factor, recompute=recompute)  # fmt: skip
     if "ep" in virtual.sizes:
         return _expert_parallel(model, virtual, device_mesh, example_inputs, loss_fn,
                                 example_kwargs, strict=strict, verbose=verbose,
                                 capacity_factor=capacity_factor, memory_limit=memory_limit,
                                 memory_weight=memory_weight, n_microbatches=n_microbatches,
                                 schedule=schedule, virtual_stages=virtual_stages,
-                                split_points=split_points)  # fmt: skip
+                                split_points=split_points, recompute=recompute)  # fmt: skip
     if zero is not None:
         raise PlanError(f"zero={zero} shards over the data axis, but {virtual} has no dp axis; "
                         "use e.g. Mesh(dp=2, tp=2)")  # fmt: skip
@@ -131,6 +143,7 @@ def autoparallelize(
         prog = compile_program(
             model, virtual, example_inputs, loss_fn, example_kwargs, options, verbose
         )
+    attach(prog, recompute)
     if device_mesh is None:
         return prog
     from autopar.runtime import PipelineRunner, bind_mesh
@@ -172,16 +185,21 @@ def _data_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any, example_input
 def _expert_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any,
                      example_inputs: Sequence[Any], loss_fn: Callable | None,
                      example_kwargs: dict | None, *, strict: bool,
-                     capacity_factor: float | None, **inner_options: Any) -> Any:  # fmt: skip
-    """The ep branch: compile the sub-mesh program on B/ep, place the experts across ep."""
+                     capacity_factor: float | None, recompute: str,
+                     **inner_options: Any) -> Any:  # fmt: skip
+    """The ep branch: compile the sub-mesh program on B/ep, place the experts across ep; the
+    recompute mode is priced on the sub-mesh plan and applied after the experts are placed."""
     from autopar.expert_parallel import compile_expert_parallel
 
     def inner(sub: Mesh, args: tuple, kwargs: dict) -> Any:  # strict: no rule needed at size 1
-        return autoparallelize(model, sub, args, loss_fn, example_kwargs=kwargs or None,
-                               strict=strict and sub.world_size > 1, **inner_options)  # fmt: skip
+        sub_prog = autoparallelize(model, sub, args, loss_fn, example_kwargs=kwargs or None,
+                                   strict=strict and sub.world_size > 1,
+                                   **inner_options)  # fmt: skip
+        return attach(sub_prog, recompute, apply=False)
 
     prog = compile_expert_parallel(mesh, example_inputs, example_kwargs, inner, strict=strict,
                                    capacity_factor=capacity_factor)  # fmt: skip
+    prog.recompute = recompute
     if device_mesh is None:
         return prog
     from autopar.runtime import PipelineRunner, bind_mesh

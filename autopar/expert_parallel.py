@@ -58,6 +58,7 @@ from autopar.data_parallel import _graph, _model_name, loss_reduction, split_bat
 from autopar.errors import InputError, ShardingRuleError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, _fmt_bytes
+from autopar.recompute import apply_recompute
 from cost.comm import collective_time
 
 _ROWWISE = {"silu", "gelu", "relu", "sigmoid", "tanh", "mul", "add", "sub", "div", "neg",
@@ -527,7 +528,8 @@ class ExpertParallelProgram:
                                    reduction=self.plan.reduction, capacity=self.capacity,
                                    bucket_bytes=self.bucket_bytes, micro=self._micro())  # fmt: skip
             module.meta = {"rank": rank, "coords": self.mesh.coordinates(rank)}
-            self._modules[(rank, stage)] = module
+            self._modules[(rank, stage)] = apply_recompute(
+                module, getattr(self, "recompute", "none"), _model_name(self.inner))
         return self._modules[(rank, stage)]
 
     def _micro(self) -> int:

@@ -33,11 +33,17 @@ class Program:
         self.traced = traced
         self.history = history
         self._modules: dict[int, fx.GraphModule] = {}
+        self.recompute = "none"  # activation recomputation (autopar.recompute.attach)
 
     def module(self, rank: int) -> fx.GraphModule:
         """The GraphModule of ``rank``, holding only that rank's parameter shards."""
         if rank not in self._modules:
-            self._modules[rank] = build_module(self.graph_module, self.traced, self.mesh, rank)
+            module = build_module(self.graph_module, self.traced, self.mesh, rank)
+            if self.recompute != "none":
+                from autopar.recompute import apply_recompute
+
+                module = apply_recompute(module, self.recompute, self.traced.model_name)
+            self._modules[rank] = module
         return self._modules[rank]
 
     def code(self, rank: int = 0) -> str:

@@ -411,17 +411,19 @@ def shard_per_block(module: torch.nn.Module, dp_mesh: Any, *, reshard_after_forw
     from torch.distributed.fsdp import fully_shard
 
     from autopar.codegen import outline_blocks
+    from autopar.recompute import block_targets, blocks_outlined
 
     policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     outlined = outline_blocks(module) if isinstance(module, torch.fx.GraphModule) else None
+    if blocks_outlined(module):  # recompute="full": already outlined, each block checkpointed
+        outlined = module
     blocks = []
     if outlined is not None:
         module = outlined
-        for node in module.graph.nodes:
-            if node.op == "call_module":
-                blocks.append(fully_shard(module.get_submodule(node.target), mesh=dp_mesh,
-                                          reshard_after_forward=reshard_after_forward,
-                                          **policy))  # fmt: skip
+        for target in block_targets(module):
+            blocks.append(fully_shard(module.get_submodule(target), mesh=dp_mesh,
+                                      reshard_after_forward=reshard_after_forward,
+                                      **policy))  # fmt: skip
     root = fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
                        **policy)  # fmt: skip
     for i, block in enumerate(blocks):  # issue the next block's gather before this one runs

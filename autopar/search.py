@@ -214,17 +214,18 @@ class AutoChoice:
             lines.append(f"  the best needs {' and '.join(self.missing)}, which autopar does not "
                          f"compile yet; compiled the best among {', '.join(SUPPORTED_AXES)}: "
                          f"{self.compiled.describe()} ({ratio:.3f}× the best's step time)")  # fmt: skip
-        lines.append(f"  compiled on {self.mesh}")
+        lines.append(f"  compiled on {self.mesh} with recompute={self.compiled.config.recompute}")
         return "\n".join(lines + ["", str(self.plan)])
 
 
 def compile_auto(model: Any, mesh: AutoMesh, example_inputs: Sequence[Any],
                  loss_fn: Callable[..., Any] | None, *, example_kwargs: dict | None = None,
-                 global_batch: int | None = None, verbose: bool = False) -> Any:  # fmt: skip
+                 global_batch: int | None = None, verbose: bool = False,
+                 recompute: str | None = None) -> Any:  # fmt: skip
     """`autoparallelize(model, Mesh.auto(cluster), ...)`: trace, price the graph
     (`cost.graph`), search, keep the best configuration autopar compiles, compile it with its
-    nesting, micro-batch count, schedule and ZeRO stage; the program's `search` holds the
-    choice."""
+    nesting, micro-batch count, schedule, ZeRO stage and recompute mode (searched unless
+    `recompute` fixes it); the program's `search` holds the choice."""
     from autopar.api import autoparallelize
     from autopar.trace import trace
     from cost.graph import GraphModel
@@ -233,14 +234,15 @@ def compile_auto(model: Any, mesh: AutoMesh, example_inputs: Sequence[Any],
     priced = GraphModel.from_traced(traced.gm, name=type(model).__name__)
     examples = _example_batch(example_inputs)
     batch = global_batch or mesh.global_batch or examples
-    plan = plan_shape(priced, mesh.cluster, batch, zero=mesh.zero)
+    space = SearchSpace(zero=mesh.zero, recompute=(recompute,)) if recompute else None
+    plan = plan_shape(priced, mesh.cluster, batch, zero=mesh.zero, space=space)
     best, fallback = auto_degrees(plan, SUPPORTED_AXES)
     chosen = fallback or best
     c = chosen.config
     sizes = {"pp": c.pp, "dp": c.dp, "tp": c.tp}
     axes = tuple((a, sizes[a]) for a in chosen.order if sizes[a] > 1) or (("tp", 1),)
     concrete = Mesh.ordered(axes, mesh.cluster)
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"recompute": c.recompute or "none"}
     if c.dp > 1:
         options["zero"] = c.zero
     if c.pp > 1:

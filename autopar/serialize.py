@@ -13,8 +13,8 @@ Algorithm:
    ``torch.library.custom_op`` function, else the Python file named by the dispatcher's
    registration record, else the namespace itself when it is an importable package; plus
    torch's loaded C++ operator libraries.
-3. Record parameters (with ``requires_grad``), buffers and nested graph submodules by dotted
-   name; the call signature by its pytree in/out specs.
+3. Record parameters (with ``requires_grad``), buffers and nested graph submodules (at any
+   depth, each holding its own parameters) by dotted name; the call signature by its pytree in/out specs.
 4. Loading (in another process, too) first imports the recorded modules and libraries, then
    rebuilds the graph in order, re-resolves targets, and re-creates the module.
 """
@@ -57,11 +57,13 @@ def dump_module(gm: fx.GraphModule) -> dict[str, Any]:
             lambda a: _Ref(a.name) if isinstance(a, fx.Node) else a, (n.args, n.kwargs)
         )
         nodes.append((n.op, n.name, _target_ref(n.op, n.target), args, kwargs))
+    subs = {k: dump_module(m) for k, m in _graph_submodules(gm)}
+    inside = tuple(f"{k}." for k in subs)
     params = {
         k: (v.detach(), v.requires_grad) for k, v in gm.named_parameters(remove_duplicate=False)
+        if not k.startswith(inside)
     }
-    buffers = {k: v for k, v in gm.named_buffers()}
-    subs = {k: dump_module(m) for k, m in gm.named_children() if isinstance(m, fx.GraphModule)}
+    buffers = {k: v for k, v in gm.named_buffers() if not k.startswith(inside)}
     codegen = gm.graph._codegen
     specs = None
     if isinstance(codegen, _PyTreeCodeGen):
@@ -124,14 +126,14 @@ def load_module(state: dict[str, Any]) -> RankModule:
     """Step 3: rebuild the module described by :func:`dump_module`."""
     _load_providers(state["providers"])
     root = nn.Module()
+    for name, sub in state["subs"].items():  # nested (outlined blocks) first: they own params
+        owner_module(root, name).add_module(name.rsplit(".", 1)[-1], load_module(sub))
     for fqn, (t, grad) in state["params"].items():
         owner_module(root, fqn).register_parameter(
             fqn.rsplit(".", 1)[-1], nn.Parameter(t, requires_grad=grad)
         )
     for fqn, t in state["buffers"].items():
         owner_module(root, fqn).register_buffer(fqn.rsplit(".", 1)[-1], t)
-    for name, sub in state["subs"].items():
-        root.add_module(name, load_module(sub))
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     for op, name, target, args, kwargs in state["nodes"]:
@@ -146,6 +148,18 @@ def load_module(state: dict[str, Any]) -> RankModule:
     module = RankModule(root, graph, class_name=state["name"])
     module.meta = state["meta"]
     return module
+
+
+def _graph_submodules(gm: fx.GraphModule) -> list[tuple[str, fx.GraphModule]]:
+    """The outermost graph submodules of ``gm`` at any depth (``layers.0`` of an outlined
+    program, a higher-order op's body), each with its dotted name."""
+    found: list[tuple[str, fx.GraphModule]] = []
+    for name, m in gm.named_modules():
+        if name and isinstance(m, fx.GraphModule) and not any(
+            name.startswith(f"{k}.") for k, _ in found
+        ):
+            found.append((name, m))
+    return found
 
 
 def owner_module(root: nn.Module, fqn: str) -> nn.Module:

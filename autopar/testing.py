@@ -23,6 +23,20 @@ class Config:
     bias: bool = True
     tied: bool = False
     fused_qkv: bool = False
+    attention: str = "sdpa"  # or "unfused": softmax(q·kᵀ/√d + causal mask)·v, scores kept
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: Config) -> torch.Tensor:
+    """Causal attention over [b, heads, s, d]: fused SDPA, or the unfused [s, s] score ops."""
+    if c.attention == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              enable_gqa=k.shape[1] != q.shape[1])  # fmt: skip
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    s = q.shape[-2]
+    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
 
 
 class GPTBlock(nn.Module):
@@ -52,7 +66,7 @@ class GPTBlock(nn.Module):
         else:
             q, k, v = self.q(y), self.k(y), self.v(y)
         q, k, v = (t.view(b, s, a, h // a).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = attend(q, k, v, self.c)
         x = x + self.proj(y.transpose(1, 2).reshape(b, s, h))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
@@ -118,9 +132,7 @@ class LlamaBlock(nn.Module):
         k = self.wk(y).view(b, s, c.kv_heads, d).transpose(1, 2)
         v = self.wv(y).view(b, s, c.kv_heads, d).transpose(1, 2)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=c.kv_heads != c.heads
-        )
+        y = attend(q, k, v, c)
         x = x + self.wo(y.transpose(1, 2).reshape(b, s, c.heads * d))
         y = self.mlp_norm(x)
         return x + self.w2(F.silu(self.w1(y)) * self.w3(y))

@@ -126,6 +126,7 @@ def _collect(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str) ->
             _split_bias(gm.graph, node)
         elif node.target is torch.ops.aten.addmm.default and _plain_addmm(node):
             _split_addmm(gm.graph, node)
+    for node in gm.graph.nodes:  # after the splits: their new nodes copied unstripped paths
         if prefix and "nn_module_stack" in node.meta:
             node.meta["nn_module_stack"] = {
                 k: (path.removeprefix(prefix), cls)

@@ -210,8 +210,8 @@ class _Walk:
             src = n.args[0] if n.args else None
             is_view = _name(n) in _VIEWS and isinstance(src, torch.fx.Node)
             self.base[n] = self.base.get(src, src) if is_view else n
-        self.row = {m for n in self.nodes if _name(n) == "add" for a in n.args
-                    if (m := self._producer(a, n)) is not None}  # fmt: skip
+        self.row = {m for n in self.nodes if _name(n) == "add" and not self._bias_add(n)
+                    for a in n.args if (m := self._producer(a, n)) is not None}  # fmt: skip
         self.inside: set[torch.fx.Node] = set()
         for n in self.nodes:
             column = self.param_matmul(n) and n not in self.row
@@ -223,11 +223,18 @@ class _Walk:
         operands = node.all_input_nodes
         return _name(node) in MATMUL_OPS and any(self.base.get(a) in self.params for a in operands)
 
+    def _bias_add(self, node: torch.fx.Node) -> bool:
+        """`add(linear(x, w), b)`: the bias of a linear autopar's tracing split off."""
+        return _name(node) == "add" and any(
+            isinstance(a, torch.fx.Node) and self.base.get(a) in self.params for a in node.args[1:2]
+        )
+
     def _producer(self, arg, add: torch.fx.Node) -> torch.fx.Node | None:
         """The parameter matmul feeding residual `add` through dropout/scale/view ops, if any:
         its output must hold the add's elements with the same last dim (a rotary
         `q·cos + ...` add works on head-dim rows, and is no row-parallel output)."""
-        while isinstance(arg, torch.fx.Node) and _name(arg) in _PASS_THROUGH:
+        while isinstance(arg, torch.fx.Node) and (_name(arg) in _PASS_THROUGH
+                                                  or self._bias_add(arg)):  # fmt: skip
             arg = arg.args[0]
         if not isinstance(arg, torch.fx.Node) or not self.param_matmul(arg):
             return None
@@ -350,3 +357,10 @@ def _analyse(graph: torch.fx.Graph, params: set[str], inputs: set[str], name: st
               "tp_bytes": sum(_out_bytes(n) for n in rows) / max(len(rows), 1),
               "kv_bytes": sum(_out_bytes(a) for n in sdpa for a in n.args[1:3])},
     )  # fmt: skip
+
+
+def attention_core(graph: torch.fx.Graph, params: set[str], seq: int) -> set[torch.fx.Node]:
+    """The unfused attention-core nodes of `graph` (`_is_core`: what selective recompute
+    repeats); `params` names the parameter nodes, `seq` the sequence length."""
+    walk = _Walk(graph, params, set())
+    return {n for n in walk.nodes if n.op == "call_function" and _is_core(n, seq, walk)}
