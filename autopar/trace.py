@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 from autopar.canonical import canonicalize
 from autopar.errors import InputError, TraceError
 from autopar.meta import source
+from autopar.moe_loop import LoopProblem, stack_expert_loops
 
 _ASSERT_OPS = (torch.ops.aten._assert_tensor_metadata.default,)
 
@@ -94,7 +95,8 @@ def trace(
         raise _explain_failure(model, root, args, kwargs, exc) from None
     prefix = "model." if loss_fn is not None else ""
     traced = _collect(ep, model, prefix)
-    _require_static_shapes(traced.gm, type(model).__name__)
+    loops = stack_expert_loops(traced.gm)  # per-expert ModuleList loops -> stacked experts
+    _require_static_shapes(traced.gm, type(model).__name__, loops)
     return traced
 
 
@@ -160,9 +162,10 @@ def _collect(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str) ->
     )
 
 
-def _require_static_shapes(gm: fx.GraphModule, model_name: str) -> None:
+def _require_static_shapes(gm: fx.GraphModule, model_name: str,
+                           loops: Sequence[LoopProblem] = ()) -> None:  # fmt: skip
     """Raise if a tensor's shape holds a symbol rather than a number (step 6), naming the op
-    that read the symbol from tensor values."""
+    that read the symbol from tensor values (and why a per-expert loop was not stacked)."""
     nodes = list(gm.graph.nodes)
     shaped = next((n for n in nodes if _symbolic_dims(n)), None)
     if shaped is None:
@@ -179,6 +182,7 @@ def _require_static_shapes(gm: fx.GraphModule, model_name: str) -> None:
         "  autopar plans fixed shapes: every size must follow from the example inputs' shapes.\n"
         "  what to do: compute that size from shapes alone (for a mixture of experts, a fixed "
         "expert capacity instead of per-expert token counts)."
+        + "".join(f"\n  a per-expert loop autopar could not stack: {p}" for p in loops)
     )
 
 
