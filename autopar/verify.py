@@ -593,8 +593,9 @@ def _ep_replica(prog: Any, results: list, e: int) -> list[tuple[list, dict]]:
         outs, grads = parts[e]
         outs = [torch.cat([p[0][i] for p in parts]) if isinstance(x, torch.Tensor) and x.dim()
                 else x for i, x in enumerate(outs)]  # fmt: skip
-        grads = {n: torch.cat([p[1][n] for p in parts]) if n in experts else g
-                 for n, g in grads.items()}  # fmt: skip
+        names = dict.fromkeys(n for p in parts for n in p[1])  # a per-expert one: one rank
+        grads = {n: torch.cat([p[1][n] for p in parts if n in p[1]]) if n in experts
+                 else grads[n] for n in names}  # fmt: skip
         out.append((outs, grads))
     return out
 
