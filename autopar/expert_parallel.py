@@ -579,7 +579,8 @@ def compile_expert_parallel(mesh: Mesh, example_inputs: Sequence[Any],
     found_layers = [find_moe_layers(m) for m in samples]
     layers = [layer for ls, _ in found_layers for layer in ls]
     model = _model_name(inner)
-    notes = _unrecognised([b for _, bad in found_layers for b in bad], strict, model)
+    notes = _unrecognised([b for _, bad in found_layers for b in bad]
+                          + _unrecognised_loops(samples, layers), strict, model)  # fmt: skip
     for layer in layers:
         if layer.experts % ep:
             raise InputError(f"{model}: the MoE layer at '{layer.where}' has "
@@ -620,6 +621,20 @@ def _param_bytes(modules: list[fx.GraphModule], layers: list[MoELayer], ep: int)
             else:
                 dense += nbytes
     return dense, expert
+
+
+def _unrecognised_loops(modules: list[fx.GraphModule],
+                        layers: list[MoELayer]) -> list[Unrecognised]:  # fmt: skip
+    """Per-expert loops (``autopar.moe_loop.find_expert_loops``) whose parameters no
+    recognised MoE layer holds: their experts stay replicated."""
+    from autopar.moe_loop import find_expert_loops
+
+    held = {w for layer in layers for w in layer.weights}
+    return [_why(loop.node, f"{loop.count} identical modules '{loop.prefix}.*' run side by side "
+                            "(a per-expert loop) but not as routed experts autopar recognises "
+                            "(torch.where(one_hot mask[e]) rows, index_add_ combine)")
+            for m in modules for loop in find_expert_loops(m)
+            if not set(loop.params) <= held]  # fmt: skip
 
 
 def _unrecognised(bad: list[Unrecognised], strict: bool, model: str) -> list[str]:

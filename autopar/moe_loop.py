@@ -427,3 +427,66 @@ def _infer(gm: fx.GraphModule, nodes: list[fx.Node]) -> None:
             args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"],
                                                 (node.args, node.kwargs))  # fmt: skip
             node.meta["val"] = node.target(*args, **kwargs)
+
+
+# ---------------------------------------------------------------- loops left unrecognised
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertLoop:
+    """Sibling modules ``prefix.0`` .. ``prefix.N-1`` with parameters of identical shapes that
+    compute side by side (none reads another's result): a per-expert loop."""
+
+    prefix: str
+    count: int
+    params: tuple[str, ...]  # every sibling's parameters
+    node: fx.Node  # the first node computed by sibling 0
+
+
+def find_expert_loops(gm: fx.GraphModule) -> list[ExpertLoop]:
+    """Per-expert loops of a rank's graph (get_attr parameters), by module structure:
+    1. group parameters ``<prefix>.<i>.<rest>`` by prefix; keep the groups of >= 2 siblings
+       whose ``rest -> shape`` maps are equal;
+    2. keep a group when sibling 1 computes nothing from sibling 0's results (experts run
+       side by side; stacked layers run one after the other)."""
+    siblings: dict[str, dict[int, dict[str, tuple[int, ...]]]] = {}
+    names: dict[str, list[str]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        parts = node.target.split(".")
+        for k in range(1, len(parts) - 1):
+            if parts[k].isdigit():
+                prefix, rest = ".".join(parts[:k]), ".".join(parts[k + 1:])
+                siblings.setdefault(prefix, {}).setdefault(int(parts[k]), {})[rest] = \
+                    tuple(node.meta["val"].shape)  # fmt: skip
+                names.setdefault(prefix, []).append(node.target)
+    found = []
+    for prefix, by_index in siblings.items():
+        shapes = list(by_index.values())
+        if len(by_index) < 2 or any(s != shapes[0] for s in shapes):
+            continue
+        computed = [_computed_by(gm, f"{prefix}.{i}") for i in sorted(by_index)[:2]]
+        if computed[0] and computed[1] and not _reaches(computed[0], computed[1]):
+            found.append(ExpertLoop(prefix=prefix, count=len(by_index),
+                                    params=tuple(names[prefix]), node=computed[0][0]))  # fmt: skip
+    return found
+
+
+def _computed_by(gm: fx.GraphModule, path: str) -> list[fx.Node]:
+    from autopar.meta import module_path
+
+    return [n for n in gm.graph.nodes if n.op == "call_function"
+            and (module_path(n) == path or module_path(n).startswith(path + "."))]  # fmt: skip
+
+
+def _reaches(sources: list[fx.Node], targets: list[fx.Node]) -> bool:
+    seen, todo, goal = set(), list(sources), set(targets)
+    while todo:
+        n = todo.pop()
+        if n in goal:
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.users)
+    return False
