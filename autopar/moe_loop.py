@@ -18,9 +18,12 @@ per-expert linear one grouped matmul over the experts' weights stacked in the gr
 result is the stacked form ``autopar.expert_parallel`` places across ep ranks.
 
 Algorithm (:func:`stack_expert_loops`, on the traced graph, in place):
-1. Find each chain of ``index_add`` on dim 0 (the loop's accumulation), one link per expert.
-2. Per link: the index and value are read from ``where(select(permute(one_hot(ids, E)), 0, e))``
-   with one mask for the chain, each e in 0..E-1 once, the class dim moved to the front.
+1. Find each chain of ``index_add`` on dim 0 (the loop's accumulation), one link per expert
+   (``y[i] += v`` is one too, when i repeats no row: :func:`_puts_to_index_adds`).
+2. Per link: the index and value are read from ``where(mask_e)``, one routing for the chain,
+   each e in 0..E-1 once, where every position of the routing belongs to exactly one expert:
+   ``select(permute(one_hot(ids, E)), 0, e)`` (class dim moved to the front) or ``ids == e``
+   with ids a top-k's indices over E scores.
 3. Each link's body is what only that link computes (its private ancestors); its placeholders
    are that expert's parameters.  The bodies must be structurally identical (op for op, the
    same shared inputs, parameters of equal shapes, no size read from the routing), and the
@@ -80,6 +83,7 @@ class _Reject(Exception):
 def stack_expert_loops(gm: fx.GraphModule) -> list[LoopProblem]:
     """Steps 1-4 on every index_add chain of ``gm``; the chains left as they were."""
     problems = []
+    _puts_to_index_adds(gm.graph)
     for chain in _chains(gm.graph):
         try:
             loop = _match(chain)
@@ -119,6 +123,45 @@ def _chains(graph: fx.Graph) -> list[list[fx.Node]]:
     return chains
 
 
+def _puts_to_index_adds(graph: fx.Graph) -> None:
+    """Step 1: ``y[i] += v`` (``index_put_(y, [i], index(y, [i]) + v)``) is
+    ``index_add_(y, 0, i, v)`` when i repeats no row: i is the token coordinate of a routing
+    mask over top-k ids [tokens, k] (a top-k picks an expert at most once per token)."""
+    for node in list(graph.nodes):
+        if node.target is not aten.index_put_.default or len(node.args[1]) != 1 \
+                or (node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate")):
+            continue
+        acc, (i,), total = node.args[:3]
+        if _name(total) not in ("add", "add_") or "alpha" in total.kwargs \
+                or not _unique_rows(i):  # fmt: skip
+            continue
+        read, v = total.args
+        if not (_name(read) == "index" and read.args[0] is acc and list(read.args[1]) == [i]
+                and len(read.users) == 1 and len(total.users) == 1):  # fmt: skip
+            continue
+        with graph.inserting_before(node):
+            add = graph.call_function(aten.index_add_.default, (acc, 0, i, v))
+        add.meta.update(node.meta)
+        node.replace_all_uses_with(add)
+        for dead in (node, total, read):
+            graph.erase_node(dead)
+
+
+def _unique_rows(i: fx.Node) -> bool:
+    where = i.args[0] if i.target is operator.getitem else None
+    if where is None or _name(where) != "where" or len(where.args) != 1:
+        return False
+    try:
+        (ids, order), _, _ = _routing(where)
+    except _Reject:
+        return False
+    top = ids.args[0] if ids.target is operator.getitem and ids.args[1] == 1 else None
+    if _name(top) != "topk" or ids.meta["val"].dim() != 2:
+        return False
+    dim = top.args[2] if len(top.args) > 2 else top.kwargs.get("dim", -1)
+    return order[i.args[1]] != dim % 2  # the coordinate of the tokens, not of the k picks
+
+
 def _wheres(link: fx.Node) -> fx.Node | None:
     idx = link.args[2]
     if idx.target is operator.getitem and _name(idx.args[0]) == "where" \
@@ -146,20 +189,10 @@ def _match(chain: list[fx.Node]) -> _Loop:
         where = _wheres(link)
         if where is None:
             raise _Reject(link, "its index is not a coordinate of torch.where(mask)")
-        mask = where.args[0]
-        if _name(mask) != "select" or mask.args[1] != 0:
-            raise _Reject(where, "the mask is not mask[e] of one routing mask")
-        perm, e = mask.args[0], mask.args[2]
-        if _name(perm) != "permute" or _name(perm.args[0]) != "one_hot":
-            raise _Reject(where, "the routing mask is not a permuted one_hot of expert ids")
-        hot = perm.args[0]
-        dims = [d % (hot.meta["val"].dim()) for d in perm.args[1]]
-        if dims[0] != hot.meta["val"].dim() - 1:
-            raise _Reject(perm, "the one_hot's class dim is not moved to the front")
-        n = hot.meta["val"].shape[-1]
-        if ids is not None and (hot.args[0] is not ids or n != experts):
+        routing, n, e = _routing(where)
+        if ids is not None and (routing[0] is not ids or n != experts):
             raise _Reject(where, "the loop's masks come from different routings")
-        ids, order, experts = hot.args[0], tuple(dims[1:]), n
+        (ids, order), experts = routing, n
         if e in by_expert:
             raise _Reject(where, f"expert {e} is accumulated twice")
         by_expert[e] = (link, where)
@@ -172,6 +205,32 @@ def _match(chain: list[fx.Node]) -> _Loop:
     _check_rowwise(bodies[0], wheres[0], links[0], members)
     return _Loop(chain=chain, ids=ids, order=order, experts=experts, wheres=wheres,
                  bodies=bodies, members=members, links=links)  # fmt: skip
+
+
+def _routing(where: fx.Node) -> tuple[tuple[fx.Node, tuple[int, ...]], int, int]:
+    """Step 2: ((expert ids, the permutation of their dims the mask applies), experts, e)
+    for a mask in which every position belongs to exactly one of E experts:
+    ``select(permute(one_hot(ids, E), (class dim, ...)), 0, e)`` or ``ids == e`` with ids the
+    indices of a top-k over E scores."""
+    mask = where.args[0]
+    if _name(mask) == "eq" and isinstance(mask.args[1], int):
+        ids = mask.args[0]
+        top = ids.args[0] if ids.target is operator.getitem and ids.args[1] == 1 else None
+        if _name(top) != "topk":
+            raise _Reject(where, "the mask compares ids that are not a top-k's indices")
+        scores = top.args[0].meta["val"]
+        dim = top.args[2] if len(top.args) > 2 else top.kwargs.get("dim", -1)
+        return (ids, tuple(range(ids.meta["val"].dim()))), scores.shape[dim], mask.args[1]
+    if _name(mask) != "select" or mask.args[1] != 0:
+        raise _Reject(where, "the mask is not mask[e] of one routing mask, nor ids == e")
+    perm, e = mask.args[0], mask.args[2]
+    if _name(perm) != "permute" or _name(perm.args[0]) != "one_hot":
+        raise _Reject(where, "the routing mask is not a permuted one_hot of expert ids")
+    hot = perm.args[0]
+    dims = [d % (hot.meta["val"].dim()) for d in perm.args[1]]
+    if dims[0] != hot.meta["val"].dim() - 1:
+        raise _Reject(perm, "the one_hot's class dim is not moved to the front")
+    return (hot.args[0], tuple(dims[1:])), hot.meta["val"].shape[-1], e
 
 
 def _ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:
@@ -368,12 +427,12 @@ def _rewrite(gm: fx.GraphModule, loop: _Loop) -> None:
                                               link.args[3]), last)  # fmt: skip
     last.replace_all_uses_with(total)
     masks = [w.args[0] for w in loop.wheres]
-    routing = masks[0].args[0]  # permute(one_hot(ids))
+    routing = masks[0].args[0]  # permute(one_hot(ids)), or the ids
     _erase(graph, [*loop.chain, *linears, *masks, *(n for b in loop.bodies[1:] for n in b)],
            loop.wheres)  # fmt: skip
-    for node in (routing, routing.args[0]):
-        if not node.users:
-            graph.erase_node(node)
+    while _name(routing) in ("permute", "one_hot") and not routing.users:
+        routing, dead = routing.args[0], routing
+        graph.erase_node(dead)
     keep = set(new) | in_body
     _infer(gm, [n for n in graph.nodes if n in keep])
 

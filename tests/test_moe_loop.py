@@ -38,6 +38,8 @@ class LoopConfig:
     seq: int = 8
     batch: int = 4
     dense: bool = False  # every expert on every token, weighted by its (masked) routing weight
+    compare: bool = False  # torch.where(chosen == e) instead of a permuted one-hot mask
+    put: bool = False  # out[token] += rows (DeepSeek's reference loop) instead of index_add_
 
 
 class Expert(nn.Module):
@@ -72,6 +74,15 @@ class LoopMoE(nn.Module):
             for e in range(c.experts):
                 share = (weights * (chosen == e)).sum(-1, keepdim=True)
                 out = out + self.experts[e](flat) * share
+            return x + out.reshape(x.shape)
+        if c.compare:
+            for e in range(c.experts):
+                token, slot = torch.where(chosen == e)
+                rows = self.experts[e](flat[token]) * weights[token, slot, None]
+                if c.put:
+                    out[token] += rows
+                else:
+                    out.index_add_(0, token, rows)
             return x + out.reshape(x.shape)
         mask = F.one_hot(chosen, num_classes=c.experts).permute(2, 1, 0)
         for e in range(c.experts):
@@ -131,6 +142,42 @@ def test_loop_traces_to_grouped_matmuls_over_stacked_parameters():
     assert torch.allclose(traced.gm(*args)[0], lm_loss(model(ids), targets), rtol=1e-6)
 
 
+@pytest.mark.parametrize("put", [False, True])
+def test_a_compare_mask_loop_is_stacked_too(put):
+    """torch.where(ids == e), combined by index_add_ or by out[token] += rows."""
+    c = LoopConfig(compare=True, put=put, layers=1)
+    model = _model(c)
+    ids, targets = _inputs(c)
+    traced = trace(model, (ids, targets), loss_fn=lm_loss)
+    ops = [str(n.target) for n in traced.gm.graph.nodes if n.op == "call_function"]
+    assert sum("grouped_mm" in o for o in ops) == 3 and "aten.where.default" not in ops
+    assert "aten.index_put_.default" not in ops
+    values = {ph: traced.tensors[fqn] for ph, fqn in {**traced.params, **traced.buffers}.items()}
+    inputs = iter((ids, targets))
+    args = [values[n.name] if n.name in values else next(inputs)
+            for n in traced.gm.graph.nodes if n.op == "placeholder"]  # fmt: skip
+    assert torch.allclose(traced.gm(*args)[0], lm_loss(model(ids), targets), rtol=1e-6)
+
+
+def test_a_put_that_may_repeat_rows_is_not_an_index_add():
+    """out[i] += v with i not provably unique (a where over a mask that is not a top-k's)
+    stays an index_put: the loop is not stacked and the trace refuses it."""
+    c = LoopConfig(layers=1)
+    model = _model(c)
+
+    def forward(x: torch.Tensor, block=model.blocks[0]) -> torch.Tensor:
+        flat = x.reshape(-1, c.hidden)
+        out = torch.zeros_like(flat)
+        for e in range(c.experts):
+            token, _ = torch.where(block.gate(flat) > 0.1 * e)
+            out[token] += block.experts[e](flat[token])
+        return x + out.reshape(x.shape)
+
+    model.blocks[0].forward = forward
+    with pytest.raises(TraceError, match="data-dependent shape"):
+        trace(model, _inputs(c), loss_fn=lm_loss)
+
+
 def test_a_loop_body_that_is_not_row_wise_is_refused_with_the_reason():
     """An expert that normalises over its rows (dim 0) cannot be stacked; the trace refuses
     the data-dependent shape and says why the loop was not stacked."""
@@ -152,11 +199,13 @@ def test_a_loop_body_that_is_not_row_wise_is_refused_with_the_reason():
 # ---------------------------------------------------------------- 2. expert parallelism
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(experts=st.sampled_from([4, 8]), top_k=st.integers(1, 2), ep=st.sampled_from([2, 4]),
-       hidden=st.sampled_from([16, 24]), seed=st.integers(0, 3))  # fmt: skip
-def test_loop_moe_matches_single_device(experts, top_k, ep, hidden, seed):
-    c = LoopConfig(experts=experts, top_k=top_k, hidden=hidden)
+       hidden=st.sampled_from([16, 24]), mask=st.sampled_from(["one_hot", "eq", "eq+put"]),
+       seed=st.integers(0, 3))  # fmt: skip
+def test_loop_moe_matches_single_device(experts, top_k, ep, hidden, mask, seed):
+    c = LoopConfig(experts=experts, top_k=top_k, hidden=hidden, compare=mask != "one_hot",
+                   put=mask == "eq+put")  # fmt: skip
     model = _model(c, seed)
     report = verify(model, Mesh(ep=ep), _inputs(c, seed + 1), lm_loss, rtol=1e-5)
     assert report.ok, report
