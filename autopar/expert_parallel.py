@@ -165,6 +165,11 @@ def _layer(gm: fx.GraphModule, offs: fx.Node, mms: list[fx.Node]) -> MoELayer | 
             return _why(mms[0], f"parameter {w} has {gm.get_parameter(w).shape[0]} rows on dim 0 "
                                 f"but the offsets count {experts} experts")  # fmt: skip
     region = _region(entry, exit_)
+    cut = [m for m in mms if m not in region]
+    if cut:
+        return _why(cut[0], f"its rows do not reach the experts' last grouped matmul "
+                            f"'{exit_.name}' (the layer is cut, e.g. by a pipeline stage "
+                            "boundary)")  # fmt: skip
     order = [n for n in gm.graph.nodes if n in region]
     biases = _expert_biases(gm, region, offs, experts)
     weights += [gm.graph.find_nodes(op="get_attr", target=b.args[0].target)[0].target

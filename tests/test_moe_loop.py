@@ -293,3 +293,14 @@ def test_stacked_decoder_layers_are_not_an_expert_loop():
     prog = autoparallelize(_model(c), Mesh(ep=2), _inputs(c), lm_loss)
     found = find_expert_loops(prog.inner.module(0))
     assert not [x for x in found if x.prefix == "blocks"]
+
+
+@pytest.mark.parametrize("mesh", [Mesh(dp=2, ep=2), Mesh(pp=2, ep=2)], ids=str)
+def test_loop_moe_composes_with_dp_and_pp(mesh):
+    """A pipeline cut inside an MoE layer leaves that stage's part of the layer replicated
+    (warned); the other parts stay expert-parallel; loss and gradients match one device."""
+    c = LoopConfig()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = verify(_model(c), mesh, _inputs(c), lm_loss, rtol=1e-5)
+    assert report.ok, report
