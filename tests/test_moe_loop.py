@@ -304,3 +304,10 @@ def test_loop_moe_composes_with_dp_and_pp(mesh):
         warnings.simplefilter("ignore")
         report = verify(_model(c), mesh, _inputs(c), lm_loss, rtol=1e-5)
     assert report.ok, report
+
+
+def test_loop_moe_under_tp_only():
+    """Without ep the stacked experts split like any grouped matmul (the rewrite is at trace)."""
+    c = LoopConfig(hidden=32, ffn=16, compare=True, put=True)
+    report = verify(_model(c), Mesh(tp=2), _inputs(c), lm_loss, rtol=1e-5)
+    assert report.ok, report
