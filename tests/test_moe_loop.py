@@ -311,3 +311,16 @@ def test_loop_moe_under_tp_only():
     c = LoopConfig(hidden=32, ffn=16, compare=True, put=True)
     report = verify(_model(c), Mesh(tp=2), _inputs(c), lm_loss, rtol=1e-5)
     assert report.ok, report
+
+
+def test_hf_eager_experts_loop_is_refused_with_its_source_line():
+    """HF transformers 5's eager experts loop iterates over a data-dependent list of experts
+    (``for expert_idx in expert_hit``): torch.export cannot unroll it; the error says where."""
+    from autopar import zoo
+
+    model, args, kwargs, _ = zoo.build(zoo.family("mixtral"))
+    for module in model.modules():
+        if hasattr(module, "config"):
+            module.config._experts_implementation = "eager"
+    with pytest.raises(TraceError, match=r"(?s)data-dependent.*expert_hit"):
+        trace(model, args, kwargs)
