@@ -31,7 +31,8 @@ Algorithm (:func:`stack_expert_loops`, on the traced graph, in place):
    coordinates, linears, layout-keeping reshapes, splits off the row dim).
 4. Rewrite: a stable sort of the ids (permuted as the mask was), counts per expert and their
    cumulative offsets; the template body reads the sorted coordinates; each per-expert
-   linear becomes ``grouped_mm(rows, stack(W_0..W_E-1)^T, offs)``; one ``index_add`` replaces
+   linear becomes ``grouped_mm(rows, stack(W_0..W_E-1)^T, offs)`` (``P^T`` when the loop
+   reads the rows ``P[e]`` of one [E, ...] parameter); one ``index_add`` replaces
    the chain; the other bodies and the where's size checks go; shapes are re-inferred.
 A chain that fails a check is left as it is and reported (node, source line, why): its
 data-dependent shape is then refused by the trace with that reason.
@@ -266,10 +267,12 @@ def _bodies(chain: list[fx.Node], links: list[fx.Node],
 def _check_identical(bodies: list[list[fx.Node]], params: list[list[fx.Node]],
                      wheres: list[fx.Node]) -> dict[fx.Node, list[fx.Node]]:  # fmt: skip
     """Step 3: the bodies map node for node onto the first; returns, per placeholder of the
-    template, the corresponding placeholder of every expert (the stacked members)."""
+    template (or its ``P[0]`` of a stacked parameter P), the corresponding placeholder (or
+    ``P[e]``) of every expert: the stacked members."""
     first = bodies[0]
     masks = {w.args[0] for w in wheres}
     members = {p: [p] for p in params[0]}
+    members.update({n: [n] for n in first if _expert_row(n, 0)})
     for e, body in enumerate(bodies[1:], start=1):
         if len(body) != len(first) or len(params[e]) != len(params[0]):
             raise _Reject(body[0] if body else wheres[e],
@@ -279,11 +282,20 @@ def _check_identical(bodies: list[list[fx.Node]], params: list[list[fx.Node]],
         for a, b in zip(body, first, strict=True):
             if a.target != b.target:
                 raise _Reject(a, f"expert {e} runs {_name(a)} where expert 0 runs {_name(b)}")
+            if b in members and _expert_row(a, e) and a.args[0] is b.args[0]:
+                members[b].append(a)
+                continue
             _same_args(a, b, same, members, e, masks)
     for p, ms in members.items():
         if len(ms) != len(bodies):
             raise _Reject(p, "a parameter is not read by every expert alike")
     return members
+
+
+def _expert_row(node: fx.Node, e: int) -> bool:
+    """``P[e]`` of a parameter P stacked over the experts (``select(P, 0, e)``)."""
+    return (_name(node) == "select" and node.args[0].op == "placeholder"
+            and node.args[1] == 0 and node.args[2] == e)  # fmt: skip
 
 
 def _same_args(a: fx.Node, b: fx.Node, same: dict[fx.Node, fx.Node],
@@ -349,6 +361,8 @@ def _not_rowwise(node: fx.Node, symbol: Any, coords: set[fx.Node],
         return None
     if params:
         return f"a per-expert parameter is read by {name} (only linear weights are stacked)"
+    if node in members:
+        return None  # P[0] of a stacked parameter, read as a linear weight (checked there)
     if name == "index":
         idx = [i for i in node.args[1] if i is not None]
         if _row_dim(node.args[0], symbol) is not None or not all(i in coords for i in idx):
@@ -415,8 +429,10 @@ def _rewrite(gm: fx.GraphModule, loop: _Loop) -> None:
     linears = []
     for node in body:
         if _name(node) == "linear" and node.args[1] in loop.members:
+            rows = loop.members[node.args[1]]
             with graph.inserting_before(node):
-                stacked = call(aten.stack.default, (list(loop.members[node.args[1]]), 0), node)
+                stacked = rows[0].args[0] if _whole(rows) else \
+                    call(aten.stack.default, (list(rows), 0), node)  # fmt: skip
                 weight = call(aten.transpose.int, (stacked, -2, -1), node)
                 mm = call(_grouped_mm_op(), (node.args[0], weight, offs), node)
             node.replace_all_uses_with(mm)
@@ -426,6 +442,9 @@ def _rewrite(gm: fx.GraphModule, loop: _Loop) -> None:
         total = call(aten.index_add.default, (loop.chain[0].args[0], 0, coords[token],
                                               link.args[3]), last)  # fmt: skip
     last.replace_all_uses_with(total)
+    for node in loop.members:
+        if node.op == "call_function" and _whole(loop.members[node]):
+            linears.append(node)  # P[0] of a stacked parameter: its linears read P now
     masks = [w.args[0] for w in loop.wheres]
     routing = masks[0].args[0]  # permute(one_hot(ids)), or the ids
     _erase(graph, [*loop.chain, *linears, *masks, *(n for b in loop.bodies[1:] for n in b)],
@@ -435,6 +454,13 @@ def _rewrite(gm: fx.GraphModule, loop: _Loop) -> None:
         graph.erase_node(dead)
     keep = set(new) | in_body
     _infer(gm, [n for n in graph.nodes if n in keep])
+
+
+def _whole(rows: list[fx.Node]) -> bool:
+    """The members are P[0], ..., P[E-1] of one parameter P of E rows: stacked, P itself."""
+    whole = rows[0].args[0]
+    return (all(_expert_row(r, e) and r.args[0] is whole for e, r in enumerate(rows))
+            and whole.meta["val"].shape[0] == len(rows))  # fmt: skip
 
 
 def _sorted_coordinates(call: Any, loop: _Loop, like: fx.Node) -> tuple[list[fx.Node], fx.Node]:

@@ -40,6 +40,7 @@ class LoopConfig:
     dense: bool = False  # every expert on every token, weighted by its (masked) routing weight
     compare: bool = False  # torch.where(chosen == e) instead of a permuted one-hot mask
     put: bool = False  # out[token] += rows (DeepSeek's reference loop) instead of index_add_
+    stacked: bool = False  # the loop reads rows w[e] of [E, ...] parameters, no ModuleList
 
 
 class Expert(nn.Module):
@@ -61,7 +62,17 @@ class LoopMoE(nn.Module):
         self.c = c
         self.norm = RMSNorm(c.hidden)
         self.gate = nn.Linear(c.hidden, c.experts, bias=False)
-        self.experts = nn.ModuleList(Expert(c) for _ in range(c.experts))
+        if c.stacked:
+            self.w1 = nn.Parameter(torch.randn(c.experts, c.ffn, c.hidden) / c.hidden**0.5)
+            self.w3 = nn.Parameter(torch.randn(c.experts, c.ffn, c.hidden) / c.hidden**0.5)
+            self.w2 = nn.Parameter(torch.randn(c.experts, c.hidden, c.ffn) / c.ffn**0.5)
+        else:
+            self.experts = nn.ModuleList(Expert(c) for _ in range(c.experts))
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if not self.c.stacked:
+            return self.experts[e](x)
+        return F.linear(F.silu(F.linear(x, self.w1[e])) * F.linear(x, self.w3[e]), self.w2[e])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.c
@@ -73,12 +84,12 @@ class LoopMoE(nn.Module):
         if c.dense:
             for e in range(c.experts):
                 share = (weights * (chosen == e)).sum(-1, keepdim=True)
-                out = out + self.experts[e](flat) * share
+                out = out + self.expert(e, flat) * share
             return x + out.reshape(x.shape)
         if c.compare:
             for e in range(c.experts):
                 token, slot = torch.where(chosen == e)
-                rows = self.experts[e](flat[token]) * weights[token, slot, None]
+                rows = self.expert(e, flat[token]) * weights[token, slot, None]
                 if c.put:
                     out[token] += rows
                 else:
@@ -87,7 +98,7 @@ class LoopMoE(nn.Module):
         mask = F.one_hot(chosen, num_classes=c.experts).permute(2, 1, 0)
         for e in range(c.experts):
             slot, token = torch.where(mask[e])
-            rows = self.experts[e](flat[None, token].reshape(-1, c.hidden))
+            rows = self.expert(e, flat[None, token].reshape(-1, c.hidden))
             out.index_add_(0, token, rows * weights[token, slot, None])
         return x + out.reshape(x.shape)
 
@@ -293,6 +304,22 @@ def test_stacked_decoder_layers_are_not_an_expert_loop():
     prog = autoparallelize(_model(c), Mesh(ep=2), _inputs(c), lm_loss)
     found = find_expert_loops(prog.inner.module(0))
     assert not [x for x in found if x.prefix == "blocks"]
+
+
+def test_a_loop_over_rows_of_stacked_parameters_at_ep2():
+    """for e: F.linear(x, w[e]): the rows of one [E, ...] parameter are the members; the
+    grouped matmul reads the parameter whole, each ep rank keeps its E/ep rows."""
+    c = LoopConfig(stacked=True, compare=True)
+    model = _model(c)
+    traced = trace(model, _inputs(c), loss_fn=lm_loss)
+    ops = [str(n.target) for n in traced.gm.graph.nodes if n.op == "call_function"]
+    assert sum("grouped_mm" in o for o in ops) == 3 * c.layers
+    assert "aten.stack.default" not in ops and "aten.select.int" not in ops
+    report = verify(model, Mesh(ep=2), _inputs(c), lm_loss, rtol=1e-5)
+    assert report.ok, report
+    prog = autoparallelize(model, Mesh(ep=2), _inputs(c), lm_loss)
+    assert len(prog.plan.layers) == c.layers
+    assert prog.module(1).get_parameter("blocks.0.w1").shape == (c.experts // 2, c.ffn, c.hidden)
 
 
 @pytest.mark.parametrize("mesh", [Mesh(dp=2, ep=2), Mesh(pp=2, ep=2)], ids=str)
