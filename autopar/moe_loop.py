@@ -458,6 +458,8 @@ def _rewrite(gm: fx.GraphModule, loop: _Loop) -> None:
 
 def _whole(rows: list[fx.Node]) -> bool:
     """The members are P[0], ..., P[E-1] of one parameter P of E rows: stacked, P itself."""
+    if not _expert_row(rows[0], 0):
+        return False
     whole = rows[0].args[0]
     return (all(_expert_row(r, e) and r.args[0] is whole for e, r in enumerate(rows))
             and whole.meta["val"].shape[0] == len(rows))  # fmt: skip
