@@ -172,8 +172,13 @@ def _layer(gm: fx.GraphModule, offs: fx.Node, mms: list[fx.Node]) -> MoELayer | 
                             "boundary)")  # fmt: skip
     order = [n for n in gm.graph.nodes if n in region]
     biases = _expert_biases(gm, region, offs, experts)
-    weights += [gm.graph.find_nodes(op="get_attr", target=b.args[0].target)[0].target
-                for b in biases]  # fmt: skip
+    for b in biases:
+        stack = _stacked_weight(gm, b.args[0])
+        if stack is not None:  # stacked from per-expert biases (autopar.moe_loop)
+            stacks.append(stack)
+            weights += stack[1]
+        else:
+            weights.append(b.args[0].target)
     for node in order:
         problem = _not_rowwise(node, region, {entry, offs, *biases}, mms)
         if problem:
@@ -265,7 +270,8 @@ def _expert_biases(gm: fx.GraphModule, region: set[fx.Node], offs: fx.Node,
     found = []
     for node in {x for n in region for x in n.all_input_nodes if x not in region}:
         if (_name(node) == "index" and len(node.args[1]) == 1 and node.args[1][0] is ids
-                and node.args[0].op == "get_attr" and _trainable_or_param(gm, node.args[0])
+                and (node.args[0].op == "get_attr" and _trainable_or_param(gm, node.args[0])
+                     or _stacked_weight(gm, node.args[0]) is not None)
                 and node.args[0].meta["val"].shape[0] == experts
                 and all(u in region for u in node.users)):  # fmt: skip
             found.append(node)

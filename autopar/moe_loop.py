@@ -32,7 +32,8 @@ Algorithm (:func:`stack_expert_loops`, on the traced graph, in place):
 4. Rewrite: a stable sort of the ids (permuted as the mask was), counts per expert and their
    cumulative offsets; the template body reads the sorted coordinates; each per-expert
    linear becomes ``grouped_mm(rows, stack(W_0..W_E-1)^T, offs)`` (``P^T`` when the loop
-   reads the rows ``P[e]`` of one [E, ...] parameter); one ``index_add`` replaces
+   reads the rows ``P[e]`` of one [E, ...] parameter), a per-expert bias a gather of the
+   stacked biases by each row's expert id; one ``index_add`` replaces
    the chain; the other bodies and the where's size checks go; shapes are re-inferred.
 A chain that fails a check is left as it is and reported (node, source line, why): its
 data-dependent shape is then refused by the trace with that reason.
@@ -359,8 +360,12 @@ def _not_rowwise(node: fx.Node, symbol: Any, coords: set[fx.Node],
         if out != 0 or node.args[0].meta["val"].dim() != 2:
             return "a per-expert linear's input is not [rows, features]"
         return None
+    if name == "add" and params == [node.args[1]] and _row_dim(node.args[0], symbol) == 0 \
+            and node.args[1].meta["val"].dim() == 1 and node.meta["val"].dim() == 2:  # fmt: skip
+        return None  # a per-expert bias: each row adds its expert's
     if params:
-        return f"a per-expert parameter is read by {name} (only linear weights are stacked)"
+        return (f"a per-expert parameter is read by {name} (only linear weights and biases "
+                "are stacked)")  # fmt: skip
     if node in members:
         return None  # P[0] of a stacked parameter, read as a linear weight (checked there)
     if name == "index":
@@ -422,7 +427,7 @@ def _rewrite(gm: fx.GraphModule, loop: _Loop) -> None:
 
     token = link.args[2].args[1]  # which coordinate of the where indexes the accumulator
     with graph.inserting_before(where):
-        coords, offs = _sorted_coordinates(call, loop, where)
+        coords, offs, expert_of_row = _sorted_coordinates(call, loop, where)
     for u in list(where.users):
         if u.target is operator.getitem:
             u.replace_all_uses_with(coords[u.args[1]], delete_user_cb=in_body.__contains__)
@@ -437,6 +442,10 @@ def _rewrite(gm: fx.GraphModule, loop: _Loop) -> None:
                 mm = call(_grouped_mm_op(), (node.args[0], weight, offs), node)
             node.replace_all_uses_with(mm)
             linears.append(node)
+        elif _name(node) == "add" and node.args[1] in loop.members:
+            with graph.inserting_before(node):
+                stacked = call(aten.stack.default, (list(loop.members[node.args[1]]), 0), node)
+                node.update_arg(1, call(aten.index.Tensor, (stacked, [expert_of_row]), node))
     last = loop.chain[-1]
     with graph.inserting_before(last):
         total = call(aten.index_add.default, (loop.chain[0].args[0], 0, coords[token],
@@ -465,8 +474,10 @@ def _whole(rows: list[fx.Node]) -> bool:
             and whole.meta["val"].shape[0] == len(rows))  # fmt: skip
 
 
-def _sorted_coordinates(call: Any, loop: _Loop, like: fx.Node) -> tuple[list[fx.Node], fx.Node]:
-    """Every expert's where coordinates, concatenated in expert order, and the offsets."""
+def _sorted_coordinates(call: Any, loop: _Loop,
+                        like: fx.Node) -> tuple[list[fx.Node], fx.Node, fx.Node]:  # fmt: skip
+    """Every expert's where coordinates, concatenated in expert order, the offsets, and each
+    row's expert id (counted for the offsets)."""
     ids = loop.ids
     if loop.order != tuple(range(len(loop.order))):
         ids = call(aten.permute.default, (ids, list(loop.order)), like)
@@ -474,7 +485,8 @@ def _sorted_coordinates(call: Any, loop: _Loop, like: fx.Node) -> tuple[list[fx.
     flat = call(aten.reshape.default, (ids, [-1]), like)
     ranked = call(aten.sort.stable, (flat,), like, stable=True)
     order = call(operator.getitem, (ranked, 1), like)
-    as_float = call(aten._to_copy.default, (flat,), like, dtype=torch.float32)
+    expert_of_row = call(operator.getitem, (ranked, 0), like)
+    as_float = call(aten._to_copy.default, (expert_of_row,), like, dtype=torch.float32)
     counts = call(aten.histc.default, (as_float, loop.experts, 0, loop.experts - 1), like)
     offs = call(aten.cumsum.default, (counts, 0), like, dtype=torch.int32)
     coords = []
@@ -482,7 +494,7 @@ def _sorted_coordinates(call: Any, loop: _Loop, like: fx.Node) -> tuple[list[fx.
         stride = math.prod(shape[d + 1:])
         c = call(aten.floor_divide.default, (order, stride), like) if stride > 1 else order
         coords.append(call(aten.remainder.Scalar, (c, shape[d]), like) if d else c)
-    return coords, offs
+    return coords, offs, expert_of_row
 
 
 def _erase(graph: fx.Graph, nodes: list[fx.Node], wheres: list[fx.Node]) -> None:

@@ -12,8 +12,8 @@ Algorithm:
 4. Drop unused parameter placeholders (the second name of a tied weight), drop
    ``_assert_tensor_metadata`` checks (they assert global metadata) and split each
    biased ``linear`` into ``linear`` + ``add``: a row-split linear must add its bias once, after
-   the reduction, and as separate nodes the planner prices exactly that.  Then
-   ``autopar.canonical``: inference-mode dropout goes, and a sum of several matmul outputs
+   the reduction, and as separate nodes the planner prices exactly that.  Per-expert loops
+   become stacked experts (``autopar.moe_loop``).  Then ``autopar.canonical``: inference-mode dropout goes, and a sum of several matmul outputs
    adds them first (parallel attention + MLP blocks reduce once).
 5. Record, per placeholder, which parameter, buffer or user input it is.
 6. Refuse a graph with a data-dependent shape (a size torch.export could not make a number,
@@ -94,8 +94,8 @@ def trace(
     except Exception as exc:  # noqa: BLE001 - re-raised as a clear error below
         raise _explain_failure(model, root, args, kwargs, exc) from None
     prefix = "model." if loss_fn is not None else ""
-    traced = _collect(ep, model, prefix)
-    loops = stack_expert_loops(traced.gm)  # per-expert ModuleList loops -> stacked experts
+    loops: list[LoopProblem] = []  # per-expert loops that could not be stacked
+    traced = _collect(ep, model, prefix, loops)
     _require_static_shapes(traced.gm, type(model).__name__, loops)
     return traced
 
@@ -116,7 +116,8 @@ def _to_meta(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, device="meta") if not t.is_meta else t
 
 
-def _collect(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str) -> Traced:
+def _collect(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str,
+             loops: list[LoopProblem] | None = None) -> Traced:  # fmt: skip
     gm = ep.graph_module
     lifted = {**ep.graph_signature.inputs_to_parameters, **ep.graph_signature.inputs_to_buffers}
     for node in list(gm.graph.nodes):
@@ -133,6 +134,9 @@ def _collect(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str) ->
                 k: (path.removeprefix(prefix), cls)
                 for k, (path, cls) in node.meta["nn_module_stack"].items()
             }
+    problems = stack_expert_loops(gm)  # per-expert loops -> stacked experts (static shapes)
+    if loops is not None:
+        loops += problems
     canonicalize(gm.graph)
     gm.graph.lint()
     gm.recompile()

@@ -41,14 +41,15 @@ class LoopConfig:
     compare: bool = False  # torch.where(chosen == e) instead of a permuted one-hot mask
     put: bool = False  # out[token] += rows (DeepSeek's reference loop) instead of index_add_
     stacked: bool = False  # the loop reads rows w[e] of [E, ...] parameters, no ModuleList
+    bias: bool = False  # the experts' linears have biases
 
 
 class Expert(nn.Module):
     def __init__(self, c: LoopConfig) -> None:
         super().__init__()
-        self.w1 = nn.Linear(c.hidden, c.ffn, bias=False)
-        self.w3 = nn.Linear(c.hidden, c.ffn, bias=False)
-        self.w2 = nn.Linear(c.ffn, c.hidden, bias=False)
+        self.w1 = nn.Linear(c.hidden, c.ffn, bias=c.bias)
+        self.w3 = nn.Linear(c.hidden, c.ffn, bias=c.bias)
+        self.w2 = nn.Linear(c.ffn, c.hidden, bias=c.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -320,6 +321,26 @@ def test_a_loop_over_rows_of_stacked_parameters_at_ep2():
     prog = autoparallelize(model, Mesh(ep=2), _inputs(c), lm_loss)
     assert len(prog.plan.layers) == c.layers
     assert prog.module(1).get_parameter("blocks.0.w1").shape == (c.experts // 2, c.ffn, c.hidden)
+
+
+@pytest.mark.parametrize("mesh", [Mesh(ep=2), Mesh(ep=4), Mesh(ep=2, tp=2)], ids=str)
+def test_experts_with_biases(mesh):
+    """nn.Linear experts with biases: a bias inside the experts' region is gathered by each
+    row's local expert id on its ep rank (its rows stay there); the last linear's bias, added
+    after the region, stays whole on every rank."""
+    c = LoopConfig(bias=True, hidden=32, ffn=16)
+    model = _model(c)
+    report = verify(model, mesh, _inputs(c), lm_loss, rtol=1e-5)
+    assert report.ok, report
+    prog = autoparallelize(model, mesh, _inputs(c), lm_loss)
+    assert len(prog.plan.layers) == c.layers
+    ep = mesh.size("ep")
+    last = next(r for r in range(mesh.world_size) if mesh.coordinates(r)["ep"] == ep - 1)
+    params = dict(prog.module(last).named_parameters())
+    held = {n for n in params if n.startswith("blocks.0.experts.") and n.endswith("w1.bias")}
+    assert held == {f"blocks.0.experts.{e}.w1.bias" for e in range(c.experts - c.experts // ep,
+                                                                   c.experts)}  # fmt: skip
+    assert all(f"blocks.0.experts.{e}.w2.bias" in params for e in range(c.experts))
 
 
 @pytest.mark.parametrize("mesh", [Mesh(dp=2, ep=2), Mesh(pp=2, ep=2)], ids=str)
