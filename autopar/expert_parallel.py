@@ -56,6 +56,7 @@ from autopar.batch_stats import globalize_batch_statistics, statistic_collective
 from autopar.data_parallel import _graph, _model_name, loss_reduction, split_batch
 from autopar.errors import InputError, ShardingRuleError
 from autopar.mesh import Mesh
+from autopar.moe_loop import find_expert_loops
 from autopar.plan import Collective, _fmt_bytes
 from cost.comm import collective_time
 
@@ -638,8 +639,6 @@ def _unrecognised_loops(modules: list[fx.GraphModule],
                         layers: list[MoELayer]) -> list[Unrecognised]:  # fmt: skip
     """Per-expert loops (``autopar.moe_loop.find_expert_loops``) whose parameters no
     recognised MoE layer holds: their experts stay replicated."""
-    from autopar.moe_loop import find_expert_loops
-
     held = {w for layer in layers for w in layer.weights}
     return [_why(loop.node, f"{loop.count} identical modules '{loop.prefix}.*' run side by side "
                             "(a per-expert loop) but not as routed experts autopar recognises "

@@ -52,7 +52,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.utils import _pytree as pytree
 
-from autopar.meta import source
+from autopar.meta import module_path, source
 
 aten = torch.ops.aten
 _INDEX_ADD = (aten.index_add_.default, aten.index_add.default)
@@ -573,8 +573,6 @@ def find_expert_loops(gm: fx.GraphModule) -> list[ExpertLoop]:
 
 
 def _computed_by(gm: fx.GraphModule, path: str) -> list[fx.Node]:
-    from autopar.meta import module_path
-
     return [n for n in gm.graph.nodes if n.op == "call_function"
             and (module_path(n) == path or module_path(n).startswith(path + "."))]  # fmt: skip
 
