@@ -368,6 +368,11 @@ def _not_rowwise(node: fx.Node, symbol: Any, coords: set[fx.Node],
                 "are stacked)")  # fmt: skip
     if node in members:
         return None  # P[0] of a stacked parameter, read as a linear weight (checked there)
+    if name == "index_select":
+        if node.args[1] != 0 or node.args[2] not in coords \
+                or _row_dim(node.args[0], symbol) is not None:  # fmt: skip
+            return "an index_select inside the expert body is not of rows by the routing"
+        return None
     if name == "index":
         idx = [i for i in node.args[1] if i is not None]
         if _row_dim(node.args[0], symbol) is not None or not all(i in coords for i in idx):

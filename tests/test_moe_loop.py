@@ -39,7 +39,7 @@ class LoopConfig:
     batch: int = 4
     dense: bool = False  # every expert on every token, weighted by its (masked) routing weight
     compare: bool = False  # torch.where(chosen == e) instead of a permuted one-hot mask
-    put: bool = False  # out[token] += rows (DeepSeek's reference loop) instead of index_add_
+    put: bool = False  # out[token] += rows (DeepSeek's reference loop), rows by index_select
     stacked: bool = False  # the loop reads rows w[e] of [E, ...] parameters, no ModuleList
     bias: bool = False  # the experts' linears have biases
 
@@ -90,7 +90,8 @@ class LoopMoE(nn.Module):
         if c.compare:
             for e in range(c.experts):
                 token, slot = torch.where(chosen == e)
-                rows = self.expert(e, flat[token]) * weights[token, slot, None]
+                picked = flat.index_select(0, token) if c.put else flat[token]
+                rows = self.expert(e, picked) * weights[token, slot, None]
                 if c.put:
                     out[token] += rows
                 else:
