@@ -57,6 +57,7 @@ from autopar.batch_stats import boundaries, globalize_batch_statistics, statisti
 from autopar.data_parallel import _graph, _model_name, loss_reduction, split_batch
 from autopar.errors import InputError, ShardingRuleError
 from autopar.mesh import Mesh
+from autopar.moe_loop import find_expert_loops
 from autopar.plan import Collective, _fmt_bytes
 from autopar.recompute import apply_recompute
 from cost.comm import collective_time
@@ -67,6 +68,8 @@ _ROWWISE = {"silu", "gelu", "relu", "sigmoid", "tanh", "mul", "add", "sub", "div
             "maximum", "where", "relu_", "mul_", "add_", "slice"}  # fmt: skip
 _DIM_OPS = {"chunk": 2, "split": 2, "split_with_sizes": 2, "slice": 1}  # op -> index of its dim argument
 BUCKET_BYTES = 25 * 2**20  # dense gradients per ep all-reduce at most (DDP's default bucket cap)
+_TP_COLLECTIVES = {"grad_all_reduce", "all_reduce", "all_gather", "reduce_scatter", "split"}
+_DIMMED = {"all_gather", "reduce_scatter", "split"}  # collectives with a dim (argument 2)
 _WEIGHT_VIEWS = {"transpose", "permute", "to", "_to_copy", "alias", "contiguous", "clone",
                  "detach", "view", "reshape"}  # fmt: skip
 
@@ -94,11 +97,15 @@ class MoELayer:
     weights: tuple[str, ...]  # stacked expert parameters ([E, ...])
     experts: int
     biases: tuple[str, ...] = ()  # per-row gathers param[expert id] of an [E, ...] parameter
+    stacks: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (stack node, its per-expert params)
     where: str  # module path
 
     def __str__(self) -> str:
+        members = {m for _, ms in self.stacks for m in ms}
+        names = [w for w in self.weights if w not in members]
+        names += [f"stack({ms[0]} .. {ms[-1]})" for _, ms in self.stacks]
         return (f"{self.where}: {self.experts} experts, {len(self.matmuls)} grouped matmuls "
-                f"over {', '.join(self.weights)}")  # fmt: skip
+                f"over {', '.join(names)}")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,23 +147,42 @@ def find_moe_layers(gm: fx.GraphModule) -> tuple[list[MoELayer], list[Unrecognis
 
 def _layer(gm: fx.GraphModule, offs: fx.Node, mms: list[fx.Node]) -> MoELayer | Unrecognised:
     entry, exit_ = mms[0].args[0], mms[-1]
-    weights = []
+    weights, stacks = [], []
     for mm in mms:
-        w = _weight(gm, mm.args[1])
-        if w is None:
-            return _why(mm, "its weight operand is not a stacked parameter (a get_attr through "
-                            "transposes/views with the experts on dim 0)")  # fmt: skip
+        w, stack = _weight(gm, mm.args[1]), _stacked_weight(gm, mm.args[1])
+        if w is None and stack is None:
+            return _why(mm, "its weight operand is not a stacked parameter (a get_attr, or a "
+                            "stack of per-expert get_attrs, through transposes/views with the "
+                            "experts on dim 0)")  # fmt: skip
+        if stack is not None:
+            stacks.append(stack)
+            weights += stack[1]
+            continue
         weights.append(w)
     experts = offs.meta["val"].shape[0]
-    for w in weights:
+    for name, members in stacks:
+        if len(members) != experts:
+            return _why(mms[0], f"'{name}' stacks {len(members)} per-expert parameters but the "
+                                f"offsets count {experts} experts")  # fmt: skip
+    for w in (w for w in weights if not any(w in m for _, m in stacks)):
         if gm.get_parameter(w).shape[0] != experts:
             return _why(mms[0], f"parameter {w} has {gm.get_parameter(w).shape[0]} rows on dim 0 "
                                 f"but the offsets count {experts} experts")  # fmt: skip
     region = _region(entry, exit_)
+    cut = [m for m in mms if m not in region]
+    if cut:
+        return _why(cut[0], f"its rows do not reach the experts' last grouped matmul "
+                            f"'{exit_.name}' (the layer is cut, e.g. by a pipeline stage "
+                            "boundary)")  # fmt: skip
     order = [n for n in gm.graph.nodes if n in region]
     biases = _expert_biases(gm, region, offs, experts)
-    weights += [gm.graph.find_nodes(op="get_attr", target=b.args[0].target)[0].target
-                for b in biases]  # fmt: skip
+    for b in biases:
+        stack = _stacked_weight(gm, b.args[0])
+        if stack is not None:  # stacked from per-expert biases (autopar.moe_loop)
+            stacks.append(stack)
+            weights += stack[1]
+        else:
+            weights.append(b.args[0].target)
     for node in order:
         problem = _not_rowwise(node, region, {entry, offs, *biases}, mms)
         if problem:
@@ -164,7 +190,7 @@ def _layer(gm: fx.GraphModule, offs: fx.Node, mms: list[fx.Node]) -> MoELayer | 
     return MoELayer(entry=entry.name, exit=exit_.name, offs=offs.name,
                     matmuls=tuple(m.name for m in mms), region=tuple(n.name for n in order),
                     weights=tuple(dict.fromkeys(weights)), experts=experts,
-                    biases=tuple(b.name for b in biases),
+                    biases=tuple(b.name for b in biases), stacks=tuple(dict.fromkeys(stacks)),
                     where=meta.module_path(mms[0]))  # fmt: skip
 
 
@@ -173,7 +199,37 @@ def _why(node: fx.Node, why: str) -> Unrecognised:
 
 
 def _weight(gm: fx.GraphModule, node: Any) -> str | None:
-    while isinstance(node, fx.Node) and node.op == "call_function":
+    node = _under_views(node)
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
+        return None
+    try:
+        gm.get_parameter(node.target)
+    except AttributeError:
+        return None
+    return node.target
+
+
+def _stacked_weight(gm: fx.GraphModule, node: Any) -> tuple[str, tuple[str, ...]] | None:
+    """A weight stacked in the graph from per-expert parameters (``autopar.moe_loop``):
+    ``stack([p_0, ..., p_E-1], 0)`` of get_attrs, through views keeping dim 0: the stack
+    node and the parameters, in expert order."""
+    node = _under_views(node)
+    if not isinstance(node, fx.Node) or _name(node) != "stack" or (node.args[1] if len(node.args) > 1 else 0) != 0:
+        return None
+    members = node.args[0]
+    if not all(isinstance(m, fx.Node) and m.op == "get_attr" and _trainable_or_param(gm, m)
+               and len(m.users) == 1 for m in members):  # fmt: skip
+        return None
+    return node.name, tuple(m.target for m in members)
+
+
+def _under_views(node: Any) -> Any:
+    """What ``node`` views, through the views that keep the experts on dim 0 (None when a
+    view moves them)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and _name(node) != "stack":
+        if _name(node) == "all_gather" and node.args[2] % node.meta["val"].dim() != 0:
+            node = node.args[0]  # a tp gather of another dim: each rank gathers its experts
+            continue
         if _name(node) not in _WEIGHT_VIEWS:
             return None
         if _name(node) == "permute" and node.args[1][0] not in (0, -node.meta["val"].dim()):
@@ -185,13 +241,7 @@ def _weight(gm: fx.GraphModule, node: Any) -> str | None:
         if _name(node) == "transpose" and 0 in {d % node.meta["val"].dim() for d in node.args[1:]}:
             return None
         node = node.args[0]
-    if not isinstance(node, fx.Node) or node.op != "get_attr":
-        return None
-    try:
-        gm.get_parameter(node.target)
-    except AttributeError:
-        return None
-    return node.target
+    return node
 
 
 def _region(entry: fx.Node, exit_: fx.Node) -> set[fx.Node]:
@@ -224,7 +274,8 @@ def _expert_biases(gm: fx.GraphModule, region: set[fx.Node], offs: fx.Node,
     found = []
     for node in {x for n in region for x in n.all_input_nodes if x not in region}:
         if (_name(node) == "index" and len(node.args[1]) == 1 and node.args[1][0] is ids
-                and node.args[0].op == "get_attr" and _trainable_or_param(gm, node.args[0])
+                and (node.args[0].op == "get_attr" and _trainable_or_param(gm, node.args[0])
+                     or _stacked_weight(gm, node.args[0]) is not None)
                 and node.args[0].meta["val"].shape[0] == experts
                 and all(u in region for u in node.users)):  # fmt: skip
             found.append(node)
@@ -245,6 +296,10 @@ def _not_rowwise(node: fx.Node, region: set[fx.Node], allowed: set[fx.Node],
     offs = _offs_of(mms[0])
     if node in mms:
         inputs = [node.args[0], offs]
+    elif _name(node) in _TP_COLLECTIVES:
+        inputs = node.all_input_nodes  # tp ranks of one ep rank hold the same dispatched rows
+        if _name(node) in _DIMMED and node.args[2] % node.args[0].meta["val"].dim() == 0:
+            return f"{_name(node)} over the rows (dim 0) inside the experts' region"
     elif _name(node) not in _ROWWISE:
         return f"{_name(node)} is not a row-wise op (between the grouped matmuls of the experts)"
     else:
@@ -277,10 +332,14 @@ def place_experts(module: fx.GraphModule, layers: Sequence[MoELayer], *, axis: s
     graph = out.graph
     nodes = {n.name: n for n in graph.nodes}
     experts = {w for layer in layers for w in layer.weights}
+    members = {m for layer in layers for _, ms in layer.stacks for m in ms}
     for layer in layers:
         _rewrite_layer(graph, nodes, layer, axis, capacity)
-    for w in experts:
+    for w in experts - members:
         _keep_slice(out, w, size, coord)
+    for layer in layers:
+        for stack, _ in layer.stacks:
+            _keep_members(out, nodes[stack], size, coord)
     for bucket in dense_buckets(out, experts, bucket_bytes):
         if len(bucket) == 1 and micro == 1:
             _reduce_grad(graph, bucket[0], axis)
@@ -334,6 +393,18 @@ def _keep_slice(module: nn.Module, fqn: str, size: int, coord: int) -> None:
     n = p.shape[0] // size
     mod.register_parameter(leaf, nn.Parameter(p.detach()[coord * n:(coord + 1) * n].clone(),
                                               requires_grad=p.requires_grad))  # fmt: skip
+
+
+def _keep_members(module: fx.GraphModule, stack: fx.Node, size: int, coord: int) -> None:
+    """A weight stacked from per-expert parameters stacks this rank's E/ep of them; the
+    others leave the module (each rank holds only its experts, by the user's names)."""
+    members = list(stack.args[0])
+    n = len(members) // size
+    stack.update_arg(0, members[coord * n:(coord + 1) * n])
+    for node in members[:coord * n] + members[(coord + 1) * n:]:
+        module.graph.erase_node(node)
+        owner, leaf = node.target.rsplit(".", 1) if "." in node.target else ("", node.target)
+        delattr(module.get_submodule(owner), leaf)
 
 
 def _trainable(module: nn.Module, target: str) -> bool:
@@ -588,7 +659,8 @@ def compile_expert_parallel(mesh: Mesh, example_inputs: Sequence[Any],
     found_layers = [find_moe_layers(m) for m in samples]
     layers = [layer for ls, _ in found_layers for layer in ls]
     model = _model_name(inner)
-    notes = _unrecognised([b for _, bad in found_layers for b in bad], strict, model)
+    notes = _unrecognised([b for _, bad in found_layers for b in bad]
+                          + _unrecognised_loops(samples, layers), strict, model)  # fmt: skip
     for layer in layers:
         if layer.experts % ep:
             raise InputError(f"{model}: the MoE layer at '{layer.where}' has "
@@ -645,6 +717,18 @@ def _param_bytes(modules: list[fx.GraphModule], layers: list[MoELayer], ep: int)
             else:
                 dense += nbytes
     return dense, expert
+
+
+def _unrecognised_loops(modules: list[fx.GraphModule],
+                        layers: list[MoELayer]) -> list[Unrecognised]:  # fmt: skip
+    """Per-expert loops (``autopar.moe_loop.find_expert_loops``) whose parameters no
+    recognised MoE layer holds: their experts stay replicated."""
+    held = {w for layer in layers for w in layer.weights}
+    return [_why(loop.node, f"{loop.count} identical modules '{loop.prefix}.*' run side by side "
+                            "(a per-expert loop) but not as routed experts autopar recognises "
+                            "(torch.where(one_hot mask[e]) rows, index_add_ combine)")
+            for m in modules for loop in find_expert_loops(m)
+            if not set(loop.params) <= held]  # fmt: skip
 
 
 def _unrecognised(bad: list[Unrecognised], strict: bool, model: str) -> list[str]:

@@ -12,8 +12,8 @@ Algorithm:
 4. Drop unused parameter placeholders (the second name of a tied weight), drop
    ``_assert_tensor_metadata`` checks (they assert global metadata) and split each
    biased ``linear`` into ``linear`` + ``add``: a row-split linear must add its bias once, after
-   the reduction, and as separate nodes the planner prices exactly that.  Then
-   ``autopar.canonical``: inference-mode dropout goes, and a sum of several matmul outputs
+   the reduction, and as separate nodes the planner prices exactly that.  Per-expert loops
+   become stacked experts (``autopar.moe_loop``).  Then ``autopar.canonical``: inference-mode dropout goes, and a sum of several matmul outputs
    adds them first (parallel attention + MLP blocks reduce once).
 5. Record, per placeholder, which parameter, buffer or user input it is.
 6. Refuse a graph with a data-dependent shape (a size torch.export could not make a number,
@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 from autopar.canonical import canonicalize
 from autopar.errors import InputError, TraceError
 from autopar.meta import source
+from autopar.moe_loop import LoopProblem, stack_expert_loops
 
 _ASSERT_OPS = (torch.ops.aten._assert_tensor_metadata.default,)
 
@@ -93,8 +94,9 @@ def trace(
     except Exception as exc:  # noqa: BLE001 - re-raised as a clear error below
         raise _explain_failure(model, root, args, kwargs, exc) from None
     prefix = "model." if loss_fn is not None else ""
-    traced = _collect(ep, model, prefix)
-    _require_static_shapes(traced.gm, type(model).__name__)
+    loops: list[LoopProblem] = []  # per-expert loops that could not be stacked
+    traced = _collect(ep, model, prefix, loops)
+    _require_static_shapes(traced.gm, type(model).__name__, loops)
     return traced
 
 
@@ -114,7 +116,8 @@ def _to_meta(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, device="meta") if not t.is_meta else t
 
 
-def _collect(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str) -> Traced:
+def _collect(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str,
+             loops: list[LoopProblem] | None = None) -> Traced:  # fmt: skip
     gm = ep.graph_module
     lifted = {**ep.graph_signature.inputs_to_parameters, **ep.graph_signature.inputs_to_buffers}
     for node in list(gm.graph.nodes):
@@ -132,6 +135,9 @@ def _collect(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str) ->
                 k: (path.removeprefix(prefix), cls)
                 for k, (path, cls) in node.meta["nn_module_stack"].items()
             }
+    problems = stack_expert_loops(gm)  # per-expert loops -> stacked experts (static shapes)
+    if loops is not None:
+        loops += problems
     canonicalize(gm.graph)
     gm.graph.lint()
     gm.recompile()
@@ -161,9 +167,10 @@ def _collect(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str) ->
     )
 
 
-def _require_static_shapes(gm: fx.GraphModule, model_name: str) -> None:
+def _require_static_shapes(gm: fx.GraphModule, model_name: str,
+                           loops: Sequence[LoopProblem] = ()) -> None:  # fmt: skip
     """Raise if a tensor's shape holds a symbol rather than a number (step 6), naming the op
-    that read the symbol from tensor values."""
+    that read the symbol from tensor values (and why a per-expert loop was not stacked)."""
     nodes = list(gm.graph.nodes)
     shaped = next((n for n in nodes if _symbolic_dims(n)), None)
     if shaped is None:
@@ -180,6 +187,7 @@ def _require_static_shapes(gm: fx.GraphModule, model_name: str) -> None:
         "  autopar plans fixed shapes: every size must follow from the example inputs' shapes.\n"
         "  what to do: compute that size from shapes alone (for a mixture of experts, a fixed "
         "expert capacity instead of per-expert token counts)."
+        + "".join(f"\n  a per-expert loop autopar could not stack: {p}" for p in loops)
     )
 
 

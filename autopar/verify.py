@@ -595,8 +595,9 @@ def _ep_replica(prog: Any, results: list, e: int) -> list[tuple[list, dict]]:
         outs, grads = parts[e]
         outs = [torch.cat([p[0][i] for p in parts]) if isinstance(x, torch.Tensor) and x.dim()
                 else x for i, x in enumerate(outs)]  # fmt: skip
-        grads = {n: torch.cat([p[1][n] for p in parts]) if n in experts else g
-                 for n, g in grads.items()}  # fmt: skip
+        names = dict.fromkeys(n for p in parts for n in p[1])  # a per-expert one: one rank
+        grads = {n: torch.cat([p[1][n] for p in parts if n in p[1]]) if n in experts
+                 else grads[n] for n in names}  # fmt: skip
         out.append((outs, grads))
     return out
 
@@ -708,10 +709,14 @@ def _ep_pipeline_rows(prog: Any, results: list, eps: list[int], ref_loss: torch.
                        if e_ == e and stage_id in res[1]]
                       for e in range(prog.mesh.size("ep"))]  # fmt: skip
             name = f"{fqn} (stage {stage_id})"
-            if any(g is None for gs in per_ep for g in gs):
+            held = [gs for gs in per_ep if gs and None not in gs]
+            others = [g for gs in per_ep for g in gs if not held or gs is not held[0]]
+            if fqn in experts and len(held) == 1 and all(g is None for g in others):
+                per_ep = held  # a per-expert parameter (autopar.moe_loop): its ep rank's
+            elif any(g is None for gs in per_ep for g in gs):
                 rows.append(_failed(name, "grad", "no gradient on some rank"))
                 continue
-            if fqn in experts:
+            elif fqn in experts:
                 per_ep = [[torch.cat(parts) for parts in zip(*per_ep, strict=True)]]
             checks = [_check(name, "grad", shards, lay, ref_grads[fqn], stage.mesh, rtol, scale)
                       for shards in per_ep]  # fmt: skip

@@ -119,3 +119,30 @@ def index_put(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
 
 
 rule(aten.floor_divide.default, aten.div_.Tensor)(pointwise)
+
+
+_ZEROS = {aten.zeros_like.default, aten.zeros.default, aten.new_zeros.default}
+
+
+@rule(aten.index_add.default)
+def index_add(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """index_add(acc, dim, index, rows): linear in (acc, rows) together (both partial ->
+    partial; a zeros accumulator is its own partial, so replicated zeros + partial rows ->
+    partial), and split alike on any dim but ``dim`` (index replicated)."""
+    nd = len(_shape(node.args[0]))
+    at = _dim(node.args[1], nd)
+    found = [Strategy((PARTIAL, R, PARTIAL), PARTIAL)]
+    if node.args[0].target in _ZEROS:
+        found.append(Strategy((R, R, PARTIAL), PARTIAL))
+    found += [Strategy((Shard(d, b), R, Shard(d, b)), Shard(d, b))
+              for d in range(nd) for b in ctx.blocks if d != at]  # fmt: skip
+    return found
+
+
+@rule(aten.sort.stable)
+def sort_stable(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """sort(x, stable=True, dim=d): values and indices split like x on every dim but d."""
+    nd = len(_shape(node.args[0]))
+    at = _dim(node.kwargs.get("dim", -1), nd)
+    return [Strategy((Shard(d, b),), (Shard(d, b), Shard(d, b)))
+            for d in range(nd) for b in ctx.blocks if d != at]  # fmt: skip
