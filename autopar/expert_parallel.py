@@ -54,6 +54,7 @@ import torch.nn as nn
 from autopar import collectives as C
 from autopar import meta
 from autopar.batch_stats import boundaries, globalize_batch_statistics, statistic_collectives
+from autopar.codegen import _param_block
 from autopar.data_parallel import _graph, _model_name, loss_reduction, split_batch
 from autopar.errors import InputError, ShardingRuleError
 from autopar.mesh import Mesh
@@ -423,8 +424,11 @@ def _reduce_grad(graph: fx.Graph, node: fx.Node, axis: str) -> None:
 
 def dense_buckets(gm: fx.GraphModule, experts: set[str], cap: int) -> list[list[fx.Node]]:
     """Step 3: the trainable non-expert parameters (get_attr nodes) in order of first use,
-    cut from the last used (its gradient is computed first) into buckets of one dtype and at
-    most ``cap`` bytes (a larger parameter alone); ``cap`` 0: one bucket per parameter."""
+    cut from the last used (its gradient is computed first) into buckets of one dtype, one
+    block (``layers.i``: a bucket's reduction reads its parameters, so a bucket spanning two
+    blocks would tie them together and per-block recompute or ZeRO could not outline them)
+    and at most ``cap`` bytes (a larger parameter alone); ``cap`` 0: one bucket per
+    parameter."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     dense = [n for n in gm.graph.nodes
              if n.op == "get_attr" and n.users and n.target not in experts
@@ -435,7 +439,9 @@ def dense_buckets(gm: fx.GraphModule, experts: set[str], cap: int) -> list[list[
     for node in reversed(dense):
         p = gm.get_parameter(node.target)
         nbytes = p.numel() * p.element_size()
-        same = buckets and gm.get_parameter(buckets[-1][0].target).dtype == p.dtype
+        last = buckets[-1][0].target if buckets else None
+        same = (last is not None and gm.get_parameter(last).dtype == p.dtype
+                and _param_block(last) == _param_block(node.target))  # fmt: skip
         if same and size + nbytes <= cap:
             buckets[-1].append(node)
             size += nbytes

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from autopar import Mesh, autoparallelize, zoo
 from autopar import collectives as C
+from autopar.codegen import _param_block
 from autopar.errors import InputError, ShardingRuleError
 from autopar.expert_parallel import ExpertParallelProgram, expert_load
 from autopar.pool import get_pool
@@ -386,10 +387,15 @@ def test_dense_gradients_are_bucketed(cap, monkeypatch):
         p.numel() for n, p in model.named_parameters() if n in dense)  # fmt: skip
     if cap == 0:
         assert not buckets and len(single) == len(dense)
-    elif cap is None:
-        assert len(buckets) == 1 and not single
+    elif cap is None:  # all fits one cap: one bucket per block, and the parameters outside
+        keys = [_param_block((n.args[3] if n in buckets else n.args[0]).target)
+                for n in buckets + single]  # fmt: skip
+        blocks = {_param_block(n) for n in dense} - {None}
+        assert blocks and all(keys.count(k) == 1 for k in blocks), keys
     else:
         assert len(buckets) > 1 and all(x.bytes <= cap for x in listed if "parameters" in x.where)
+    for b in buckets:  # never across blocks (per-block recompute and ZeRO outline them)
+        assert len({_param_block(a.target) for a in b.args[3:]}) == 1
     report = verify(model, Mesh(ep=2), _ids(c), lm_loss, rtol=1e-5)
     assert report.ok, report
 
