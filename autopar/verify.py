@@ -294,7 +294,8 @@ def _compare_grads(prog: Program, ref: dict, per_rank: list[dict], rtol: float,
     layouts = {prog.traced.params[n.name]: meta.layout(n) for n in prog.graph_module.graph.nodes
                if n.op == "placeholder" and n.name in prog.traced.params}  # fmt: skip
     rows = []
-    for fqn in sorted(layouts, key=list(lays).index):
+    groups = _param_groups(prog.traced.pieces, sorted(layouts, key=list(lays).index))
+    for fqn, names in groups.items():
         tied = [
             n
             for n, g in ref.items()
@@ -302,13 +303,44 @@ def _compare_grads(prog: Program, ref: dict, per_rank: list[dict], rtol: float,
         ]
         if not tied:
             continue
-        ours = [grads.get(fqn) for grads in per_rank]
-        if any(g is None for g in ours):
+        lay = layouts[fqn] if names == [fqn] else None
+        ours = ([grads.get(fqn) for grads in per_rank] if names == [fqn]
+                else _assembled(prog, names, layouts, per_rank))  # fmt: skip
+        if ours is None or any(g is None for g in ours):
             rows.append(_failed(fqn, "grad", "no gradient on some rank"))
             continue
-        rows.append(_check(fqn, "grad", ours, layouts[fqn], ref[fqn], prog.mesh, rtol, scale,
+        rows.append(_check(fqn, "grad", ours, lay, ref[fqn], prog.mesh, rtol, scale,
                            prog.traced.padded.get(fqn)))  # fmt: skip
     return rows
+
+
+def _param_groups(pieces: dict, names: list[str]) -> dict[str, list[str]]:
+    """User parameter FQN -> the program's names for it: itself, or its pieces in order
+    (a fused projection cut per block, autopar/fused.py)."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(pieces[name].fqn if name in pieces else name, []).append(name)
+    for group in groups.values():
+        group.sort(key=lambda n: pieces[n].start if n in pieces else 0)
+    return groups
+
+
+def _assembled(prog: Program, names: list[str], layouts: dict, per_rank: list[dict]
+               ) -> list[torch.Tensor] | None:  # fmt: skip
+    """Per rank, the whole gradient of a parameter held as pieces: a replicated piece as
+    that rank holds it (every replica is checked), a split one reassembled from all ranks."""
+    coords = [prog.mesh.coordinates(r) for r in range(prog.mesh.world_size)]
+    columns = []
+    for name in names:
+        shards = [grads.get(name) for grads in per_rank]
+        if any(g is None for g in shards):
+            return None
+        lay = layouts[name]
+        if lay is not None and not lay.is_replicated:
+            shards = [unshard_tensors(shards, lay, prog.mesh, coords)] * len(shards)
+        columns.append(shards)
+    dim = prog.traced.pieces[names[0]].dim
+    return [torch.cat([col[r] for col in columns], dim) for r in range(len(per_rank))]
 
 
 def _check(name: str, kind: str, ours: list[torch.Tensor], lay: Layout | None, ref: torch.Tensor,
