@@ -140,3 +140,74 @@ def test_list_index_runs_become_slices():
     for index in [(Ellipsis, [0, 2], slice(None)), (Ellipsis, [True, False]), ([0], [1]),
                   (Ellipsis, [9], slice(None)), (None, [0])]:  # fmt: skip
         assert _run_as_slice(x, index) is None, index
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints name the user's fused parameter: the pieces of every rank tile it.
+
+_CKPT_GROUP: dict[int, object] = {}
+
+
+def _fused_model(seed: int) -> FusedAttention:
+    torch.manual_seed(seed)
+    return FusedAttention(32, 4, 1, "index", bias=False)
+
+
+def _train(loss_of, opt, first: int, last: int, ck=None, save_at: int = 0) -> list[float]:
+    losses = []
+    for step in range(first, last + 1):
+        loss = loss_of()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if ck is not None and step == save_at:
+            ck.save(step)
+    if ck is not None:
+        ck.wait()
+    return losses
+
+
+def _ckpt_rank(rank, groups, module, root, resume):
+    import torch.distributed as dist
+
+    from autopar import collectives
+    from autopar.checkpoint import Checkpointer
+
+    collectives.bind(groups)
+    if 2 not in _CKPT_GROUP:
+        _CKPT_GROUP[2] = dist.new_group([0, 1], backend="gloo")
+    x, y = _inputs(32)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.01)
+    ck = Checkpointer(root, module, opt, group=_CKPT_GROUP[2])
+    if resume:
+        assert ck.load().step == 3
+        return _train(lambda: module(x, y), opt, 4, 6)
+    return _train(lambda: module(x, y), opt, 1, 3, ck, save_at=3)
+
+
+def test_checkpoint_of_pieces_resumes_under_tp2_and_on_one_device(tmp_path):
+    from autopar.checkpoint import Checkpointer, export_state_dict, step_dir
+    from autopar.pool import get_pool
+
+    x, y = _inputs(32)
+    ref_model = _fused_model(0)
+    opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01)
+    ref = _train(lambda: _loss(ref_model(x), y), opt, 1, 6)
+    first = autoparallelize(_fused_model(0), Mesh(tp=2), (x, y), loss_fn=_loss)
+    again = autoparallelize(_fused_model(5), Mesh(tp=2), (x, y), loss_fn=_loss)
+    assert "qkv.weight.1" in dict(first.module(0).named_parameters())
+    pool = get_pool(2)
+    saved = pool.run(_ckpt_rank, first.mesh.axes, [(first.module(r), tmp_path, False)
+                                                   for r in range(2)])  # fmt: skip
+    assert saved[0] == pytest.approx(ref[:3], rel=1e-5)
+    state = export_state_dict(step_dir(tmp_path, 3), ref_model)
+    assert tuple(state["qkv.weight"].shape) == (48, 32) and "qkv.weight.0" not in state
+    resumed = pool.run(_ckpt_rank, again.mesh.axes, [(again.module(r), tmp_path, True)
+                                                     for r in range(2)])  # fmt: skip
+    for losses in resumed:
+        assert losses == pytest.approx(ref[3:], rel=1e-5)
+    one = _fused_model(5)
+    opt = torch.optim.AdamW(one.parameters(), lr=1e-2, weight_decay=0.01)
+    assert Checkpointer(tmp_path, one, opt).load().step == 3
+    assert _train(lambda: _loss(one(x), y), opt, 4, 6) == pytest.approx(ref[3:], rel=1e-5)
