@@ -303,15 +303,19 @@ def _compare_grads(prog: Program, ref: dict, per_rank: list[dict], rtol: float,
         ]
         if not tied:
             continue
-        lay = layouts[fqn] if names == [fqn] else None
-        ours = ([grads.get(fqn) for grads in per_rank] if names == [fqn]
-                else _assembled(prog, names, layouts, per_rank))  # fmt: skip
+        ours, lay = _rank_grads(prog.mesh, prog.traced.pieces, names, layouts, per_rank)
         if ours is None or any(g is None for g in ours):
             rows.append(_failed(fqn, "grad", "no gradient on some rank"))
             continue
         rows.append(_check(fqn, "grad", ours, lay, ref[fqn], prog.mesh, rtol, scale,
                            prog.traced.padded.get(fqn)))  # fmt: skip
     return rows
+
+
+def _stage_layouts(stage: Any) -> dict[str, Layout | None]:
+    """Parameter name -> layout in a compiled stage (or whole) program."""
+    return {stage.traced.params[n.name]: meta.layout(n) for n in stage.graph_module.graph.nodes
+            if n.op == "placeholder" and n.name in stage.traced.params}  # fmt: skip
 
 
 def _param_groups(pieces: dict, names: list[str]) -> dict[str, list[str]]:
@@ -325,11 +329,20 @@ def _param_groups(pieces: dict, names: list[str]) -> dict[str, list[str]]:
     return groups
 
 
-def _assembled(prog: Program, names: list[str], layouts: dict, per_rank: list[dict]
-               ) -> list[torch.Tensor] | None:  # fmt: skip
+def _rank_grads(mesh: Mesh, pieces: dict, names: list[str], layouts: dict,
+                per_rank: list[dict]) -> tuple[list | None, Layout | None]:  # fmt: skip
+    """(each rank's gradient, its layout) of one user parameter held under ``names``: one
+    name as it is; pieces assembled per rank (layout None: every rank's whole is checked)."""
+    if len(names) == 1 and names[0] not in pieces:
+        return [grads.get(names[0]) for grads in per_rank], layouts[names[0]]
+    return _assembled(mesh, pieces, names, layouts, per_rank), None
+
+
+def _assembled(mesh: Mesh, pieces: dict, names: list[str], layouts: dict,
+               per_rank: list[dict]) -> list[torch.Tensor] | None:  # fmt: skip
     """Per rank, the whole gradient of a parameter held as pieces: a replicated piece as
     that rank holds it (every replica is checked), a split one reassembled from all ranks."""
-    coords = [prog.mesh.coordinates(r) for r in range(prog.mesh.world_size)]
+    coords = [mesh.coordinates(r) for r in range(mesh.world_size)]
     columns = []
     for name in names:
         shards = [grads.get(name) for grads in per_rank]
@@ -337,9 +350,9 @@ def _assembled(prog: Program, names: list[str], layouts: dict, per_rank: list[di
             return None
         lay = layouts[name]
         if lay is not None and not lay.is_replicated:
-            shards = [unshard_tensors(shards, lay, prog.mesh, coords)] * len(shards)
+            shards = [unshard_tensors(shards, lay, mesh, coords)] * len(shards)
         columns.append(shards)
-    dim = prog.traced.pieces[names[0]].dim
+    dim = pieces[names[0]].dim
     return [torch.cat([col[r] for col in columns], dim) for r in range(len(per_rank))]
 
 
@@ -398,14 +411,15 @@ def _pipeline_rows(prog: Any, results: list, again: list, ref_loss: torch.Tensor
                    ref_loss.abs().item())]  # fmt: skip
     scale = _scale(list(ref_grads.values()))
     for stage_id, stage in enumerate(prog.stages):
-        for ph, fqn in stage.traced.params.items():
+        layouts = _stage_layouts(stage)
+        ranks = [r for r in range(world) if stage_id in results[r][1]]
+        per_rank = [results[r][1][stage_id] for r in ranks]
+        for fqn, names in _param_groups(stage.traced.pieces, list(layouts)).items():
             if fqn not in ref_grads:
                 continue
-            lay = meta.layout(next(n for n in stage.graph_module.graph.nodes if n.name == ph))
-            ranks = [r for r in range(world) if stage_id in results[r][1]]
-            shards = [results[r][1][stage_id].get(fqn) for r in ranks]
+            shards, lay = _rank_grads(stage.mesh, stage.traced.pieces, names, layouts, per_rank)
             name = f"{fqn} (stage {stage_id})"
-            if any(g is None for g in shards):
+            if shards is None or any(g is None for g in shards):
                 rows.append(_failed(name, "grad", "no gradient on some rank"))
                 continue
             rows.append(_check(name, "grad", shards, lay, ref_grads[fqn], stage.mesh, rtol, scale))
@@ -704,15 +718,16 @@ def _verify_ep_pipeline(prog: Any, model: nn.Module, args: Sequence[Any], kwargs
     scale = _scale(list(ref_grads.values()))
     experts = {w for layer in prog.plan.layers for w in layer.weights}
     for stage_id, stage in enumerate(prog.inner.stages):
-        for ph, fqn in stage.traced.params.items():
+        layouts = _stage_layouts(stage)
+        held = [[results[r][1][stage_id] for r in range(world)
+                 if coords[r]["ep"] == e and stage_id in results[r][1]] for e in range(ep)]  # fmt: skip
+        for fqn, names in _param_groups(stage.traced.pieces, list(layouts)).items():
             if fqn not in ref_grads:
                 continue
-            lay = meta.layout(next(n for n in stage.graph_module.graph.nodes if n.name == ph))
-            per_ep = [[results[r][1][stage_id].get(fqn) for r in range(world)
-                       if coords[r]["ep"] == e and stage_id in results[r][1]]
-                      for e in range(ep)]  # fmt: skip
+            got = [_rank_grads(stage.mesh, stage.traced.pieces, names, layouts, g) for g in held]
+            per_ep, lay = [gs for gs, _ in got], got[0][1]
             name = f"{fqn} (stage {stage_id})"
-            if any(g is None for gs in per_ep for g in gs):
+            if any(gs is None or any(g is None for g in gs) for gs in per_ep):
                 rows.append(_failed(name, "grad", "no gradient on some rank"))
                 continue
             if fqn in experts:
