@@ -77,12 +77,13 @@ def split_fused_projections(traced: Traced) -> Traced:
             fqn = traced.params[old]
             name = f"{fqn}.{i}"
             params[ph.name] = name
-            tensors[name] = tensors[fqn].narrow(dim, start, stop - start)
+            tensors[name] = tensors[fqn].detach().narrow(dim, start, stop - start)
             pieces[name] = Piece(fqn=fqn, dim=dim, start=start, stop=stop)
             if fqn in traced.trainable:
                 trainable.add(name)
-        for ph in {*fused.ops, fused.weight, fused.bias} - {None}:
-            params.pop(ph.name, None)
+        for ph in (fused.weight, fused.bias):
+            if ph is not None:
+                params.pop(ph.name)
     gm.graph.lint()
     gm.recompile()
     return dataclasses.replace(traced, gm=gm, params=params, tensors=tensors, pieces=pieces,

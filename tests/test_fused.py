@@ -227,3 +227,14 @@ def test_pipeline_and_data_parallel_meshes_check_the_fused_gradients(mesh):
     assert report.ok, report
     fused = [r.name for r in report.rows if ".c_attn." in r.name]
     assert len(fused) == 4 and not [n for n in fused if ".weight." in n or ".bias." in n], fused
+
+
+def test_saved_plan_of_pieces_reloads_to_the_same_program(tmp_path):
+    from autopar.plan import Plan
+
+    prog = autoparallelize(_fused_model(0), Mesh(tp=2), _inputs(32), loss_fn=_loss)
+    prog.save(tmp_path)
+    again = autoparallelize(_fused_model(0), Mesh(tp=2), _inputs(32), loss_fn=_loss,
+                            plan=Plan.load(tmp_path / "plan.json"))  # fmt: skip
+    assert again.plan == prog.plan and again.code(0) == prog.code(0)
+    assert "qkv.weight.1" in (tmp_path / "plan.txt").read_text()
