@@ -238,3 +238,10 @@ def test_saved_plan_of_pieces_reloads_to_the_same_program(tmp_path):
                             plan=Plan.load(tmp_path / "plan.json"))  # fmt: skip
     assert again.plan == prog.plan and again.code(0) == prog.code(0)
     assert "qkv.weight.1" in (tmp_path / "plan.txt").read_text()
+
+
+def test_context_parallel_with_tp_checks_the_fused_gradients():
+    model = _fused_model(0)
+    report = verify(model, Mesh(cp=2, tp=2), _inputs(32), _loss, cp_attention="all_to_all")
+    assert report.ok, report
+    assert "qkv.weight" in {r.name for r in report.rows}
