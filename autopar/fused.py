@@ -117,13 +117,12 @@ def _fused(w: fx.Node, traced: Traced) -> _Fused | None:
     if read is None:
         return None
     ranges, readers, dead = read
-    widths = {b - a for a, b in ranges}
-    steps = [_suffix(_shape(v), n) for v in (ops[-1], *chain)]
-    whole_rows = all(
-        (b - a) * _shape(v)[s] % n == 0 for v, s in zip((ops[-1], *chain), steps, strict=True)
-        for a, b in ranges
-    )
-    if len(widths) < 2 or not whole_rows:
+    values = (ops[-1], *chain)
+    whole_rows = all(_piece_shape(_shape(v), n, b - a) is not None
+                     for v in values for a, b in ranges)  # fmt: skip
+    fits = whole_rows and all(_shape(r) == _piece_shape(_shape(last), n, b - a)
+                              for (a, b), rs in zip(ranges, readers, strict=True) for r in rs)  # fmt: skip
+    if len({b - a for a, b in ranges}) < 2 or not fits:
         return None
     return _Fused(weight=w, dim=dim, ops=ops, bias=bias, chain=chain, ranges=ranges,
                   readers=readers, dead=dead)  # fmt: skip
@@ -236,6 +235,15 @@ def _read(user: fx.Node, src: fx.Node, fd: int, width: int) -> tuple | None:
     return None
 
 
+def _piece_shape(shape: Sequence[int], n: int, width: int) -> torch.Size | None:
+    """``shape`` with the first dim of its feature group narrowed to ``width`` of the ``n``
+    features (None: the piece is not whole rows of that dim)."""
+    fd = _suffix(shape, n)
+    if fd is None or shape[fd] * width % n:
+        return None
+    return torch.Size([*shape[:fd], shape[fd] * width // n, *shape[fd + 1 :]])
+
+
 def _norm(dim: int, nd: int) -> int:
     return dim + nd if dim < 0 else dim
 
@@ -265,9 +273,7 @@ def _rewrite(graph: fx.Graph, f: _Fused) -> list[tuple]:
             for old in old_nodes:
                 env[old] = _replay(graph, old, env, n, b - a, i)
         for reader in f.readers[i]:
-            new = env[old_nodes[-1]]
-            assert _shape(reader) == _shape(new), (reader, _shape(reader), _shape(new))
-            reader.replace_all_uses_with(new)
+            reader.replace_all_uses_with(env[old_nodes[-1]])
     erase = [r for rs in f.readers for r in rs] + list(f.dead) + old_nodes[::-1]
     erase += [f.weight] + ([f.bias] if f.bias is not None else [])
     for node in erase:
@@ -289,9 +295,7 @@ def _replay(graph: fx.Graph, old: fx.Node, env: dict, n: int, width: int,
             index: int) -> fx.Node:  # fmt: skip
     """``old`` on its inputs' pieces: the first dim of its feature group (sizes multiplying
     to ``n``) narrowed to the piece's ``width`` features."""
-    shape = list(_shape(old))
-    fd = _suffix(shape, n)
-    shape[fd] = shape[fd] * width // n
+    shape = list(_piece_shape(_shape(old), n, width))
     args = fx.node.map_arg(old.args, lambda a: env.get(a, a))
     if old.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
         args = (args[0], shape, *args[2:])
