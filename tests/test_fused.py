@@ -168,15 +168,20 @@ def _train(loss_of, opt, first: int, last: int, ck=None, save_at: int = 0) -> li
     return losses
 
 
-def _ckpt_rank(rank, groups, module, root, resume):
+def _make_ckpt_group(rank, groups):
+    """On every pool worker (new_group is collective over the whole pool): the checkpoint's
+    own Gloo group of ranks 0 and 1."""
     import torch.distributed as dist
 
+    if 2 not in _CKPT_GROUP:
+        _CKPT_GROUP[2] = dist.new_group([0, 1], backend="gloo")
+
+
+def _ckpt_rank(rank, groups, module, root, resume):
     from autopar import collectives
     from autopar.checkpoint import Checkpointer
 
     collectives.bind(groups)
-    if 2 not in _CKPT_GROUP:
-        _CKPT_GROUP[2] = dist.new_group([0, 1], backend="gloo")
     x, y = _inputs(32)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.01)
     ck = Checkpointer(root, module, opt, group=_CKPT_GROUP[2])
@@ -198,6 +203,7 @@ def test_checkpoint_of_pieces_resumes_under_tp2_and_on_one_device(tmp_path):
     again = autoparallelize(_fused_model(5), Mesh(tp=2), (x, y), loss_fn=_loss)
     assert "qkv.weight.1" in dict(first.module(0).named_parameters())
     pool = get_pool(2)
+    pool.run(_make_ckpt_group, (), [()] * pool.world)
     saved = pool.run(_ckpt_rank, first.mesh.axes, [(first.module(r), tmp_path, False)
                                                    for r in range(2)])  # fmt: skip
     assert saved[0] == pytest.approx(ref[:3], rel=1e-5)
