@@ -12,6 +12,8 @@ Algorithm (:meth:`Checkpointer.save`):
    rank's optimizer state) is cut where the plan's layout makes it non-contiguous in the global
    tensor (a blocked split ``S(0:3)`` holds 3 pieces); each piece gets its global offset.  Rows a
    padded vocabulary added (autopar/pad.py) are clipped off, so they never reach the file.
+   A piece of a fused parameter (autopar/fused.py: ``qkv.weight.1``) is saved as its part of
+   the user's parameter (``qkv.weight`` at its row offset), so any plan, or one device, reads it.
 2. Stage: the pieces are copied (the staging copy; :attr:`Checkpointer.staged_bytes`), so
    training may update the parameters while the copy is written.
 3. Write ``step_N.tmp`` with DCP in a background thread, over a Gloo group of its own (its
@@ -82,6 +84,8 @@ class ShardSpec:
     layout: Layout
     sizes: dict[str, int]
     coords: dict[str, int]
+    saved: tuple[int, ...] = ()  # the saved tensor's shape when this one is a piece of it
+    base: tuple[int, ...] = ()  # this tensor's offset in the saved tensor (a piece's rows)
 
     @staticmethod
     def whole(shape: Sequence[int]) -> ShardSpec:
@@ -206,10 +210,17 @@ def named_specs(model: Any) -> Iterator[tuple[str, torch.Tensor, ShardSpec]]:
         info = getattr(module, "meta", None)
         info = info if isinstance(info, dict) else {}
         shards, coords = info.get("shards", {}), info.get("coords", {})
+        pieces = info.get("pieces", {})
         keep = set(shards) if "shards" in info else set(module.state_dict())
         buffers = [(n, b) for n, b in module.named_buffers() if n in keep]
         for fqn, p in [*module.named_parameters(), *buffers]:
-            if fqn in shards:
+            if fqn in pieces:
+                name, dim, start, whole = pieces[fqn]
+                shape, padded, layout, sizes = shards[fqn]
+                base = tuple(start if d == dim else 0 for d in range(len(whole)))
+                yield name, p, ShardSpec(shape=shape, padded=padded, layout=layout, sizes=sizes,
+                                         coords=coords, saved=whole, base=base)  # fmt: skip
+            elif fqn in shards:
                 shape, padded, layout, sizes = shards[fqn]
                 yield fqn, p, ShardSpec(shape=shape, padded=padded, layout=layout, sizes=sizes,
                                         coords=coords)  # fmt: skip
@@ -228,8 +239,26 @@ def tensor_pieces(t: torch.Tensor, spec: ShardSpec) -> Pieces:
         if any(offset[1:]):
             raise CheckpointError("only dim-0 (FSDP2) sharding of a rank's shard is supported")
         local = t.to_local().detach()
-        return Pieces(spec.shape, global_pieces(local, spec, offset[0]), t.dtype)
-    return Pieces(spec.shape, global_pieces(t.detach(), spec), t.dtype)
+        return _placed(spec, global_pieces(local, spec, offset[0]), t.dtype)
+    return _placed(spec, global_pieces(t.detach(), spec), t.dtype)
+
+
+def _placed(spec: ShardSpec, pieces: list, dtype: torch.dtype) -> Pieces:
+    """Pieces of ``spec.shape``, or of the saved tensor when this one is a piece of it."""
+    if not spec.saved:
+        return Pieces(spec.shape, pieces, dtype)
+    moved = [(tuple(o + b for o, b in zip(off, spec.base, strict=True)), t) for off, t in pieces]
+    return Pieces(spec.saved, moved, dtype)
+
+
+def _add(out: dict[str, Any], key: str, value: Any) -> None:
+    """``out[key] = value``; the pieces of one fused parameter share a key and are merged (a
+    scalar state, the same in every piece, is kept once; :func:`spread_scalars`)."""
+    have = out.get(key)
+    if isinstance(have, Pieces) and isinstance(value, Pieces):
+        out[key] = Pieces(have.shape, [*have.pieces.items(), *value.pieces.items()], have.dtype)
+    elif have is None:
+        out[key] = value
 
 
 def _base(opt: Any) -> torch.optim.Optimizer:
@@ -238,7 +267,10 @@ def _base(opt: Any) -> torch.optim.Optimizer:
 
 
 def model_state(model: Any) -> dict[str, Pieces]:
-    return {f"model.{fqn}": tensor_pieces(p, spec) for fqn, p, spec in named_specs(model)}
+    out: dict[str, Any] = {}
+    for fqn, p, spec in named_specs(model):
+        _add(out, f"model.{fqn}", tensor_pieces(p, spec))
+    return out
 
 
 def optimizer_state(model: Any, opt: Any) -> dict[str, Any]:
@@ -249,10 +281,22 @@ def optimizer_state(model: Any, opt: Any) -> dict[str, Any]:
         for key, value in base.state.get(p, {}).items():
             name = f"optim.{fqn}.{key}"
             if isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim():
-                out[name] = tensor_pieces(value, spec)
+                _add(out, name, tensor_pieces(value, spec))
             elif isinstance(value, torch.Tensor):
-                out[name] = value
+                _add(out, name, value)
     return out
+
+
+def spread_scalars(model: Any, opt: Any, state: dict[str, Any]) -> None:
+    """After loading, every piece of a fused parameter gets the scalar state (Adam's step)
+    that ``state`` holds once for the whole parameter."""
+    base = _base(opt)
+    for fqn, p, _ in named_specs(model):
+        for key, value in base.state.get(p, {}).items():
+            loaded = state.get(f"optim.{fqn}.{key}")
+            if isinstance(value, torch.Tensor) and not value.dim() and loaded is not value \
+                    and isinstance(loaded, torch.Tensor):
+                value.copy_(loaded)
 
 
 def init_optimizer_state(opt: Any) -> None:
@@ -467,6 +511,8 @@ class Checkpointer:
                      process_group=self.group, no_dist=not self.distributed)  # fmt: skip
         if rng in state:
             torch.set_rng_state(state[rng])
+        if self.optimizer is not None:
+            spread_scalars(self.model, self.optimizer, state)
         info = json.loads((path / "trainer.json").read_text())
         self._restore_groups(info["param_groups"])
         return Resumed(step=info["step"], extra=info["extra"], path=path)

@@ -94,7 +94,9 @@ def build_module(gm: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> f
         if name and isinstance(sub, fx.GraphModule):  # higher-order ops' bodies (autocast...)
             _device_from_module(sub.graph)
             sub.recompile()
-    out.meta = {"rank": rank, "coords": coords, "shards": shard_specs(graph, traced, mesh)}
+    out.meta = {"rank": rank, "coords": coords, "shards": shard_specs(graph, traced, mesh),
+                "pieces": {name: (p.fqn, p.dim, p.start, tuple(traced.tensors[p.fqn].shape))
+                           for name, p in traced.pieces.items()}}  # fmt: skip
     return out
 
 

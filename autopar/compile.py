@@ -3,7 +3,8 @@ passes, package a :class:`Program`.  ``autopar.api`` (whole models), ``autopar.p
 (one stage at a time) and ``autopar.data_parallel`` (the sub-mesh of each dp rank) all call it.
 
 Algorithm (:func:`compile_traced`):
-1. Pad vocabularies the degree does not divide (autopar.pad).
+1. Pad vocabularies the degree does not divide (autopar.pad); cut fused projections of
+   unequal blocks into one projection per block (autopar.fused).
 2. Solve the tp axis with the cost model (autopar.planner); a whole model must split some
    layer weight.
 3. Run the pass pipeline (passes.run_pipeline): layouts, lowerings, collectives, local shapes.
@@ -24,6 +25,7 @@ import torch.nn as nn
 from autopar import meta
 from autopar.analysis import block_of, needs_grad
 from autopar.errors import PlanError
+from autopar.fused import split_fused_projections
 from autopar.mesh import Mesh
 from autopar.pad import pad_vocab
 from autopar.plan import Plan
@@ -50,6 +52,8 @@ def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
     may hold nothing worth splitting, e.g. only an embedding)."""
     axis = "tp"
     traced = pad_vocab(traced, mesh.size(axis))
+    if mesh.size(axis) > 1:
+        traced = split_fused_projections(traced)
     solution = solve_axis(traced, axis, mesh.size(axis), mesh.cluster.axis_link(mesh.axes, axis),
                           mesh.cluster.gpu, options)  # fmt: skip
     log(f"solved {axis}={mesh.size(axis)}: {solution.variables} variables, "

@@ -8,7 +8,10 @@ Algorithm:
 3. ``torch.export.export(..., strict=False)`` (training IR: linear, layer_norm, sdpa and
    cross_entropy stay whole ops).  On failure, run the model eagerly to tell "the inputs do not
    fit the model" from "torch.export cannot trace it", and raise one error quoting the reason and
-   the user's source line.
+   the user's source line.  While tracing, ``x[..., [i, i+1, ...], :]`` (a list of consecutive
+   ints, the only advanced index) is recorded as ``x[..., i:i+n, :]`` copied: the same fresh
+   tensor, but a range the planner can read (a list index becomes a constant tensor whose
+   values are lost on the meta device; Falcon's fused QKV reads K and V that way).
 4. Drop unused parameter placeholders (the second name of a tied weight), drop
    ``_assert_tensor_metadata`` checks (they assert global metadata) and split each
    biased ``linear`` into ``linear`` + ``add``: a row-split linear must add its bias once, after
@@ -34,6 +37,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from autopar.canonical import canonicalize
@@ -42,6 +46,17 @@ from autopar.meta import source
 from autopar.moe_loop import LoopProblem, stack_expert_loops
 
 _ASSERT_OPS = (torch.ops.aten._assert_tensor_metadata.default,)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Entries ``start:stop`` of dim ``dim`` of the user's parameter ``fqn``: one block of a
+    fused projection that holds its own layout (autopar/fused.py)."""
+
+    fqn: str
+    dim: int
+    start: int
+    stop: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +75,7 @@ class Traced:
     grad_inputs: frozenset[str] = frozenset()  # inputs that carry a gradient (stage boundaries)
     padded: dict[str, int] = field(default_factory=dict)  # FQN -> dim-0 size before padding
     persistent: frozenset[str] = frozenset()  # buffer FQNs in the model's state_dict
+    pieces: dict[str, Piece] = field(default_factory=dict)  # piece FQN -> part of a parameter
 
 
 class _WithLoss(nn.Module):
@@ -89,7 +105,7 @@ def trace(
     if any(p.is_meta for p in model.parameters()):
         args, kwargs = pytree.tree_map_only(torch.Tensor, _to_meta, (args, kwargs))
     try:
-        with _quiet_fake_tensor_log():
+        with _quiet_fake_tensor_log(), _RunIndexAsSlice():
             ep = torch.export.export(root, args, kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001 - re-raised as a clear error below
         raise _explain_failure(model, root, args, kwargs, exc) from None
@@ -110,6 +126,41 @@ def _quiet_fake_tensor_log() -> Iterator[None]:
         yield
     finally:
         log.setLevel(level)
+
+
+class _RunIndexAsSlice(TorchFunctionMode):
+    """Step 3: ``x[..., [i, ..., i+n-1], ...]`` -> ``x[..., i:i+n, ...]`` copied to a fresh
+    contiguous tensor (what advanced indexing returns)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:  # fmt: skip
+        kwargs = kwargs or {}
+        if func is torch.Tensor.__getitem__ and len(args) == 2:
+            index = _run_as_slice(args[0], args[1])
+            if index is not None:
+                return func(args[0], index).clone(memory_format=torch.contiguous_format)
+        return func(*args, **kwargs)
+
+
+def _run_as_slice(x: Any, index: Any) -> tuple | None:
+    """The index with its one list of consecutive ints made a slice (None: not that case)."""
+    items = index if isinstance(index, tuple) else (index,)
+    lists = [i for i, it in enumerate(items) if isinstance(it, list)]
+    basic = all(it is Ellipsis or isinstance(it, slice)
+                or (isinstance(it, int) and not isinstance(it, bool)) for j, it in enumerate(items)
+                if j not in lists)  # fmt: skip
+    if len(lists) != 1 or not basic or items.count(Ellipsis) > 1 or not isinstance(x, torch.Tensor):
+        return None
+    at, run = lists[0], items[lists[0]]
+    if not run or not all(isinstance(v, int) and not isinstance(v, bool) for v in run):
+        return None
+    dim = at if Ellipsis not in items[:at] else x.dim() - (len(items) - at)
+    if not 0 <= dim < x.dim() or not all(-x.shape[dim] <= v < x.shape[dim] for v in run):
+        return None
+    vals = [v % x.shape[dim] for v in run]
+    if vals != list(range(vals[0], vals[0] + len(vals))):
+        return None
+    return (*items[:at], slice(vals[0], vals[0] + len(vals)), *items[at + 1 :])
 
 
 def _to_meta(t: torch.Tensor) -> torch.Tensor:

@@ -294,7 +294,8 @@ def _compare_grads(prog: Program, ref: dict, per_rank: list[dict], rtol: float,
     layouts = {prog.traced.params[n.name]: meta.layout(n) for n in prog.graph_module.graph.nodes
                if n.op == "placeholder" and n.name in prog.traced.params}  # fmt: skip
     rows = []
-    for fqn in sorted(layouts, key=list(lays).index):
+    groups = _param_groups(prog.traced.pieces, sorted(layouts, key=list(lays).index))
+    for fqn, names in groups.items():
         tied = [
             n
             for n, g in ref.items()
@@ -302,13 +303,57 @@ def _compare_grads(prog: Program, ref: dict, per_rank: list[dict], rtol: float,
         ]
         if not tied:
             continue
-        ours = [grads.get(fqn) for grads in per_rank]
-        if any(g is None for g in ours):
+        ours, lay = _rank_grads(prog.mesh, prog.traced.pieces, names, layouts, per_rank)
+        if ours is None or any(g is None for g in ours):
             rows.append(_failed(fqn, "grad", "no gradient on some rank"))
             continue
-        rows.append(_check(fqn, "grad", ours, layouts[fqn], ref[fqn], prog.mesh, rtol, scale,
+        rows.append(_check(fqn, "grad", ours, lay, ref[fqn], prog.mesh, rtol, scale,
                            prog.traced.padded.get(fqn)))  # fmt: skip
     return rows
+
+
+def _stage_layouts(stage: Any) -> dict[str, Layout | None]:
+    """Parameter name -> layout in a compiled stage (or whole) program."""
+    return {stage.traced.params[n.name]: meta.layout(n) for n in stage.graph_module.graph.nodes
+            if n.op == "placeholder" and n.name in stage.traced.params}  # fmt: skip
+
+
+def _param_groups(pieces: dict, names: list[str]) -> dict[str, list[str]]:
+    """User parameter FQN -> the program's names for it: itself, or its pieces in order
+    (a fused projection cut per block, autopar/fused.py)."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(pieces[name].fqn if name in pieces else name, []).append(name)
+    for group in groups.values():
+        group.sort(key=lambda n: pieces[n].start if n in pieces else 0)
+    return groups
+
+
+def _rank_grads(mesh: Mesh, pieces: dict, names: list[str], layouts: dict,
+                per_rank: list[dict]) -> tuple[list | None, Layout | None]:  # fmt: skip
+    """(each rank's gradient, its layout) of one user parameter held under ``names``: one
+    name as it is; pieces assembled per rank (layout None: every rank's whole is checked)."""
+    if len(names) == 1 and names[0] not in pieces:
+        return [grads.get(names[0]) for grads in per_rank], layouts[names[0]]
+    return _assembled(mesh, pieces, names, layouts, per_rank), None
+
+
+def _assembled(mesh: Mesh, pieces: dict, names: list[str], layouts: dict,
+               per_rank: list[dict]) -> list[torch.Tensor] | None:  # fmt: skip
+    """Per rank, the whole gradient of a parameter held as pieces: a replicated piece as
+    that rank holds it (every replica is checked), a split one reassembled from all ranks."""
+    coords = [mesh.coordinates(r) for r in range(mesh.world_size)]
+    columns = []
+    for name in names:
+        shards = [grads.get(name) for grads in per_rank]
+        if any(g is None for g in shards):
+            return None
+        lay = layouts[name]
+        if lay is not None and not lay.is_replicated:
+            shards = [unshard_tensors(shards, lay, mesh, coords)] * len(shards)
+        columns.append(shards)
+    dim = pieces[names[0]].dim
+    return [torch.cat([col[r] for col in columns], dim) for r in range(len(per_rank))]
 
 
 def _check(name: str, kind: str, ours: list[torch.Tensor], lay: Layout | None, ref: torch.Tensor,
@@ -366,14 +411,15 @@ def _pipeline_rows(prog: Any, results: list, again: list, ref_loss: torch.Tensor
                    ref_loss.abs().item())]  # fmt: skip
     scale = _scale(list(ref_grads.values()))
     for stage_id, stage in enumerate(prog.stages):
-        for ph, fqn in stage.traced.params.items():
+        layouts = _stage_layouts(stage)
+        ranks = [r for r in range(world) if stage_id in results[r][1]]
+        per_rank = [results[r][1][stage_id] for r in ranks]
+        for fqn, names in _param_groups(stage.traced.pieces, list(layouts)).items():
             if fqn not in ref_grads:
                 continue
-            lay = meta.layout(next(n for n in stage.graph_module.graph.nodes if n.name == ph))
-            ranks = [r for r in range(world) if stage_id in results[r][1]]
-            shards = [results[r][1][stage_id].get(fqn) for r in ranks]
+            shards, lay = _rank_grads(stage.mesh, stage.traced.pieces, names, layouts, per_rank)
             name = f"{fqn} (stage {stage_id})"
-            if any(g is None for g in shards):
+            if shards is None or any(g is None for g in shards):
                 rows.append(_failed(name, "grad", "no gradient on some rank"))
                 continue
             rows.append(_check(name, "grad", shards, lay, ref_grads[fqn], stage.mesh, rtol, scale))
@@ -701,13 +747,16 @@ def _ep_pipeline_rows(prog: Any, results: list, eps: list[int], ref_loss: torch.
     scale = _scale(list(ref_grads.values()))
     experts = {w for layer in prog.plan.layers for w in layer.weights}
     for stage_id, stage in enumerate(prog.inner.stages):
-        for ph, fqn in stage.traced.params.items():
+        layouts = _stage_layouts(stage)
+        by_ep = [[res[1][stage_id] for res, e_ in zip(results, eps, strict=True)
+                  if e_ == e and stage_id in res[1]]
+                 for e in range(prog.mesh.size("ep"))]  # fmt: skip
+        for fqn, names in _param_groups(stage.traced.pieces, list(layouts)).items():
             if fqn not in ref_grads:
                 continue
-            lay = meta.layout(next(n for n in stage.graph_module.graph.nodes if n.name == ph))
-            per_ep = [[res[1][stage_id].get(fqn) for res, e_ in zip(results, eps, strict=True)
-                       if e_ == e and stage_id in res[1]]
-                      for e in range(prog.mesh.size("ep"))]  # fmt: skip
+            got = [_rank_grads(stage.mesh, stage.traced.pieces, names, layouts, gs)
+                   for gs in by_ep]  # fmt: skip
+            per_ep, lay = [[None] if gs is None else gs for gs, _ in got], got[0][1]
             name = f"{fqn} (stage {stage_id})"
             held = [gs for gs in per_ep if gs and None not in gs]
             others = [g for gs in per_ep for g in gs if not held or gs is not held[0]]

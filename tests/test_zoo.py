@@ -26,15 +26,9 @@ NAMES = [f.name for f in zoo.families()]
 UNTRACEABLE: dict[str, str] = {}  # family -> why torch.export cannot capture it
 # (family, check) -> why autopar misses the hand design today.  Each is a strict xfail: it
 # fails the suite once fixed, so the list only ever shrinks (see NOTES.md, open work).
-_MQA = ("multi-query K/V in a fused QKV weight: REFERENCE replicates the KV rows while the q "
-        "rows are split, which needs per-block layouts of one weight (not built); the whole "
-        "projection output is all-gathered instead")
 _MOE = ("with distributed norms the planner keeps the residual split on the hidden dim and "
         "all-gathers the routed [T*k, h] rows before the experts")
 KNOWN_GAPS: dict[tuple[str, str], str] = {
-    ("gpt_bigcode", "comm"): _MQA + " (fused c_attn)",
-    ("falcon", "comm"): _MQA + " (fused query_key_value)",
-    ("phi3", "comm"): "fused [q | k | v] of unequal widths (GQA): no unequal blocked split yet",
     ("mixtral", "comm"): _MOE,
     ("qwen2_moe", "comm"): _MOE,
     ("qwen3_moe", "comm"): _MOE,
