@@ -121,7 +121,7 @@ def autoparallelize(
 
         prog = compile_pipeline(model, virtual, example_inputs, loss_fn, example_kwargs, options,
                                 n_microbatches, schedule, virtual_stages, split_points,
-                                Progress(verbose), cp_attention)  # fmt: skip
+                                Progress(verbose), cp_attention, param_dtype)  # fmt: skip
     elif "cp" in virtual.sizes:
         from autopar.context_parallel import compile_context_parallel
 
@@ -157,7 +157,7 @@ def _data_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any, example_input
     def inner(sub: Mesh, args: tuple, kwargs: dict, limit: float | None) -> Any:
         return autoparallelize(model, sub, args, loss_fn, example_kwargs=kwargs or None,
                                n_microbatches=n_microbatches, memory_limit=limit,
-                               **inner_options)  # fmt: skip
+                               param_dtype=param_dtype, **inner_options)  # fmt: skip
 
     prog = compile_data_parallel(mesh, example_inputs, example_kwargs, inner, zero=zero,
                                  memory_limit=memory_limit, param_dtype=param_dtype,

@@ -52,6 +52,10 @@ class PipelineRunner:
        micro-batches and runs forward and backward; the last stage's output is the loss.
     2. Gradients of a weight held by several stages (tied embeddings) are summed across them.
     3. The mean micro-batch loss is broadcast from the last stage, so every rank returns it.
+    4. Mixed precision (the config's ``param_dtype`` 16-bit): each stage module computes under
+       autocast with fp32 weights (:func:`mixed_precision_stage`); the activations it sends
+       on, and their gradients coming back, cross in ``param_dtype``
+       (``passes.pipeline_split.boundary_dtype``, as the cut's boundary bytes are priced).
     """
 
     def __init__(self, share: RankShare, pp_group: Any, device: str = "cpu",
@@ -64,16 +68,21 @@ class PipelineRunner:
         if data is not None and data.zero >= 2 and share.tied_shapes:
             raise MeshError("ZeRO-2/3 with pipeline stages that share a tied weight is not "
                             "supported yet; use zero=0 or 1, or untie the weights")  # fmt: skip
-        wrapped = {s: data.wrap(m) if data else m for s, m in self.modules.items()}
+        dtype = share.config.param_dtype
+        wrapped = {s: data.wrap(m, dtype) if data else m for s, m in self.modules.items()}
         self.modules = {s: _unwrapped(m) for s, m in wrapped.items()}  # ZeRO-2/3 run per-block
+        io = {s: tuple(_on_wire(specs, dtype) for specs in share.io[s]) for s in self.stage_ids}
+        if dtype != torch.float32:
+            for s in self.stage_ids:
+                mixed_precision_stage(self.modules[s], share.io[s], io[s], dtype, device)
         self.stages = [
             PipelineStage(
                 wrapped[s],
                 s,
                 share.n_stages,
                 torch.device(device),
-                input_args=_examples(share.io[s][0], device),
-                output_args=_examples(share.io[s][1], device),
+                input_args=_examples(io[s][0], device),
+                output_args=_examples(io[s][1], device),
                 group=pp_group,
             )
             for s in self.stage_ids
@@ -130,7 +139,8 @@ class PipelineRunner:
 
     def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         holder = (self.share.n_stages - 1) % self.share.mesh.size("pp")
-        value = torch.stack([x.detach() for x in losses]).mean() if losses else torch.zeros(())
+        value = (torch.stack([x.detach().float() for x in losses]).mean() if losses
+                 else torch.zeros(()))  # fmt: skip
         src = dist.get_global_rank(self.pp_group, holder)
         dist.broadcast(value, src=src, group=self.pp_group)
         return value
@@ -141,6 +151,42 @@ def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def _on_wire(specs: list, param_dtype: torch.dtype) -> list:
+    """(shape, dtype, requires_grad) of a stage's inputs or outputs as they cross the pipeline
+    axis (activations in ``param_dtype`` under mixed precision)."""
+    from passes.pipeline_split import boundary_dtype
+
+    return [(shape, boundary_dtype(dtype, shape, grad, param_dtype), grad)
+            for shape, dtype, grad in specs]  # fmt: skip
+
+
+def mixed_precision_stage(module: torch.nn.Module, traced: tuple[list, list],
+                          wire: tuple[list, list], param_dtype: torch.dtype,
+                          device: str) -> None:  # fmt: skip
+    """Make ``module`` (a stage program, its fp32 weights kept) run as a mixed-precision stage:
+    received activations are cast back to their traced dtype, the body runs under
+    ``param_dtype`` autocast, and the outputs are cast to their wire dtype (each cast's
+    backward casts the gradient the other way, so gradients cross in ``param_dtype`` too).
+    Replaces the instance's ``forward``, so DDP / FSDP2 wrappers and their hooks stay outside."""
+    body = module.forward
+    ins = [dtype for _, dtype, _ in traced[0]]
+    sent = [dtype for _, dtype, _ in wire[1]]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(_cast(a, d) for a, d in zip(args, ins, strict=False)) + args[len(ins):]
+        with torch.autocast(device, dtype=param_dtype):
+            out = body(*args, **kwargs)
+        leaves, spec = torch.utils._pytree.tree_flatten(out)
+        cast = [_cast(x, d) for x, d in zip(leaves, sent, strict=True)]
+        return torch.utils._pytree.tree_unflatten(cast, spec)
+
+    module.forward = forward
+
+
+def _cast(x: Any, dtype: torch.dtype) -> Any:
+    return x.to(dtype) if isinstance(x, torch.Tensor) and x.dtype != dtype else x
 
 
 def _whole(grad: torch.Tensor, placement: str) -> torch.Tensor:
@@ -370,7 +416,8 @@ def wrap_data_parallel(device_mesh: Any, prog: Any, mesh: Mesh) -> Any:
     rank = bind_mesh(device_mesh, mesh)
     if "pp" in mesh.sizes:
         data = DataAxis(group=device_mesh.get_group("dp"), mesh=device_mesh["dp"],
-                        zero=prog.plan.zero, reduction=prog.plan.reduction)  # fmt: skip
+                        zero=prog.plan.zero, reduction=prog.plan.reduction,
+                        reduce_dtype=prog.plan.reduce_dtype)  # fmt: skip
         return PipelineRunner(prog.inner.share(prog.inner_rank(rank)),
                               device_mesh.get_group("pp"), data=data)  # fmt: skip
     return DataParallelModule(prog.module(rank), group=device_mesh.get_group("dp"),
@@ -387,17 +434,23 @@ class DataAxis:
     mesh: Any
     zero: int
     reduction: str
+    reduce_dtype: torch.dtype = torch.float32  # gradient reduction dtype under mixed precision
 
     @property
     def size(self) -> int:
         return dist.get_world_size(self.group)
 
-    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+    def wrap(self, module: torch.nn.Module,
+             param_dtype: torch.dtype = torch.float32) -> torch.nn.Module:  # fmt: skip
         """DDP (ZeRO 0/1) or FSDP2 (2/3) around one stage module; the pipeline schedule
-        defers their gradient reduction to the last micro-batch."""
+        defers their gradient reduction to the last micro-batch.  Mixed precision as
+        :class:`DataParallelModule` (step 4): FSDP2 gathers in ``param_dtype``; gradients are
+        reduced in ``reduce_dtype``."""
+        mixed = param_dtype if _is_mixed(module, param_dtype) else None
         if self.zero <= 1:
-            return _ddp(module, self.group, self.reduction, None, torch.float32)
-        return shard_per_block(module, self.mesh, reshard_after_forward=self.zero == 3)
+            return _ddp(module, self.group, self.reduction, mixed, self.reduce_dtype)
+        return shard_per_block(module, self.mesh, reshard_after_forward=self.zero == 3,
+                               mp_policy=_mp_policy(mixed, self.reduce_dtype))  # fmt: skip
 
 
 def shard_per_block(module: torch.nn.Module, dp_mesh: Any, *, reshard_after_forward: bool,
