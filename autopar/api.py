@@ -115,7 +115,7 @@ def autoparallelize(
         raise PlanError(f"zero={zero} shards over the data axis, but {virtual} has no dp axis; "
                         "use e.g. Mesh(dp=2, tp=2)")  # fmt: skip
     options = PlanOptions(memory_limit=memory_limit, memory_weight=memory_weight, strict=strict,
-                          fixed=_reused(plan, virtual))  # fmt: skip
+                          fixed=_reused(plan, virtual), param_dtype=param_dtype)  # fmt: skip
     if "pp" in virtual.sizes:
         from autopar.pipeline import compile_pipeline
 
@@ -138,6 +138,9 @@ def autoparallelize(
     rank = bind_mesh(device_mesh, virtual)
     if "pp" in virtual.sizes:
         return PipelineRunner(prog.share(rank), device_mesh.get_group("pp"))
+    if param_dtype != torch.float32:
+        raise PlanError(f"param_dtype={param_dtype} is applied by the data-parallel and pipeline "
+                        f"runtimes; on {virtual} compile without it, or add a dp or pp axis")  # fmt: skip
     return prog.module(rank)
 
 

@@ -461,7 +461,8 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any]
     graphs = split_stages(traced, units, list(cut.cuts), loss)
     stage_mesh = Mesh(mesh.cluster, tp=mesh.size("tp"))
     stage_opts = PlanOptions(memory_limit=options.memory_limit, memory_weight=options.memory_weight,
-                             strict=options.strict, replicate_outputs=True)  # fmt: skip
+                             strict=options.strict, replicate_outputs=True,
+                             param_dtype=param_dtype)  # fmt: skip
     if "cp" in mesh.sizes:
         from autopar.context_parallel import compile_traced_cp
 

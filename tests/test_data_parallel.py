@@ -531,3 +531,63 @@ def test_bf16_pipeline_matches_single_device_autocast(axes, zero):
         # the same tolerance as the dp-only bf16 test (bf16 rounding of the autocast run)
         assert losses == pytest.approx(bf16, rel=2e-3), rank
         assert max(abs(a - b) for a, b in zip(losses, ref32, strict=True)) > 2e-5
+
+
+def _log_step_traffic(rank, groups, module, x, y):
+    """One bf16 training step (forward, backward) under ZeRO-0: the bytes of every c10d call
+    by (collective, dtype), each call's full message (all-reduce input, all-gather output)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from autopar import collectives
+    from autopar.runtime import DataParallelModule
+
+    kinds = {"c10d.allreduce_": "all_reduce", "c10d._allgather_base_": "all_gather",
+             "c10d.allgather_": "all_gather", "c10d._reduce_scatter_base_": "reduce_scatter",
+             "c10d.alltoall_base_": "all_to_all"}  # fmt: skip
+    moved: dict[tuple[str, str], int] = {}
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket)
+            if name.startswith("c10d."):
+                ts = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+                big = max(ts, key=lambda t: t.numel())
+                key = (kinds[name], str(big.dtype).replace("torch.", ""))
+                moved[key] = moved.get(key, 0) + big.numel() * big.element_size()
+            return func(*args, **(kwargs or {}))
+
+    collectives.bind({a: g for a, g in groups.items() if a != "dp"})
+    dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
+    wrapped = DataParallelModule(module, group=groups["dp"], dp_mesh=dp_mesh, zero=0,
+                                 reduction="mean", param_dtype=torch.bfloat16)  # fmt: skip
+    with Log():
+        wrapped(x, y).backward()
+    return moved
+
+
+def test_bf16_prices_activations_and_collectives_in_their_autocast_dtype():
+    c = Config(layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=48, seq=8, batch=4,
+               bias=False)  # fmt: skip
+    x, y = tokens(c)
+    mesh = Mesh(dp=2, tp=2)
+    fp32 = autoparallelize(build("llama", c), mesh, (x, y), loss_fn=lm_loss, zero=0)
+    prog = autoparallelize(build("llama", c), mesh, (x, y), loss_fn=lm_loss, zero=0,
+                           param_dtype=torch.bfloat16)  # fmt: skip
+    # matrix products (and what only views them) hold bf16; norms, the residual stream and
+    # the loss stay fp32 under autocast: the activations cost between half and all of fp32
+    ratio = prog.plan.memory[0].activations / fp32.plan.memory[0].activations
+    assert 0.5 < ratio < 0.8, ratio
+    linears = [n for n in prog.inner.traced.gm.graph.nodes if n.op == "call_function"
+               and n.target is torch.ops.aten.linear.default]  # fmt: skip
+    assert linears and all(meta.nbytes(n) == n.meta["val"].numel() * 2 for n in linears)
+    assert {c.dtype for c in prog.collectives() if c.axis == "tp" and c.direction == "fwd"
+            and c.kind == "all_reduce"} == {"bfloat16"}  # fmt: skip
+    jobs = [(prog.module(r), *(t.chunk(2)[prog.mesh.coordinates(r)["dp"]] for t in (x, y)))
+            for r in range(4)]  # fmt: skip
+    measured = get_pool(4).run(_log_step_traffic, prog.mesh.axes, jobs)
+    predicted: dict[tuple[str, str], int] = {}
+    for col in prog.collectives():
+        predicted[(col.kind, col.dtype)] = predicted.get((col.kind, col.dtype), 0) + col.bytes
+    assert all(m == predicted for m in measured), (measured[0], predicted)
