@@ -260,7 +260,9 @@ class DataParallelModule(torch.nn.Module):
        (a DDP comm hook; under FSDP2 the outputs' gradients are scaled by dp).
     3. Every floating scalar output (the loss) returns its global value (mean or sum over dp:
        one scalar all-reduce) while its gradient stays this rank's, so ``loss.backward()``
-       computes the right gradient.
+       computes the right gradient.  The all-reduce is launched asynchronously and the loss
+       waits for it only when its value is read (:class:`PendingScalar`), so it overlaps
+       backward and the optimizer step.
     4. Mixed precision (``param_dtype`` 16-bit): the parameters stay fp32 (the optimizer's
        master weights) and forward runs under autocast to ``param_dtype`` (matrix products
        in 16-bit, reductions and norms as autocast keeps them).  FSDP2 also gathers the
@@ -313,11 +315,8 @@ class DataParallelModule(torch.nn.Module):
     def _global_scalar(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor) or x.dim() or not x.is_floating_point():
             return x
-        total = x.detach().clone()
-        dist.all_reduce(total, group=self.group)
-        if self.reduction == "mean":
-            total /= self.dp
-        return x + (total - x.detach())  # the global value; the gradient stays this rank's
+        scale = 1.0 / self.dp if self.reduction == "mean" else 1.0
+        return _GlobalScalar.apply(x, self.group, scale)
 
     def optimizer(self, cls: type, **kwargs: Any) -> torch.optim.Optimizer:
         """``cls(parameters, **kwargs)`` with its state sharded over dp for ZeRO >= 1 (FSDP2's
@@ -339,6 +338,61 @@ class DataParallelModule(torch.nn.Module):
         """Every parameter whole (ZeRO-3 shards gathered)."""
         return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
                 for name, p in self.local.named_parameters()}  # fmt: skip
+
+
+class PendingScalar(torch.Tensor):
+    """A scalar whose value an asynchronous all-reduce is still writing: any op that reads
+    it (``.item()``, printing, arithmetic, ``detach``) first waits for the all-reduce and then
+    runs on the plain result; ops that only need its shape and dtype (``ones_like``, what
+    ``loss.backward()`` seeds the gradient with) do not wait."""
+
+    _METADATA_ONLY = frozenset({torch.ops.aten.ones_like.default, torch.ops.aten.zeros_like.default,
+                                torch.ops.aten.empty_like.default})  # fmt: skip
+
+    @staticmethod
+    def __new__(cls, value: torch.Tensor, work: Any) -> PendingScalar:
+        out = torch.Tensor._make_wrapper_subclass(cls, value.shape, dtype=value.dtype,
+                                                  device=value.device)  # fmt: skip
+        out._value, out._work = value, work
+        return out
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def wait(self) -> torch.Tensor:
+        """The reduced value (waits for the all-reduce once)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._value
+
+    def __repr__(self) -> str:  # noqa: D105
+        return repr(self.wait())
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        read = func not in cls._METADATA_ONLY
+
+        def plain(x: Any) -> Any:
+            if not isinstance(x, PendingScalar):
+                return x
+            return x.wait() if read else x._value
+
+        args, kwargs = torch.utils._pytree.tree_map(plain, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+class _GlobalScalar(torch.autograd.Function):
+    """Forward: ``scale`` x the sum of ``x`` over ``group``, all-reduced asynchronously (a
+    :class:`PendingScalar`); backward: the gradient passes to this rank's ``x`` unchanged."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any, scale: float) -> PendingScalar:
+        total = x.detach() * scale if scale != 1.0 else x.detach().clone()
+        return PendingScalar(total, dist.all_reduce(total, group=group, async_op=True))
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g, None, None
 
 
 class _ScaleGrad(torch.autograd.Function):

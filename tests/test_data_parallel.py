@@ -591,3 +591,40 @@ def test_bf16_prices_activations_and_collectives_in_their_autocast_dtype():
     for col in prog.collectives():
         predicted[(col.kind, col.dtype)] = predicted.get((col.kind, col.dtype), 0) + col.bytes
     assert all(m == predicted for m in measured), (measured[0], predicted)
+
+
+def _pending_loss(rank, groups, module, x, y, zero):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autopar.runtime import DataParallelModule, PendingScalar
+
+    dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
+    with torch.no_grad():
+        local = module(x, y).item()  # before FSDP2 shards the module
+    wrapped = DataParallelModule(module, group=groups["dp"], dp_mesh=dp_mesh, zero=zero,
+                                 reduction="mean")  # fmt: skip
+    loss = wrapped(x, y)
+    pending = [isinstance(loss, PendingScalar) and loss._work is not None]
+    loss.backward()
+    pending.append(loss._work is not None)  # backward seeded its gradient without waiting
+    grads = {n: g.clone() for n, g in wrapped.full_grads().items()}
+    return pending, local, loss.item(), float(loss * 2), grads
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_global_loss_is_reduced_asynchronously_and_waited_when_read(zero):
+    c = Config(layers=1, hidden=32, heads=4, ffn=64, vocab=48, seq=8, batch=4, bias=False)
+    x, y = tokens(c)
+    prog = autoparallelize(build("llama", c), Mesh(dp=2), (x, y), loss_fn=lm_loss, zero=zero)
+    jobs = [(prog.module(r), x.chunk(2)[r], y.chunk(2)[r], zero) for r in range(2)]
+    results = get_pool(2).run(_pending_loss, prog.mesh.axes, jobs)
+    model = build("llama", c)
+    want = lm_loss(model(x), y)
+    want.backward()
+    mean = sum(r[1] for r in results) / 2
+    for pending, _, value, doubled, grads in results:
+        assert pending == [True, True]
+        assert value == pytest.approx(mean, rel=1e-6) and doubled == pytest.approx(2 * value)
+        assert value == pytest.approx(want.item(), rel=1e-5)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)
