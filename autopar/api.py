@@ -76,8 +76,9 @@ def autoparallelize(
     A mesh with a ``dp`` axis splits the batch (dim 0 of the inputs) over dp and runs the
     program of the other axes on each slice (autopar.data_parallel): ``zero`` forces a ZeRO
     stage (default: the lowest whose per-rank memory fits ``memory_limit`` or the GPU);
-    ``param_dtype=torch.bfloat16`` computes in bf16 with fp32 master weights and optimizer
-    state, gradients reduced in ``reduce_dtype`` (fp32), and prices the model state so.
+    ``param_dtype=torch.bfloat16`` computes in bf16 (autocast) with fp32 master weights and
+    optimizer state, gradients reduced in ``reduce_dtype`` (fp32), and prices the model state,
+    activations and collectives so (on a mesh with pp too: stage activations cross in bf16).
     Returns a DataParallelProgram, or with a DeviceMesh this rank's DataParallelModule (DDP
     or FSDP2 over the dp group).
 
