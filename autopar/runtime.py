@@ -253,7 +253,9 @@ class DataParallelModule(torch.nn.Module):
 
     Algorithm:
     1. ZeRO 0 and 1: torch DDP over the dp process group (gradients all-reduced in buckets as
-       they fill during backward); ZeRO 1 adds ZeroRedundancyOptimizer (:meth:`optimizer`).
+       they fill during backward; ``gradient_as_bucket_view``: the gradients are views into
+       the buckets, so no per-step copy in or out); ZeRO 1 adds ZeroRedundancyOptimizer
+       (:meth:`optimizer`).
        ZeRO 2 and 3: FSDP2 ``fully_shard`` over the dp sub-mesh, parameters resharded after
        forward only for 3.
     2. A loss that is a sum over the batch has its gradients summed over dp, not averaged
@@ -281,7 +283,7 @@ class DataParallelModule(torch.nn.Module):
         mixed = _is_mixed(module, param_dtype)
         if zero <= 1:
             self.engine = _ddp(module, group, reduction, param_dtype if mixed else None,
-                               reduce_dtype)  # fmt: skip
+                               reduce_dtype, bucket_view=True)  # fmt: skip
         else:
             self.engine = shard_per_block(module, dp_mesh, reshard_after_forward=zero == 3,
                                           mp_policy=_mp_policy(param_dtype if mixed else None,
@@ -411,7 +413,7 @@ def _is_mixed(module: torch.nn.Module, param_dtype: torch.dtype) -> bool:
 
 
 def _ddp(module: torch.nn.Module, group: Any, reduction: str, param_dtype: torch.dtype | None,
-         reduce_dtype: torch.dtype) -> torch.nn.Module:  # fmt: skip
+         reduce_dtype: torch.dtype, bucket_view: bool = False) -> torch.nn.Module:  # fmt: skip
     """torch DDP over ``group`` (summed gradients for a sum loss).  Mixed precision: DDP's own
     ``_MixedPrecision`` needs CUDA streams, so the parameters stay fp32 and the caller's
     autocast casts them to ``param_dtype`` at each matrix product (cached for the forward);
@@ -420,7 +422,8 @@ def _ddp(module: torch.nn.Module, group: Any, reduction: str, param_dtype: torch
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    ddp = DistributedDataParallel(module, process_group=group, forward_sync_buffers=False)
+    ddp = DistributedDataParallel(module, process_group=group, forward_sync_buffers=False,
+                                  gradient_as_bucket_view=bucket_view)  # fmt: skip
     if param_dtype is not None and reduce_dtype != torch.float32:
         ddp.register_comm_hook(_LowPrecision(group, reduce_dtype, reduction == "mean"),
                                _low_precision_hook)  # fmt: skip
