@@ -34,6 +34,7 @@ from autopar.analysis import needs_grad
 from autopar.errors import InputError, PlanError
 from autopar.mesh import Mesh
 from autopar.planner import PlanOptions
+from autopar.precision import annotate_autocast
 from autopar.program import Program
 from autopar.runtime import RankShare
 from autopar.trace import Traced, trace
@@ -198,8 +199,8 @@ def _memory_check(traced: Traced, units: list[Unit], mesh: Mesh, config: Pipelin
 
 
 def _nbytes(n: fx.Node) -> float:
-    v = n.meta.get("val")
-    return float(v.numel() * v.element_size()) if isinstance(v, torch.Tensor) else 0.0
+    """Bytes of ``n``'s value as the stage holds it (its autocast dtype under bf16)."""
+    return meta.nbytes(n) if isinstance(n.meta.get("val"), torch.Tensor) else 0.0
 
 
 def microbatch(example_inputs: Sequence[Any], example_kwargs: dict | None, m: int) -> tuple:
@@ -451,6 +452,7 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any]
                             param_dtype=param_dtype)  # fmt: skip
     args, kwargs = microbatch(example_inputs, example_kwargs, m)
     traced = trace(model, args, kwargs, loss_fn)
+    annotate_autocast(traced.gm, param_dtype)  # stage memory priced in the runtime dtype
     loss = loss_output(traced)
     log(
         f"traced {traced.model_name} on a micro-batch of {batch // m}: {len(traced.gm.graph.nodes)} nodes"

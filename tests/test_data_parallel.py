@@ -628,3 +628,22 @@ def test_global_loss_is_reduced_asynchronously_and_waited_when_read(zero):
         assert value == pytest.approx(want.item(), rel=1e-5)
         for name, p in model.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_pipeline_stage_memory_is_priced_in_the_autocast_dtype():
+    import dataclasses
+
+    from cost.hardware import Cluster
+
+    c = Config(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=48, seq=64, batch=8,
+               bias=False)  # fmt: skip
+    x, y = tokens(c)
+    base = Cluster.default()
+    # stage state + GPipe's in-flight activations: fp32 needs more than 5 MB, bf16 less
+    small = dataclasses.replace(base, gpu=dataclasses.replace(base.gpu, hbm_bytes=5e6))
+    opts = {"loss_fn": lm_loss, "n_microbatches": 2, "schedule": "gpipe"}
+    with pytest.raises(PlanError, match="no split of 4 units into 2 stages fits"):
+        autoparallelize(build("llama", c), Mesh(small, pp=2), (x, y), **opts)
+    prog = autoparallelize(build("llama", c), Mesh(small, pp=2), (x, y), **opts,
+                           param_dtype=torch.bfloat16)  # fmt: skip
+    assert len(prog.stages) == 2
