@@ -15,7 +15,8 @@ Algorithm:
    d. torch FSDP2 with ``fully_shard`` on every block and on the root (eager model).
    Each variant takes AdamW steps on its rank's half of one fixed global batch.
 3. Warm up WARMUP rounds, then time ITERS rounds of one training step (forward, backward,
-   optimizer, reading the loss) of each variant, interleaved; a distributed step costs its
+   optimizer, reading the loss) of each variant, interleaved, the order rotated every round
+   (so no variant always runs after the same other one); a distributed step costs its
    slowest rank's time.  autopar's step includes the scalar all-reduce that returns the
    global-batch loss (asynchronous: ``loss.item()`` at the end of the step waits for it).
    Each step is timed twice: wall clock, and the process CPU time of every thread (compute,
@@ -48,7 +49,7 @@ from autopar import autoparallelize
 from autopar.pool import free_port, gloo_rank
 from autopar.testing import Config, build, lm_loss, optimizer_step, tokens
 
-WORLD, WARMUP, ITERS = 2, 3, 12
+WORLD, WARMUP, ITERS = 2, 4, 16
 SIZES = ((128, 64), (256, 64), (512, 64))  # (hidden, seq)
 VARIANTS = ("autopar-zero0", "ddp", "autopar-zero3", "fsdp2")
 
@@ -121,7 +122,7 @@ def rank_main(rank: int, port: int) -> None:
             cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
             losses: dict[str, float] = {}
             for i in range(WARMUP + ITERS):
-                for v in VARIANTS:
+                for v in VARIANTS[i % len(VARIANTS):] + VARIANTS[: i % len(VARIANTS)]:
                     t, c_s, losses[v] = timed(steps[v])
                     if i >= WARMUP:
                         times[v].append(t)
@@ -154,7 +155,7 @@ def report(hidden: int, seq: int, ms: dict[str, float], cpu: dict[str, float],
 
 
 def main() -> int:
-    print(f"{WORLD} Gloo ranks, data-parallel, fp32, AdamW; median of {ITERS} interleaved steps",
+    print(f"{WORLD} Gloo ranks, data-parallel, fp32, AdamW; median of {ITERS} interleaved steps (order rotated per round)",
           flush=True)  # fmt: skip
     mp.spawn(rank_main, args=(free_port(),), nprocs=WORLD)
     return 0
