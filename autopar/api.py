@@ -78,8 +78,9 @@ def autoparallelize(
     A mesh with a ``dp`` axis splits the batch (dim 0 of the inputs) over dp and runs the
     program of the other axes on each slice (autopar.data_parallel): ``zero`` forces a ZeRO
     stage (default: the lowest whose per-rank memory fits ``memory_limit`` or the GPU);
-    ``param_dtype=torch.bfloat16`` computes in bf16 with fp32 master weights and optimizer
-    state, gradients reduced in ``reduce_dtype`` (fp32), and prices the model state so.
+    ``param_dtype=torch.bfloat16`` computes in bf16 (autocast) with fp32 master weights and
+    optimizer state, gradients reduced in ``reduce_dtype`` (fp32), and prices the model state,
+    activations and collectives so (on a mesh with pp too: stage activations cross in bf16).
     Returns a DataParallelProgram, or with a DeviceMesh this rank's DataParallelModule (DDP
     or FSDP2 over the dp group).
 
@@ -127,13 +128,13 @@ def autoparallelize(
         raise PlanError(f"zero={zero} shards over the data axis, but {virtual} has no dp axis; "
                         "use e.g. Mesh(dp=2, tp=2)")  # fmt: skip
     options = PlanOptions(memory_limit=memory_limit, memory_weight=memory_weight, strict=strict,
-                          fixed=_reused(plan, virtual))  # fmt: skip
+                          fixed=_reused(plan, virtual), param_dtype=param_dtype)  # fmt: skip
     if "pp" in virtual.sizes:
         from autopar.pipeline import compile_pipeline
 
         prog = compile_pipeline(model, virtual, example_inputs, loss_fn, example_kwargs, options,
                                 n_microbatches, schedule, virtual_stages, split_points,
-                                Progress(verbose), cp_attention)  # fmt: skip
+                                Progress(verbose), cp_attention, param_dtype)  # fmt: skip
     elif "cp" in virtual.sizes:
         from autopar.context_parallel import compile_context_parallel
 
@@ -151,6 +152,9 @@ def autoparallelize(
     rank = bind_mesh(device_mesh, virtual)
     if "pp" in virtual.sizes:
         return PipelineRunner(prog.share(rank), device_mesh.get_group("pp"))
+    if param_dtype != torch.float32:
+        raise PlanError(f"param_dtype={param_dtype} is applied by the data-parallel and pipeline "
+                        f"runtimes; on {virtual} compile without it, or add a dp or pp axis")  # fmt: skip
     return prog.module(rank)
 
 
@@ -170,7 +174,7 @@ def _data_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any, example_input
     def inner(sub: Mesh, args: tuple, kwargs: dict, limit: float | None) -> Any:
         return autoparallelize(model, sub, args, loss_fn, example_kwargs=kwargs or None,
                                n_microbatches=n_microbatches, memory_limit=limit,
-                               **inner_options)  # fmt: skip
+                               param_dtype=param_dtype, **inner_options)  # fmt: skip
 
     prog = compile_data_parallel(mesh, example_inputs, example_kwargs, inner, zero=zero,
                                  memory_limit=memory_limit, param_dtype=param_dtype,

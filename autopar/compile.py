@@ -4,7 +4,9 @@ passes, package a :class:`Program`.  ``autopar.api`` (whole models), ``autopar.p
 
 Algorithm (:func:`compile_traced`):
 1. Pad vocabularies the degree does not divide (autopar.pad); cut fused projections of
-   unequal blocks into one projection per block (autopar.fused).
+   unequal blocks into one projection per block (autopar.fused); under mixed precision,
+   annotate each value's autocast dtype (autopar.precision) so memory and collectives are
+   priced in it.
 2. Solve the tp axis with the cost model (autopar.planner); a whole model must split some
    layer weight.
 3. Run the pass pipeline (passes.run_pipeline): layouts, lowerings, collectives, local shapes.
@@ -30,6 +32,7 @@ from autopar.mesh import Mesh
 from autopar.pad import pad_vocab
 from autopar.plan import Plan
 from autopar.planner import AxisSolution, PlanOptions, describe_tp_dims, solve_axis
+from autopar.precision import annotate_autocast
 from autopar.program import Program, collectives_of
 from autopar.trace import Traced, trace
 from cost.comm import collective_time
@@ -54,6 +57,7 @@ def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
     traced = pad_vocab(traced, mesh.size(axis))
     if mesh.size(axis) > 1:
         traced = split_fused_projections(traced)
+    annotate_autocast(traced.gm, options.param_dtype)  # values priced in their runtime dtype
     solution = solve_axis(traced, axis, mesh.size(axis), mesh.cluster.axis_link(mesh.axes, axis),
                           mesh.cluster.gpu, options)  # fmt: skip
     log(f"solved {axis}={mesh.size(axis)}: {solution.variables} variables, "

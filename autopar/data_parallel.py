@@ -370,9 +370,6 @@ def compile_data_parallel(mesh: Mesh, example_inputs: Sequence[Any], example_kwa
     args, kwargs = split_batch(example_inputs, example_kwargs, dp, micro)
     inner_mesh = mesh.without("dp")
     inner = compile_inner(inner_mesh, args, kwargs, None)
-    if param_dtype != torch.float32 and hasattr(inner, "stages"):
-        raise PlanError(f"param_dtype={param_dtype} with pipeline stages is not supported yet; "
-                        "use param_dtype=torch.float32 on a mesh with pp")  # fmt: skip
     per = StateBytes.for_dtype(param_dtype)
     table = memory_table(inner, dp, per)
     limit = memory_limit if memory_limit is not None else mesh.cluster.gpu.hbm_bytes

@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from autopar.layout import Layout
@@ -22,7 +23,9 @@ class NodeInfo:
 
     ``layout`` is the output layout (a tuple of layouts for ops returning several tensors);
     ``strategy`` names the sharding strategy chosen for the op; ``origin`` the pass that
-    created the node (``None`` for traced nodes); ``stage`` the pipeline stage.
+    created the node (``None`` for traced nodes); ``stage`` the pipeline stage; ``dtype`` the
+    dtype the value has under mixed precision (autocast) when it differs from the traced one
+    (autopar.precision).
     """
 
     layout: Layout | tuple[Layout, ...] | None = None
@@ -30,6 +33,7 @@ class NodeInfo:
     origin: str | None = None
     stage: int | None = None
     cost_s: float | None = None
+    dtype: torch.dtype | None = None
 
 
 def info(node: fx.Node) -> NodeInfo:
@@ -42,6 +46,17 @@ def update(node: fx.Node, **fields: Any) -> NodeInfo:
     rec = dataclasses.replace(info(node), **fields)
     node.meta[KEY] = rec
     return rec
+
+
+def dtype(node: fx.Node) -> torch.dtype:
+    """The dtype ``node``'s tensor has when the program runs (its mixed-precision dtype, else
+    its traced one)."""
+    return info(node).dtype or node.meta["val"].dtype
+
+
+def nbytes(node: fx.Node) -> float:
+    """Bytes of ``node``'s tensor when the program runs."""
+    return float(node.meta["val"].numel() * dtype(node).itemsize)
 
 
 def layout(node: fx.Node) -> Layout | tuple[Layout, ...] | None:

@@ -34,6 +34,7 @@ from autopar.analysis import needs_grad
 from autopar.errors import InputError, PlanError
 from autopar.mesh import Mesh
 from autopar.planner import PlanOptions
+from autopar.precision import annotate_autocast
 from autopar.program import Program
 from autopar.runtime import RankShare
 from autopar.trace import Traced, trace
@@ -113,6 +114,7 @@ class PipelineConfig:
     n_microbatches: int
     schedule: str
     virtual_stages: int
+    param_dtype: torch.dtype = torch.float32  # stage compute (autocast) and boundary dtype
 
     def in_flight(self, stage: int, stages: int) -> int:
         """Micro-batches of activations ``stage`` of ``stages`` holds at its peak."""
@@ -136,7 +138,7 @@ def choose_cuts(traced: Traced, units: list[Unit], mesh: Mesh, config: PipelineC
             f"{p} pipeline stages but {traced.model_name} has only {len(units)} cuttable units "
             f"({', '.join(u.name for u in units)}); use fewer stages or virtual stages"
         )
-    costs, boundary, sent = unit_costs(traced, units, mesh)
+    costs, boundary, sent = unit_costs(traced, units, mesh, config.param_dtype)
     pinned = [_pin_index(units, name, traced) for name in split_points]
     fits = _memory_check(traced, units, mesh, config, p)
     cuts, _ = balanced_cuts(costs, boundary, p, pinned, fits)
@@ -148,14 +150,17 @@ def choose_cuts(traced: Traced, units: list[Unit], mesh: Mesh, config: PipelineC
                     boundary_bytes=out_bytes)  # fmt: skip
 
 
-def unit_costs(traced: Traced, units: list[Unit], mesh: Mesh) -> tuple[list, list, list]:
+def unit_costs(traced: Traced, units: list[Unit], mesh: Mesh,
+               param_dtype: torch.dtype = torch.float32) -> tuple[list, list, list]:  # fmt: skip
     """Per unit: forward+backward seconds on the stage's tp degree; per boundary: seconds to
-    send the live values forward and their gradients back, and the bytes."""
+    send the live values forward and their gradients back, and the bytes (activations in
+    ``param_dtype`` under mixed precision, as the runtime sends them)."""
     tp, gpu = mesh.size("tp"), mesh.cluster.gpu
     grad = needs_grad(traced)
     costs = [sum(node_time(n, gpu) * (3 if n in grad else 1) for n in u.nodes) / tp for u in units]
     link = mesh.cluster.axis_link(mesh.axes, "pp")
-    sent = boundary_bytes(traced, units)
+    sent = boundary_bytes(traced, units, grad=frozenset(n.name for n in grad),
+                          param_dtype=param_dtype)  # fmt: skip
     boundary = [2 * collective_time("send_recv", b, 2, link) if b else 0.0 for b in sent]
     return costs, boundary, sent
 
@@ -194,8 +199,8 @@ def _memory_check(traced: Traced, units: list[Unit], mesh: Mesh, config: Pipelin
 
 
 def _nbytes(n: fx.Node) -> float:
-    v = n.meta.get("val")
-    return float(v.numel() * v.element_size()) if isinstance(v, torch.Tensor) else 0.0
+    """Bytes of ``n``'s value as the stage holds it (its autocast dtype under bf16)."""
+    return meta.nbytes(n) if isinstance(n.meta.get("val"), torch.Tensor) else 0.0
 
 
 def microbatch(example_inputs: Sequence[Any], example_kwargs: dict | None, m: int) -> tuple:
@@ -256,6 +261,7 @@ class PipelinePlan:
         head = [
             f"autopar pipeline plan {self.hash} · {p.model_name} on {p.mesh} · "
             f"{len(p.stages)} stages · schedule {c.schedule} · {c.n_microbatches} micro-batches",
+            *_precision(c.param_dtype),
             *p.cut.describe(),
             f"predicted bubble: {p.timeline().bubble:.1%} (formula "
             f"{_formula(c, p.mesh.size('pp')):.1%}); slowest stage {p.cut.slowest_s * 1e3:.3f} ms/micro-batch",
@@ -265,6 +271,14 @@ class PipelinePlan:
         for i, stage in enumerate(p.stages):
             head += ["", f"--- stage {i} ---", str(stage.plan)]
         return "\n".join(head)
+
+
+def _precision(param_dtype: torch.dtype) -> list[str]:
+    if param_dtype == torch.float32:
+        return []
+    name = str(param_dtype).replace("torch.", "")
+    return [f"mixed precision: stages compute under {name} autocast (fp32 weights); "
+            f"activations and their gradients cross stage boundaries in {name}"]  # fmt: skip
 
 
 def _formula(config: PipelineConfig, p: int) -> float:
@@ -410,9 +424,11 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any]
                      loss_fn: Callable | None, example_kwargs: dict | None, options: PlanOptions,
                      n_microbatches: int | None, schedule: str, virtual_stages: int | None,
                      split_points: Sequence[str], log: Callable[[str], None],
-                     cp_attention: str | None = None) -> PipelineProgram:  # fmt: skip
+                     cp_attention: str | None = None,
+                     param_dtype: torch.dtype = torch.float32) -> PipelineProgram:  # fmt: skip
     """Steps 1-4 (see the module docstring); with a cp axis every stage is split along the
-    sequence (autopar.context_parallel), its boundary values sent whole."""
+    sequence (autopar.context_parallel), its boundary values sent whole.  ``param_dtype``
+    16-bit: stages run under autocast with their activations sent in it (priced so)."""
     from autopar.compile import compile_traced
 
     if schedule not in SCHEDULES:
@@ -432,9 +448,11 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any]
             f"the {schedule} schedule needs at least as many micro-batches as pipeline ranks "
             f"({p}); got n_microbatches={m} (GPipe has no such limit)"
         )
-    config = PipelineConfig(n_microbatches=m, schedule=schedule, virtual_stages=v)
+    config = PipelineConfig(n_microbatches=m, schedule=schedule, virtual_stages=v,
+                            param_dtype=param_dtype)  # fmt: skip
     args, kwargs = microbatch(example_inputs, example_kwargs, m)
     traced = trace(model, args, kwargs, loss_fn)
+    annotate_autocast(traced.gm, param_dtype)  # stage memory priced in the runtime dtype
     loss = loss_output(traced)
     log(
         f"traced {traced.model_name} on a micro-batch of {batch // m}: {len(traced.gm.graph.nodes)} nodes"
@@ -445,7 +463,8 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any]
     graphs = split_stages(traced, units, list(cut.cuts), loss)
     stage_mesh = Mesh(mesh.cluster, tp=mesh.size("tp"))
     stage_opts = PlanOptions(memory_limit=options.memory_limit, memory_weight=options.memory_weight,
-                             strict=options.strict, replicate_outputs=True)  # fmt: skip
+                             strict=options.strict, replicate_outputs=True,
+                             param_dtype=param_dtype)  # fmt: skip
     if "cp" in mesh.sizes:
         from autopar.context_parallel import compile_traced_cp
 

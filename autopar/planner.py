@@ -47,6 +47,7 @@ from autopar.analysis import (
 )
 from autopar.errors import PlanError
 from autopar.layout import Partial, Placement, R, Replicate, Shard
+from autopar.meta import nbytes as runtime_bytes
 from autopar.meta import source
 from autopar.rules import RuleContext, Strategy, strategies, view_block_counts
 from autopar.trace import Traced, is_getitem, is_tensor, tensor_args
@@ -83,6 +84,7 @@ class PlanOptions:
     strict: bool = False
     replicate_outputs: bool = False  # graph outputs must be whole (pipeline stage boundaries)
     fixed: tuple[tuple[str, str], ...] = ()  # (node, strategy) pairs to keep (a reloaded Plan)
+    param_dtype: torch.dtype = torch.float32  # autocast compute dtype (autopar.precision)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -342,7 +344,7 @@ def _memory(n: fx.Node, s: Strategy, size: int, grad: set) -> float:
     val = n.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return 0.0
-    local = val.numel() * val.element_size() / (size if isinstance(s.output, Shard) else 1)
+    local = runtime_bytes(n) / (size if isinstance(s.output, Shard) else 1)
     if n.op == "placeholder":
         return local * ADAM_STATE_FACTOR if n in grad else local
     return local if n in grad else 0.0
@@ -437,8 +439,9 @@ def _out(s: Strategy, idx: int | None) -> Placement:
 
 
 def _nbytes(arg: fx.Node) -> float:
-    v = arg.meta["val"]
-    return float(v.numel() * v.element_size())
+    """Bytes of a value as the program holds and moves it (its autocast dtype under mixed
+    precision, annotated by autopar.precision before the solve)."""
+    return runtime_bytes(arg)
 
 
 def _price_inputs(prob: _Problem, v: fx.Node, rep: dict, cands: dict, xvar: dict,

@@ -133,17 +133,21 @@ def collectives_of(gm: fx.GraphModule, grad: set[str], sizes: dict[str, int],
         val = _message(node, sizes[axis])
         mode = node.args[-1] if node.target in (C.all_reduce, C.all_gather) else None
         where = names[x.name].rsplit(".", 1)[0] if x.name in names else meta.module_path(node)
+        runs_in = meta.dtype(x)
         if node.target in _FORWARD:
-            found.append(_record(_FORWARD[node.target], axis, val, "fwd", where))
+            found.append(_record(_FORWARD[node.target], axis, val, "fwd", where, runs_in))
         back = _BACKWARD.get((node.target, mode))
         if back and x.name in grad:
-            found.append(_record(back, axis, val, "bwd", where))
+            found.append(_record(back, axis, val, "bwd", where, runs_in))
     return found
 
 
-def _record(kind: str, axis: str, val: torch.Tensor, direction: str, where: str) -> Collective:
-    nbytes = val.numel() * val.element_size()
-    dtype = str(val.dtype).replace("torch.", "")
+def _record(kind: str, axis: str, val: torch.Tensor, direction: str, where: str,
+            runs_in: torch.dtype | None = None) -> Collective:  # fmt: skip
+    """``runs_in``: the dtype the message has when the program runs (its autocast dtype)."""
+    runs_in = runs_in or val.dtype
+    nbytes = val.numel() * runs_in.itemsize
+    dtype = str(runs_in).replace("torch.", "")
     return Collective(kind=kind, axis=axis, shape=tuple(val.shape), dtype=dtype, bytes=nbytes,
                       direction=direction, where=where)  # fmt: skip
 

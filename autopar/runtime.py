@@ -52,6 +52,10 @@ class PipelineRunner:
        micro-batches and runs forward and backward; the last stage's output is the loss.
     2. Gradients of a weight held by several stages (tied embeddings) are summed across them.
     3. The mean micro-batch loss is broadcast from the last stage, so every rank returns it.
+    4. Mixed precision (the config's ``param_dtype`` 16-bit): each stage module computes under
+       autocast with fp32 weights (:func:`mixed_precision_stage`); the activations it sends
+       on, and their gradients coming back, cross in ``param_dtype``
+       (``passes.pipeline_split.boundary_dtype``, as the cut's boundary bytes are priced).
     """
 
     def __init__(self, share: RankShare, pp_group: Any, device: str = "cpu",
@@ -64,16 +68,21 @@ class PipelineRunner:
         if data is not None and data.zero >= 2 and share.tied_shapes:
             raise MeshError("ZeRO-2/3 with pipeline stages that share a tied weight is not "
                             "supported yet; use zero=0 or 1, or untie the weights")  # fmt: skip
-        wrapped = {s: data.wrap(m) if data else m for s, m in self.modules.items()}
+        dtype = share.config.param_dtype
+        wrapped = {s: data.wrap(m, dtype) if data else m for s, m in self.modules.items()}
         self.modules = {s: _unwrapped(m) for s, m in wrapped.items()}  # ZeRO-2/3 run per-block
+        io = {s: tuple(_on_wire(specs, dtype) for specs in share.io[s]) for s in self.stage_ids}
+        if dtype != torch.float32:
+            for s in self.stage_ids:
+                mixed_precision_stage(self.modules[s], share.io[s], io[s], dtype, device)
         self.stages = [
             PipelineStage(
                 wrapped[s],
                 s,
                 share.n_stages,
                 torch.device(device),
-                input_args=_examples(share.io[s][0], device),
-                output_args=_examples(share.io[s][1], device),
+                input_args=_examples(io[s][0], device),
+                output_args=_examples(io[s][1], device),
                 group=pp_group,
             )
             for s in self.stage_ids
@@ -130,7 +139,8 @@ class PipelineRunner:
 
     def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         holder = (self.share.n_stages - 1) % self.share.mesh.size("pp")
-        value = torch.stack([x.detach() for x in losses]).mean() if losses else torch.zeros(())
+        value = (torch.stack([x.detach().float() for x in losses]).mean() if losses
+                 else torch.zeros(()))  # fmt: skip
         src = dist.get_global_rank(self.pp_group, holder)
         dist.broadcast(value, src=src, group=self.pp_group)
         return value
@@ -141,6 +151,42 @@ def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def _on_wire(specs: list, param_dtype: torch.dtype) -> list:
+    """(shape, dtype, requires_grad) of a stage's inputs or outputs as they cross the pipeline
+    axis (activations in ``param_dtype`` under mixed precision)."""
+    from passes.pipeline_split import boundary_dtype
+
+    return [(shape, boundary_dtype(dtype, shape, grad, param_dtype), grad)
+            for shape, dtype, grad in specs]  # fmt: skip
+
+
+def mixed_precision_stage(module: torch.nn.Module, traced: tuple[list, list],
+                          wire: tuple[list, list], param_dtype: torch.dtype,
+                          device: str) -> None:  # fmt: skip
+    """Make ``module`` (a stage program, its fp32 weights kept) run as a mixed-precision stage:
+    received activations are cast back to their traced dtype, the body runs under
+    ``param_dtype`` autocast, and the outputs are cast to their wire dtype (each cast's
+    backward casts the gradient the other way, so gradients cross in ``param_dtype`` too).
+    Replaces the instance's ``forward``, so DDP / FSDP2 wrappers and their hooks stay outside."""
+    body = module.forward
+    ins = [dtype for _, dtype, _ in traced[0]]
+    sent = [dtype for _, dtype, _ in wire[1]]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(_cast(a, d) for a, d in zip(args, ins, strict=False)) + args[len(ins):]
+        with torch.autocast(device, dtype=param_dtype):
+            out = body(*args, **kwargs)
+        leaves, spec = torch.utils._pytree.tree_flatten(out)
+        cast = [_cast(x, d) for x, d in zip(leaves, sent, strict=True)]
+        return torch.utils._pytree.tree_unflatten(cast, spec)
+
+    module.forward = forward
+
+
+def _cast(x: Any, dtype: torch.dtype) -> Any:
+    return x.to(dtype) if isinstance(x, torch.Tensor) and x.dtype != dtype else x
 
 
 def _whole(grad: torch.Tensor, placement: str) -> torch.Tensor:
@@ -207,14 +253,18 @@ class DataParallelModule(torch.nn.Module):
 
     Algorithm:
     1. ZeRO 0 and 1: torch DDP over the dp process group (gradients all-reduced in buckets as
-       they fill during backward); ZeRO 1 adds ZeroRedundancyOptimizer (:meth:`optimizer`).
+       they fill during backward; ``gradient_as_bucket_view``: the gradients are views into
+       the buckets, so no per-step copy in or out); ZeRO 1 adds ZeroRedundancyOptimizer
+       (:meth:`optimizer`).
        ZeRO 2 and 3: FSDP2 ``fully_shard`` over the dp sub-mesh, parameters resharded after
        forward only for 3.
     2. A loss that is a sum over the batch has its gradients summed over dp, not averaged
        (a DDP comm hook; under FSDP2 the outputs' gradients are scaled by dp).
     3. Every floating scalar output (the loss) returns its global value (mean or sum over dp:
        one scalar all-reduce) while its gradient stays this rank's, so ``loss.backward()``
-       computes the right gradient.
+       computes the right gradient.  The all-reduce is launched asynchronously and the loss
+       waits for it only when its value is read (:class:`PendingScalar`), so it overlaps
+       backward and the optimizer step.
     4. Mixed precision (``param_dtype`` 16-bit): the parameters stay fp32 (the optimizer's
        master weights) and forward runs under autocast to ``param_dtype`` (matrix products
        in 16-bit, reductions and norms as autocast keeps them).  FSDP2 also gathers the
@@ -233,7 +283,7 @@ class DataParallelModule(torch.nn.Module):
         mixed = _is_mixed(module, param_dtype)
         if zero <= 1:
             self.engine = _ddp(module, group, reduction, param_dtype if mixed else None,
-                               reduce_dtype)  # fmt: skip
+                               reduce_dtype, bucket_view=True)  # fmt: skip
         else:
             self.engine = shard_per_block(module, dp_mesh, reshard_after_forward=zero == 3,
                                           mp_policy=_mp_policy(param_dtype if mixed else None,
@@ -267,11 +317,8 @@ class DataParallelModule(torch.nn.Module):
     def _global_scalar(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor) or x.dim() or not x.is_floating_point():
             return x
-        total = x.detach().clone()
-        dist.all_reduce(total, group=self.group)
-        if self.reduction == "mean":
-            total /= self.dp
-        return x + (total - x.detach())  # the global value; the gradient stays this rank's
+        scale = 1.0 / self.dp if self.reduction == "mean" else 1.0
+        return _GlobalScalar.apply(x, self.group, scale)
 
     def optimizer(self, cls: type, **kwargs: Any) -> torch.optim.Optimizer:
         """``cls(parameters, **kwargs)`` with its state sharded over dp for ZeRO >= 1 (FSDP2's
@@ -295,6 +342,61 @@ class DataParallelModule(torch.nn.Module):
                 for name, p in self.local.named_parameters()}  # fmt: skip
 
 
+class PendingScalar(torch.Tensor):
+    """A scalar whose value an asynchronous all-reduce is still writing: any op that reads
+    it (``.item()``, printing, arithmetic, ``detach``) first waits for the all-reduce and then
+    runs on the plain result; ops that only need its shape and dtype (``ones_like``, what
+    ``loss.backward()`` seeds the gradient with) do not wait."""
+
+    _METADATA_ONLY = frozenset({torch.ops.aten.ones_like.default, torch.ops.aten.zeros_like.default,
+                                torch.ops.aten.empty_like.default})  # fmt: skip
+
+    @staticmethod
+    def __new__(cls, value: torch.Tensor, work: Any) -> PendingScalar:
+        out = torch.Tensor._make_wrapper_subclass(cls, value.shape, dtype=value.dtype,
+                                                  device=value.device)  # fmt: skip
+        out._value, out._work = value, work
+        return out
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def wait(self) -> torch.Tensor:
+        """The reduced value (waits for the all-reduce once)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._value
+
+    def __repr__(self) -> str:  # noqa: D105
+        return repr(self.wait())
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        read = func not in cls._METADATA_ONLY
+
+        def plain(x: Any) -> Any:
+            if not isinstance(x, PendingScalar):
+                return x
+            return x.wait() if read else x._value
+
+        args, kwargs = torch.utils._pytree.tree_map(plain, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+class _GlobalScalar(torch.autograd.Function):
+    """Forward: ``scale`` x the sum of ``x`` over ``group``, all-reduced asynchronously (a
+    :class:`PendingScalar`); backward: the gradient passes to this rank's ``x`` unchanged."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any, scale: float) -> PendingScalar:
+        total = x.detach() * scale if scale != 1.0 else x.detach().clone()
+        return PendingScalar(total, dist.all_reduce(total, group=group, async_op=True))
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g, None, None
+
+
 class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -311,7 +413,7 @@ def _is_mixed(module: torch.nn.Module, param_dtype: torch.dtype) -> bool:
 
 
 def _ddp(module: torch.nn.Module, group: Any, reduction: str, param_dtype: torch.dtype | None,
-         reduce_dtype: torch.dtype) -> torch.nn.Module:  # fmt: skip
+         reduce_dtype: torch.dtype, bucket_view: bool = False) -> torch.nn.Module:  # fmt: skip
     """torch DDP over ``group`` (summed gradients for a sum loss).  Mixed precision: DDP's own
     ``_MixedPrecision`` needs CUDA streams, so the parameters stay fp32 and the caller's
     autocast casts them to ``param_dtype`` at each matrix product (cached for the forward);
@@ -320,7 +422,8 @@ def _ddp(module: torch.nn.Module, group: Any, reduction: str, param_dtype: torch
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    ddp = DistributedDataParallel(module, process_group=group, forward_sync_buffers=False)
+    ddp = DistributedDataParallel(module, process_group=group, forward_sync_buffers=False,
+                                  gradient_as_bucket_view=bucket_view)  # fmt: skip
     if param_dtype is not None and reduce_dtype != torch.float32:
         ddp.register_comm_hook(_LowPrecision(group, reduce_dtype, reduction == "mean"),
                                _low_precision_hook)  # fmt: skip
@@ -370,7 +473,8 @@ def wrap_data_parallel(device_mesh: Any, prog: Any, mesh: Mesh) -> Any:
     rank = bind_mesh(device_mesh, mesh)
     if "pp" in mesh.sizes:
         data = DataAxis(group=device_mesh.get_group("dp"), mesh=device_mesh["dp"],
-                        zero=prog.plan.zero, reduction=prog.plan.reduction)  # fmt: skip
+                        zero=prog.plan.zero, reduction=prog.plan.reduction,
+                        reduce_dtype=prog.plan.reduce_dtype)  # fmt: skip
         return PipelineRunner(prog.share(rank), device_mesh.get_group("pp"), data=data)
     return DataParallelModule(prog.module(rank), group=device_mesh.get_group("dp"),
                               dp_mesh=device_mesh["dp"], zero=prog.plan.zero,
@@ -386,17 +490,23 @@ class DataAxis:
     mesh: Any
     zero: int
     reduction: str
+    reduce_dtype: torch.dtype = torch.float32  # gradient reduction dtype under mixed precision
 
     @property
     def size(self) -> int:
         return dist.get_world_size(self.group)
 
-    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+    def wrap(self, module: torch.nn.Module,
+             param_dtype: torch.dtype = torch.float32) -> torch.nn.Module:  # fmt: skip
         """DDP (ZeRO 0/1) or FSDP2 (2/3) around one stage module; the pipeline schedule
-        defers their gradient reduction to the last micro-batch."""
+        defers their gradient reduction to the last micro-batch.  Mixed precision as
+        :class:`DataParallelModule` (step 4): FSDP2 gathers in ``param_dtype``; gradients are
+        reduced in ``reduce_dtype``."""
+        mixed = param_dtype if _is_mixed(module, param_dtype) else None
         if self.zero <= 1:
-            return _ddp(module, self.group, self.reduction, None, torch.float32)
-        return shard_per_block(module, self.mesh, reshard_after_forward=self.zero == 3)
+            return _ddp(module, self.group, self.reduction, mixed, self.reduce_dtype)
+        return shard_per_block(module, self.mesh, reshard_after_forward=self.zero == 3,
+                               mp_policy=_mp_policy(mixed, self.reduce_dtype))  # fmt: skip
 
 
 def shard_per_block(module: torch.nn.Module, dp_mesh: Any, *, reshard_after_forward: bool,

@@ -15,10 +15,15 @@ Algorithm:
    d. torch FSDP2 with ``fully_shard`` on every block and on the root (eager model).
    Each variant takes AdamW steps on its rank's half of one fixed global batch.
 3. Warm up WARMUP rounds, then time ITERS rounds of one training step (forward, backward,
-   optimizer) of each variant, interleaved; a distributed step costs its slowest rank's time.
-   autopar's step includes the scalar all-reduce that returns the global-batch loss.
+   optimizer, reading the loss) of each variant, interleaved, the order rotated every round
+   (so no variant always runs after the same other one); a distributed step costs its
+   slowest rank's time.  autopar's step includes the scalar all-reduce that returns the
+   global-batch loss (asynchronous: ``loss.item()`` at the end of the step waits for it).
+   Each step is timed twice: wall clock, and the process CPU time of every thread (compute,
+   Gloo's threads), which other jobs on a shared machine inflate far less.
 4. Rank 0 prints the median ms per step and the ratios autopar/DDP (goal <= 1.05) and
-   autopar ZeRO-3 / FSDP2 (goal <= 1.0), with the last loss of each variant (they agree).
+   autopar ZeRO-3 / FSDP2 (goal <= 1.0), wall and CPU, with the last loss of each variant
+   (they agree).
 5. One more (untimed) step of c and d under a dispatch mode that samples, at every op, the
    bytes of parameters FSDP2 holds gathered (``autopar.runtime.gathered_bytes``): the peak
    per rank, next to the whole model's parameter bytes (what one FSDP2 group would gather).
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -41,9 +47,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from autopar import autoparallelize
 from autopar.pool import free_port, gloo_rank
-from autopar.testing import Config, build, lm_loss, optimizer_step, slowest_rank_time, tokens
+from autopar.testing import Config, build, lm_loss, optimizer_step, tokens
 
-WORLD, WARMUP, ITERS = 2, 3, 10
+WORLD, WARMUP, ITERS = 2, 4, 16
 SIZES = ((128, 64), (256, 64), (512, 64))  # (hidden, seq)
 VARIANTS = ("autopar-zero0", "ddp", "autopar-zero3", "fsdp2")
 
@@ -75,6 +81,17 @@ def variants(c: Config, mesh: object) -> dict[str, Callable[[], float]]:
     return steps
 
 
+def timed(step: Callable[[], float]) -> tuple[float, float, float]:
+    """Step 3: one step's wall and CPU seconds on the slowest rank (after a barrier), and
+    its loss."""
+    dist.barrier()
+    wall, cpu = time.perf_counter(), time.process_time()
+    loss = step()
+    spent = torch.tensor([time.perf_counter() - wall, time.process_time() - cpu])
+    dist.all_reduce(spent, op=dist.ReduceOp.MAX)
+    return spent[0].item(), spent[1].item(), loss
+
+
 def peak_gathered(module: torch.nn.Module, step: Callable[[], float]) -> int:
     """Step 5: the peak bytes of gathered parameters during one training step."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -102,12 +119,14 @@ def rank_main(rank: int, port: int) -> None:
             steps = variants(c, mesh)
             modules = steps.pop("modules")
             times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
             losses: dict[str, float] = {}
             for i in range(WARMUP + ITERS):
-                for v in VARIANTS:
-                    t, losses[v] = slowest_rank_time(steps[v])
+                for v in VARIANTS[i % len(VARIANTS):] + VARIANTS[: i % len(VARIANTS)]:
+                    t, c_s, losses[v] = timed(steps[v])
                     if i >= WARMUP:
                         times[v].append(t)
+                        cpu[v].append(c_s)
             for v in ("ddp", "fsdp2"):  # torch's losses are this rank's; autopar's are global
                 total = torch.tensor(losses[v])
                 dist.all_reduce(total)
@@ -115,7 +134,8 @@ def rank_main(rank: int, port: int) -> None:
             peaks = {v: peak_gathered(m.local if hasattr(m, "local") else m, steps[v])
                      for v, m in modules.items()}  # fmt: skip
             if rank == 0:
-                report(hidden, seq, {v: statistics.median(ts) for v, ts in times.items()}, losses)
+                report(hidden, seq, {v: statistics.median(ts) for v, ts in times.items()},
+                       {v: statistics.median(ts) for v, ts in cpu.items()}, losses)  # fmt: skip
                 whole = sum(p.numel() * 4 for p in build("llama", c).parameters())
                 print(f"  peak gathered parameters per rank: autopar ZeRO-3 "
                       f"{peaks['autopar-zero3'] / 2**20:.2f} MiB, FSDP2 per block "
@@ -123,16 +143,19 @@ def rank_main(rank: int, port: int) -> None:
                       flush=True)  # fmt: skip
 
 
-def report(hidden: int, seq: int, ms: dict[str, float], losses: dict[str, float]) -> None:
+def report(hidden: int, seq: int, ms: dict[str, float], cpu: dict[str, float],
+           losses: dict[str, float]) -> None:  # fmt: skip
     cols = "  ".join(f"{v} {ms[v] * 1e3:7.2f} ms" for v in VARIANTS)
     print(f"hidden {hidden:4d} seq {seq}: {cols}", flush=True)
-    print(f"  autopar/DDP {ms['autopar-zero0'] / ms['ddp']:.3f} (goal <= 1.05)   "
-          f"autopar ZeRO-3/FSDP2 {ms['autopar-zero3'] / ms['fsdp2']:.3f} (goal <= 1.0)   "
-          "last losses " + " ".join(f"{losses[v]:.5f}" for v in VARIANTS), flush=True)  # fmt: skip
+    for name, t in (("wall", ms), ("cpu ", cpu)):
+        print(f"  {name} autopar/DDP {t['autopar-zero0'] / t['ddp']:.3f} (goal <= 1.05)   "
+              f"autopar ZeRO-3/FSDP2 {t['autopar-zero3'] / t['fsdp2']:.3f} (goal <= 1.0)",
+              flush=True)  # fmt: skip
+    print("  last losses " + " ".join(f"{losses[v]:.5f}" for v in VARIANTS), flush=True)
 
 
 def main() -> int:
-    print(f"{WORLD} Gloo ranks, data-parallel, fp32, AdamW; median of {ITERS} interleaved steps",
+    print(f"{WORLD} Gloo ranks, data-parallel, fp32, AdamW; median of {ITERS} interleaved steps (order rotated per round)",
           flush=True)  # fmt: skip
     mp.spawn(rank_main, args=(free_port(),), nprocs=WORLD)
     return 0

@@ -166,8 +166,21 @@ def _placeholder(graph: fx.Graph, n: fx.Node) -> fx.Node:
     return ph
 
 
-def boundary_bytes(traced: Traced, units: Sequence[Unit]) -> list[float]:
-    """Bytes of the values live across the boundary before each unit (index 0: model inputs)."""
+def boundary_dtype(dtype: torch.dtype, shape: Sequence[int], grad: bool,
+                   param_dtype: torch.dtype = torch.float32) -> torch.dtype:
+    """The dtype a boundary value crosses the pipeline axis in: under mixed precision
+    (``param_dtype`` narrower than the value's floating dtype) an activation that carries a
+    gradient is sent in ``param_dtype`` (its gradient comes back in it too); scalars, integer
+    values and side inputs without a gradient (masks, position tables) keep their dtype."""
+    narrower = dtype.is_floating_point and param_dtype.itemsize < dtype.itemsize
+    return param_dtype if narrower and grad and len(shape) > 0 else dtype
+
+
+def boundary_bytes(traced: Traced, units: Sequence[Unit], *,
+                   grad: frozenset[str] = frozenset(),
+                   param_dtype: torch.dtype = torch.float32) -> list[float]:  # fmt: skip
+    """Bytes of the values live across the boundary before each unit (index 0: model inputs),
+    each in its :func:`boundary_dtype` (``grad``: names of the values that carry a gradient)."""
     unit_of = {n: i for i, u in enumerate(units) for n in u.nodes}
     later = len(units)  # the graph output reads after every unit
     uses: dict[fx.Node, int] = {}
@@ -176,8 +189,14 @@ def boundary_bytes(traced: Traced, units: Sequence[Unit]) -> list[float]:
         for a in n.all_input_nodes:
             if is_tensor(a) and (a in unit_of or a.name in traced.user_inputs):
                 uses[a] = max(uses.get(a, -1), at)
+
+    def nbytes(a: fx.Node) -> float:
+        v = a.meta["val"]
+        dtype = boundary_dtype(v.dtype, v.shape, a.name in grad, param_dtype)
+        return float(v.numel() * dtype.itemsize)
+
     out = []
     for cut in range(len(units) + 1):
         live = [a for a, last in uses.items() if unit_of.get(a, -1) < cut <= last]
-        out.append(float(sum(a.meta["val"].numel() * a.meta["val"].element_size() for a in live)))
+        out.append(float(sum(nbytes(a) for a in live)))
     return out
