@@ -233,8 +233,9 @@ def _normed_pieces(split: fx.Node) -> tuple[list[fx.Node], fx.Node] | None:
         return None
     if [u.args[1] for u in items] != list(range(len(items))):
         return None
-    if len({u.meta["val"].shape[dim] for u in items}) != 1:
-        return None  # unequal pieces
+    sizes = [u.meta["val"].shape[dim] for u in items]
+    if not all(type(n) is int for n in sizes) or len(set(sizes)) != 1:
+        return None  # unequal or data-dependent pieces
     norms = [next(iter(u.users)) for u in items]
     if any(n.target is not _LAYER_NORM or n.args[0] is not u for n, u in zip(norms, items, strict=True)):
         return None
