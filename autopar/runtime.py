@@ -534,8 +534,11 @@ def shard_per_block(module: torch.nn.Module, dp_mesh: Any, *, reshard_after_forw
             blocks.append(fully_shard(module.get_submodule(target), mesh=dp_mesh,
                                       reshard_after_forward=reshard_after_forward,
                                       **policy))  # fmt: skip
-    root = fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
-                       **policy)  # fmt: skip
+    # the rest (embedding, head, final norm) is FSDP2's root: with blocks, as torch's default
+    # for a root, kept gathered from the end of forward into backward (its parameters are
+    # needed again at once; dp_collectives prices no backward gather for them)
+    rest = None if blocks and reshard_after_forward else reshard_after_forward
+    root = fully_shard(module, mesh=dp_mesh, reshard_after_forward=rest, **policy)
     for i, block in enumerate(blocks):  # issue the next block's gather before this one runs
         if i + 1 < len(blocks):
             block.set_modules_to_forward_prefetch([blocks[i + 1]])
