@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -387,10 +388,12 @@ def keep_mask(counts: torch.Tensor, capacity: int) -> torch.Tensor:
 
 
 class MoEModel(nn.Module):
-    def __init__(self, c: MoEConfig) -> None:
+    """Embedding, ``c.layers`` MoE blocks (``block(c)``, default :class:`MoEBlock`), head."""
+
+    def __init__(self, c: Any, block: Callable[[Any], nn.Module] | None = None) -> None:
         super().__init__()
         self.embed = nn.Embedding(c.vocab, c.hidden)
-        self.blocks = nn.ModuleList(MoEBlock(c) for _ in range(c.layers))
+        self.blocks = nn.ModuleList((block or MoEBlock)(c) for _ in range(c.layers))
         self.head = nn.Linear(c.hidden, c.vocab, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -400,9 +403,10 @@ class MoEModel(nn.Module):
         return self.head(x)
 
 
-def build_moe(c: MoEConfig, seed: int = 0) -> MoEModel:
+def build_moe(c: Any, seed: int = 0, block: Callable[[Any], nn.Module] | None = None) -> MoEModel:
+    """A seeded :class:`MoEModel` whose blocks' norm weights are drawn around 1."""
     torch.manual_seed(seed)
-    model = MoEModel(c)
+    model = MoEModel(c, block)
     for block in model.blocks:
         nn.init.normal_(block.norm.weight, mean=1.0, std=0.1)
     return model

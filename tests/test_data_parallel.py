@@ -338,6 +338,19 @@ def test_memory_limit_under_dp_re_solves_the_tp_plan():
     assert report.ok, str(report)
 
 
+def _autocast_losses(c, x, y, dtype, steps=3):
+    """One device: the losses of ``steps`` AdamW steps of the test Llama under ``dtype``
+    autocast (fp32: none)."""
+    model = build("llama", c)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def loss_of():
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            return lm_loss(model(x), y)
+
+    return train_loop(loss_of, opt, steps)
+
+
 def _train_bf16(rank, groups, module, x, y, zero, steps):
     """AdamW steps under bf16 mixed precision; the losses, the dtypes every matrix product
     saw in the last forward, and the dtypes of the parameters, gradients and Adam state."""
@@ -385,17 +398,7 @@ def test_bf16_mixed_precision_matches_single_device_autocast(zero):
     jobs = [(prog.module(r), x.chunk(2)[r], y.chunk(2)[r], zero, 3) for r in range(2)]
     results = get_pool(2).run(_train_bf16, prog.mesh.axes, jobs)
 
-    def reference(dtype):
-        model = build("llama", c)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-        def loss_of():
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-                return lm_loss(model(x), y)
-
-        return train_loop(loss_of, opt, 3)
-
-    bf16, fp32 = reference(torch.bfloat16), reference(torch.float32)
+    bf16, fp32 = (_autocast_losses(c, x, y, d) for d in (torch.bfloat16, torch.float32))
     for losses, seen, (params_, grads, moments) in results:
         assert seen == {"torch.bfloat16"}  # every matrix product ran in bf16
         assert params_ == grads == moments == {"torch.float32"}  # fp32 master state
@@ -519,17 +522,7 @@ def test_bf16_pipeline_matches_single_device_autocast(axes, zero):
             for r in range(prog.mesh.world_size)]  # fmt: skip
     results = get_pool(prog.mesh.world_size).run(_train_pp_bf16, prog.mesh.axes, jobs)
 
-    def reference(dtype):
-        model = build("llama", c)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-        def loss_of():
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-                return lm_loss(model(x), y)
-
-        return train_loop(loss_of, opt, 3)
-
-    bf16, ref32 = reference(torch.bfloat16), reference(torch.float32)
+    bf16, ref32 = (_autocast_losses(c, x, y, d) for d in (torch.bfloat16, torch.float32))
     for rank, (losses, seen, sent, (params, grads, moments)) in enumerate(results):
         assert seen == {"torch.bfloat16"}, rank  # every matrix product ran in bf16
         assert params == grads == moments == {"torch.float32"}, rank  # fp32 master state

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from autopar import Mesh, autoparallelize
 from autopar.errors import ShardingRuleError, TraceError
-from autopar.testing import RMSNorm, lm_loss
+from autopar.testing import MoEModel, RMSNorm, build_moe, lm_loss
 from autopar.trace import trace
 from autopar.verify import verify
 
@@ -105,26 +105,8 @@ class LoopMoE(nn.Module):
         return x + out.reshape(x.shape)
 
 
-class LoopModel(nn.Module):
-    def __init__(self, c: LoopConfig) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(c.vocab, c.hidden)
-        self.blocks = nn.ModuleList(LoopMoE(c) for _ in range(c.layers))
-        self.head = nn.Linear(c.hidden, c.vocab, bias=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def _model(c: LoopConfig, seed: int = 0) -> LoopModel:
-    torch.manual_seed(seed)
-    model = LoopModel(c)
-    for block in model.blocks:
-        nn.init.normal_(block.norm.weight, mean=1.0, std=0.1)
-    return model
+def _model(c: LoopConfig, seed: int = 0) -> MoEModel:
+    return build_moe(c, seed, block=LoopMoE)
 
 
 def _inputs(c: LoopConfig, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +211,7 @@ def test_loop_moe_matches_single_device(experts, top_k, ep, hidden, mask, seed):
     _each_rank_holds_its_experts(prog, model, c, ep)
 
 
-def _each_rank_holds_its_experts(prog, model: LoopModel, c: LoopConfig, ep: int) -> None:
+def _each_rank_holds_its_experts(prog, model: MoEModel, c: LoopConfig, ep: int) -> None:
     """Measured on each rank's module: the user's per-expert parameters of experts
     [r E/ep, (r+1) E/ep) and nothing of the others; expert bytes exactly 1/ep."""
     n = c.experts // ep
