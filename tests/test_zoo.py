@@ -29,10 +29,7 @@ UNTRACEABLE: dict[str, str] = {}  # family -> why torch.export cannot capture it
 _MOE = ("with distributed norms the planner keeps the residual split on the hidden dim and "
         "all-gathers the routed [T*k, h] rows before the experts")
 KNOWN_GAPS: dict[tuple[str, str], str] = {
-    ("mixtral", "comm"): _MOE,
     ("qwen2_moe", "comm"): _MOE,
-    ("qwen3_moe", "comm"): _MOE,
-    ("olmoe", "comm"): _MOE,
 }
 
 
