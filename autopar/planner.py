@@ -484,10 +484,14 @@ def _price_inputs(prob: _Problem, v: fx.Node, rep: dict, cands: dict, xvar: dict
                     g = pricer.grad_reduce(have, min(nbytes, late))
                     if sa.redundant and idx is None and _reduced_at_weights(u, grad, pricer.small):
                         g = 0.0
-                    _bound_aux(prob, ("grad", ur, idx, a), (u, idx), g, edge, z[(a, b)], 0.0)
+                    gkey, group = ("grad", ur, idx, a), (u, idx)
+                    if sa.redundant and idx is None and g > 0:  # one reduction where it lands
+                        top = _deferred_node(u, grad)
+                        gkey, group = ("grad", rep.get(top, top), None, "deferred"), (top, None)
+                    _bound_aux(prob, gkey, group, g, edge, z[(a, b)], 0.0)
                     if sa.redundant and idx is None and g > 0:
-                        _price_gather_backward(prob, ("grad", ur, idx, a), (u, idx), g, u,
-                                               rep, cands, xvar, grad, pricer)  # fmt: skip
+                        _price_gather_backward(prob, gkey, group, g, u, rep, cands, xvar, grad,
+                                               pricer)  # fmt: skip
         if fresh:
             _transport_rows(prob, z, xvar, ur, vr, len(cands[ur]), len(cands[vr]))
 
