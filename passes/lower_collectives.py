@@ -178,8 +178,9 @@ def _chain_to_gather(y: fx.Node, axis: str, ctx: PassContext) -> list[fx.Node] |
     while len(chain) <= _MAX_CHAIN:
         n = chain[-1]
         if n.op == "call_function" and n.target is C.all_gather:
-            return chain if n.args[1] == axis and n.args[4] == "split" else None
-        if not _repeated(n, ctx):
+            ok = n.args[1] == axis and n.args[4] == "split" and not _written(n)
+            return chain if ok else None
+        if not _repeated(n, ctx) or _written(n):
             return None
         ins = [a for a in dict.fromkeys(tensor_args(n))
                if _may_need_grad(a, ctx) and not _is_weight(a, ctx)]  # fmt: skip
@@ -187,6 +188,24 @@ def _chain_to_gather(y: fx.Node, axis: str, ctx: PassContext) -> list[fx.Node] |
             return None
         chain.append(ins[0])
     return None
+
+
+def _written(n: fx.Node) -> bool:
+    """Whether an in-place op writes ``n`` or a view of it (autograd forbids writing a custom
+    Function's view output, and a chain value must keep its gradient path)."""
+    seen, todo = set(), [n]
+    while todo:
+        v = todo.pop()
+        for u in v.users:
+            schema = getattr(u.target, "_schema", None)
+            if u.op != "call_function" or u in seen or schema is None:
+                continue
+            seen.add(u)
+            if schema.is_mutable:
+                return True
+            if schema.returns and schema.returns[0].alias_info is not None:
+                todo.append(u)  # a view of ``v``: its writes write ``v``
+    return False
 
 
 _MAX_CHAIN = 16  # replicated ops between a reduction and the gather it may become
