@@ -22,7 +22,9 @@ Algorithm (:func:`solve_axis`):
    shared per (producer, target layout) as the lowered graph shares it, plus the backward
    all-reduce (or reduce-scatter) a replicated value needs when a split consumer makes its
    gradient partial (free when ``lower_collectives`` moves it to weight gradients, which
-   overlap the rest of backward).  Impossible re-layouts (to partial) are forbidden pairs.  Each collective
+   overlap the rest of backward; priced once per value it lands on; discounted to the
+   reduce-scatter backward of an all-gather its replicated chain starts from, by a variable
+   tied to that gather's edge).  Impossible re-layouts (to partial) are forbidden pairs.  Each collective
    also pays a fixed launch-and-synchronise overhead, so fewer, larger collectives win ties.
 5. Solve exactly with HiGHS (scipy.optimize.milp): binary choice per node, continuous
    linearisation variables per priced edge pair; optional per-rank memory limit.
