@@ -159,8 +159,11 @@ def _hoist_to_gather(graph: fx.Graph, g: fx.Node, ctx: PassContext) -> list[fx.N
             _join_partial(graph, n, u, axis)
         for w in _beside(n, chain, ctx):
             new = _reduction_of(w, axis)
-            if new is None:
-                new = _reduction_after(graph, w, axis)
+            if new is None:  # placed by its reader: inside the reader's block
+                with graph.inserting_before(n):
+                    new = graph.call_function(C.grad_all_reduce, (w, axis))
+                new.meta.update({k: v for k, v in w.meta.items() if k != "val"}, val=w.meta["val"])
+                meta.update(new, origin="lower_collectives")
                 created.append(new)
             n.replace_input_with(w, new)
         below = n
@@ -230,14 +233,6 @@ def _join_partial(graph: fx.Graph, n: fx.Node, u: fx.Node, axis: str) -> None:
     gp.meta.update({k: v for k, v in n.meta.items() if k != "val"}, val=n.meta["val"])
     meta.update(gp, origin="lower_collectives")
     u.replace_input_with(n, gp)
-
-
-def _reduction_after(graph: fx.Graph, f: fx.Node, axis: str) -> fx.Node:
-    with graph.inserting_after(f):
-        new = graph.call_function(C.grad_all_reduce, (f, axis))
-    new.meta.update({k: v for k, v in f.meta.items() if k != "val"}, val=f.meta["val"])
-    meta.update(new, origin="lower_collectives")
-    return new
 
 
 def _replicated_region(y: fx.Node, g: fx.Node, ctx: PassContext) -> set[fx.Node] | None:
