@@ -11,6 +11,8 @@ the wire in both directions:
 - ``split(x, axis, dim, blocks)``: replicated -> split, locally.  Backward: all-gather.
 - ``all_to_all(x, axis, src_dim, dst_dim)``: split on one dim -> split on another.
 - ``grad_all_reduce(x, axis)``: identity forward, all-reduce backward (Megatron's f).
+- ``grad_partial(x, axis)``: identity forward; backward keeps a whole gradient on the axis'
+  rank 0 only (zeros elsewhere), so it joins partial gradients one later reduction sums.
 - ``expert_dispatch(rows, offs, axis)``: rows grouped by expert -> this rank's experts' rows
   from every rank (a count exchange, then a variable-split all-to-all).  Backward: the
   inverse all-to-all.  ``expert_combine`` is its inverse (backward: the dispatch's).
@@ -210,6 +212,17 @@ class _GradAllReduce(torch.autograd.Function):
 _PENDING: dict[str, tuple[int, torch.Tensor]] = {}  # bucket key -> (backwards seen, their sum)
 
 
+class _GradPartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: str) -> torch.Tensor:
+        ctx.axis = axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return (g if axis_rank(ctx.axis) == 0 else torch.zeros_like(g)), None
+
+
 class _GradBucketAllReduce(torch.autograd.Function):
     """Identity forward on several tensors; backward, once all their gradients are ready, one
     all-reduce of them flattened into a bucket (a missing gradient counts as zeros).  With
@@ -405,6 +418,13 @@ def all_to_all(x: torch.Tensor, axis: str, src_dim: int, dst_dim: int) -> torch.
 def grad_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     """Identity forward; all-reduce the gradient over ``axis`` in backward."""
     return _GradAllReduce.apply(x, axis)
+
+
+@graph_op
+def grad_partial(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Identity forward; backward keeps the (whole) gradient on rank 0 of ``axis`` only, so
+    it joins partial gradients that one later reduction over ``axis`` sums."""
+    return _GradPartial.apply(x, axis)
 
 
 @graph_op

@@ -22,7 +22,9 @@ Algorithm (:func:`solve_axis`):
    shared per (producer, target layout) as the lowered graph shares it, plus the backward
    all-reduce (or reduce-scatter) a replicated value needs when a split consumer makes its
    gradient partial (free when ``lower_collectives`` moves it to weight gradients, which
-   overlap the rest of backward).  Impossible re-layouts (to partial) are forbidden pairs.  Each collective
+   overlap the rest of backward; priced once per value it lands on; discounted to the
+   reduce-scatter backward of an all-gather its replicated chain starts from, by a variable
+   tied to that gather's edge).  Impossible re-layouts (to partial) are forbidden pairs.  Each collective
    also pays a fixed launch-and-synchronise overhead, so fewer, larger collectives win ties.
 5. Solve exactly with HiGHS (scipy.optimize.milp): binary choice per node, continuous
    linearisation variables per priced edge pair; optional per-rank memory limit.
@@ -484,7 +486,14 @@ def _price_inputs(prob: _Problem, v: fx.Node, rep: dict, cands: dict, xvar: dict
                     g = pricer.grad_reduce(have, min(nbytes, late))
                     if sa.redundant and idx is None and _reduced_at_weights(u, grad, pricer.small):
                         g = 0.0
-                    _bound_aux(prob, ("grad", ur, idx, a), (u, idx), g, edge, z[(a, b)], 0.0)
+                    gkey, group = ("grad", ur, idx, a), (u, idx)
+                    if sa.redundant and idx is None and g > 0:  # one reduction where it lands
+                        top = _deferred_node(u, grad)
+                        gkey, group = ("grad", rep.get(top, top), None, "deferred"), (top, None)
+                    _bound_aux(prob, gkey, group, g, edge, z[(a, b)], 0.0)
+                    if sa.redundant and idx is None and g > 0:
+                        _price_gather_backward(prob, gkey, group, g, u, rep, cands, xvar, grad,
+                                               pricer)  # fmt: skip
         if fresh:
             _transport_rows(prob, z, xvar, ur, vr, len(cands[ur]), len(cands[vr]))
 
@@ -496,13 +505,74 @@ def _deferred_bytes(u: fx.Node, arg: fx.Node, idx: int | None, grad: set) -> flo
     ``x[index]`` reduces [T, h] instead of its [T*k, h] rows)."""
     if idx is not None:
         return _nbytes(arg)
+    return _nbytes(_deferred_node(u, grad))
+
+
+def _deferred_node(u: fx.Node, grad: set) -> fx.Node:
+    """The value whose gradient the reduction of replicated ``u``'s reaches (step 6 above)."""
     node = u
     while node.op == "call_function" and len(node.users) == 1 and not _mutates(node):
         ins = [a for a in tensor_args(node) if a in grad]
         if len(ins) != 1 or _nbytes(ins[0]) > _nbytes(node):
             break
         node = ins[0]
-    return _nbytes(node)
+    return node
+
+
+def _price_gather_backward(prob: _Problem, key: tuple, group: tuple, g: float, u: fx.Node,
+                           rep: dict, cands: dict, xvar: dict, grad: set,
+                           pricer: _Pricer) -> None:  # fmt: skip
+    """``lower_collectives`` step 9: when the chain of ops above the reduction's value (each
+    reading one non-weight value that needs a gradient, no larger; weights beside it) is
+    replicated and starts at an all-gather, the reduction becomes that gather's reduce-scatter
+    backward (and each weight beside the chain gets its own all-reduce).  Per gather edge
+    into a chain op ``c``, a discount d (cost: the reduce-scatter and the weights' all-reduces
+    minus the reduction ``g``) with d <= the reduction's aux, d <= the edge's split ->
+    replicated transport variables, and d <= each chain op's replicated strategies; the
+    discounts of one reduction sum to at most its aux (one gather per chain)."""
+    chain, found = [_deferred_node(u, grad)], []
+    while len(chain) <= _MAX_CHAIN:
+        c = chain[-1]
+        if c.op != "call_function" or _mutates(c) or rep[c] not in cands:
+            break
+        args = tensor_args(c)
+        ins = [a for a in dict.fromkeys(args) if a in grad and not _is_weight(a)]
+        if len(ins) != 1 or _nbytes(ins[0]) > _nbytes(c):
+            break
+        p, pidx = _source(ins[0])
+        edge = (rep[p], pidx, rep[c], args.index(ins[0]))
+        if edge in prob.edges:
+            found.append((list(chain), edge, _nbytes(ins[0])))
+        chain.append(ins[0])
+    total: dict[int, float] = {}
+    for path, edge, nbytes in found:
+        beside = {a for n in path for a in tensor_args(n) if a in grad and _is_weight(a)}
+        saving = g - pricer.t("reduce_scatter", nbytes)
+        saving -= sum(pricer.t("all_reduce", _nbytes(w)) for w in beside)
+        if saving <= 0:
+            continue
+        dkey = ("gather_bwd", key, edge)
+        if dkey in prob.aux:
+            prob.aux_groups[dkey].add(group)
+            continue
+        d = prob.aux[dkey] = prob.var(0.0, False)
+        prob.aux_cost[dkey], prob.aux_mem[dkey] = -saving, 0.0
+        prob.aux_groups[dkey].add(group)
+        prob.comm_vars.add(d)
+        total[d] = 1.0
+        pr, pidx, cr, slot = edge
+        gathers = [zv for (a, b), zv in prob.edges[edge].items()
+                   if isinstance(_out(cands[pr][a], pidx), Shard)
+                   and isinstance(cands[cr][b].inputs[slot], Replicate)]  # fmt: skip
+        prob.row({d: 1.0, **{zv: -1.0 for zv in gathers}}, -np.inf, 0.0)
+        for n in path:
+            reps = [xvar[(rep[n], i)] for i, s in enumerate(cands[rep[n]]) if s.redundant]
+            prob.row({d: 1.0, **{xv: -1.0 for xv in reps}}, -np.inf, 0.0)
+    if total:
+        prob.row({**total, prob.aux[key]: -1.0}, -np.inf, 0.0)
+
+
+_MAX_CHAIN = 16  # chain ops between a reduction and the gather it may become (step 9)
 
 
 def _reduced_at_weights(u: fx.Node, grad: set, small: frozenset[str]) -> bool:

@@ -19,6 +19,14 @@ Algorithm (one mesh axis; ``pg`` = the consumers make the gradient partial):
    key/value projection then costs no activation reduction at all.
 8. An ``all_gather`` (slice backward) whose only user is a ``grad_all_reduce`` becomes an
    ``all_gather`` with a reduce-scatter backward (slice of a sum = reduce-scatter).
+9. Else, when a chain of replicated ops above the reduction leads to an ``all_gather`` (slice
+   backward), each op reading one non-weight value that needs a gradient and no larger than
+   its output (weights beside it: a norm's scale), move the reduction onto that gather as its
+   reduce-scatter backward (Megatron-SP's gather before a router and column-split experts):
+   every other user of a chain value joins the partial gradient, a ``grad_all_reduce`` by
+   merging into it, any other (its gradient is whole: a replicated router) through
+   ``grad_partial`` (the whole gradient kept on rank 0 only); each weight beside the chain gets
+   its own reduction (a weight bucket, step 7).  One reduce-scatter replaces an all-reduce.
 """
 
 from __future__ import annotations
@@ -85,9 +93,14 @@ def _hoist_grad_reductions(graph: fx.Graph, ctx: PassContext) -> None:
     while work:
         g = work.pop()
         y, axis = g.args
+        if getattr(g, "_erased", False):
+            continue  # merged into a gather's reduce-scatter (step 9)
         x = _hoistable_input(y, g, ctx)
         if x is None:
-            work.extend(_hoist_region(graph, g, ctx))
+            created = _hoist_region(graph, g, ctx)
+            if created is None:
+                created = _hoist_to_gather(graph, g, ctx)
+            work.extend(created or [])
             continue
         new = next((u for u in x.users if u.target is C.grad_all_reduce and u.args[1] == axis),
                    None)  # fmt: skip
@@ -102,19 +115,20 @@ def _hoist_grad_reductions(graph: fx.Graph, ctx: PassContext) -> None:
         graph.erase_node(g)
 
 
-def _hoist_region(graph: fx.Graph, g: fx.Node, ctx: PassContext) -> list[fx.Node]:
+def _hoist_region(graph: fx.Graph, g: fx.Node, ctx: PassContext) -> list[fx.Node] | None:
     """Step 7: move ``g`` to the gradient-needing inputs of the replicated region ending at its
-    input, when each input is a weight or already reduced; returns new reductions."""
+    input, when each input is a weight or already reduced; returns new reductions (None when
+    ``g`` stays)."""
     y, axis = g.args
     region = _replicated_region(y, g, ctx)
     if region is None:
-        return []
+        return None
     frontier = [a for n in region for a in dict.fromkeys(tensor_args(n))
                 if a not in region and _may_need_grad(a, ctx)]  # fmt: skip
     frontier = list(dict.fromkeys(frontier))
     merged = {f: _reduction_of(f, axis) for f in frontier}
     if not frontier or any(m is None and not _is_weight(f, ctx) for f, m in merged.items()):
-        return []
+        return None
     created = []
     for f, new in merged.items():
         if new is None:
@@ -129,6 +143,96 @@ def _hoist_region(graph: fx.Graph, g: fx.Node, ctx: PassContext) -> list[fx.Node
     g.replace_all_uses_with(y)
     graph.erase_node(g)
     return created
+
+
+def _hoist_to_gather(graph: fx.Graph, g: fx.Node, ctx: PassContext) -> list[fx.Node] | None:
+    """Step 9: turn ``g`` into the reduce-scatter backward of the all_gather its replicated
+    chain starts from; returns the weights' new reductions (None when ``g`` stays)."""
+    y, axis = g.args
+    chain = _chain_to_gather(y, axis, ctx)
+    if chain is None:
+        return None
+    created: list[fx.Node] = []
+    below = g
+    for n in chain:
+        for u in [u for u in n.users if u is not below]:
+            _join_partial(graph, n, u, axis)
+        for w in _beside(n, chain, ctx):
+            new = _reduction_of(w, axis)
+            if new is None:  # placed by its reader: inside the reader's block
+                with graph.inserting_before(n):
+                    new = graph.call_function(C.grad_all_reduce, (w, axis))
+                new.meta.update({k: v for k, v in w.meta.items() if k != "val"}, val=w.meta["val"])
+                meta.update(new, origin="lower_collectives")
+                created.append(new)
+            n.replace_input_with(w, new)
+        below = n
+    gather = chain[-1]
+    gather.args = (*gather.args[:4], "reduce_scatter")
+    g.replace_all_uses_with(y)
+    graph.erase_node(g)
+    return created
+
+
+def _chain_to_gather(y: fx.Node, axis: str, ctx: PassContext) -> list[fx.Node] | None:
+    """``y`` and the replicated ops above it up to an all_gather with a slice backward (its
+    last entry), each reading one non-weight value that needs a gradient, no larger."""
+    chain = [y]
+    while len(chain) <= _MAX_CHAIN:
+        n = chain[-1]
+        if n.op == "call_function" and n.target is C.all_gather:
+            ok = n.args[1] == axis and n.args[4] == "split" and not _written(n)
+            return chain if ok else None
+        if not _repeated(n, ctx) or _written(n):
+            return None
+        ins = [a for a in dict.fromkeys(tensor_args(n))
+               if _may_need_grad(a, ctx) and not _is_weight(a, ctx)]  # fmt: skip
+        if len(ins) != 1 or ins[0].meta["val"].numel() > n.meta["val"].numel():
+            return None
+        chain.append(ins[0])
+    return None
+
+
+def _written(n: fx.Node) -> bool:
+    """Whether an in-place op writes ``n`` or a view of it (autograd forbids writing a custom
+    Function's view output, and a chain value must keep its gradient path)."""
+    seen, todo = set(), [n]
+    while todo:
+        v = todo.pop()
+        for u in v.users:
+            schema = getattr(u.target, "_schema", None)
+            if u.op != "call_function" or u in seen or schema is None:
+                continue
+            seen.add(u)
+            if schema.is_mutable:
+                return True
+            if schema.returns and schema.returns[0].alias_info is not None:
+                todo.append(u)  # a view of ``v``: its writes write ``v``
+    return False
+
+
+_MAX_CHAIN = 16  # replicated ops between a reduction and the gather it may become
+
+
+def _beside(n: fx.Node, chain: list[fx.Node], ctx: PassContext) -> list[fx.Node]:
+    """The weights ``n`` (on the chain) reads that need a gradient."""
+    if n is chain[-1]:
+        return []
+    return [a for a in dict.fromkeys(tensor_args(n)) if _may_need_grad(a, ctx) and _is_weight(a, ctx)]
+
+
+def _join_partial(graph: fx.Graph, n: fx.Node, u: fx.Node, axis: str) -> None:
+    """Make the gradient ``u`` sends to ``n`` partial over ``axis``: a reduction of it merges
+    into the one below; any other user's (whole) gradient is kept on rank 0 only."""
+    if u.op == "call_function" and u.target is C.grad_all_reduce and u.args[1] == axis:
+        u.replace_all_uses_with(n)
+        graph.erase_node(u)
+        return
+    with graph.inserting_after(n):
+        gp = graph.call_function(C.grad_partial, (n, axis))
+    gp.meta.update({k: v for k, v in n.meta.items() if k != "val"}, val=n.meta["val"])
+    meta.update(gp, origin="lower_collectives")
+    u.replace_input_with(n, gp)
 
 
 def _replicated_region(y: fx.Node, g: fx.Node, ctx: PassContext) -> set[fx.Node] | None:
