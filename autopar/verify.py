@@ -157,7 +157,7 @@ def _verify(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
                            example_kwargs=example_kwargs, **compile_options)  # fmt: skip
     mesh = getattr(getattr(prog, "search", None), "mesh", mesh)  # Mesh.auto: the chosen mesh
     if reference_dtype is not None:
-        model = copy.deepcopy(model).to(reference_dtype)
+        model = _in_dtype(model, reference_dtype)
     if "dp" in mesh.sizes:
         return _verify_data_parallel(prog, model, example_inputs, example_kwargs, loss_fn, rtol,
                                      seed)  # fmt: skip
@@ -176,6 +176,19 @@ def _verify(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
     unstable = unstable_names(prog, results, again)
     rows = [_mark_unstable(r) if r.name in unstable else r for r in rows]
     return VerifyReport(mesh=str(mesh), rtol=rtol, rows=tuple(rows))
+
+
+def _in_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``model`` in ``dtype`` whose floating inputs are cast to it on the way in (an
+    fp32 input would otherwise meet float64 weights, e.g. in a LayerNorm)."""
+    copied = copy.deepcopy(model).to(dtype)
+
+    def cast(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor)
+                               and t.is_floating_point() else t, (args, kwargs))  # fmt: skip
+
+    copied.register_forward_pre_hook(cast, with_kwargs=True)
+    return copied
 
 
 def _reference(model: nn.Module, args: Sequence[Any], kwargs: dict | None,

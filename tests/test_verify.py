@@ -295,3 +295,14 @@ def test_hf_deepseek_v3_verifies_deterministically():
                     example_kwargs={"labels": labels})  # fmt: skip
     assert report.ok, str(report)
     assert report.max_rel_error < 1e-5
+
+
+def test_float64_reference_casts_float_inputs():
+    """``reference_dtype=torch.float64`` runs the reference on a float64 copy; its fp32 float
+    inputs are cast too (a LayerNorm would otherwise meet fp32 input and float64 weights)."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32),
+                                torch.nn.Linear(32, 16))  # fmt: skip
+    x = torch.randn(4, 8, 16)
+    report = verify(model, Mesh(tp=2), (x,), reference_dtype=torch.float64, rtol=1e-5)
+    assert report.ok, str(report)
+    assert next(model.parameters()).dtype == torch.float32  # the user's model is untouched
