@@ -212,12 +212,7 @@ class _GradAllReduce(torch.autograd.Function):
 _PENDING: dict[str, tuple[int, torch.Tensor]] = {}  # bucket key -> (backwards seen, their sum)
 
 
-class _GradPartial(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, axis: str) -> torch.Tensor:
-        ctx.axis = axis
-        return x.view_as(x)
-
+class _GradPartial(_GradAllReduce):  # the same identity forward
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         return (g if axis_rank(ctx.axis) == 0 else torch.zeros_like(g)), None

@@ -2,6 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeProblem:
+    """A graph node a recogniser could not handle: its name, why, and the user's source line
+    (reported in a warning, or raised under ``strict=True``)."""
+
+    node: str
+    why: str
+    source: str
+
+    def __str__(self) -> str:
+        return f"node '{self.node}' ({self.source}): {self.why}"
+
 
 class AutoparError(ValueError):
     """Base class of every error autopar raises on bad input."""

@@ -56,7 +56,7 @@ from autopar import meta
 from autopar.batch_stats import boundaries, globalize_batch_statistics, statistic_collectives
 from autopar.codegen import _param_block
 from autopar.data_parallel import _graph, _model_name, loss_reduction, split_batch
-from autopar.errors import InputError, ShardingRuleError
+from autopar.errors import InputError, NodeProblem, ShardingRuleError
 from autopar.mesh import Mesh
 from autopar.moe_loop import find_expert_loops
 from autopar.plan import Collective, _fmt_bytes
@@ -109,16 +109,7 @@ class MoELayer:
                 f"over {', '.join(names)}")  # fmt: skip
 
 
-@dataclass(frozen=True, kw_only=True)
-class Unrecognised:
-    """A group of grouped matmuls the recogniser could not turn into an MoE layer."""
-
-    node: str
-    why: str
-    source: str
-
-    def __str__(self) -> str:
-        return f"node '{self.node}' ({self.source}): {self.why}"
+Unrecognised = NodeProblem  # grouped matmuls the recogniser could not turn into an MoE layer
 
 
 def _name(node: fx.Node) -> str:

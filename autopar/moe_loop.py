@@ -52,6 +52,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.utils import _pytree as pytree
 
+from autopar.errors import NodeProblem
 from autopar.meta import module_path, source
 
 aten = torch.ops.aten
@@ -64,16 +65,7 @@ _SPLITS = {"chunk": 2, "split": 2, "split_with_sizes": 2, "unbind": 1}  # op -> 
 _RESHAPES = {"reshape", "view", "_unsafe_view", "unsqueeze", "squeeze"}
 
 
-@dataclass(frozen=True, kw_only=True)
-class LoopProblem:
-    """An unrolled per-expert loop that could not be rewritten."""
-
-    node: str
-    why: str
-    source: str
-
-    def __str__(self) -> str:
-        return f"node '{self.node}' ({self.source}): {self.why}"
+LoopProblem = NodeProblem  # an unrolled per-expert loop that could not be rewritten
 
 
 class _Reject(Exception):
