@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # torch is imported where a graph is read, not for model shap
 MATMUL_PEAK_FRACTION = 0.72  # large GEMMs: ~82% kernel efficiency × ~88% sustained clock
 MATMUL_K_HALF = 64  # a K loop of 64 runs at half speed: fixed prologue/epilogue per tile
 MATMUL_TILE = 128  # output tile edge of a tensor-core GEMM kernel
+MATMUL_MIN_TILE = 16  # narrowest tile edge GEMM libraries pick for a skinny dim (router, gate)
 MEMORY_BW_FRACTION = 0.80  # streaming kernels reach ~80% of the HBM data-sheet bandwidth
 KERNEL_LAUNCH_S = 4e-6  # eager launch + scheduling floor per kernel
 
@@ -99,9 +100,21 @@ def node_flops_bytes(node: torch.fx.Node) -> tuple[float, float]:
 
 def matmul_efficiency(m: float, n: float, k: float) -> float:
     """Fraction of the dense peak a GEMM [m,k]×[k,n] reaches: the large-GEMM fraction, times
-    the useful share of its 128×128 output tiles, times k/(k + K_HALF) for the K loop."""
-    tiles = math.ceil(m / MATMUL_TILE) * math.ceil(n / MATMUL_TILE) * MATMUL_TILE**2
-    return MATMUL_PEAK_FRACTION * (m * n / tiles) * k / (k + MATMUL_K_HALF)
+    the useful share of its output tiles, times k/(k + K_HALF) for the K loop.
+
+    A tile edge is 128, except along a dim shorter than that, where GEMM libraries pick a
+    narrower tile (the next power of two, at least 16): a [T, h] × [h, 8] router GEMM fills
+    half of a 16-wide tile, not 1/16 of a 128-wide one.  Narrow tiles reuse each loaded
+    operand less; that cost is the memory roofline's (`op_time`), which such skinny GEMMs hit.
+    """
+    useful = _tile_use(m) * _tile_use(n)
+    return MATMUL_PEAK_FRACTION * useful * k / (k + MATMUL_K_HALF)
+
+
+def _tile_use(d: float) -> float:
+    """Useful fraction of the tiles covering one output dim of length d."""
+    edge = MATMUL_TILE if d >= MATMUL_TILE else max(MATMUL_MIN_TILE, 2 ** math.ceil(math.log2(max(d, 1))))
+    return d / (math.ceil(d / edge) * edge)
 
 
 def op_time(

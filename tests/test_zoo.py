@@ -26,11 +26,7 @@ NAMES = [f.name for f in zoo.families()]
 UNTRACEABLE: dict[str, str] = {}  # family -> why torch.export cannot capture it
 # (family, check) -> why autopar misses the hand design today.  Each is a strict xfail: it
 # fails the suite once fixed, so the list only ever shrinks (see NOTES.md, open work).
-_MOE = ("the replicated router (n=8) and shared-expert gate (n=1) GEMMs of the sequence-split "
-        "plan are priced at 1/16 and 1/128 tile efficiency: the hidden split wins by 0.04 ms")
-KNOWN_GAPS: dict[tuple[str, str], str] = {
-    ("qwen2_moe", "comm"): _MOE,
-}
+KNOWN_GAPS: dict[tuple[str, str], str] = {}
 
 
 def known_gap(request: pytest.FixtureRequest, name: str, check: str) -> None:

@@ -116,3 +116,22 @@ def test_matmul_efficiency_hand_values():
         MATMUL_PEAK_FRACTION * tiles * 64 / (64 + MATMUL_K_HALF)
     )
     assert matmul_efficiency(128, 128, 1 << 20) < MATMUL_PEAK_FRACTION
+
+
+def test_skinny_gemm_uses_a_narrow_tile_and_is_memory_bound():
+    """A [T, h] x [h, 8] router GEMM fills half of a 16-wide tile (not 1/16 of a 128-wide
+    one), and its time is the memory roofline's: reading x, not 1/16-efficient tensor cores."""
+    k = 2048
+    kloop = k / (k + MATMUL_K_HALF)
+    assert matmul_efficiency(4096, 8, k) == pytest.approx(MATMUL_PEAK_FRACTION * 0.5 * kloop)
+    assert matmul_efficiency(4096, 1, k) == pytest.approx(MATMUL_PEAK_FRACTION / 16 * kloop)
+    assert matmul_efficiency(4096, 48, k) == pytest.approx(MATMUL_PEAK_FRACTION * 0.75 * kloop)
+    assert matmul_efficiency(4096, 200, k) == pytest.approx(
+        MATMUL_PEAK_FRACTION * 200 / 256 * kloop
+    )
+    gpu = GPU.preset("h100-sxm")
+    for dtype_bytes in (2, 4):
+        m, n = 4096, 8
+        flops, nbytes = 2.0 * m * n * k, dtype_bytes * (m * k + k * n + m * n)
+        t = op_time(flops, nbytes, gpu, dtype_bytes, compute_efficiency=matmul_efficiency(m, n, k))
+        assert t == pytest.approx(nbytes / (gpu.hbm_bw * MEMORY_BW_FRACTION))
