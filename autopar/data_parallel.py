@@ -90,15 +90,15 @@ class ZeroMemory:
 
 
 def zero_memory(params: int, dp: int, stage: int, per: StateBytes,
-                activations: float, rest: int = 0) -> ZeroMemory:  # fmt: skip
+                activations: float, kept: int = 0) -> ZeroMemory:  # fmt: skip
     """Step 4: stage 1 shards the optimizer state over dp, 2 also gradients, 3 also weights
     (the cost model's ``model_state``, with this plan's element sizes); at stage 3 the
-    ``rest`` parameters outside the repeated blocks (FSDP2's root group) are held whole
-    between forward and backward."""
+    ``kept`` parameters (:func:`kept_gathered`: the root group and the last block) are held
+    whole between forward and backward."""
     weights, grads, optimizer = model_state(params, 0.0, stage, dp, dp, grad_bytes=per.grads,
                                             weight_bytes=per.weights, optim_bytes=per.optimizer)  # fmt: skip
     if stage == 3:
-        weights += rest * per.weights * (dp - 1) / dp
+        weights += kept * per.weights * (dp - 1) / dp
     return ZeroMemory(stage=stage, weights=weights, grads=grads, optimizer=optimizer,
                       activations=activations)  # fmt: skip
 
@@ -216,13 +216,13 @@ def _precision_line(param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> str:
 def dp_collectives(grads: dict[str, tuple[tuple[int, ...], torch.dtype]], stage: int,
                    param_dtype: torch.dtype = torch.float32,
                    reduce_dtype: torch.dtype = torch.float32,
-                   rest: frozenset[str] = frozenset()) -> list[Collective]:  # fmt: skip
+                   kept: frozenset[str] = frozenset()) -> list[Collective]:  # fmt: skip
     """Step 5: the scalar loss all-reduce, then per parameter needing a gradient (local shape
     on its tp/pp coordinate); direction 'step' is after the optimizer step.  Parameter
     all-gathers move ``param_dtype``, gradient reductions ``reduce_dtype``, and ZeRO-1's
     post-step gather the fp32 master weights.  ZeRO-3 re-gathers in backward every parameter
-    but those of ``rest`` (outside the repeated blocks: FSDP2's root group, kept gathered
-    from the end of forward into backward, as torch does for a root)."""
+    but those ``kept`` gathered from the end of forward into backward
+    (:func:`kept_gathered`)."""
     kinds = {0: [("bwd", "all_reduce")],
              1: [("bwd", "all_reduce"), ("step", "all_gather")],
              2: [("fwd", "all_gather"), ("bwd", "reduce_scatter")],
@@ -232,7 +232,7 @@ def dp_collectives(grads: dict[str, tuple[tuple[int, ...], torch.dtype]], stage:
     out = [loss]
     for fqn, (shape, master) in grads.items():
         for direction, kind in kinds:
-            if stage == 3 and fqn in rest and (direction, kind) == ("bwd", "all_gather"):
+            if stage == 3 and fqn in kept and (direction, kind) == ("bwd", "all_gather"):
                 continue
             dtype = (master if direction == "step" else
                      reduce_dtype if kind != "all_gather" else param_dtype)  # fmt: skip
@@ -394,7 +394,7 @@ def compile_data_parallel(mesh: Mesh, example_inputs: Sequence[Any], example_kwa
         inner=inner.plan, mesh=mesh.axes, links=tuple(mesh.describe()), zero=stage,
         reduction=loss_reduction(_graph(inner), _model_name(inner)), batch=batch, memory=table, memory_limit=limit,
         collectives=tuple(dp_collectives(grads, stage, param_dtype, reduce_dtype,
-                                         _outside_blocks(inner))),
+                                         kept_gathered(inner))),
         notes=(why, *([resolved] if resolved else []), *_engine_note(stage)),
         param_dtype=param_dtype, reduce_dtype=reduce_dtype,
     )  # fmt: skip
@@ -407,10 +407,10 @@ def memory_table(inner: Any, dp: int, per: StateBytes) -> tuple[ZeroMemory, ...]
     activations)."""
     shapes = _grad_shapes(inner)
     params = sum(torch.Size(s).numel() for s, _ in shapes.values())
-    rest = sum(torch.Size(shapes[n][0]).numel() for n in _outside_blocks(inner) if n in shapes)
+    kept = sum(torch.Size(shapes[n][0]).numel() for n in kept_gathered(inner) if n in shapes)
     activations = max(0.0, inner.plan.memory_bytes - 16.0 * params) if hasattr(
         inner.plan, "memory_bytes") else 0.0  # fmt: skip
-    return tuple(zero_memory(params, dp, s, per, activations, rest) for s in ZERO_STAGES)
+    return tuple(zero_memory(params, dp, s, per, activations, kept) for s in ZERO_STAGES)
 
 
 def _fit_sub_mesh(inner: Any, table: tuple[ZeroMemory, ...], limit: float, zero: int | None,
@@ -450,8 +450,9 @@ def _engine_note(stage: int) -> list[str]:
                  "repeated block one group, the rest of the program another): a block's "
                  "parameters gathered just before it runs in forward and again in backward "
                  "(the next block's prefetched), freed after; gradients reduce-scattered "
-                 "per block; the rest, as torch's root, stays gathered from the end of "
-                 "forward into backward"}  # fmt: skip
+                 "per block; the rest (as torch's root) and the last block, whose "
+                 "backward comes first, stay gathered from the end of forward into "
+                 "backward"}  # fmt: skip
     return [f"runs on {engine[stage]}"]
 
 
@@ -472,10 +473,13 @@ def _batch(example_inputs: Sequence[Any], example_kwargs: dict | None) -> int:
     return 0
 
 
-def _outside_blocks(inner: Any) -> frozenset[str]:
-    """Parameters per-block FSDP2 (``runtime.shard_per_block``) leaves in the root group: those
-    outside the outlined blocks of a rank program that has blocks (none when it has none:
-    then the whole program is one group, resharded as any ZeRO-3 group)."""
+def kept_gathered(inner: Any) -> frozenset[str]:
+    """Parameters per-block FSDP2 (``runtime.shard_per_block``) keeps gathered from the end of
+    forward into backward in a rank program that has blocks: the root group (outside the
+    outlined blocks; torch does so for a root) and the last block of each stage module (its
+    backward starts as soon as the head's ends, so resharding it would only gather it again
+    at once: torchtitan does the same).  None when the program has no blocks: then it is one
+    group, resharded as any ZeRO-3 group."""
     from autopar.codegen import outline_blocks
     from autopar.recompute import block_targets, blocks_outlined
 
@@ -487,7 +491,8 @@ def _outside_blocks(inner: Any) -> frozenset[str]:
         if outlined is None:
             continue
         targets = tuple(f"{t}." for t in block_targets(outlined))
-        out |= {n for n, _ in outlined.named_parameters() if not n.startswith(targets)}
+        out |= {n for n, _ in outlined.named_parameters()
+                if not n.startswith(targets) or n.startswith(targets[-1])}  # fmt: skip
     return frozenset(out)
 
 

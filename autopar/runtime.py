@@ -516,8 +516,9 @@ def shard_per_block(module: torch.nn.Module, dp_mesh: Any, *, reshard_after_forw
     ``fully_shard``-ed, then the rest of the program.  FSDP2 gathers a block's parameters
     just before it runs (forward, and again in backward for ZeRO-3) and frees them after; each
     block's pre-hook issues the next block's gather (forward and backward prefetch), so on an
-    asynchronous process group it overlaps the running block.  A program without separable blocks is one
-    group.  Returns the module that runs (the outlined one when blocks were found)."""
+    asynchronous process group it overlaps the running block.  The last block is not
+    resharded after forward (its backward comes first: ``data_parallel.kept_gathered``).  A
+    program without separable blocks is one group.  Returns the module that runs (the outlined one when blocks were found)."""
     from torch.distributed.fsdp import fully_shard
 
     from autopar.codegen import outline_blocks
@@ -530,9 +531,11 @@ def shard_per_block(module: torch.nn.Module, dp_mesh: Any, *, reshard_after_forw
     blocks = []
     if outlined is not None:
         module = outlined
-        for target in block_targets(module):
+        targets = block_targets(module)
+        for i, target in enumerate(targets):  # the last block is kept gathered into backward
+            last = i == len(targets) - 1  # (data_parallel.kept_gathered)
             blocks.append(fully_shard(module.get_submodule(target), mesh=dp_mesh,
-                                      reshard_after_forward=reshard_after_forward,
+                                      reshard_after_forward=reshard_after_forward and not last,
                                       **policy))  # fmt: skip
     # the rest (embedding, head, final norm) is FSDP2's root: with blocks, as torch's default
     # for a root, kept gathered from the end of forward into backward (its parameters are

@@ -11,7 +11,9 @@ Algorithm of :func:`check` (one row of the zoo table):
    error over the loss, the logits and every parameter gradient.
 2. Build the realistic config (hidden 2048, seq 2048, vocab 32000, 2 layers, 16 heads, kv heads
    by the family's idiom: MHA 16, GQA 4, MQA 1) on the meta device and ``autoparallelize`` it
-   (no processes, no weights).
+   (no processes, no weights) with ``param_dtype=torch.bfloat16``: the precision such models
+   train in and Megatron's hand design assumes (fp32 GEMMs run ~15x slower on an H100, so an
+   fp32 plan may rightly trade collectives for compute the hand design would not).
 3. Read its forward collectives (:func:`forward_collectives`), attribute each to a layer by the
    module path it was lowered at, and compare with the hand-designed count
    (:func:`expected_collectives`, REFERENCE.md):
@@ -317,7 +319,8 @@ def check(entry: Family, tp: int = 2, run_verify: bool = True) -> Row:
         comm, comm_reason, frac = None, "", None
         try:
             model, args, kwargs, loss_fn = build(entry, "realistic", device="meta")
-            prog = autoparallelize(model, Mesh(tp=tp), args, loss_fn, example_kwargs=kwargs)
+            prog = autoparallelize(model, Mesh(tp=tp), args, loss_fn, example_kwargs=kwargs,
+                                   param_dtype=torch.bfloat16)  # fmt: skip
             comm = CommCheck(actual=forward_collectives(prog),
                              expected=expected_collectives(entry, dims(entry, "realistic")),
                              tp=tp)  # fmt: skip

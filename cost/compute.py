@@ -131,14 +131,19 @@ def op_time(
     return max(compute, memory, KERNEL_LAUNCH_S)
 
 
-def node_time(node: torch.fx.Node, gpu: GPU) -> float:
+def node_time(node: torch.fx.Node, gpu: GPU, itemsize: int | None = None) -> float:
     """Roofline seconds of one graph node, with the matmul size efficiency where it applies;
-    views and untabled ops are free (they launch no kernel of their own)."""
+    views and untabled ops are free (they launch no kernel of their own).  ``itemsize``: the
+    element size the node computes in when it differs from its traced one (a matmul under
+    bf16 autocast in an fp32-traced graph): peak and bytes moved follow it."""
     flops, moved = node_flops_bytes(node)
     if flops == 0.0 and moved == 0.0:
         return 0.0
     out = tensors_of(node.meta.get("val"))
-    dtype_bytes = min(max(out[0].element_size(), 2), 4) if out else 2
+    traced = out[0].element_size() if out else 2
+    if itemsize is not None and out:
+        moved *= itemsize / traced
+    dtype_bytes = min(max(itemsize or traced, 2), 4)
     return op_time(flops, moved, gpu, dtype_bytes, compute_efficiency=node_efficiency(node))
 
 

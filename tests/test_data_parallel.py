@@ -121,7 +121,11 @@ def test_tp_collectives_unchanged_by_dp_and_zero3_moves_1_5x_ddp_bytes():
         return sum(b for inside, b in moved if inside), sum(b for inside, b in moved if not inside)
 
     (blocks0, rest0), (blocks3, rest3) = split(0), split(3)
-    assert blocks3 == pytest.approx(1.5 * blocks0)  # per layer: gather fwd + bwd, reduce-scatter
+    last = sum(wire_bytes(c, 2) for c in _dp_traffic(progs[0]) if c.where.startswith("layers.1."))
+    assert last > 0 and not any(c.where.startswith("layers.2.") for c in _dp_traffic(progs[0]))
+    # per layer: gather fwd + bwd, reduce-scatter (1.5x DDP); the last layer's backward comes
+    # first, so it stays gathered from forward into backward: 1.0x DDP for it
+    assert blocks3 == pytest.approx(1.5 * blocks0 - 0.5 * last)
     assert rest3 == pytest.approx(rest0) and rest0 > 0  # the root group: gathered once (torch's)
 
 
@@ -648,3 +652,28 @@ def test_bf16_pipeline_stage_memory_is_priced_in_the_autocast_dtype():
     prog = autoparallelize(build("llama", c), Mesh(small, pp=2), (x, y), **opts,
                            param_dtype=torch.bfloat16)  # fmt: skip
     assert len(prog.stages) == 2
+
+
+def test_planner_prices_matrix_products_in_the_autocast_dtype():
+    """Under ``param_dtype=bf16`` a matmul of the fp32-traced graph computes in bf16: the
+    planner prices it at the bf16 peak and bf16 bytes (an fp32 price would favour trading
+    collectives for compute the bf16 run does not do), and other nodes keep theirs."""
+    from autopar import meta
+    from autopar.planner import _node_time
+    from autopar.precision import annotate_autocast
+    from autopar.trace import trace
+    from cost.compute import node_time
+    from cost.hardware import GPU
+
+    gpu = GPU.preset("h100-sxm")
+    c = Config(layers=1, hidden=1024, heads=8, ffn=2048, vocab=512, seq=512, batch=2, bias=False)
+    gm = trace(build("llama", c), tokens(c), loss_fn=lm_loss).gm
+    fp32 = {n: _node_time(n, gpu) for n in gm.graph.nodes if n.op == "call_function"}
+    assert annotate_autocast(gm, torch.bfloat16) > 0
+    mms = [n for n in gm.graph.nodes if "linear" in str(n.target) or "mm" in str(n.target)]
+    assert mms and all(meta.dtype(n) == torch.bfloat16 for n in mms)
+    for n in mms:
+        assert _node_time(n, gpu) == pytest.approx(node_time(n, gpu, 2)) and node_time(n, gpu, 2) < fp32[n]
+        assert fp32[n] == node_time(n, gpu)
+    kept = [n for n in fp32 if n not in mms and meta.dtype(n) == torch.float32 and fp32[n] > 0]
+    assert kept and all(_node_time(n, gpu) == fp32[n] for n in kept)  # norms, loss: fp32

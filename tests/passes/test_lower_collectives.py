@@ -56,11 +56,12 @@ def test_replicated_kv_projection_reduces_only_its_weight_gradients():
 
 
 def test_multi_query_gemma_backward_is_megatron_sp_plus_kv_weight_reductions():
-    """Gemma (1 KV head) at a realistic shape, meta device: the K/V projections are replicated
-    (REFERENCE, g < t), so the gathered attention input's gradient is reduce-scattered (the
-    all_gather + f pair folds, step 8), never all-reduced, and the only K/V traffic is the
-    backward all-reduce of the two [d, h] weight gradients per layer."""
+    """Gemma (1 KV head) at a realistic shape and precision (bf16), meta device: the K/V
+    projections are replicated (REFERENCE, g < t), so the gathered attention input's gradient
+    is reduce-scattered (the all_gather + f pair folds, step 8), never all-reduced, and the
+    only K/V traffic is the backward all-reduce of the two [d, h] weight gradients per layer."""
     import pytest
+    import torch
 
     pytest.importorskip("transformers")
     from autopar import Mesh, autoparallelize, zoo
@@ -68,7 +69,8 @@ def test_multi_query_gemma_backward_is_megatron_sp_plus_kv_weight_reductions():
     entry = zoo.family("gemma")
     d = zoo.dims(entry, "realistic")
     model, args, kwargs, loss_fn = zoo.build(entry, "realistic", device="meta")
-    prog = autoparallelize(model, Mesh(tp=2), args, loss_fn, example_kwargs=kwargs)
+    prog = autoparallelize(model, Mesh(tp=2), args, loss_fn, example_kwargs=kwargs,
+                           param_dtype=torch.bfloat16)  # fmt: skip
     shapes = [(x.direction, x.kind, x.shape) for x in prog.collectives()]
     bsh = (d.batch, d.seq, d.hidden)
     assert ("bwd", "all_reduce", bsh) not in shapes
