@@ -402,15 +402,33 @@ def compile_data_parallel(mesh: Mesh, example_inputs: Sequence[Any], example_kwa
 
 
 def memory_table(inner: Any, dp: int, per: StateBytes) -> tuple[ZeroMemory, ...]:
-    """Step 4: per-rank bytes at each ZeRO stage of sub-mesh program ``inner`` (its plan's
-    memory less the fp32 model state the sub-mesh solver counts, 16 B per parameter, is the
-    activations)."""
-    shapes = _grad_shapes(inner)
-    params = sum(torch.Size(s).numel() for s, _ in shapes.values())
-    kept = sum(torch.Size(shapes[n][0]).numel() for n in kept_gathered(inner) if n in shapes)
-    activations = max(0.0, inner.plan.memory_bytes - 16.0 * params) if hasattr(
-        inner.plan, "memory_bytes") else 0.0  # fmt: skip
-    return tuple(zero_memory(params, dp, s, per, activations, kept) for s in ZERO_STAGES)
+    """Step 4: per-rank bytes at each ZeRO stage of sub-mesh program ``inner``: per rank
+    position (one per pipeline rank, holding its stages; one without pp) its parameters and
+    saved activations (a plan's memory less the fp32 model state its solver counts, 16 B per
+    parameter; under pp times the micro-batches the stage holds at its peak), and at each
+    stage the position that needs the most."""
+    rows = []
+    for modules, plans in _rank_positions(inner):
+        shapes = _grad_shapes_of(modules)
+        params = sum(torch.Size(s).numel() for s, _ in shapes.values())
+        kept = sum(torch.Size(shapes[n][0]).numel() for n in _kept_in(modules) if n in shapes)
+        activations = 0.0
+        for (plan, held), module in zip(plans, modules, strict=True):
+            state = 16.0 * sum(p.numel() for p in module.parameters() if p.requires_grad)
+            activations += held * max(0.0, getattr(plan, "memory_bytes", state) - state)
+        rows.append([zero_memory(params, dp, s, per, activations, kept) for s in ZERO_STAGES])
+    return tuple(max((r[s] for r in rows), key=lambda m: m.total) for s in ZERO_STAGES)
+
+
+def _rank_positions(inner: Any) -> list[tuple[list[Any], list[tuple[Any, int]]]]:
+    """(modules, [(plan, micro-batches held), ...]) of sub-mesh rank 0 at each pipeline
+    rank (its stages' modules and plans), or of the one rank position without pp."""
+    if not hasattr(inner, "stages"):
+        return [([inner.module(0)], [(inner.plan, 1)])]
+    n = len(inner.stages)
+    return [([inner.stages[s].module(0) for s in inner.stages_of(r)],
+             [(inner.stages[s].plan, inner.config.in_flight(s, n)) for s in inner.stages_of(r)])
+            for r in range(inner.mesh.size("pp"))]  # fmt: skip
 
 
 def _fit_sub_mesh(inner: Any, table: tuple[ZeroMemory, ...], limit: float, zero: int | None,
@@ -480,11 +498,15 @@ def kept_gathered(inner: Any) -> frozenset[str]:
     backward starts as soon as the head's ends, so resharding it would only gather it again
     at once: torchtitan does the same).  None when the program has no blocks: then it is one
     group, resharded as any ZeRO-3 group."""
+    return _kept_in(_rank_modules(inner))
+
+
+def _kept_in(modules: list[Any]) -> frozenset[str]:
     from autopar.codegen import outline_blocks
     from autopar.recompute import block_targets, blocks_outlined
 
     out: set[str] = set()
-    for module in _rank_modules(inner):
+    for module in modules:
         if not isinstance(module, fx.GraphModule):
             continue
         outlined = module if blocks_outlined(module) else outline_blocks(module)
@@ -504,8 +526,12 @@ def _rank_modules(inner: Any) -> list[Any]:
 
 def _grad_shapes(inner: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Local shape and dtype of each trainable parameter on sub-mesh rank 0 (every stage)."""
+    return _grad_shapes_of(_rank_modules(inner))
+
+
+def _grad_shapes_of(modules: list[Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for module in _rank_modules(inner):
+    for module in modules:
         for name, p in module.named_parameters():
             if p.requires_grad:
                 out.setdefault(name, (tuple(p.shape), p.dtype))

@@ -677,3 +677,53 @@ def test_planner_prices_matrix_products_in_the_autocast_dtype():
         assert fp32[n] == node_time(n, gpu)
     kept = [n for n in fp32 if n not in mms and meta.dtype(n) == torch.float32 and fp32[n] > 0]
     assert kept and all(_node_time(n, gpu) == fp32[n] for n in kept)  # norms, loss: fp32
+
+
+def _pp_state_bytes(rank, groups, share, x, y, zero):
+    """One AdamW step of a dp x pp rank: the bytes of this rank's parameters (whole, before
+    the step), gradients and optimizer state (local shards)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autopar import collectives
+    from autopar.runtime import DataAxis, PipelineRunner
+
+    def local_bytes(ts):
+        return sum((t.to_local() if hasattr(t, "to_local") else t).numel() * 4 for t in ts)
+
+    collectives.bind({a: g for a, g in groups.items() if a != "dp"})
+    dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
+    data = DataAxis(group=groups["dp"], mesh=dp_mesh, zero=zero, reduction="mean")
+    runner = PipelineRunner(share, groups["pp"], data=data)
+    opt = runner.optimizer(torch.optim.AdamW, lr=1e-3)
+    runner.step(x, y)
+    grads = local_bytes(p.grad for p in runner.parameters() if p.grad is not None)
+    opt.step()
+    state = getattr(opt, "optim", opt).state.values()
+    return local_bytes(runner.parameters()), grads, local_bytes(
+        t for s in state for t in s.values() if t.dim())
+
+
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_dp_x_pp_memory_rows_are_per_pipeline_rank(zero):
+    """Under dp x pp a rank holds its stages only: the plan's ZeRO rows are the busiest
+    pipeline rank's (most bytes in all): its gradients and optimizer state (measured after a
+    step: equal to one rank's) and saved activations (the stage plans' times the micro-batches
+    held), not the whole model's."""
+    c = Config(layers=4, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=48, seq=8, batch=8)
+    x, y = tokens(c)
+    prog = autoparallelize(build("llama", c), Mesh(dp=2, pp=2), (x, y), loss_fn=lm_loss,
+                           zero=zero, n_microbatches=2)  # fmt: skip
+    pipe, row = prog.inner, prog.plan.memory[zero]
+    whole = sum(p.numel() for p in build("llama", c).parameters()) * 4
+    jobs = [(pipe.share(prog.inner_rank(r)),
+             *(t.chunk(2)[prog.mesh.coordinates(r)["dp"]] for t in (x, y)), zero)
+            for r in range(4)]  # fmt: skip
+    measured = get_pool(4).run(_pp_state_bytes, prog.mesh.axes, jobs)
+    assert row.grads < whole * (1 if zero < 2 else 0.5) and row.optimizer < 2 * whole
+    weights = row.weights if zero == 0 else None  # at ZeRO 2/3 the weights peak mid-step
+    assert (weights, row.grads, row.optimizer) in {
+        (m[0] if zero == 0 else None, m[1], m[2]) for m in measured}, measured
+    first = pipe.stages[0]
+    held = pipe.config.in_flight(0, len(pipe.stages))
+    state = 16 * sum(p.numel() for p in first.module(0).parameters())
+    assert row.activations >= held * (first.plan.memory_bytes - state) > 0
