@@ -43,8 +43,10 @@ def autocast_dtypes(gm: fx.GraphModule, dtype: torch.dtype) -> dict[str, torch.d
 
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     level, fake_log.level = fake_log.level, logging.CRITICAL  # step 2's misses are expected
+    # a grad-mode region (wrap_with_set_grad_enabled) that fails part-way would leave grad
+    # mode off in the user's process: no_grad restores it on exit whatever ran inside
     try:
-        with mode:
+        with torch.no_grad(), mode:
             args = [_fake_like(n.meta.get("val")) for n in gm.graph.nodes
                     if n.op == "placeholder"]  # fmt: skip
             with torch.autocast("cpu", dtype=dtype):

@@ -71,6 +71,9 @@ def test_multi_query_gemma_backward_is_megatron_sp_plus_kv_weight_reductions():
     model, args, kwargs, loss_fn = zoo.build(entry, "realistic", device="meta")
     prog = autoparallelize(model, Mesh(tp=2), args, loss_fn, example_kwargs=kwargs,
                            param_dtype=torch.bfloat16)  # fmt: skip
+    # its autocast fake run stopped inside a grad-mode region on a meta constant: grad mode
+    # must come back on (it once stayed off, and later tests computed no gradients)
+    assert torch.is_grad_enabled()
     shapes = [(x.direction, x.kind, x.shape) for x in prog.collectives()]
     bsh = (d.batch, d.seq, d.hidden)
     assert ("bwd", "all_reduce", bsh) not in shapes
