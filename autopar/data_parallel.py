@@ -412,23 +412,33 @@ def memory_table(inner: Any, dp: int, per: StateBytes) -> tuple[ZeroMemory, ...]
         shapes = _grad_shapes_of(modules)
         params = sum(torch.Size(s).numel() for s, _ in shapes.values())
         kept = sum(torch.Size(shapes[n][0]).numel() for n in _kept_in(modules) if n in shapes)
-        activations = 0.0
-        for (plan, held), module in zip(plans, modules, strict=True):
-            state = 16.0 * sum(p.numel() for p in module.parameters() if p.requires_grad)
-            activations += held * max(0.0, getattr(plan, "memory_bytes", state) - state)
+        activations = sum(held * max(0.0, getattr(plan, "memory_bytes", 0.0) - state)
+                          for plan, held, state in plans)  # fmt: skip
         rows.append([zero_memory(params, dp, s, per, activations, kept) for s in ZERO_STAGES])
     return tuple(max((r[s] for r in rows), key=lambda m: m.total) for s in ZERO_STAGES)
 
 
-def _rank_positions(inner: Any) -> list[tuple[list[Any], list[tuple[Any, int]]]]:
-    """(modules, [(plan, micro-batches held), ...]) of sub-mesh rank 0 at each pipeline
-    rank (its stages' modules and plans), or of the one rank position without pp."""
+def _rank_positions(inner: Any) -> list[tuple[list[Any], list[tuple[Any, int, float]]]]:
+    """Per rank position (each pipeline rank, or the one without pp): the modules sub-mesh
+    rank 0 there runs (its stages'; an ep program's hold this rank's experts) and per module
+    (its plan, the micro-batches it holds at the peak, the 16 B per parameter fp32 state its
+    plan's memory counts)."""
+
+    def state(program: Any) -> float:
+        return 16.0 * sum(p.numel() for p in program.module(0).parameters() if p.requires_grad)
+
     if not hasattr(inner, "stages"):
-        return [([inner.module(0)], [(inner.plan, 1)])]
-    n = len(inner.stages)
-    return [([inner.stages[s].module(0) for s in inner.stages_of(r)],
-             [(inner.stages[s].plan, inner.config.in_flight(s, n)) for s in inner.stages_of(r)])
-            for r in range(inner.mesh.size("pp"))]  # fmt: skip
+        core = getattr(inner, "inner", inner)  # an ep program's plan is its sub-mesh's
+        return [([inner.module(0)], [(core.plan, 1, state(core))])]
+    config = inner.config if hasattr(inner, "config") else inner.inner.config
+    n, out = len(inner.stages), []
+    for r in range(inner.mesh.size("pp")):
+        rank = inner.mesh.rank_of({a: r if a == "pp" else 0 for a, _ in inner.mesh.axes})
+        stages = inner.stages_of(r)
+        out.append(([inner.module(rank, s) for s in stages],
+                    [(inner.stages[s].plan, config.in_flight(s, n), state(inner.stages[s]))
+                     for s in stages]))  # fmt: skip
+    return out
 
 
 def _fit_sub_mesh(inner: Any, table: tuple[ZeroMemory, ...], limit: float, zero: int | None,

@@ -320,25 +320,36 @@ def _choice_vars(prob: _Problem, nodes: list[fx.Node], rep: dict, cands: dict, g
 
 def _local_gemm_time(n: fx.Node, s: Strategy, size: int, gpu: GPU) -> float | None:
     """Seconds of one rank's GEMM under a split ``s``, at the efficiency of its *local* shape
-    (None for other ops and replicated GEMMs: the global time applies).  A GEMM runs on whole
-    128x128 output tiles, so splitting a head-dim-wide projection (n = 128 -> 64) halves its
-    FLOPs but also its tile occupancy: it runs no faster (step 3)."""
+    and with the bytes it really moves (None for other ops and replicated GEMMs: the global
+    time applies).  A column split reads the whole input on every rank, a row (K) split
+    writes a whole partial output, a row (M) split reads the whole weight: so splitting a
+    head-dim-wide projection (n = 128 -> 64), bound by reading its input, runs no faster
+    (step 3)."""
     out = tensors_of(n.meta.get("val"))
-    if s.redundant or op_name(n) not in _LOCAL_GEMMS or len(out) != 1 or out[0].dim() == 0:
+    name = op_name(n)
+    if s.redundant or name not in _LOCAL_GEMMS or len(out) != 1 or out[0].dim() == 0:
+        return None
+    first = 1 if name in ("addmm", "baddbmm") else 0
+    a, b = (tensors_of(n.args[first + i].meta.get("val")) for i in (0, 1))
+    if len(a) != 1 or len(b) != 1:
         return None
     m, cols, k = gemm_dims(n, out[0])
+    parts = [a[0].numel(), b[0].numel(), out[0].numel()]  # elements read / written, global
     if isinstance(s.output, Partial):
         k /= size
+        parts = [parts[0] / size, parts[1] / size, parts[2]]
     elif isinstance(s.output, Shard) and s.output.dim in (-1, out[0].dim() - 1):
         cols /= size
+        parts = [parts[0], parts[1] / size, parts[2] / size]
     elif isinstance(s.output, Shard):
         m /= size
+        batch = b[0].dim() == out[0].dim() and s.output.dim < out[0].dim() - 2
+        parts = [parts[0] / size, parts[1] / (size if batch else 1), parts[2] / size]
     else:
         return None
-    flops, moved = node_flops_bytes(n)
+    flops, _ = node_flops_bytes(n)
     itemsize = _run_itemsize(n)
-    moved *= itemsize / out[0].element_size()
-    local = op_time(flops / size, moved / size, gpu, min(max(itemsize, 2), 4),
+    local = op_time(flops / size, sum(parts) * itemsize, gpu, min(max(itemsize, 2), 4),
                     compute_efficiency=matmul_efficiency(m, cols, k))  # fmt: skip
     return min(local, _node_time(n, gpu))  # a part of a GEMM is never slower than all of it
 
