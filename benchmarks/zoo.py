@@ -3,7 +3,8 @@
 Algorithm:
 1. For each family of ``autopar.zoo.families()`` (or those named with ``--only``), run
    ``autopar.zoo.check(family, tp)``: verify of the tiny config on the Gloo worker pool, and
-   the realistic config (hidden 2048, seq 2048, vocab 32000) compiled on the meta device.
+   the realistic config (hidden 2048, seq 2048, vocab 32000) compiled on the meta device
+   and priced in bf16 (`param_dtype=torch.bfloat16`).
 2. Print one row per family as it finishes (traced?, max relative error, forward collectives
    of layer 0 and outside the layers next to the hand-designed ones, all-reduce equivalents,
    per-GPU traffic relative to the hand design, rank 0's share of the layer parameters,
