@@ -33,13 +33,12 @@ from autopar import meta
 from autopar.analysis import needs_grad
 from autopar.errors import InputError, PlanError
 from autopar.mesh import Mesh
-from autopar.planner import PlanOptions
+from autopar.planner import PlanOptions, run_node_time
 from autopar.precision import annotate_autocast
 from autopar.program import Program
 from autopar.runtime import RankShare
 from autopar.trace import Traced, trace
 from cost.comm import collective_time
-from cost.compute import node_time
 from passes.pipeline_split import StageGraph, Unit, boundary_bytes, cuttable_units, split_stages
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
@@ -157,7 +156,8 @@ def unit_costs(traced: Traced, units: list[Unit], mesh: Mesh,
     ``param_dtype`` under mixed precision, as the runtime sends them)."""
     tp, gpu = mesh.size("tp"), mesh.cluster.gpu
     grad = needs_grad(traced)
-    costs = [sum(node_time(n, gpu) * (3 if n in grad else 1) for n in u.nodes) / tp for u in units]
+    costs = [sum(run_node_time(n, gpu) * (3 if n in grad else 1) for n in u.nodes) / tp
+             for u in units]  # fmt: skip
     link = mesh.cluster.axis_link(mesh.axes, "pp")
     sent = boundary_bytes(traced, units, grad=frozenset(n.name for n in grad),
                           param_dtype=param_dtype)  # fmt: skip

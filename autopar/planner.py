@@ -213,7 +213,7 @@ def _solve(traced: Traced, axis: str, size: int, link: Link, gpu: GPU, options: 
     comm = sum(prob.time[i] * x[i] for i in prob.comm_vars)
     memory = sum(c * x[i] for i, c in prob.mem.items())
     tied = sum(1 for n, r in rep.items() if r is not n)
-    single = sum(_node_time(n, gpu) * (3.0 if n in grad else 1.0)
+    single = sum(run_node_time(n, gpu) * (3.0 if n in grad else 1.0)
                  for n in graph_nodes if n.op == "call_function")  # fmt: skip
     pbytes = sum(_nbytes(n) for n in graph_nodes if n in grad and n.op == "placeholder")
     return AxisSolution(choice=choice, compute_s=float(compute), comm_s=float(comm),
@@ -300,7 +300,7 @@ def _choice_vars(prob: _Problem, nodes: list[fx.Node], rep: dict, cands: dict, g
             mult[rep[n]] += 1
     xvar = {}
     for n, strats in cands.items():
-        base = _node_time(n, gpu) if n.op == "call_function" else 0.0
+        base = run_node_time(n, gpu) if n.op == "call_function" else 0.0
         ids = []
         for i, s in enumerate(strats):
             share = 1.0 if s.redundant else 1.0 / size
@@ -351,7 +351,7 @@ def _local_gemm_time(n: fx.Node, s: Strategy, size: int, gpu: GPU) -> float | No
     itemsize = _run_itemsize(n)
     local = op_time(flops / size, sum(parts) * itemsize, gpu, min(max(itemsize, 2), 4),
                     compute_efficiency=matmul_efficiency(m, cols, k))  # fmt: skip
-    return min(local, _node_time(n, gpu))  # a part of a GEMM is never slower than all of it
+    return min(local, run_node_time(n, gpu))  # a part of a GEMM is never slower than all of it
 
 
 def _run_itemsize(n: fx.Node) -> int:
@@ -361,8 +361,9 @@ def _run_itemsize(n: fx.Node) -> int:
     return meta.dtype(n).itemsize if isinstance(val, torch.Tensor) else 2
 
 
-def _node_time(n: fx.Node, gpu: GPU) -> float:
-    """``cost.compute.node_time`` at the dtype the node runs in (step 3)."""
+def run_node_time(n: fx.Node, gpu: GPU) -> float:
+    """``cost.compute.node_time`` at the dtype the node runs in (step 3; the pipeline's stage
+    prices use it too)."""
     val = n.meta.get("val")
     return node_time(n, gpu, _run_itemsize(n) if isinstance(val, torch.Tensor) else None)
 

@@ -659,7 +659,7 @@ def test_planner_prices_matrix_products_in_the_autocast_dtype():
     planner prices it at the bf16 peak and bf16 bytes (an fp32 price would favour trading
     collectives for compute the bf16 run does not do), and other nodes keep theirs."""
     from autopar import meta
-    from autopar.planner import _node_time
+    from autopar.planner import run_node_time
     from autopar.precision import annotate_autocast
     from autopar.trace import trace
     from cost.compute import node_time
@@ -668,15 +668,15 @@ def test_planner_prices_matrix_products_in_the_autocast_dtype():
     gpu = GPU.preset("h100-sxm")
     c = Config(layers=1, hidden=1024, heads=8, ffn=2048, vocab=512, seq=512, batch=2, bias=False)
     gm = trace(build("llama", c), tokens(c), loss_fn=lm_loss).gm
-    fp32 = {n: _node_time(n, gpu) for n in gm.graph.nodes if n.op == "call_function"}
+    fp32 = {n: run_node_time(n, gpu) for n in gm.graph.nodes if n.op == "call_function"}
     assert annotate_autocast(gm, torch.bfloat16) > 0
     mms = [n for n in gm.graph.nodes if "linear" in str(n.target) or "mm" in str(n.target)]
     assert mms and all(meta.dtype(n) == torch.bfloat16 for n in mms)
     for n in mms:
-        assert _node_time(n, gpu) == pytest.approx(node_time(n, gpu, 2)) and node_time(n, gpu, 2) < fp32[n]
+        assert run_node_time(n, gpu) == pytest.approx(node_time(n, gpu, 2)) and node_time(n, gpu, 2) < fp32[n]
         assert fp32[n] == node_time(n, gpu)
     kept = [n for n in fp32 if n not in mms and meta.dtype(n) == torch.float32 and fp32[n] > 0]
-    assert kept and all(_node_time(n, gpu) == fp32[n] for n in kept)  # norms, loss: fp32
+    assert kept and all(run_node_time(n, gpu) == fp32[n] for n in kept)  # norms, loss: fp32
 
 
 def _pp_state_bytes(rank, groups, share, x, y, zero):

@@ -170,3 +170,24 @@ def test_model_without_scalar_loss_is_an_error():
     model, batch = _llama()
     with pytest.raises(InputError, match="needs Llama .* to return one scalar loss"):
         autoparallelize(model, Mesh(pp=2, tp=1), batch[:1], n_microbatches=4)
+
+
+def test_stage_prices_follow_the_autocast_dtype():
+    """Under param_dtype=bf16 a unit's price is that of its nodes in the dtype they run in
+    (matrix products at the bf16 peak), so the cut and its printed ms/micro-batch describe the
+    bf16 run, not the fp32 trace: the slowest stage is several times cheaper than in fp32."""
+    from autopar.precision import annotate_autocast
+
+    c = Config(layers=4, hidden=1024, heads=8, kv_heads=8, ffn=4096, vocab=8192, seq=512, batch=4)
+    with torch.device("meta"):
+        model = build("gpt", c)
+    mesh = Mesh(pp=2, tp=1)
+    kw = {"loss_fn": lm_loss, "n_microbatches": 2}
+    fp32 = autoparallelize(model, mesh, tokens(c), **kw)
+    bf16 = autoparallelize(model, mesh, tokens(c), **kw, param_dtype=torch.bfloat16)
+    assert bf16.cut.slowest_s < fp32.cut.slowest_s / 4
+    traced = trace(model, tuple(t[:2] for t in tokens(c)), loss_fn=lm_loss)
+    annotate_autocast(traced.gm, torch.bfloat16)
+    units = cuttable_units(traced)
+    costs, boundary, _ = unit_costs(traced, units, mesh, torch.bfloat16)
+    assert bf16.cut.slowest_s == pytest.approx(brute_force(costs, boundary, 2))
