@@ -63,12 +63,12 @@ from autopar.errors import InputError, MeshError, PlanError
 from autopar.layout import Layout, Partial, Placement, R, Shard
 from autopar.mesh import Mesh
 from autopar.plan import Collective, Plan
-from autopar.planner import PlanOptions
+from autopar.planner import PlanOptions, run_node_time
 from autopar.program import Program, collectives_of
 from autopar.rules import RuleContext, Strategy, strategies
 from autopar.trace import Traced, is_getitem, tensor_args, trace
 from cost.comm import collective_time
-from cost.compute import node_time, op_time
+from cost.compute import op_time
 from passes import PassContext
 from passes.localize import localize
 
@@ -846,9 +846,10 @@ def compute_time(gm: fx.GraphModule, grad: frozenset[str], gpu: Any) -> float:
             q, causal, seq = n.args[0].meta["val"], n.args[5 + at], n.args[7 + at]
             b, h, s, d = q.shape
             flops = 4.0 * b * h * s * seq * d * (0.5 if causal else 1.0)
-            t = op_time(flops, 4.0 * q.numel() * q.element_size(), gpu, q.element_size())
+            size = meta.dtype(n.args[0]).itemsize  # its autocast dtype under mixed precision
+            t = op_time(flops, 4.0 * q.numel() * size, gpu, min(max(size, 2), 4))
         else:
-            t = node_time(n, gpu)
+            t = run_node_time(n, gpu)
         total += t * (3.0 if n.name in grad else 1.0)
     return total
 
