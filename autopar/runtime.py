@@ -518,7 +518,8 @@ def shard_per_block(module: torch.nn.Module, dp_mesh: Any, *, reshard_after_forw
     block's pre-hook issues the next block's gather (forward and backward prefetch), so on an
     asynchronous process group it overlaps the running block.  The last block is not
     resharded after forward (its backward comes first: ``data_parallel.kept_gathered``).  A
-    program without separable blocks is one group.  Returns the module that runs (the outlined one when blocks were found)."""
+    program without separable blocks is one group.  Returns the module that runs (the
+    outlined one when blocks were found)."""
     from torch.distributed.fsdp import fully_shard
 
     from autopar.codegen import outline_blocks
