@@ -181,17 +181,21 @@ def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, re
     (it runs between the gather and the backward). A window is free of the cp ring's wire
     time when both share the NIC (`exposed_behind`). The embedding/head tables stream behind
     the end stages' work. The first layer's gather of the step has nothing before it: exposed.
+    A stage's last layer is not resharded after forward (its backward comes first; autopar's
+    runtime and torchtitan keep it), so its backward exposes only its reduce-scatter.
     """
     layer, edge = _groups(work, spans, 1, 0), _groups(work, spans, 0, 1)
     gather = _each(coll, layer, "all_gather", 2)
     scatter = _reduce(coll, layer, 3)
     ends = 2 * _each(coll, edge, "all_gather", 2) + _reduce(coll, edge, 3)
     busy_f, busy_b = (ring.wire_fwd, ring.wire_bwd) if shared else (0.0, 0.0)
+    window = work.layer_bwd_s + work.recompute_s[recompute]
     fwd = exposed_behind(gather, work.layer_fwd_s, busy_f)
-    bwd = exposed_behind(gather + scatter, work.layer_bwd_s + work.recompute_s[recompute],
-                         busy_b)  # fmt: skip
+    bwd = exposed_behind(gather + scatter, window, busy_b)
+    last = exposed_behind(scatter, window, busy_b)
     tail = exposed_behind(ends, work.pre_s + work.post_s)
-    return gather + micro_batches * (per_stage * (fwd + bwd) + tail)
+    layers = per_stage * fwd + max(per_stage - 1, 0) * bwd + (last if per_stage else 0.0)
+    return gather + micro_batches * (layers + tail)
 
 
 def step_time(work: Workload, cfg: ParallelConfig, cluster: Cluster, *, micro_batches: int,

@@ -75,8 +75,9 @@ def test_zero_stages_change_dp_traffic_not_compute():
     gather = span_time("all_gather", 2 * params, CLUSTER, *span)
     assert z1.comm["dp"] == pytest.approx(scatter + gather)
     # ZeRO-3: per layer, a bf16 gather before the forward and before the backward, an fp32
-    # reduce-scatter after it, each hidden only behind that layer's own pass; the first
-    # layer's gather is exposed; the tables stream behind the end-stage work
+    # reduce-scatter after it, each hidden only behind that layer's own pass; a stage's last
+    # layer stays gathered into backward (no second gather); the first layer's gather is
+    # exposed; the tables stream behind the end-stage work
     g_layer = span_time("all_gather", 2 * work.layer_dense_params, CLUSTER, *span)
     r_layer = span_time("reduce_scatter", 4 * work.layer_dense_params, CLUSTER, *span)
     fwd = max(0.0, g_layer - work.layer_fwd_s)
@@ -84,7 +85,8 @@ def test_zero_stages_change_dp_traffic_not_compute():
     ends = (2 * span_time("all_gather", 2 * work.edge_params, CLUSTER, *span)
             + span_time("reduce_scatter", 4 * work.edge_params, CLUSTER, *span))  # fmt: skip
     tail = max(0.0, ends - work.pre_s - work.post_s)
-    assert z3.comm["dp"] == pytest.approx(g_layer + 16 * (4 * (fwd + bwd) + tail))
+    last = max(0.0, r_layer - work.layer_bwd_s)
+    assert z3.comm["dp"] == pytest.approx(g_layer + 16 * (4 * fwd + 3 * bwd + last + tail))
     assert z1.optimizer == pytest.approx(ddp.optimizer / 2)  # Adam on a 1/dp shard
 
 
