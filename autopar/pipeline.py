@@ -129,8 +129,9 @@ class PipelineConfig:
 
 
 def choose_cuts(traced: Traced, units: list[Unit], mesh: Mesh, config: PipelineConfig,
-                split_points: Sequence[str]) -> StageCut:  # fmt: skip
-    """Steps 2-3: price units and boundaries, then cut exactly."""
+                split_points: Sequence[str], memory_limit: float | None = None) -> StageCut:  # fmt: skip
+    """Steps 2-3: price units and boundaries, then cut exactly; every stage must fit
+    ``memory_limit`` (default: the GPU's memory)."""
     p = mesh.size("pp") * config.virtual_stages
     if p > len(units):
         raise PlanError(
@@ -139,8 +140,18 @@ def choose_cuts(traced: Traced, units: list[Unit], mesh: Mesh, config: PipelineC
         )
     costs, boundary, sent = unit_costs(traced, units, mesh, config.param_dtype)
     pinned = [_pin_index(units, name, traced) for name in split_points]
-    fits = _memory_check(traced, units, mesh, config, p)
-    cuts, _ = balanced_cuts(costs, boundary, p, pinned, fits)
+    capacity = memory_limit if memory_limit is not None else mesh.cluster.gpu.hbm_bytes
+    fits = _memory_check(traced, units, mesh, config, p, capacity)
+    try:
+        cuts, _ = balanced_cuts(costs, boundary, p, pinned, fits)
+    except PlanError as exc:
+        held = config.in_flight(0, p)
+        raise PlanError(
+            f"{exc}: a stage must hold its parameters with Adam state (16 B each) and "
+            f"{held} in-flight micro-batch(es) of activations within {capacity / 2**30:.2f} GiB "
+            f"per GPU ({'memory_limit' if memory_limit is not None else mesh.cluster.gpu.name}); "
+            "use more pipeline stages, more micro-batches, tp, or a larger memory_limit"
+        ) from None
     bounds = [0, *cuts, len(units)]
     stage_s = tuple(sum(costs[a:b]) + (boundary[b] if b < len(units) else 0.0)
                     for a, b in itertools.pairwise(bounds))  # fmt: skip
@@ -181,7 +192,7 @@ def _pin_index(units: list[Unit], name: str, traced: Traced) -> int:
 
 
 def _memory_check(traced: Traced, units: list[Unit], mesh: Mesh, config: PipelineConfig,
-                  p: int) -> Callable[[int, int], bool]:  # fmt: skip
+                  p: int, capacity: float) -> Callable[[int, int], bool]:  # fmt: skip
     tp = mesh.size("tp")
     param_bytes = []
     act_bytes = []
@@ -189,7 +200,6 @@ def _memory_check(traced: Traced, units: list[Unit], mesh: Mesh, config: Pipelin
         params = {a for n in u.nodes for a in n.all_input_nodes if a.name in traced.params}
         param_bytes.append(sum(a.meta["val"].numel() for a in params) * ADAM_BYTES_PER_PARAM / tp)
         act_bytes.append(sum(_nbytes(n) for n in u.nodes) / tp)
-    capacity = mesh.cluster.gpu.hbm_bytes
     held = config.in_flight(0, p)  # every stage is checked with the first stage's worst case
 
     def fits(a: int, b: int) -> bool:
@@ -458,7 +468,7 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any]
         f"traced {traced.model_name} on a micro-batch of {batch // m}: {len(traced.gm.graph.nodes)} nodes"
     )
     units = cuttable_units(traced)
-    cut = choose_cuts(traced, units, mesh, config, split_points)
+    cut = choose_cuts(traced, units, mesh, config, split_points, options.memory_limit)
     log("stage cuts: " + "; ".join(cut.describe()))
     graphs = split_stages(traced, units, list(cut.cuts), loss)
     stage_mesh = Mesh(mesh.cluster, tp=mesh.size("tp"))

@@ -191,3 +191,17 @@ def test_stage_prices_follow_the_autocast_dtype():
     units = cuttable_units(traced)
     costs, boundary, _ = unit_costs(traced, units, mesh, torch.bfloat16)
     assert bf16.cut.slowest_s == pytest.approx(brute_force(costs, boundary, 2))
+
+
+def test_memory_limit_reaches_the_stage_cuts():
+    """``memory_limit`` bounds each pipeline stage (parameters with Adam state + in-flight
+    activations), not only the GPU's memory: a limit no 2-stage cut fits is a PlanError that
+    says what a stage must hold and what to change; one every cut fits keeps the default cut."""
+    c = Config(layers=4, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=96, seq=16, batch=4)
+    kw = {"loss_fn": lm_loss, "n_microbatches": 2}
+    free = autoparallelize(build("llama", c), Mesh(pp=2), tokens(c), **kw)
+    roomy = autoparallelize(build("llama", c), Mesh(pp=2), tokens(c), **kw, memory_limit=1e9)
+    assert roomy.cut.cuts == free.cut.cuts
+    with pytest.raises(PlanError, match=r"no split of \d+ units into 2 stages fits.*"
+                                        r"within 0\.00 GiB per GPU \(memory_limit\)"):  # fmt: skip
+        autoparallelize(build("llama", c), Mesh(pp=2), tokens(c), **kw, memory_limit=1e5)
