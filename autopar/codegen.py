@@ -323,6 +323,18 @@ def _rebuild(gm: fx.GraphModule, nodes: list[fx.Node], owner: dict[fx.Node, int 
 def _outline(gm: fx.GraphModule, seg: list[fx.Node], moved: set[fx.Node],
              name: str) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:  # fmt: skip
     """One block's GraphModule, the outer values it reads, and the values it returns."""
+    graph, inputs, outputs = segment_graph(seg, moved, name)
+    block = gm.get_submodule(name)
+    sub = fx.GraphModule(block, graph, class_name=f"Block{name.rsplit('.', 1)[-1]}")
+    return sub, inputs, outputs
+
+
+def segment_graph(seg: list[fx.Node], moved: set[fx.Node] = frozenset(), prefix: str = "",
+                  ) -> tuple[fx.Graph, list[fx.Node], list[fx.Node]]:  # fmt: skip
+    """A graph computing the run of nodes ``seg`` on its own: a placeholder per outer value it
+    reads (in first-read order), a ``get_attr`` (its target less ``prefix.``) per node of
+    ``moved`` it reads, an output tuple of its values used after it.  Returns the graph, the
+    outer values (the placeholders' arguments) and the returned values."""
     members = set(seg)
     inputs: list[fx.Node] = []
     params: list[fx.Node] = []
@@ -340,14 +352,12 @@ def _outline(gm: fx.GraphModule, seg: list[fx.Node], moved: set[fx.Node],
         env[a] = graph.placeholder(a.name)
         env[a].meta.update(a.meta)
     for p in params:
-        env[p] = graph.get_attr(p.target[len(name) + 1:])
+        env[p] = graph.get_attr(p.target[len(prefix) + 1:])
         env[p].meta.update(p.meta)
     for n in seg:
         env[n] = graph.node_copy(n, lambda a: env[a])
     graph.output(tuple(env[o] for o in outputs))
-    block = gm.get_submodule(name)
-    sub = fx.GraphModule(block, graph, class_name=f"Block{name.rsplit('.', 1)[-1]}")
-    return sub, inputs, outputs
+    return graph, inputs, outputs
 
 
 def _attr(gm: fx.GraphModule, target: str) -> object:

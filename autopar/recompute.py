@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 import torch.utils.checkpoint
 
-from autopar.codegen import _block_container, _owning_block, outline_blocks
+from autopar.codegen import _block_container, _owning_block, outline_blocks, segment_graph
 from autopar.errors import PlanError
 from cost.config import RECOMPUTE as MODES
 from cost.errors import CostInputError
@@ -232,18 +232,7 @@ def _is_matmul(n: fx.Node) -> bool:
 def _outline_region(gm: fx.GraphModule, region: list[fx.Node], name: str) -> None:
     """Replace ``region`` by ``checkpoint(<name>, inputs...)`` and getitems of its outputs."""
     members = set(region)
-    inputs: list[fx.Node] = []
-    for n in region:
-        inputs += [a for a in n.all_input_nodes if a not in members and a not in inputs]
-    outputs = [n for n in region if any(u not in members for u in n.users)]
-    sub = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for a in inputs:
-        env[a] = sub.placeholder(a.name)
-        env[a].meta.update(a.meta)
-    for n in region:
-        env[n] = sub.node_copy(n, lambda a: env[a])
-    sub.output(tuple(env[o] for o in outputs))
+    sub, inputs, outputs = segment_graph(region)
     gm.add_submodule(name, fx.GraphModule(gm, sub, class_name="AttentionCore"))
     graph = gm.graph
     first = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))

@@ -34,12 +34,18 @@ from autopar.testing import Config, build, lm_loss, tokens
 REPEATS = 5
 
 
+def _qkv(rank: int, cp: int, shape: tuple) -> tuple[torch.Tensor, ...]:
+    """This rank's query, key and value chunks (seeded by rank), with gradients."""
+    b, h, s, d = shape
+    g = torch.Generator().manual_seed(rank)
+    return tuple(torch.randn(b, h, s // cp, d, generator=g, requires_grad=True) for _ in "qkv")
+
+
 def _ring_times(rank: int, cp: int, port: int, shape: tuple, out: mp.SimpleQueue) -> None:
     with gloo_rank(rank, cp, port, (cp,), ("cp",)) as mesh:
         collectives.bind({"cp": mesh.get_group("cp")})
-        b, h, s, d = shape
-        g = torch.Generator().manual_seed(rank)
-        q, k, v = (torch.randn(b, h, s // cp, d, generator=g, requires_grad=True) for _ in "qkv")
+        _, _, s, d = shape
+        q, k, v = _qkv(rank, cp, shape)
 
         def step() -> None:
             o = cp_ops.ring_attention(q, k, v, None, "cp", True, d**-0.5, s, True)
@@ -145,9 +151,8 @@ class _SavingStep(torch.autograd.Function):
 def _ring_saved(rank: int, cp: int, port: int, shape: tuple, out: mp.SimpleQueue) -> None:
     with gloo_rank(rank, cp, port, (cp,), ("cp",)) as mesh:
         collectives.bind({"cp": mesh.get_group("cp")})
-        b, h, s, d = shape
-        g = torch.Generator().manual_seed(rank)
-        q, k, v = (torch.randn(b, h, s // cp, d, generator=g, requires_grad=True) for _ in "qkv")
+        _, _, s, d = shape
+        q, k, v = _qkv(rank, cp, shape)
 
         def unrolled(saving: bool):
             block, o, lse = [k, v], None, None

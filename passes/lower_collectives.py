@@ -102,13 +102,10 @@ def _hoist_grad_reductions(graph: fx.Graph, ctx: PassContext) -> None:
                 created = _hoist_to_gather(graph, g, ctx)
             work.extend(created or [])
             continue
-        new = next((u for u in x.users if u.target is C.grad_all_reduce and u.args[1] == axis),
-                   None)  # fmt: skip
+        new = _reduction_of(x, axis)
         if new is None:
             with graph.inserting_after(x):
-                new = graph.call_function(C.grad_all_reduce, (x, axis))
-            new.meta.update({k: v for k, v in x.meta.items() if k != "val"}, val=x.meta["val"])
-            meta.update(new, origin="lower_collectives")
+                new = _new_reduction(graph, x, axis)
             work.append(new)
         y.replace_input_with(x, new)
         g.replace_all_uses_with(y)
@@ -133,9 +130,7 @@ def _hoist_region(graph: fx.Graph, g: fx.Node, ctx: PassContext) -> list[fx.Node
     for f, new in merged.items():
         if new is None:
             with graph.inserting_after(f):
-                new = graph.call_function(C.grad_all_reduce, (f, axis))
-            new.meta.update({k: v for k, v in f.meta.items() if k != "val"}, val=f.meta["val"])
-            meta.update(new, origin="lower_collectives")
+                new = _new_reduction(graph, f, axis)
             created.append(new)
         for n in region:
             if f in n.all_input_nodes:
@@ -161,9 +156,7 @@ def _hoist_to_gather(graph: fx.Graph, g: fx.Node, ctx: PassContext) -> list[fx.N
             new = _reduction_of(w, axis)
             if new is None:  # placed by its reader: inside the reader's block
                 with graph.inserting_before(n):
-                    new = graph.call_function(C.grad_all_reduce, (w, axis))
-                new.meta.update({k: v for k, v in w.meta.items() if k != "val"}, val=w.meta["val"])
-                meta.update(new, origin="lower_collectives")
+                    new = _new_reduction(graph, w, axis)
                 created.append(new)
             n.replace_input_with(w, new)
         below = n
@@ -262,6 +255,14 @@ def _repeated(n: fx.Node, ctx: PassContext) -> bool:
 
 def _reduction_of(f: fx.Node, axis: str) -> fx.Node | None:
     return next((u for u in f.users if u.target is C.grad_all_reduce and u.args[1] == axis), None)
+
+
+def _new_reduction(graph: fx.Graph, f: fx.Node, axis: str) -> fx.Node:
+    """``grad_all_reduce(f, axis)`` at the graph's insertion point, with ``f``'s metadata."""
+    new = graph.call_function(C.grad_all_reduce, (f, axis))
+    new.meta.update({k: v for k, v in f.meta.items() if k != "val"}, val=f.meta["val"])
+    meta.update(new, origin="lower_collectives")
+    return new
 
 
 def _is_weight(f: fx.Node, ctx: PassContext) -> bool:

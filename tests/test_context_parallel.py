@@ -208,30 +208,31 @@ def test_causal_mask_recognised_from_its_structure(kind, monkeypatch):
     """With evaluation of masks switched off (``MASK_LIMIT = 0``), a causal mask built from
     position comparisons (or ``triu`` of -inf) is still recognised: balanced chunks, the ring
     told ``causal``, and the program equals the model with its mask."""
-    from autopar import canonical
-
-    monkeypatch.setattr(canonical, "MASK_LIMIT", 0)
-    x = torch.randint(0, 32, (2, 16))
-    prog = autoparallelize(BuiltMask(kind), Mesh(cp=2), (x,), cp_attention="ring")
+    prog, report = _ring_without_mask_evaluation(kind, monkeypatch)
     assert _sdpa_causal(prog) == [True]
     assert any("4 chunks, rank i holds chunks i and 3-i" in n for n in prog.plan.notes)
-    report = verify(BuiltMask(kind), Mesh(cp=2), (x,), rtol=1e-5, cp_attention="ring",
-                    reference_dtype=torch.float64)  # fmt: skip
     assert report.ok, report
 
 
 @pytest.mark.parametrize("kind", ["window", "anti"])
 def test_masks_that_are_not_causal_stay_masks(kind, monkeypatch):
+    prog, report = _ring_without_mask_evaluation(kind, monkeypatch)
+    assert _sdpa_causal(prog) == [False]
+    assert any("2 chunks, rank i holds chunk i" in n for n in prog.plan.notes)
+    assert report.ok, report
+
+
+def _ring_without_mask_evaluation(kind, monkeypatch):
+    """The cp=2 ring program of a ``BuiltMask(kind)`` model and its verify report, with the
+    evaluation of masks switched off (only their structure can be read)."""
     from autopar import canonical
 
     monkeypatch.setattr(canonical, "MASK_LIMIT", 0)
     x = torch.randint(0, 32, (2, 16))
     prog = autoparallelize(BuiltMask(kind), Mesh(cp=2), (x,), cp_attention="ring")
-    assert _sdpa_causal(prog) == [False]
-    assert any("2 chunks, rank i holds chunk i" in n for n in prog.plan.notes)
     report = verify(BuiltMask(kind), Mesh(cp=2), (x,), rtol=1e-5, cp_attention="ring",
                     reference_dtype=torch.float64)  # fmt: skip
-    assert report.ok, report
+    return prog, report
 
 
 def test_hf_mask_at_32k_tokens_gives_balanced_chunks():
