@@ -85,8 +85,9 @@ def autoparallelize(
     or FSDP2 over the dp group).
 
     ``Mesh.auto(cluster)`` searches the degrees on the traced model (``global_batch``
-    sequences per step, default the example batch) and compiles the best configuration among
-    the axes autopar compiles; ``prog.search`` holds the ranked plan (autopar.search).
+    sequences per step, default the example batch) and compiles the best configuration, every
+    axis of it, on every GPU of the cluster (or, if the compiler's memory count refuses it,
+    the best it accepts, saying so); ``prog.search`` holds the ranked plan (autopar.search).
 
     A mesh with a ``cp`` axis splits the sequence (autopar.context_parallel); attention runs
     as ring or all-to-all attention, chosen by cost unless ``cp_attention`` forces one.
@@ -103,8 +104,13 @@ def autoparallelize(
         from autopar.search import compile_auto
 
         return compile_auto(model, mesh, example_inputs, loss_fn, example_kwargs=example_kwargs,
-                            global_batch=global_batch, verbose=verbose,
-                            recompute=recompute)  # fmt: skip
+                            global_batch=global_batch, verbose=verbose, recompute=recompute,
+                            memory_limit=memory_limit, memory_weight=memory_weight,
+                            strict=strict, n_microbatches=n_microbatches, schedule=schedule,
+                            virtual_stages=virtual_stages, split_points=split_points, plan=plan,
+                            cluster=cluster, zero=zero, param_dtype=param_dtype,
+                            reduce_dtype=reduce_dtype, cp_attention=cp_attention,
+                            capacity_factor=capacity_factor)  # fmt: skip
     recompute = recompute or "none"
     device_mesh = None if isinstance(mesh, Mesh) else mesh
     virtual = mesh if isinstance(mesh, Mesh) else Mesh.from_device_mesh(mesh, cluster)

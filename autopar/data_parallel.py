@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopar.errors import InputError, PlanError
+from autopar.errors import FitError, InputError, PlanError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, _fmt_bytes, _pattern
 from cost.memory import model_state
@@ -113,13 +113,13 @@ def choose_zero(table: Sequence[ZeroMemory], limit: float, forced: int | None,
         if table[forced].total > limit:
             fix = (f"zero={fitting[0]} fits" if fitting
                    else "no ZeRO stage fits; add ranks or tensor/pipeline parallelism")  # fmt: skip
-            raise PlanError(
+            raise FitError(
                 f"zero={forced} does not fit {where}: {table[forced]} > limit "
                 f"{_fmt_bytes(limit)}; {fix}"
             )
         return forced, f"ZeRO-{forced} as asked ({_fmt_bytes(table[forced].total)} per rank)"
     if not fitting:
-        raise PlanError(
+        raise FitError(
             f"no ZeRO stage fits {where} in {_fmt_bytes(limit)} per rank; the smallest is "
             f"{table[-1]}; add ranks or tensor/pipeline parallelism"
         )
@@ -404,41 +404,67 @@ def compile_data_parallel(mesh: Mesh, example_inputs: Sequence[Any], example_kwa
 def memory_table(inner: Any, dp: int, per: StateBytes) -> tuple[ZeroMemory, ...]:
     """Step 4: per-rank bytes at each ZeRO stage of sub-mesh program ``inner``: per rank
     position (one per pipeline rank, holding its stages; one without pp) its parameters and
-    saved activations (a plan's memory less the fp32 model state its solver counts, 16 B per
-    parameter; under pp times the micro-batches the stage holds at its peak), and at each
-    stage the position that needs the most."""
+    saved activations (:func:`saved_activations`; under pp times the micro-batches the stage
+    holds at its peak), and at each stage the position that needs the most."""
     rows = []
-    for modules, plans in _rank_positions(inner):
+    for modules, programs in _rank_positions(inner):
         shapes = _grad_shapes_of(modules)
         params = sum(torch.Size(s).numel() for s, _ in shapes.values())
         kept = sum(torch.Size(shapes[n][0]).numel() for n in _kept_in(modules) if n in shapes)
-        activations = sum(held * max(0.0, getattr(plan, "memory_bytes", 0.0) - state)
-                          for plan, held, state in plans)  # fmt: skip
+        activations = sum(held * saved_activations(program) for program, held in programs)
         rows.append([zero_memory(params, dp, s, per, activations, kept) for s in ZERO_STAGES])
     return tuple(max((r[s] for r in rows), key=lambda m: m.total) for s in ZERO_STAGES)
 
 
-def _rank_positions(inner: Any) -> list[tuple[list[Any], list[tuple[Any, int, float]]]]:
+def saved_activations(program: Any) -> float:
+    """Bytes autograd keeps for one micro-batch of ``program``'s rank program: the cost
+    model's saved-tensor count (``cost.graph``, the count the whole-cluster search prices) on
+    its traced graph split as its mesh splits it (tp, cp), its blocks under its recompute mode
+    plus what lies after them (head, loss); a graph the cost model cannot price (float64)
+    falls back to its plan's memory less the fp32 model state its solver counts."""
+    from cost.config import ParallelConfig
+    from cost.errors import CostInputError
+    from cost.graph import GraphModel
+
+    mode = getattr(program, "recompute", "none")
+    sizes = program.mesh.sizes
+    try:
+        model = GraphModel.from_traced(program.traced.gm)
+        cfg = ParallelConfig(tp=sizes.get("tp", 1), cp=sizes.get("cp", 1),
+                             global_batch=model.batch, sequence_parallel=False)  # fmt: skip
+        work = model.workload(cfg, model.batch, program.mesh.cluster.gpu)
+    except CostInputError:
+        state = 16.0 * sum(p.numel() for p in program.module(0).parameters() if p.requires_grad)
+        return max(0.0, getattr(program.plan, "memory_bytes", 0.0) - state)
+    working = work.act_bytes["none"] if mode == "full" else 0.0
+    return work.layers * work.act_bytes[mode] + working + work.post_act_bytes
+
+
+def _rank_positions(inner: Any) -> list[tuple[list[Any], list[tuple[Any, int]]]]:
     """Per rank position (each pipeline rank, or the one without pp): the modules sub-mesh
-    rank 0 there runs (its stages'; an ep program's hold this rank's experts) and per module
-    (its plan, the micro-batches it holds at the peak, the 16 B per parameter fp32 state its
-    plan's memory counts)."""
-
-    def state(program: Any) -> float:
-        return 16.0 * sum(p.numel() for p in program.module(0).parameters() if p.requires_grad)
-
+    rank 0 there runs (its stages'; an ep program's hold this rank's experts) and per stage
+    program the micro-batches it holds at the peak."""
     if not hasattr(inner, "stages"):
-        core = getattr(inner, "inner", inner)  # an ep program's plan is its sub-mesh's
-        return [([inner.module(0)], [(core.plan, 1, state(core))])]
+        core = getattr(inner, "inner", inner)  # an ep program's dense part is its sub-mesh's
+        if getattr(inner, "recompute", None) is not None and core is not inner:
+            core = _with_recompute(core, inner.recompute)
+        return [([inner.module(0)], [(core, 1)])]
     config = inner.config if hasattr(inner, "config") else inner.inner.config
     n, out = len(inner.stages), []
     for r in range(inner.mesh.size("pp")):
         rank = inner.mesh.rank_of({a: r if a == "pp" else 0 for a, _ in inner.mesh.axes})
         stages = inner.stages_of(r)
         out.append(([inner.module(rank, s) for s in stages],
-                    [(inner.stages[s].plan, config.in_flight(s, n), state(inner.stages[s]))
-                     for s in stages]))  # fmt: skip
+                    [(inner.stages[s], config.in_flight(s, n)) for s in stages]))  # fmt: skip
     return out
+
+
+def _with_recompute(program: Any, mode: str) -> Any:
+    """A view of ``program`` whose recompute mode is ``mode`` (an ep program applies its mode
+    to the modules it derives from its sub-mesh program's)."""
+    view = copy.copy(program)
+    view.recompute = mode
+    return view
 
 
 def _fit_sub_mesh(inner: Any, table: tuple[ZeroMemory, ...], limit: float, zero: int | None,

@@ -38,5 +38,9 @@ class PlanError(AutoparError):
     """No valid plan exists for the model on this mesh (or a requested plan is invalid)."""
 
 
+class FitError(PlanError):
+    """The plan is valid but needs more memory per rank than the limit (or the GPU) holds."""
+
+
 class ShardingRuleError(AutoparError):
     """An op has no sharding rule and ``strict=True`` was given."""

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from autopar import meta
 from autopar.analysis import needs_grad
-from autopar.errors import InputError, PlanError
+from autopar.errors import FitError, InputError, PlanError
 from autopar.mesh import Mesh
 from autopar.planner import PlanOptions, run_node_time
 from autopar.precision import annotate_autocast
@@ -115,11 +115,19 @@ class PipelineConfig:
     virtual_stages: int
     param_dtype: torch.dtype = torch.float32  # stage compute (autocast) and boundary dtype
 
-    def in_flight(self, stage: int, stages: int) -> int:
-        """Micro-batches of activations ``stage`` of ``stages`` holds at its peak."""
+    def in_flight(self, stage: int, stages: int) -> float:
+        """Micro-batches of activations ``stage`` of ``stages`` holds at its peak: GPipe all
+        of them; 1F1B one per stage still ahead of it (at most all); interleaved (stage s on
+        pipeline rank r = s mod p of p ranks, v stages each) the rank's 1F1B count
+        stretched by its longer warm-up, (1 + (p - 1) / (p v)), as ``cost.memory`` prices it."""
+        m = self.n_microbatches
         if self.schedule == "gpipe":
-            return self.n_microbatches
-        return min(self.n_microbatches, stages - stage)
+            return m
+        v = max(self.virtual_stages, 1)
+        if v == 1:
+            return min(m, stages - stage)
+        ranks = max(stages // v, 1)
+        return min(m, ranks - stage % ranks) * (1 + (ranks - 1) / (ranks * v))
 
     @property
     def order(self) -> str:
@@ -146,9 +154,9 @@ def choose_cuts(traced: Traced, units: list[Unit], mesh: Mesh, config: PipelineC
         cuts, _ = balanced_cuts(costs, boundary, p, pinned, fits)
     except PlanError as exc:
         held = config.in_flight(0, p)
-        raise PlanError(
+        raise FitError(
             f"{exc}: a stage must hold its parameters with Adam state (16 B each) and "
-            f"{held} in-flight micro-batch(es) of activations within {capacity / 2**30:.2f} GiB "
+            f"{held:g} in-flight micro-batch(es) of activations within {capacity / 2**30:.2f} GiB "
             f"per GPU ({'memory_limit' if memory_limit is not None else mesh.cluster.gpu.name}); "
             "use more pipeline stages, more micro-batches, tp, or a larger memory_limit"
         ) from None

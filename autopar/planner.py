@@ -48,7 +48,7 @@ from autopar.analysis import (
     strategy_splits_batch,
     tie_blocks,
 )
-from autopar.errors import PlanError
+from autopar.errors import FitError, PlanError
 from autopar.layout import Partial, Placement, R, Replicate, Shard
 from autopar.meta import nbytes as runtime_bytes
 from autopar.meta import source
@@ -754,7 +754,8 @@ def _run(prob: _Problem, options: PlanOptions) -> np.ndarray:
     res = milp(np.array(prob.costs) / scale, integrality=np.array(prob.integrality),
                bounds=Bounds(0, np.array(prob.upper)), constraints=constraints)  # fmt: skip
     if res.x is None:
-        raise PlanError(_infeasible_message(prob, options))
+        error = FitError if options.memory_limit is not None else PlanError
+        raise error(_infeasible_message(prob, options))
     return np.round(res.x, 6)
 
 

@@ -12,8 +12,8 @@ Algorithm (`plan_shape`):
    (`cost.report.render`), the links each axis rides with their share of the step, and where
    the hand-chosen configuration ranks and why.
 
-Algorithm (`auto_degrees`, for `Mesh.auto`): the best configuration, and the best among the
-axes autopar compiles today (`autopar.mesh.SUPPORTED_AXES`) when the best needs another one.
+`compile_auto` (for `Mesh.auto`) compiles the search's best configuration, every axis of it,
+or the best the compiler accepts (its own algorithm below).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.mesh import SUPPORTED_AXES, AutoMesh, Mesh
+from autopar.mesh import AutoMesh, Mesh
 from cost.config import ParallelConfig
 from cost.errors import CostInputError
 from cost.hardware import Cluster
@@ -169,94 +169,151 @@ def plan_shape(model, cluster: Cluster, global_batch: int, *, top: int = 10,
     return Plan(result=result, topology=topology, compare=keep, top=top)
 
 
-def auto_degrees(plan: Plan, supported: tuple[str, ...]) -> tuple[Choice, Choice | None]:
-    """(best, best among configurations using only `supported` axes, if the best needs more)."""
-
-    def uses(choice: Choice) -> set[str]:
-        c = choice.config
-        return {a for a, n in (("tp", c.tp), ("pp", c.pp), ("dp", c.dp), ("cp", c.cp),
-                               ("ep", c.ep)) if n > 1}  # fmt: skip
-
-    best = plan.best
-    if uses(best) <= set(supported):
-        return best, None
-    for choice in plan.result.ranked:
-        if uses(choice) <= set(supported):
-            return best, choice
-    space = SearchSpace(
-        cp=(1,) if "cp" not in supported else None, ep=(1,) if "ep" not in supported else None
-    )
-    r = plan.result
-    again = search(r.model, r.cluster, r.global_batch, space=space, top=1,
-                   collective=plan.topology.collective)  # fmt: skip
-    return best, again.best
-
-
 @dataclass(frozen=True)
 class AutoChoice:
-    """What `Mesh.auto` chose: the ranked plan, its best configuration and the compiled one."""
+    """What `Mesh.auto` chose: the ranked plan, its best configuration, the one compiled (the
+    best the compiler accepted) and the configurations the compiler refused, with why."""
 
     plan: Plan
     best: Choice
     compiled: Choice
     mesh: Mesh
-
-    @property
-    def missing(self) -> list[str]:
-        """Axes the best configuration needs that autopar does not compile yet."""
-        c = self.best.config
-        return [a for a, n in (("cp", c.cp), ("ep", c.ep)) if n > 1 and a not in SUPPORTED_AXES]
+    refused: tuple[tuple[Choice, str], ...] = ()
 
     def __str__(self) -> str:
         lines = [f"Mesh.auto: best {self.best.describe()} ({self.best.step_time_s:.4f} s)"]
-        if self.missing:
+        for choice, why in self.refused:
+            lines.append(f"  refused by the compiler: {choice.describe()}: {why}")
+        if self.refused:
             ratio = self.compiled.step_time_s / self.best.step_time_s
-            lines.append(f"  the best needs {' and '.join(self.missing)}, which autopar does not "
-                         f"compile yet; compiled the best among {', '.join(SUPPORTED_AXES)}: "
-                         f"{self.compiled.describe()} ({ratio:.3f}× the best's step time)")  # fmt: skip
-        lines.append(f"  compiled on {self.mesh} with recompute={self.compiled.config.recompute}")
+            lines.append(f"  compiled the best the compiler accepts: {self.compiled.describe()} "
+                         f"({ratio:.3f}x the best's step time)")  # fmt: skip
+        lines.append(f"  compiled on {self.mesh} ({self.mesh.world_size} of "
+                     f"{self.plan.result.cluster.world_size} GPUs) with zero="
+                     f"{self.compiled.config.zero}, recompute={self.compiled.config.recompute}")  # fmt: skip
         return "\n".join(lines + ["", str(self.plan)])
+
+
+MAX_REFUSALS = 4  # ranked configurations tried after the best before giving up
+_DECIDED = {"n_microbatches": None, "virtual_stages": None, "plan": None, "cluster": None}
 
 
 def compile_auto(model: Any, mesh: AutoMesh, example_inputs: Sequence[Any],
                  loss_fn: Callable[..., Any] | None, *, example_kwargs: dict | None = None,
                  global_batch: int | None = None, verbose: bool = False,
-                 recompute: str | None = None) -> Any:  # fmt: skip
-    """`autoparallelize(model, Mesh.auto(cluster), ...)`: trace, price the graph
-    (`cost.graph`), search, keep the best configuration autopar compiles, compile it with its
-    nesting, micro-batch count, schedule, ZeRO stage and recompute mode (searched unless
-    `recompute` fixes it); the program's `search` holds the choice."""
-    from autopar.api import autoparallelize
+                 recompute: str | None = None, **options: Any) -> Any:  # fmt: skip
+    """`autoparallelize(model, Mesh.auto(cluster), ...)`.
+
+    Algorithm:
+    1. Trace once and price the graph (`cost.graph`).
+    2. Search the cluster as the compiler will build it: model state in the dtype the program
+       keeps (fp32 weights are their own master; 16-bit ones have an fp32 master), one
+       micro-batch per step outside a pipeline (the data axis does not accumulate), capacity
+       `memory_limit` when given, ZeRO stage and recompute fixed when the user fixes them.
+    3. Walk the ranking best first: compile every chosen degree (dp, pp, cp, ep, tp) in the
+       chosen nesting on every GPU of the cluster, with its ZeRO stage, schedule, micro-batch
+       count and recompute mode.  A configuration the compiler refuses (its memory count is
+       what runs; some axis combinations it cannot build for this model) is recorded with
+       the compiler's reason and the next is tried.
+    4. `prog.search` (AutoChoice) holds the ranking, the best, the compiled one and refusals.
+    """
+    from autopar.errors import PlanError
     from autopar.trace import trace
     from cost.graph import GraphModel
 
+    _check_decided(options)
     traced = trace(model, example_inputs, example_kwargs, loss_fn)
     priced = GraphModel.from_traced(traced.gm, name=type(model).__name__)
     examples = _example_batch(example_inputs)
-    batch = global_batch or mesh.global_batch or examples
-    space = SearchSpace(zero=mesh.zero, recompute=(recompute,)) if recompute else None
-    plan = plan_shape(priced, mesh.cluster, batch, zero=mesh.zero, space=space)
-    best, fallback = auto_degrees(plan, SUPPORTED_AXES)
-    chosen = fallback or best
-    c = chosen.config
-    sizes = {"pp": c.pp, "dp": c.dp, "tp": c.tp}
-    axes = tuple((a, sizes[a]) for a in chosen.order if sizes[a] > 1) or (("tp", 1),)
-    concrete = Mesh.ordered(axes, mesh.cluster)
-    options: dict[str, Any] = {"recompute": c.recompute or "none"}
-    if c.dp > 1:
-        options["zero"] = c.zero
+    plan = plan_shape(priced, _capacity(mesh.cluster, options.get("memory_limit")),
+                      global_batch or mesh.global_batch or examples,
+                      space=_auto_space(mesh, options, recompute))  # fmt: skip
+    refused: list[tuple[Choice, str]] = []
+    for choice in plan.result.ranked[: MAX_REFUSALS + 1]:
+        concrete = auto_mesh(choice, mesh.cluster)
+        try:
+            prog = _compile_choice(model, concrete, choice, example_inputs, loss_fn,
+                                   example_kwargs, examples, verbose, options)  # fmt: skip
+        except PlanError as exc:
+            refused.append((choice, f"{type(exc).__name__}: {exc}"))
+            continue
+        prog.search = AutoChoice(plan=plan, best=plan.best, compiled=choice, mesh=concrete,
+                                 refused=tuple(refused))  # fmt: skip
+        if verbose or refused:
+            print(prog.search.__str__().split("\n\n")[0])
+        return prog
+    tried = "; ".join(f"{c.describe()}: {why}" for c, why in refused)
+    raise PlanError(f"Mesh.auto: the compiler refused the {len(refused)} best configurations "
+                    f"of the search ({tried}); give a larger cluster or memory_limit")  # fmt: skip
+
+
+def _check_decided(options: dict[str, Any]) -> None:
+    """Options that fix what the search decides are refused rather than ignored."""
+    from autopar.errors import PlanError
+
+    given = [k for k, default in _DECIDED.items() if options.pop(k, default) not in (default, ())]
+    if options.get("split_points"):
+        given.append("split_points")
+    if given:
+        raise PlanError(f"Mesh.auto chooses the mesh and its schedule, but {', '.join(given)} "
+                        "was given; compile a fixed Mesh(...) with it instead (e.g. the one "
+                        "prog.search reports)")  # fmt: skip
+    options.pop("split_points", None)
+
+
+def _capacity(cluster: Cluster, memory_limit: float | None) -> Cluster:
+    """The cluster with its GPUs' memory set to `memory_limit` (searched against it)."""
+    import dataclasses
+
+    if memory_limit is None:
+        return cluster
+    return dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu,
+                                                                hbm_bytes=memory_limit))  # fmt: skip
+
+
+def _auto_space(mesh: AutoMesh, options: dict[str, Any], recompute: str | None) -> SearchSpace:
+    """Step 2: the search space of configurations the compiler builds as priced."""
+    import torch
+
+    from cost.search import RECOMPUTE
+
+    zero = mesh.zero if options.get("zero") is None else (options["zero"],)
+    schedule = options.get("schedule")
+    schedules = ("1f1b", "interleaved") if schedule in (None, "1f1b") else (schedule,)
+    fp32 = options.get("param_dtype", torch.float32) == torch.float32
+    return SearchSpace(zero=zero, recompute=(recompute,) if recompute else RECOMPUTE,
+                       schedules=schedules, weight_bytes=4 if fp32 else 2,
+                       accumulate=False)  # fmt: skip
+
+
+def auto_mesh(choice: Choice, cluster: Cluster) -> Mesh:
+    """The mesh of every degree a search choice has, in its nesting (outermost first); cp
+    and ep sit in the data block as the search prices them (dp outermost, cp innermost)."""
+    c = choice.config
+    block = {"pp": [("pp", c.pp)], "tp": [("tp", c.tp)],
+             "dp": [("dp", c.dp // c.ep), ("ep", c.ep), ("cp", c.cp)]}  # fmt: skip
+    order = choice.order or ("pp", "dp", "tp")
+    axes = tuple((a, n) for b in order for a, n in block[b] if n > 1) or (("tp", 1),)
+    return Mesh.ordered(axes, cluster)
+
+
+def _compile_choice(model: Any, concrete: Mesh, choice: Choice, example_inputs: Sequence[Any],
+                    loss_fn: Callable | None, example_kwargs: dict | None, examples: int,
+                    verbose: bool, options: dict[str, Any]) -> Any:  # fmt: skip
+    """Step 3 for one configuration: the front door on its mesh with its settings."""
+    from autopar.api import autoparallelize
+
+    c = choice.config
+    settings: dict[str, Any] = {**options, "recompute": c.recompute or "none"}
+    settings["zero"] = c.zero if concrete.sizes.get("dp", 1) > 1 else None
     if c.pp > 1:
-        m = chosen.micro_batches
+        m = choice.micro_batches
         # 1F1B with fewer micro-batches than stages is GPipe (same bubble, m in flight)
-        options["schedule"] = "gpipe" if c.schedule == "1f1b" and m < c.pp else c.schedule
-        options["virtual_stages"] = c.virtual_stages if c.schedule == "interleaved" else None
-        options["n_microbatches"] = m if (examples // c.dp) % m == 0 else None
-    prog = autoparallelize(model, concrete, example_inputs, loss_fn,
-                           example_kwargs=example_kwargs, verbose=verbose, **options)  # fmt: skip
-    prog.search = AutoChoice(plan=plan, best=best, compiled=chosen, mesh=concrete)
-    if verbose or fallback is not None:
-        print(prog.search.__str__().split("\n\n")[0])
-    return prog
+        settings["schedule"] = "gpipe" if c.schedule == "1f1b" and m < c.pp else c.schedule
+        settings["virtual_stages"] = c.virtual_stages if c.schedule == "interleaved" else None
+        settings["n_microbatches"] = m if (examples // c.dp) % m == 0 else None
+    return autoparallelize(model, concrete, example_inputs, loss_fn,
+                           example_kwargs=example_kwargs, verbose=verbose, **settings)  # fmt: skip
 
 
 def load_traced(spec: str) -> Any:

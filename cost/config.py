@@ -52,6 +52,7 @@ class ParallelConfig:
     overlap_grad_reduce: bool = True
     tp_across_nodes: bool = False
     grad_bytes: int = 4  # gradient element size: fp32 (Megatron's default) or 2 (bf16)
+    weight_bytes: int = 2  # 2: bf16 weights + fp32 master in the optimizer; 4: fp32 throughout
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULES)
@@ -61,6 +62,8 @@ class ParallelConfig:
             raise CostInputError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")
         if self.grad_bytes not in (2, 4):
             raise CostInputError(f"gradients are 2 (bf16) or 4 (fp32) bytes, got {self.grad_bytes}")
+        if self.weight_bytes not in (2, 4):
+            raise CostInputError(f"weights are 2 (bf16) or 4 (fp32) bytes, got {self.weight_bytes}")
         degrees = {"tp": self.tp, "pp": self.pp, "dp": self.dp or 1, "cp": self.cp,
                    "ep": self.ep, "global_batch": self.global_batch,
                    "micro_batch": self.micro_batch or 1,

@@ -208,7 +208,8 @@ def price(model: Priced, cluster: Cluster, cfg: ParallelConfig,
     memory = rank_memory(work, pp=cfg.pp, zero=cfg.zero, dp_dense=cfg.data_parallel,
                          dp_expert=dp_expert, schedule=cfg.schedule, micro_batches=m,
                          virtual=cfg.virtual_stages, recompute=cfg.recompute,
-                         capacity=cluster.gpu.hbm_bytes, grad_bytes=cfg.grad_bytes)  # fmt: skip
+                         capacity=cluster.gpu.hbm_bytes, grad_bytes=cfg.grad_bytes,
+                         weight_bytes=cfg.weight_bytes)  # fmt: skip
     step = step_time(work, cfg, cluster, micro_batches=m, schedule=cfg.schedule,
                      virtual=cfg.virtual_stages, recompute=cfg.recompute)  # fmt: skip
     return Estimate(model=model.name, cluster=cluster, config=cfg, memory=memory, step=step,

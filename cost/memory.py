@@ -5,7 +5,8 @@ Algorithm (`rank_memory`):
    embedding or LM head shard of an end stage.
 2. Model state with Adam and mixed precision: bf16 weights 2 B, fp32 gradient accumulation
    4 B (Megatron's default; 2 B with bf16 gradients), fp32 master + two moments 12 B per
-   parameter — 18 B (16 B) for DDP, stage 0. ZeRO-1 shards the
+   parameter — 18 B (16 B) for DDP, stage 0; fp32 training without a master copy: 4 B
+   weights, 4 B gradients, 8 B moments (16 B). ZeRO-1 shards the
    12 B, ZeRO-2 also the gradients, ZeRO-3 also the weights, over the data-parallel group
    (dp·cp for dense parameters, dp·cp/ep for experts).
 3. Activations: saved bytes per layer and micro-batch for the recompute mode × layers on the
@@ -77,14 +78,23 @@ def model_state(params_dense: float, params_expert: float, zero: int, dp_dense: 
     return shard(weight_bytes, 3), shard(grad_bytes, 2), shard(optim_bytes, 1)
 
 
+def state_bytes(weight_bytes: int) -> tuple[int, int]:
+    """(weight, optimizer) bytes per parameter: bf16 weights with an fp32 master and two
+    moments (2, 12), or fp32 weights that are their own master (4, 8)."""
+    return (WEIGHT_BYTES, OPTIM_BYTES) if weight_bytes == WEIGHT_BYTES else (4, 8)
+
+
 def rank_memory(work: Workload, *, pp: int, zero: int, dp_dense: int, dp_expert: int,
                 schedule: str, micro_batches: int, virtual: int, recompute: str,
-                capacity: float, grad_bytes: int = GRAD_BYTES) -> MemoryBreakdown:  # fmt: skip
+                capacity: float, grad_bytes: int = GRAD_BYTES,
+                weight_bytes: int = WEIGHT_BYTES) -> MemoryBreakdown:  # fmt: skip
     """Per-rank memory of the most loaded stage (see the module docstring)."""
     per_stage = stage_layers(work.layers, pp, virtual)
     dense = per_stage * work.layer_dense_params + work.edge_params
+    w_bytes, o_bytes = state_bytes(weight_bytes)
     weights, grads, optim = model_state(
-        dense, per_stage * work.layer_expert_params, zero, dp_dense, dp_expert, grad_bytes
+        dense, per_stage * work.layer_expert_params, zero, dp_dense, dp_expert, grad_bytes,
+        w_bytes, o_bytes,
     )
     layer = work.act_bytes[recompute]
     working = work.act_bytes["none"] if recompute == "full" else 0.0

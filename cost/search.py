@@ -41,7 +41,7 @@ from cost.config import RECOMPUTE, ParallelConfig, stage_layers, validate
 from cost.errors import CostInputError
 from cost.estimate import Estimate, Priced, as_priced
 from cost.hardware import Cluster
-from cost.memory import RESERVED_BYTES, MemoryBreakdown, model_state, rank_memory
+from cost.memory import RESERVED_BYTES, MemoryBreakdown, model_state, rank_memory, state_bytes
 from cost.model import ModelShape
 from cost.step import ADAM_BYTES_PER_PARAM, Collective, StepBreakdown, step_time
 from cost.workload import Workload
@@ -70,6 +70,8 @@ class SearchSpace:
     attention: str = "flash"
     overlap_grad_reduce: bool = True
     grad_bytes: int = 4
+    weight_bytes: int = 2  # 4: fp32 weights (no bf16 copy beside an fp32 master)
+    accumulate: bool = True  # False: without pp one micro-batch per step (no accumulation)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -329,7 +331,8 @@ def _memory_floor(work1: Workload, cfg: ParallelConfig, capacity: float) -> floa
     dpd = cfg.data_parallel
     return min(rank_memory(work1, pp=cfg.pp, zero=cfg.zero, dp_dense=dpd,
                            dp_expert=dpd // cfg.ep, schedule="1f1b", micro_batches=1, virtual=1,
-                           recompute=r, capacity=capacity, grad_bytes=cfg.grad_bytes).total
+                           recompute=r, capacity=capacity, grad_bytes=cfg.grad_bytes,
+                           weight_bytes=cfg.weight_bytes).total
                for r in RECOMPUTE)  # fmt: skip
 
 
@@ -408,7 +411,7 @@ def _units(model: Priced, cluster: Cluster, global_batch: int, space: SearchSpac
     tp, pp, dp, cp, ep = degrees
     cap = cluster.gpu.hbm_bytes
     per_rank = global_batch // dp
-    micro = _micro(per_rank, space)
+    micro = _micro(per_rank, space, pp)
     settings = _settings(pp, model.layers, space)
     sps = [True] if tp == 1 else list(space.sequence_parallel)
     if ep > 1 and tp > 1:
@@ -436,7 +439,11 @@ def _units(model: Priced, cluster: Cluster, global_batch: int, space: SearchSpac
     return out
 
 
-def _micro(per_rank: int, space: SearchSpace) -> list[int]:
+def _micro(per_rank: int, space: SearchSpace, pp: int) -> list[int]:
+    """Micro-batch sizes: divisors of the per-rank batch (the whole of it when the space does
+    not accumulate gradients outside a pipeline)."""
+    if not space.accumulate and pp == 1:
+        return [per_rank]
     return [b for b in divisors(per_rank) if space.micro_batch is None or b in space.micro_batch]
 
 
@@ -447,7 +454,8 @@ def _base(degrees: tuple[int, ...], global_batch: int, sp: bool, space: SearchSp
                           sequence_parallel=sp, attention=space.attention,
                           overlap_grad_reduce=space.overlap_grad_reduce,
                           tp_across_nodes=tp > cluster.gpus_per_node,
-                          grad_bytes=space.grad_bytes)  # fmt: skip
+                          grad_bytes=space.grad_bytes,
+                          weight_bytes=space.weight_bytes)  # fmt: skip
 
 
 def _search_unit(model: Priced, cluster: Cluster, global_batch: int, space: SearchSpace,
@@ -465,7 +473,7 @@ def _search_unit(model: Priced, cluster: Cluster, global_batch: int, space: Sear
     base = _base(degrees, global_batch, sp, space, cluster)
     zcfgs = [replace(base, zero=z) for z in zeros]
     entries = []
-    for b in _micro(per_rank, space):
+    for b in _micro(per_rank, space, pp):
         work = pricer.work(base, b)
         for schedule, v in settings:
             if not runnable(schedule, pp, per_rank // b):
@@ -535,7 +543,8 @@ def _price_settings(unit: _Unit, cluster: Cluster, zcfgs: list[ParallelConfig],
                                  dp_expert=dpd // zcfg.ep, schedule=schedule,
                                  micro_batches=m, virtual=v, recompute=recompute,
                                  capacity=cluster.gpu.hbm_bytes,
-                                 grad_bytes=zcfg.grad_bytes)  # fmt: skip
+                                 grad_bytes=zcfg.grad_bytes,
+                                 weight_bytes=zcfg.weight_bytes)  # fmt: skip
             if not memory.fits:
                 continue
             if prune and bound_spans is not None:
@@ -594,7 +603,7 @@ def _raise_nothing(model: Priced, cluster: Cluster, global_batch: int, space: Se
             f"per micro-batch), but every micro-batch size the global batch allows keeps too "
             "many activations in flight; use a global batch with more divisors or more GPUs"
         )
-    state = _full_state_bytes(model, cluster, space.grad_bytes)
+    state = _full_state_bytes(model, cluster, space.grad_bytes, space.weight_bytes)
     gpus = math.ceil(state / max(cap - RESERVED_BYTES, 1.0))
     raise CostInputError(
         f"{model.name} fits nowhere on {world} × {cluster.gpu.name} "
@@ -607,11 +616,12 @@ def _raise_nothing(model: Priced, cluster: Cluster, global_batch: int, space: Se
     )
 
 
-def _full_state_bytes(model: Priced, cluster: Cluster, grad_bytes: int) -> float:
+def _full_state_bytes(model: Priced, cluster: Cluster, grad_bytes: int,
+                      weight_bytes: int) -> float:  # fmt: skip
     """Weights, gradients and Adam state of every parameter (no sharding)."""
     shape = getattr(model, "shape", None)
     params = shape.params if isinstance(shape, ModelShape) else _graph_params(model, cluster)
-    w, g, o = model_state(params, 0.0, 0, 1, 1, grad_bytes)
+    w, g, o = model_state(params, 0.0, 0, 1, 1, grad_bytes, *state_bytes(weight_bytes))
     return w + g + o
 
 
