@@ -40,3 +40,7 @@ class PlanError(AutoparError):
 
 class ShardingRuleError(AutoparError):
     """An op has no sharding rule and ``strict=True`` was given."""
+
+
+class CheckpointError(AutoparError):
+    """A checkpoint is missing, incomplete, tampered with, damaged, or does not fit the model."""
