@@ -18,29 +18,32 @@ Algorithm (:meth:`Checkpointer.save`):
    training may update the parameters while the copy is written.
 3. Write ``step_N.tmp`` with DCP in a background thread, over a Gloo group of its own (its
    collectives never interleave with training's); DCP de-duplicates replicas across ranks.
+   The files are safetensors shards and a JSON manifest (autopar/checkpoint_format.py): no
+   pickle.
 4. Commit: DCP's coordinator finishes only after every rank's writes; rank 0 then writes
    ``trainer.json`` and renames ``step_N.tmp`` to ``step_N``; a barrier ends the save on every
    rank.  A job killed part-way leaves only a ``.tmp`` that loading ignores.
 
 Algorithm (:meth:`Checkpointer.load`):
-1. Pick the newest committed ``step_N`` (or the one asked for).
+1. Pick the newest committed ``step_N`` (or the one asked for); check ``trainer.json``, the
+   manifest and the folder (autopar/checkpoint_format.py steps 1-2).
 2. Targets are views of the live parameters and optimizer state (created first when the
-   optimizer has not stepped yet), described as in save step 1.
-3. DCP reads every target chunk from the saved chunks that overlap it (resharding).
-4. Restore this rank's RNG state (when the checkpoint has one for it), the optimizer's
+   optimizer has not stepped yet), described as in save step 1; the checkpoint must hold each
+   with the same global shape and dtype.
+3. Every target piece is copied from the saved chunks that overlap it (resharding), each
+   chunk's file and bytes checked before use; no collective, no pickle, no ``torch.load``.
+4. The ranks agree: when any rank failed, every rank raises :class:`CheckpointError` naming
+   that rank's file and entry (none trains on alone).
+5. Restore this rank's RNG state (when the checkpoint has one for it), the optimizer's
    hyper-parameters; return the step and the caller's extra state.
-Metadata is read with an unpickler that admits only DCP's metadata classes, and tensors with
-``weights_only``: loading never runs arbitrary pickled code.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import itertools
 import json
 import os
-import pickle
 import re
 import shutil
 import threading
@@ -53,23 +56,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
-    Metadata,
     MetadataIndex,
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from autopar.errors import AutoparError
+from autopar.checkpoint_format import (
+    Manifest,
+    SafetensorsWriter,
+    ShardReader,
+    check_folder,
+    read_manifest,
+)
+from autopar.errors import CheckpointError
 from autopar.layout import Layout
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-class CheckpointError(AutoparError):
-    """A checkpoint is missing, incomplete, unsafe, or does not fit the model."""
+TRAINER = "trainer.json"
 
 
 # ---------------------------------------------------------------- step 1: chunks of the global
@@ -162,10 +168,6 @@ class Pieces:
                               properties=TensorProperties(dtype=self.dtype), size=self.shape))
                 for o, t in self.pieces.items()]  # fmt: skip
 
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.shape)
-                for o, t in self.pieces.items()]  # fmt: skip
-
     def piece(self, offsets: Sequence[int]) -> torch.Tensor:
         return self.pieces[tuple(offsets)]
 
@@ -174,19 +176,6 @@ class _SavePlanner(DefaultSavePlanner):
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict[index.fqn]
         return obj.piece(index.offset) if isinstance(obj, Pieces) else super().lookup_object(index)
-
-
-class _LoadPlanner(DefaultLoadPlanner):
-    def set_up_planner(self, state_dict: dict, metadata: Metadata | None = None,
-                       is_coordinator: bool = False) -> None:  # fmt: skip
-        """DCP's set-up maps unknown values to None: hand it the plain tensors only."""
-        plain = {k: v for k, v in state_dict.items() if not isinstance(v, Pieces)}
-        super().set_up_planner(plain, metadata, is_coordinator)
-        self.state_dict.update((k, v) for k, v in state_dict.items() if isinstance(v, Pieces))
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        obj = self.state_dict[index.fqn]
-        return obj.piece(index.offset) if isinstance(obj, Pieces) else super().lookup_tensor(index)
 
 
 # ---------------------------------------------------------------- what a rank holds
@@ -294,8 +283,8 @@ def spread_scalars(model: Any, opt: Any, state: dict[str, Any]) -> None:
     for fqn, p, _ in named_specs(model):
         for key, value in base.state.get(p, {}).items():
             loaded = state.get(f"optim.{fqn}.{key}")
-            if isinstance(value, torch.Tensor) and not value.dim() and loaded is not value \
-                    and isinstance(loaded, torch.Tensor):
+            scalar = isinstance(value, torch.Tensor) and not value.dim()
+            if scalar and loaded is not value and isinstance(loaded, torch.Tensor):
                 value.copy_(loaded)
 
 
@@ -318,42 +307,6 @@ def init_optimizer_state(opt: Any) -> None:
         g["lr"] = lr
     for p in params:
         p.grad = grads[p]
-
-
-# ---------------------------------------------------------------- safe metadata
-
-
-_ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-            ("collections", "OrderedDict")}  # fmt: skip
-_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits DCP's metadata dataclasses and a few torch constants; nothing else."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        constant = module == "torch" and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS)
-        dcp_class = module.startswith("torch.distributed.checkpoint.")
-        if dcp_class or (module, name) in _ALLOWED or constant:
-            return super().find_class(module, name)
-        raise CheckpointError(f"checkpoint metadata refers to {module}.{name}, which is not "
-                              "checkpoint metadata; refusing to load it (tampered file?)")  # fmt: skip
-
-
-class SafeReader(dcp.FileSystemReader):
-    """A FileSystemReader whose metadata is read by :class:`_MetadataUnpickler`."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = Path(self.path) / ".metadata"
-        if not path.exists():
-            raise CheckpointError(f"{self.path} has no .metadata: the save did not finish")
-        md = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
-        md.storage_meta = getattr(md, "storage_meta", None)
-        return md
-
-
-def read_metadata(path: str | Path) -> Metadata:
-    return SafeReader(str(path)).read_metadata()
 
 
 # ---------------------------------------------------------------- the checkpointer
@@ -386,12 +339,13 @@ class Checkpointer:
     ``model``: what autoparallelize returned on this rank (or the single-device model);
     ``optimizer``: its optimizer (or None); ``group``: the process group the checkpoint's own
     collectives use (default: a new Gloo group of the whole job, created collectively here);
-    ``keep``: committed checkpoints to keep; ``writer``: a factory for DCP's storage writer.
+    ``keep``: committed checkpoints to keep; ``writer``: a factory for DCP's storage writer
+    (loading reads only what :class:`SafetensorsWriter` writes).
     """
 
     def __init__(self, root: str | Path, model: Any, optimizer: Any = None, *,
                  group: Any = None, keep: int = 2,
-                 writer: Callable[[str], Any] = dcp.FileSystemWriter) -> None:  # fmt: skip
+                 writer: Callable[[str], Any] = SafetensorsWriter) -> None:  # fmt: skip
         self.root, self.model, self.optimizer = Path(root), model, optimizer
         self.keep, self.writer = keep, writer
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -453,7 +407,7 @@ class Checkpointer:
             dcp.save(state, storage_writer=self.writer(str(tmp)), planner=_SavePlanner(),
                      process_group=self.group, no_dist=not self.distributed)  # fmt: skip
         if self.is_writer:
-            (tmp / "trainer.json").write_text(json.dumps(info))
+            (tmp / TRAINER).write_text(json.dumps(info))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             _fsync_dir(self.root)
@@ -486,36 +440,66 @@ class Checkpointer:
 
     def load(self, step: int | None = None) -> Resumed | None:
         """Load checkpoint ``step`` (default: the newest committed) into the live model and
-        optimizer (steps 1-4); None when there is none."""
+        optimizer (steps 1-5); None when there is none.  Any failure, on any rank, raises
+        :class:`CheckpointError` on every rank."""
         self.wait()
         step = self.latest() if step is None else step
         if step is None:
             return None
         path = step_dir(self.root, step)
-        if not (path / "trainer.json").exists():
-            raise CheckpointError(f"{path} is not a committed checkpoint")
+        try:
+            resumed, error = self._load(path, step), None
+        except Exception as e:  # noqa: BLE001 - step 4: shared with the other ranks, re-raised
+            resumed, error = None, e
+        self._agree(path, error)
+        return resumed
+
+    def _load(self, path: Path, step: int) -> Resumed:
+        """Steps 1-3 and 5 on this rank."""
+        info = read_trainer(path, step)
+        manifest = read_manifest(path)
+        check_folder(manifest, also=(TRAINER,))
         if self.optimizer is not None:
             init_optimizer_state(self.optimizer)
-        saved = read_metadata(path).state_dict_metadata
         state = {k: v for k, v in self._state().items() if not k.startswith("rng.")}
-        missing = sorted(k for k in state if k not in saved)
+        missing = sorted(k for k in state if k not in manifest.tensors)
         if missing:
             raise CheckpointError(f"{path} lacks {len(missing)} tensors this model holds, e.g. "
                                   f"{missing[:3]}: a checkpoint of a different model?")  # fmt: skip
         rng = f"rng.{self.rank}"
-        if rng in saved:
+        if rng in manifest.tensors:
             state[rng] = torch.empty_like(torch.get_rng_state())
-        _check_shapes(state, saved, path)
-        with _quiet():
-            dcp.load(state, storage_reader=SafeReader(str(path)), planner=_LoadPlanner(),
-                     process_group=self.group, no_dist=not self.distributed)  # fmt: skip
+        _check_fits(state, manifest)
+        reader = ShardReader(manifest)
+        for key, target in state.items():
+            reader.fill(key, _targets(target))
         if rng in state:
             torch.set_rng_state(state[rng])
         if self.optimizer is not None:
             spread_scalars(self.model, self.optimizer, state)
-        info = json.loads((path / "trainer.json").read_text())
         self._restore_groups(info["param_groups"])
         return Resumed(step=info["step"], extra=info["extra"], path=path)
+
+    def _agree(self, path: Path, error: Exception | None) -> None:
+        """Step 4: raise on every rank when any rank failed (its own error first)."""
+        if isinstance(error, CheckpointError):
+            mine: CheckpointError | None = error
+        elif error is not None:
+            mine = CheckpointError(f"loading {path} failed: {type(error).__name__}: {error}")
+            mine.__cause__ = error
+        else:
+            mine = None
+        if self.distributed:
+            world = dist.get_world_size(self.group)
+            notes: list[str | None] = [None] * world
+            dist.all_gather_object(notes, None if mine is None else str(mine), group=self.group)
+            failed = [(r, n) for r, n in enumerate(notes) if n is not None]
+            if mine is None and failed:
+                rank, note = failed[0]
+                raise CheckpointError(f"rank {rank} of the checkpoint group could not load "
+                                      f"{path}: {note}")  # fmt: skip
+        if mine is not None:
+            raise mine
 
     def _restore_groups(self, groups: list[dict[str, Any]]) -> None:
         if self.optimizer is None:
@@ -526,13 +510,47 @@ class Checkpointer:
                 g.update(saved)
 
 
-def _check_shapes(state: dict[str, Any], saved: dict[str, Any], path: Path) -> None:
+def read_trainer(path: Path, step: int) -> dict[str, Any]:
+    """``trainer.json``, parsed as JSON and checked: the step, the caller's extra state, the
+    optimizer's hyper-parameters."""
+    file = path / TRAINER
+    if not file.is_file():
+        raise CheckpointError(f"{path} is not a committed checkpoint: {file} is missing")
+    try:
+        info = json.loads(file.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not JSON ({e}); tampered or damaged") from None
+    kinds = {"step": int, "extra": dict, "param_groups": list}
+    for key, kind in kinds.items():
+        value = info.get(key) if isinstance(info, dict) else None
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise CheckpointError(f"{file}: '{key}' is missing or not of type {kind.__name__} "
+                                  "(tampered or damaged)")  # fmt: skip
+    if info["step"] != step or not all(isinstance(g, dict) for g in info["param_groups"]):
+        raise CheckpointError(f"{file}: 'step' {info['step']} is not the folder's {step}, or "
+                              "'param_groups' holds a non-object (tampered or damaged)")  # fmt: skip
+    return info
+
+
+def _check_fits(state: dict[str, Any], manifest: Manifest) -> None:
+    """Every target has the global shape and dtype the checkpoint holds."""
+    where = manifest.path / "manifest.json"
     for k, v in state.items():
-        want = getattr(saved[k], "size", None)
-        have = v.size() if isinstance(v, Pieces) else v.shape
-        if want is not None and tuple(want) != tuple(have):
-            raise CheckpointError(f"{k}: the checkpoint {path} holds shape {tuple(want)}, the "
-                                  f"model {tuple(have)}")  # fmt: skip
+        saved = manifest.tensors[k]
+        have = tuple(v.size() if isinstance(v, Pieces) else v.shape)
+        if saved.shape != have:
+            raise CheckpointError(f"{k}: {where} holds shape {saved.shape}, the model {have} "
+                                  "(wrong size)")  # fmt: skip
+        if saved.dtype != v.dtype:
+            raise CheckpointError(f"{k}: {where} holds {saved.dtype}, the model {v.dtype} (wrong "
+                                  "dtype; to convert, cast what export_state_dict returns)")  # fmt: skip
+
+
+def _targets(value: Any) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """(global offset, view) of each piece of ``value`` this rank holds."""
+    if isinstance(value, Pieces):
+        return list(value.pieces.items())
+    return [((0,) * value.dim(), value)]
 
 
 @contextlib.contextmanager
@@ -563,13 +581,16 @@ def export_state_dict(path: str | Path, model: torch.nn.Module | None = None
                       ) -> dict[str, torch.Tensor]:  # fmt: skip
     """A committed checkpoint as a plain single-device state dict (whole tensors, the model's
     own names and shapes): ``model.load_state_dict(export_state_dict(path, model))``.  With
-    ``model``, every alias of a tied weight gets the tensor too (a checkpoint holds it once)."""
-    md = read_metadata(path).state_dict_metadata
-    state = {k: torch.zeros(tuple(v.size), dtype=v.properties.dtype)
-             for k, v in md.items() if k.startswith("model.")}  # fmt: skip
-    with _quiet():
-        dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=True)
-    out = {k.removeprefix("model."): v for k, v in state.items()}
+    ``model``, every alias of a tied weight gets the tensor too (a checkpoint holds it once).
+    Reads and checks the files like :meth:`Checkpointer.load` (steps 1 and 3)."""
+    manifest = read_manifest(path)
+    check_folder(manifest, also=(TRAINER,))
+    reader, out = ShardReader(manifest), {}
+    for k, v in manifest.tensors.items():
+        if k.startswith("model."):
+            t = torch.empty(v.shape, dtype=v.dtype)
+            reader.fill(k, _targets(t))
+            out[k.removeprefix("model.")] = t
     if model is not None:
         first: dict[int, str] = {}
         for name, p in model.named_parameters(remove_duplicate=False):

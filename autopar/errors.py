@@ -44,3 +44,7 @@ class FitError(PlanError):
 
 class ShardingRuleError(AutoparError):
     """An op has no sharding rule and ``strict=True`` was given."""
+
+
+class CheckpointError(AutoparError):
+    """A checkpoint is missing, incomplete, tampered with, damaged, or does not fit the model."""
