@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autopar import meta
 from autopar.errors import FitError, InputError, PlanError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, _fmt_bytes, _pattern
@@ -419,22 +420,26 @@ def memory_table(inner: Any, dp: int, per: StateBytes) -> tuple[ZeroMemory, ...]
 def saved_activations(program: Any) -> float:
     """Bytes autograd keeps for one micro-batch of ``program``'s rank program: the cost
     model's saved-tensor count (``cost.graph``, the count the whole-cluster search prices) on
-    its traced graph split as its mesh splits it (tp, cp), its blocks under its recompute mode
-    plus what lies after them (head, loss); a graph the cost model cannot price (float64)
-    falls back to its plan's memory less the fp32 model state its solver counts."""
+    sub-mesh rank 0's graph at its local shapes (so every split the plan chose, sequence
+    parallelism included, counts) and in each value's run-time dtype, its blocks under its recompute mode plus what lies after
+    them (head, loss); a graph the cost model cannot price (float64) falls back to its plan's
+    memory less the fp32 model state its solver counts."""
+    from autopar.codegen import build_module
     from cost.config import ParallelConfig
     from cost.errors import CostInputError
     from cost.graph import GraphModel
 
     mode = getattr(program, "recompute", "none")
-    sizes = program.mesh.sizes
+    local = build_module(program.graph_module, program.traced, program.mesh, 0)
+    for n in local.graph.nodes:  # priced in the dtype each value has when it runs (autocast)
+        if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor):
+            n.meta["run_dtype"] = meta.dtype(n)
     try:
-        model = GraphModel.from_traced(program.traced.gm)
-        cfg = ParallelConfig(tp=sizes.get("tp", 1), cp=sizes.get("cp", 1),
-                             global_batch=model.batch, sequence_parallel=False)  # fmt: skip
-        work = model.workload(cfg, model.batch, program.mesh.cluster.gpu)
+        model = GraphModel.from_traced(local)
+        work = model.workload(ParallelConfig(global_batch=model.batch), model.batch,
+                              program.mesh.cluster.gpu)  # fmt: skip
     except CostInputError:
-        state = 16.0 * sum(p.numel() for p in program.module(0).parameters() if p.requires_grad)
+        state = 16.0 * sum(p.numel() for p in local.parameters() if p.requires_grad)
         return max(0.0, getattr(program.plan, "memory_bytes", 0.0) - state)
     working = work.act_bytes["none"] if mode == "full" else 0.0
     return work.layers * work.act_bytes[mode] + working + work.post_act_bytes

@@ -189,8 +189,11 @@ def _shape(node: torch.fx.Node) -> tuple[int, ...] | None:
 
 
 def _out_bytes(node) -> float:
+    """Bytes of a node's tensors; a single tensor at ``node.meta["run_dtype"]`` when the caller
+    recorded the dtype it has at run time (a mixed-precision program's autocast dtype)."""
     vals = tensors_of(node.meta.get("val")) if isinstance(node, torch.fx.Node) else []
-    return float(sum(v.numel() * v.element_size() for v in vals))
+    run = node.meta.get("run_dtype") if len(vals) == 1 else None
+    return float(sum(v.numel() * (run or v.dtype).itemsize for v in vals))
 
 
 class _Walk:
