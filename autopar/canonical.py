@@ -25,7 +25,8 @@ Algorithm:
    (seen: HF Llama 16% slower than eager on an H200 with the mask), and a mask context
    parallelism can balance.  A mask is first recognised from how it is built, whatever its
    size (autopar.mask_structure: positions compared, never materialised); one it does not
-   recognise is evaluated when no value on its way is over ``MASK_LIMIT`` elements.
+   recognise is evaluated when no value on its way is over ``MASK_LIMIT`` elements, on the
+   CPU whatever device the model was traced on (every device argument becomes the CPU).
 5. A tensor split into equal pieces along a dim, each piece normalised by its own
    ``layer_norm`` (same normalised shape and eps, parameters of equal shapes) and the
    results concatenated back in order along that dim (StableLM's per-head q/k norms), is one
@@ -40,7 +41,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autopar.mask_structure import is_causal_mask
+from autopar.mask_structure import is_causal_mask, on_cpu
 
 _ADD = torch.ops.aten.add.Tensor
 _MATMULS = frozenset({torch.ops.aten.linear.default, torch.ops.aten.mm.default,
@@ -167,9 +168,7 @@ def _constant_causal(mask: fx.Node) -> bool:
         return False
     env: dict[fx.Node, object] = {}
     for node in nodes:
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-        if "device" in kwargs:
-            kwargs = {**kwargs, "device": torch.device("cpu")}
+        args, kwargs = on_cpu(*fx.node.map_arg((node.args, node.kwargs), env.__getitem__))
         env[node] = node.target(*args, **kwargs)
     value = env[mask]
     if not isinstance(value, torch.Tensor) or value.dim() < 2:

@@ -207,18 +207,22 @@ def outline_blocks(gm: fx.GraphModule) -> fx.GraphModule | None:
     alone reads its parameters.
 
     Algorithm:
+    0. Ops on parameters alone (a replicated weight's gradient all-reduce, a cast) are laid
+       out just before their first user: passes may place them at the program's top, where
+       they would stretch their block's segment over the blocks before it.
     1. The block container is the indexed module path (``layers``) holding the most
        parameters' blocks; a parameter or buffer belongs to the block its name starts with.
     2. A node belongs to block ``i`` when it reads the block's parameters or its
        ``nn_module_stack`` (when the graph still has it) passes through ``<container>.i``; the
        block's segment is the run of nodes from its first to its last node in graph order
        (collectives that passes inserted inside it included).
-    3. Segments must not overlap and a block's parameters must be read only inside its segment.
+    3. Segments must not overlap (no node in two) and a block's parameters must be read only
+       inside its segment.
     4. Each segment becomes a GraphModule: placeholders for the values it reads from outside,
        ``get_attr`` of its own parameters (names relative to the block), outputs for the values
        used after it; the program calls it in the segment's place.
     """
-    nodes = list(gm.graph.nodes)
+    nodes = _at_first_use(list(gm.graph.nodes))
     container = _block_container(nodes)
     if container is None:
         return None
@@ -227,6 +231,23 @@ def outline_blocks(gm: fx.GraphModule) -> fx.GraphModule | None:
     if segments is None:
         return None
     return _rebuild(gm, nodes, owner, container, segments)
+
+
+def _at_first_use(nodes: list[fx.Node]) -> list[fx.Node]:
+    """Step 0: ``nodes`` (in graph order) with each op on parameters alone moved to just
+    before its first user; the order stays topological (last such op moved first)."""
+    pure: set[fx.Node] = set()
+    for n in nodes:
+        if n.op == "call_function" and n.all_input_nodes and all(
+            a.op == "get_attr" or a in pure for a in n.all_input_nodes
+        ):
+            pure.add(n)
+    order = list(nodes)
+    for n in reversed([n for n in nodes if n in pure and n.users]):
+        order.remove(n)
+        pos = {m: i for i, m in enumerate(order)}
+        order.insert(min(pos[u] for u in n.users), n)
+    return order
 
 
 def _param_block(target: str) -> tuple[str, int] | None:
@@ -277,7 +298,11 @@ def _segments(nodes: list[fx.Node], owner: dict[fx.Node, int | None],
         if b is not None and n.op == "call_function":
             span.setdefault(b, []).append(pos[n])
     segments = {b: nodes[min(p): max(p) + 1] for b, p in span.items()}
-    inside = {n: b for b, seg in segments.items() for n in seg}
+    inside: dict[fx.Node, int] = {}
+    for b, seg in segments.items():
+        for n in seg:
+            if inside.setdefault(n, b) != b:
+                return None  # segments overlap (one block's run holds another's)
     for n, b in inside.items():
         if n.op != "call_function" or owner[n] not in (None, b):
             return None  # blocks interleave
@@ -352,12 +377,22 @@ def segment_graph(seg: list[fx.Node], moved: set[fx.Node] = frozenset(), prefix:
         env[a] = graph.placeholder(a.name)
         env[a].meta.update(a.meta)
     for p in params:
-        env[p] = graph.get_attr(p.target[len(prefix) + 1:])
+        env[p] = graph.get_attr(_relative(p.target, prefix))
         env[p].meta.update(p.meta)
     for n in seg:
         env[n] = graph.node_copy(n, lambda a: env[a])
     graph.output(tuple(env[o] for o in outputs))
     return graph, inputs, outputs
+
+
+def _relative(target: str, prefix: str) -> str:
+    """``target`` less its ``prefix.`` (``target`` itself without a prefix)."""
+    if not prefix:
+        return target
+    if not target.startswith(f"{prefix}."):
+        raise ValueError(f"segment_graph: {target!r} is read inside {prefix!r} but is not "
+                         f"under it; a block's segment may read only its own parameters")  # fmt: skip
+    return target[len(prefix) + 1:]
 
 
 def _attr(gm: fx.GraphModule, target: str) -> object:

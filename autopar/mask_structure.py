@@ -101,12 +101,20 @@ def _evaluate(node: fx.Node, env: dict) -> object:
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), get)
     if not known:
         return _UNKNOWN
-    if "device" in kwargs:
-        kwargs = {**kwargs, "device": torch.device("cpu")}
+    args, kwargs = on_cpu(args, kwargs)
     try:
         return node.target(*args, **kwargs)
     except Exception:  # noqa: BLE001 - an op we cannot run makes the mask unknown
         return _UNKNOWN
+
+
+def on_cpu(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A node's evaluated ``args`` and ``kwargs`` with every device the CPU, positional
+    (``aten.to.device(t, device, dtype)``: ``mask.to(x.device, torch.bool)``) or keyword
+    (``arange(n, device=...)``): a model traced on the meta device has no data to copy out."""
+    cpu = torch.device("cpu")
+    return fx.node.map_aggregate((args, kwargs),
+                                 lambda a: cpu if isinstance(a, torch.device) else a)  # fmt: skip
 
 
 def _classify(node: fx.Node, env: dict) -> object:

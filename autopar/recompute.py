@@ -7,11 +7,11 @@ score-shaped [.., s, s] ops between QKᵀ and ·V (cost/graph.py ``attention_cor
 re-runs it.
 
 Algorithm (:func:`apply_recompute`, on one rank's GraphModule, before it is pickled or wrapped):
-1. "full": sink ops on parameters alone (a replicated weight's ``grad_all_reduce``) to their
-   first user, outline the repeated blocks (:func:`autopar.codegen.outline_blocks`: each block
-   one submodule holding its parameters under their own names) and turn each block call into
-   ``checkpoint(layers_0, ...)`` (``torch.utils.checkpoint``, non-reentrant).  A program without
-   separable blocks is an error naming the model.
+1. "full": outline the repeated blocks (:func:`autopar.codegen.outline_blocks`: each block
+   one submodule holding its parameters under their own names, ops on parameters alone such
+   as a replicated weight's ``grad_all_reduce`` moved into their block) and turn each block
+   call into ``checkpoint(layers_0, ...)`` (``torch.utils.checkpoint``, non-reentrant).  A
+   program without separable blocks is an error naming the model.
 2. "selective": group the attention-core nodes into connected regions; each region whose values
    are used only after its last node becomes a submodule (``layers.0.attention_core``) called as
    ``checkpoint(...)``.  A fused SDPA has no core (it never keeps the scores): nothing to do.
@@ -32,7 +32,6 @@ reads them (FSDP2 skips its forward hooks while in backward).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import operator
 from typing import Any
@@ -96,7 +95,7 @@ def blocks_outlined(gm: torch.nn.Module) -> bool:
 
 def _checkpoint_blocks(gm: fx.GraphModule, model: str) -> fx.GraphModule:
     """Step 1."""
-    outlined = _outline(gm)
+    outlined = outline_blocks(gm)
     if outlined is None:
         raise RecomputeError(_no_blocks(model))
     graph = outlined.graph
@@ -115,25 +114,6 @@ def _checkpoint_blocks(gm: fx.GraphModule, model: str) -> fx.GraphModule:
     outlined.recompile()
     outlined.meta = {**outlined.meta, "recompute": "full"}
     return outlined
-
-
-def _outline(gm: fx.GraphModule) -> fx.GraphModule | None:
-    """:func:`outline_blocks` after moving ops on parameters alone (a replicated weight's
-    gradient all-reduce under ep / cp, a transpose) from the program's top to their first
-    user, inside their block (in place: ``gm`` is a fresh rank module)."""
-    graph = gm.graph
-    pure: set[fx.Node] = set()
-    for n in graph.nodes:
-        if n.op == "call_function" and n.all_input_nodes and all(
-            a.op == "get_attr" or a in pure for a in n.all_input_nodes
-        ):
-            pure.add(n)
-    for n in reversed([n for n in graph.nodes if n in pure]):  # users are placed first
-        users = [u for u in graph.nodes if u in n.users]
-        if users:
-            users[0].prepend(n)
-    gm.recompile()
-    return outline_blocks(gm)
 
 
 def _no_blocks(model: str) -> str:
@@ -352,7 +332,7 @@ def _attach_one(prog: Any, mode: str, whole: bool, apply: bool) -> int:
     name = prog.traced.model_name
     sample = prog.module(0)
     if mode == "full":
-        outlined = _outline(fx.GraphModule(sample, copy.deepcopy(sample.graph)))
+        outlined = outline_blocks(sample)
         if outlined is None and whole:
             raise RecomputeError(_no_blocks(name))
         regions = len(block_targets(outlined)) if outlined is not None else 0

@@ -809,6 +809,21 @@ _FAMILIES: tuple[Family, ...] = (
         layer_small_all_reduces=2,
         counting=_MOE + "; + 2 [b,s,1] for the whole q/k norm",
     ),
+    Family(  # builds an all-ones padding mask on the input's device when none is given
+        name="biogpt",
+        model_class="BioGptForCausalLM",
+        config_class="BioGptConfig",
+        config=lambda d: dict(
+            vocab_size=d.vocab,
+            hidden_size=d.hidden,
+            num_hidden_layers=d.layers,
+            num_attention_heads=d.heads,
+            intermediate_size=d.ffn,
+            max_position_embeddings=d.seq,
+        ),
+        attention="mha",
+        tags=("learned-pos", "padding-mask", "tied"),
+    ),
 )
 
 
@@ -816,7 +831,7 @@ _FAMILIES: tuple[Family, ...] = (
 # More families, from one generic tiny config: every causal LM of the installed transformers
 # that a user may bring, checked by verify alone (tests/test_zoo_more.py).
 
-MORE = ("apertus", "arcee", "biogpt", "bitnet", "cohere2_moe", "diffllama", "doge",
+MORE = ("apertus", "arcee", "bitnet", "cohere2_moe", "diffllama", "doge",
         "ernie4_5", "ernie4_5_moe", "exaone4", "gemma3_text", "glm", "glm4", "glm4_moe",
         "gpt_neo", "gpt_oss", "granitemoe", "granitemoeshared", "helium", "hunyuan_v1_dense",
         "hunyuan_v1_moe", "internlm3", "lfm2", "llama4_text", "minimax", "ministral",

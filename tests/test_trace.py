@@ -158,6 +158,37 @@ def test_hf_llama_mask_becomes_is_causal():
     assert sdpa.kwargs.get("is_causal") is True and len(sdpa.args) == 3
 
 
+class PaddedCausalAttention(nn.Module):
+    """SDPA with the causal positions and-ed with an all-ones padding mask moved by
+    ``.to(x.device, torch.bool)`` (a positional device), read by broadcasting or by indexing
+    with (batch, key) positions: HF's ``create_causal_mask`` of the mask BioGPT builds."""
+
+    def __init__(self, indexed: bool) -> None:
+        super().__init__()
+        self.qkv, self.indexed = nn.Linear(16, 48), indexed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        keep = torch.ones(b, s, device=x.device).to(x.device, torch.bool)
+        i = torch.arange(s, device=x.device)
+        if self.indexed:
+            keep = keep[torch.arange(b, device=x.device)[:, None, None, None], i[None, None, :]]
+        else:
+            keep = keep[:, None, None, :]
+        mask = (i[None, :] <= i[:, None]) & keep
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_padded_causal_mask_becomes_is_causal_on_any_device(device, indexed):
+    with torch.device(device):
+        model, x = PaddedCausalAttention(indexed), torch.randn(2, 8, 16)
+    sdpa = _sdpa(trace(model, (x,)))
+    assert sdpa.kwargs.get("is_causal") is True and len(sdpa.args) == 3
+
+
 def test_sliding_window_mask_stays():
     x = torch.randn(2, 8, 16)
     sdpa = _sdpa(trace(MaskedAttention(window=3), (x,)))
