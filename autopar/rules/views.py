@@ -158,6 +158,14 @@ def slice_select(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     )
 
 
+@rule(aten.flip.default)
+def flip(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """Reversed along ``dims``: every other dim passes through (partial sums too)."""
+    nd = len(_shape(node))
+    flipped = {_dim(d, nd) for d in node.args[1]}
+    return _unary_map(node, ctx, lambda p: _remap(p, lambda d: None if d in flipped else d))
+
+
 @rule(aten.slice_scatter.default, aten.select_scatter.default)
 def scatter_into_view(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     """``base`` with ``src`` written where ``slice`` / ``select`` (dim ``at``) reads it (an
