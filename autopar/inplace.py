@@ -69,9 +69,7 @@ def functionalize_view_writes(graph: fx.Graph) -> None:
             groups.track(node)
         else:
             groups.write(node, written)
-    for node in reversed(list(graph.nodes)):
-        if node in views and not node.users:
-            graph.erase_node(node)  # read afresh from a later value, or only ever written
+    _erase_unread_views(graph, groups.dropped, views)
 
 
 @dataclass
@@ -86,6 +84,7 @@ class _Groups:
     current: dict[fx.Node, fx.Node] = field(default_factory=dict)
     version: dict[fx.Node, int] = field(default_factory=dict)
     replays: dict[tuple[fx.Node, int], fx.Node] = field(default_factory=dict)
+    dropped: set[fx.Node] = field(default_factory=set)  # values no longer read where they were
 
     def _key(self, x: fx.Node) -> fx.Node:
         return self.base.get(x, x)
@@ -95,7 +94,9 @@ class _Groups:
 
     def refresh(self, node: fx.Node) -> None:
         """Step 1: ``node`` reads every argument as it is now."""
-        if any(isinstance(a, fx.Node) and self._stale(a) for a in node.all_input_nodes):
+        stale = [a for a in node.all_input_nodes if self._stale(a)]
+        if stale:
+            self.dropped.update(stale)
             with self.graph.inserting_before(node):
                 node.args, node.kwargs = fx.node.map_arg(
                     (node.args, node.kwargs), lambda a: self._fresh(a) if self._stale(a) else a
@@ -139,6 +140,7 @@ class _Groups:
                               {}, node)  # fmt: skip
         node.replace_all_uses_with(target)
         self.graph.erase_node(node)
+        self.dropped.add(target)
         self._advance(key, value)
 
     def _scatter_up(self, key: fx.Node, path: tuple, value: fx.Node, at: fx.Node) -> fx.Node:
@@ -154,6 +156,17 @@ class _Groups:
         self.version[key] = self.version.get(key, 0) + 1
         self.current[key] = value
         self._register(value, key, (), self.version[key])
+
+
+def _erase_unread_views(graph: fx.Graph, dropped: set[fx.Node], views: set[fx.Node]) -> None:
+    """Views that step 1 left unread (read afresh instead), and the views only they read."""
+    todo, gone = list(dropped), set()
+    while todo:
+        node = todo.pop()
+        if node in views and not node.users and node not in gone:
+            todo += node.all_input_nodes
+            gone.add(node)
+            graph.erase_node(node)
 
 
 def _views(graph: fx.Graph) -> set[fx.Node]:
