@@ -61,7 +61,8 @@ class WriteIntoSplitHeads(nn.Module):
     def __init__(self, case: Case, hidden: int = 16) -> None:
         super().__init__()
         inner = case.heads * case.head_dim
-        self.q, self.k, self.v = (nn.Linear(hidden, inner) for _ in range(3))
+        self.q, self.v = nn.Linear(hidden, inner), nn.Linear(hidden, inner)
+        self.k = nn.Linear(hidden, inner, bias=False)  # a key bias's gradient is ~0 under softmax
         self.o = nn.Linear(inner, hidden)
         self.case = case
 
