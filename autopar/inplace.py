@@ -25,8 +25,10 @@ Algorithm:
    ``split`` / ``chunk`` pieces -> ``slice_scatter``, reshapes -> a reshape back, transposes
    and permutes -> their inverse.  The result is the group's new current value; a base that
    is a graph input (a buffer) gets it written back with ``copy_`` there, as in eager.
-4. A write that cannot be expressed so (through ``expand``, ``unfold``, an ``out=`` argument,
-   an op without an out-of-place twin) raises :class:`~autopar.errors.TraceError` naming the
+   An op that writes arguments other than its ``self`` (batch norm's running statistics)
+   stays, while it writes bases.
+4. A write that cannot be expressed so (through ``expand`` or ``unfold``, an op without an
+   out-of-place twin, a write into a view by an op that writes more than its ``self``) raises :class:`~autopar.errors.TraceError` naming the
    op and the user's source line.
 """
 
@@ -64,11 +66,13 @@ def functionalize_view_writes(graph: fx.Graph) -> None:
     groups = _Groups(graph, views)
     for node in list(graph.nodes):
         groups.refresh(node)
-        written = _written(node)
-        if written is None:
-            groups.track(node)
-        else:
+        written = _self_write(node)
+        if written is not None:
             groups.write(node, written)
+        elif _written(node):
+            groups.write_elsewhere(node)
+        else:
+            groups.track(node)
     _erase_unread_views(graph, groups.dropped, views)
 
 
@@ -143,6 +147,14 @@ class _Groups:
         self.dropped.add(target)
         self._advance(key, value)
 
+    def write_elsewhere(self, node: fx.Node) -> None:
+        """An op that writes other arguments (batch norm's running statistics): left as it
+        is while they are bases; step 4 for a view."""
+        for target in _written(node):
+            if self.path.get(target):
+                raise _unsupported(node, f"it writes into a view ({source(target)})")
+            self._advance(self._key(target), target)
+
     def _scatter_up(self, key: fx.Node, path: tuple, value: fx.Node, at: fx.Node) -> fx.Node:
         """Step 3: write the view's new value into each value up the path to the base."""
         steps = [v for v in path if v.target not in _PIECES]  # a piece is read off its getitem
@@ -195,14 +207,12 @@ def _require_known_aliases(graph: fx.Graph, views: set[fx.Node]) -> None:
         if sid is not None and node.op != "output":
             by_storage.setdefault(sid, []).append(node)
     for node in graph.nodes:
-        target = _written(node)
-        if target is None or _storage(target) is None:
-            continue
-        sharing = by_storage[_storage(target)]
-        odd = [n for n in sharing[1:] if n not in views and _written(n) is None and _may_alias(n)]
-        if odd:
-            why = f"it writes storage that {odd[0].target} ({source(odd[0])}) also reads"
-            raise _unsupported(node, why)
+        for target in _written(node):
+            sharing = by_storage.get(_storage(target), [])
+            odd = [n for n in sharing[1:] if n not in views and not _written(n) and _may_alias(n)]
+            if odd:
+                why = f"it writes storage that {odd[0].target} ({source(odd[0])}) also reads"
+                raise _unsupported(node, why)
 
 
 def _may_alias(node: fx.Node) -> bool:
@@ -229,20 +239,20 @@ def _storage(node: fx.Node) -> int | None:
     return StorageWeakRef(val.untyped_storage()).cdata if isinstance(val, torch.Tensor) else None
 
 
-def _written(node: fx.Node) -> fx.Node | None:
-    """The value an in-place op writes (its ``self``); step 4 for any other written argument."""
+def _written(node: fx.Node) -> list[fx.Node]:
+    """The values an op writes in place (read off its schema)."""
     schema = getattr(node.target, "_schema", None)
     if node.op != "call_function" or schema is None or not schema.is_mutable:
-        return None
-    writes = [i for i, a in enumerate(schema.arguments) if a.alias_info and a.alias_info.is_write]
-    if writes == [0] and node.args and isinstance(node.args[0], fx.Node):
-        return node.args[0]
-    if not writes:
-        return None
-    raise TraceError(
-        f"{node.target} at {source(node)} writes in place into an argument other than its "
-        "first: autopar cannot follow that write; compute the value out of place instead."
-    )
+        return []
+    names = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
+    bound = dict(zip((a.name for a in schema.arguments), node.args, strict=False)) | node.kwargs
+    return [bound[n] for n in names if isinstance(bound.get(n), fx.Node)]
+
+
+def _self_write(node: fx.Node) -> fx.Node | None:
+    """The value an in-place op writes when it writes only its ``self`` (``copy_``, ``add_``)."""
+    written = _written(node)
+    return written[0] if written and written == list(node.args[:1]) else None
 
 
 def _new_value(graph: fx.Graph, node: fx.Node) -> fx.Node:

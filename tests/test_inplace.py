@@ -1,9 +1,10 @@
 """In-place writes into views of split activations (``autopar.inplace``).
 
 1. A family of attention blocks (random sizes, meshes tp=2 / tp=4) that write into a slice of
-   the head-split q and k (``copy_``, slice assignment with broadcasting, ``fill_``, ``mul_``,
-   ``index_put_``, ``select`` + ``copy_``), along the head dim (the split one) or inside a
-   head: ``verify`` compares outputs and every gradient with one device.
+   the head-split q and k (``copy_``, slice assignment of a broadcast value or a scalar,
+   ``fill_``, ``mul_``, ``index_put_``, ``select`` + ``copy_``), along the head dim (the
+   split one) or inside a head: ``verify`` compares outputs and every gradient with one
+   device.
 2. Qwen2.5-Omni's token2wav ``DiTDecoderLayer`` (rotary applied by writing into ``q[:, :1]``)
    in a small denoiser with an MSE loss: no op left without a rule, and it verifies.
 3. The traced graph itself: writes through views become scatters that compute what eager
@@ -29,7 +30,7 @@ from autopar.trace import trace
 from autopar.verify import verify
 
 MEMORY = 1e-8  # s/byte: with memory priced, toy sizes keep activations split as large ones do
-KINDS = ("copy_", "assign", "fill_", "mul_", "index_put_", "select")
+KINDS = ("copy_", "assign", "scalar", "fill_", "mul_", "index_put_", "select")
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,8 @@ def _write(t: torch.Tensor, c: Case) -> None:
         t[part].copy_(torch.tanh(t[part]) + 0.5 * t[part].flip(-1))
     elif c.kind == "assign":  # broadcast source
         t[part] = t[part].mean(-1, keepdim=True) * 2.0
+    elif c.kind == "scalar":  # a 0-d tensor filled in: fill_.Tensor
+        t[part] = 0.25
     elif c.kind == "fill_":
         t[part].fill_(0.25)
     elif c.kind == "mul_":

@@ -43,7 +43,7 @@ _POINTWISE = [
     "mul_.Tensor", "mul_.Scalar", "div_.Tensor", "div_.Scalar", "neg_.default",
     "detach_.default", "masked_fill_.Scalar", "relu_.default", "silu_.default",
     "gelu_.default", "sigmoid_.default", "tanh_.default", "clamp_.default", "copy_.default",
-    "fill_.Scalar", "zero_.default", "zero.default",
+    "fill_.Scalar", "fill.Tensor", "fill_.Tensor", "zero_.default", "zero.default",
 ]  # fmt: skip
 _LINEAR_ALL_P = {"add.Tensor", "sub.Tensor", "neg.default", "clone.default", "_to_copy.default",
                  "to.dtype", "to.dtype_layout", "to.device", "alias.default", "contiguous.default",
