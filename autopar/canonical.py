@@ -9,6 +9,8 @@ once.  Adding the matmul terms first gives the planner that choice; it is only a
 of an addition (rounding differs in the last bit, as between any two summation orders).
 
 Algorithm:
+0. In-place writes through views become functional updates of their base
+   (``autopar.inplace``): every later step, and the planner, then see the write as dataflow.
 1. Drop inference-mode dropout (``dropout(x, p, train=False)`` is ``x``): it hides the
    terms of a sum behind an op.
 2. For every root of an add tree (``add.Tensor`` without ``alpha``, whose add operands have
@@ -41,6 +43,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from autopar.inplace import functionalize_view_writes
 from autopar.mask_structure import is_causal_mask, on_cpu
 
 _ADD = torch.ops.aten.add.Tensor
@@ -55,7 +58,8 @@ _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
 def canonicalize(graph: fx.Graph) -> None:
-    """Steps 1-4, in place."""
+    """Steps 0-5, in place."""
+    functionalize_view_writes(graph)
     for node in list(graph.nodes):
         if node.target is torch.ops.aten.dropout.default and _inference_dropout(node):
             node.replace_all_uses_with(node.args[0])

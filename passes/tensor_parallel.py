@@ -75,11 +75,17 @@ def _kv_heads(graph: fx.Graph, node: fx.Node, axis: str) -> None:
     node.kwargs = {**node.kwargs, "enable_gqa": True}
 
 
+_SUM_REDUCTION = 2  # torch's Reduction::Sum (the loss summed, not averaged)
+
+
 def _partial_mean(graph: fx.Graph, node: fx.Node, axis: str) -> None:
     x = node.args[0].meta["val"]
-    dims = _mean_dims(node, x.dim())
-    count = math.prod(x.shape[d] for d in dims)
-    node.target = aten.sum.default if node.target is aten.mean.default else aten.sum.dim_IntList
+    if node.target is aten.mse_loss.default:
+        count = x.numel()
+        node.args = (*node.args[:2], _SUM_REDUCTION)
+    else:
+        count = math.prod(x.shape[d] for d in _mean_dims(node, x.dim()))
+        node.target = aten.sum.default if node.target is aten.mean.default else aten.sum.dim_IntList
     with graph.inserting_after(node):
         out = _emit(graph, node, aten.div.Scalar, (node, count), node.meta["val"], PARTIAL, axis)
     node.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)

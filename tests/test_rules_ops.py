@@ -131,6 +131,15 @@ CASES = {
         lambda x, i: (x[:, :, i], x[:, i, i], x[i, :, :, i]), (x4, torch.tensor([[0, 1], [1, 0]]))
     ),
     "mean.dim": (lambda x: x.pow(2).mean(-1, keepdim=True), (x4,)),
+    "flip.default": (lambda x: torch.flip(x, (1, 3)) * 2, (x4,)),
+    "copy_.default": (lambda x, y: (x * 1.0).copy_(y), (x4, y4[:, :1])),
+    "slice_scatter.default": (lambda x, y: torch.slice_scatter(x, y, 2, 1, 4), (x4, y4[:, :, :3])),
+    "select_scatter.default": (lambda x, y: torch.select_scatter(x, y, 1, 2), (x4, y4[:, 0])),
+    "broadcast_tensors.default": (lambda x, y: torch.broadcast_tensors(x, y), (x4, y4[0, :, :1])),
+    "mse_loss.default": (  # the squares, and their sum
+        lambda x, y: (F.mse_loss(x, y, reduction="none"), F.mse_loss(x, y, reduction="sum")),
+        (x4, y4),
+    ),
 }
 
 
@@ -151,6 +160,11 @@ def test_complex_views_pass_every_dim_but_the_pair():
 def test_mean_over_a_split_dim_is_partial_through_a_lowering():
     seen = check_strategies(CASES["mean.dim"][0], x4, op=aten.mean.dim)
     assert "(S(3))->P [partial_mean]" in seen
+
+
+def test_mse_loss_mean_over_split_elements_is_partial_through_a_lowering():
+    seen = check_strategies(F.mse_loss, x4, y4, op=aten.mse_loss.default)
+    assert "(S(3),S(3))->P [partial_mean]" in seen and "(S(0),S(0))->P [partial_mean]" in seen
 
 
 def test_norm_over_a_split_dim_is_a_distributed_norm():
@@ -289,5 +303,29 @@ def test_hf_olmo2_qk_norm_runs_distributed():
     assert len(qk) == 2 * 2 * 2, qk  # q and k, forward and backward, two layers
     assert all(c.kind == "all_reduce" and c.shape == (2, 16, 1) for c in qk), qk
     report = verify(model, Mesh(tp=2), (ids,), **kw)
+    assert report.ok, str(report)
+    assert report.max_rel_error < 1e-5
+
+
+class SplitRegression(nn.Module):
+    """A column-split projection scored by MSE against a target: the loss of split elements."""
+
+    def __init__(self, h: int = 16) -> None:
+        super().__init__()
+        self.up = nn.Linear(h, 8 * h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.up(x))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_mse_loss_of_a_split_output_reduces_one_scalar(reduction):
+    torch.manual_seed(0)
+    model, inputs = SplitRegression(), (torch.randn(2, 8, 16), torch.randn(2, 8, 128))
+    loss = lambda out, y: F.mse_loss(out, y, reduction=reduction)  # noqa: E731
+    prog = autoparallelize(model, Mesh(tp=2), inputs, loss_fn=loss, memory_weight=MEMORY)
+    kinds = [(c.kind, c.shape, c.direction) for c in prog.plan.collectives]
+    assert kinds == [("all_reduce", (), "fwd")], kinds  # the loss; no gather of the output
+    report = verify(model, Mesh(tp=2), inputs, loss_fn=loss, memory_weight=MEMORY)
     assert report.ok, str(report)
     assert report.max_rel_error < 1e-5

@@ -1,5 +1,7 @@
 """Pointwise ops with broadcasting: any split of the output maps to its inputs' dims; linear
-ops (add, neg, casts) also pass partial sums through."""
+ops (add, neg, casts, ``copy_``) also pass partial sums through.  An in-place op here writes
+a whole value (``autopar.inplace`` turned writes through views into dataflow), so writing it
+where it lies, in its own layout, is a local op."""
 
 from __future__ import annotations
 
@@ -40,14 +42,15 @@ _POINTWISE = [
     "conj.default", "_conj.default", "resolve_conj.default", "add_.Tensor", "sub_.Tensor",
     "mul_.Tensor", "mul_.Scalar", "div_.Tensor", "div_.Scalar", "neg_.default",
     "detach_.default", "masked_fill_.Scalar", "relu_.default", "silu_.default",
-    "gelu_.default", "sigmoid_.default", "tanh_.default", "clamp_.default",
+    "gelu_.default", "sigmoid_.default", "tanh_.default", "clamp_.default", "copy_.default",
+    "fill_.Scalar", "fill.Tensor", "fill_.Tensor", "zero_.default", "zero.default",
 ]  # fmt: skip
 _LINEAR_ALL_P = {"add.Tensor", "sub.Tensor", "neg.default", "clone.default", "_to_copy.default",
                  "to.dtype", "to.dtype_layout", "to.device", "alias.default", "contiguous.default",
                  "detach.default", "lift_fresh_copy.default", "type_as.default", "add_.Tensor",
                  "sub_.Tensor", "neg_.default", "detach_.default", "complex.default",
                  "real.default", "imag.default", "conj.default", "_conj.default",
-                 "resolve_conj.default"}  # fmt: skip
+                 "resolve_conj.default", "copy_.default"}  # fmt: skip
 _LINEAR_ONE_P = {"mul.Tensor", "mul.Scalar", "div.Tensor", "div.Scalar", "mul_.Tensor",
                  "mul_.Scalar", "div_.Tensor", "div_.Scalar"}  # fmt: skip
 _WITH_SCALAR = {"add.Tensor", "sub.Tensor", "add_.Tensor", "sub_.Tensor"}

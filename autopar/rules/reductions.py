@@ -9,6 +9,7 @@ import torch.fx as fx
 
 from autopar.layout import PARTIAL, R, Shard
 from autopar.rules.core import RuleContext, Strategy, _dim, _shape, aten, rule
+from autopar.rules.pointwise import _broadcast_placement
 from autopar.trace import tensor_args
 
 
@@ -43,6 +44,24 @@ def reduction(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
                 continue
             out_d = d if keep else d - sum(1 for r in dims if r < d)
             found.append(Strategy((Shard(d, b),), wrap(Shard(out_d, b))))
+    return found
+
+
+@rule(aten.mse_loss.default)
+def mse_loss(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """mean / sum of (input - target)^2, or the squares themselves: input and target split
+    alike on any dim (target replicated where it broadcasts); a sum over split elements is a
+    partial sum, a mean the local sum over the global count (``partial_mean``)."""
+    x, y = (_shape(a) for a in tensor_args(node))
+    reduction = node.args[2] if len(node.args) > 2 else node.kwargs.get("reduction", 1)
+    found = []
+    for d in range(len(x)):
+        for b in ctx.blocks:
+            ins = (Shard(d, b), _broadcast_placement(y, x, d, b))
+            if reduction == 0:
+                found.append(Strategy(ins, Shard(d, b)))
+            else:
+                found.append(Strategy(ins, PARTIAL, "partial_mean" if reduction == 1 else None))
     return found
 
 

@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from autopar.layout import PARTIAL, Placement, R, Shard
 from autopar.rules.core import Out, RuleContext, Strategy, _dim, _shape, aten, rule
+from autopar.rules.pointwise import _broadcast_placement
 from autopar.trace import tensor_args
 
 
@@ -155,6 +156,45 @@ def slice_select(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     return _unary_map(
         node, ctx, lambda p: _remap(p, lambda d: None if d == at else d - (drop and d > at))
     )
+
+
+@rule(aten.flip.default)
+def flip(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """Reversed along ``dims``: every other dim passes through (partial sums too)."""
+    nd = len(_shape(node))
+    flipped = {_dim(d, nd) for d in node.args[1]}
+    return _unary_map(node, ctx, lambda p: _remap(p, lambda d: None if d in flipped else d))
+
+
+@rule(aten.slice_scatter.default, aten.select_scatter.default)
+def scatter_into_view(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """``base`` with ``src`` written where ``slice`` / ``select`` (dim ``at``) reads it (an
+    in-place write, functionalised): every other dim splits base, src and output alike; the
+    write is linear in (base, src), so partial sums pass through."""
+    nd = len(_shape(node.args[0]))
+    at = _dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), nd)
+    drop = node.target is aten.select_scatter.default
+    found = [Strategy((PARTIAL, PARTIAL), PARTIAL)]
+    for d in range(nd):
+        for b in ctx.blocks:
+            if d != at:
+                found.append(Strategy((Shard(d, b), Shard(d - (drop and d > at), b)), Shard(d, b)))
+    return found
+
+
+@rule(aten.broadcast_tensors.default)
+def broadcast_tensors(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """Each input expanded to the common shape: an output dim splits every input that is not
+    broadcast along it (the others arrive replicated and expand locally)."""
+    ins = [_shape(a) for a in tensor_args(node)]
+    out = node.meta["val"][0].shape
+    n = len(node.meta["val"])
+    found = [Strategy((PARTIAL,) * len(ins), (PARTIAL,) * n)]
+    for d in range(len(out)):
+        for b in ctx.blocks:
+            placed = tuple(_broadcast_placement(s, out, d, b) for s in ins)
+            found.append(Strategy(placed, (Shard(d, b),) * n))
+    return found
 
 
 @rule(aten.expand.default, aten.broadcast_to.default)
