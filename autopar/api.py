@@ -151,11 +151,8 @@ def autoparallelize(
     if "pp" in virtual.sizes:
         from autopar.pipeline import compile_pipeline
 
-        saved = section(plan, "pp")
-        n_microbatches = settle("n_microbatches", n_microbatches, saved and saved.n_microbatches)
-        schedule = settle("schedule", schedule, saved and saved.schedule) or "1f1b"
-        virtual_stages = settle("virtual_stages", virtual_stages, saved and saved.virtual_stages)
-        check_split_points(split_points, saved)
+        n_microbatches, schedule, virtual_stages = _pipeline_settled(
+            plan, n_microbatches, schedule, virtual_stages, split_points)  # fmt: skip
         prog = compile_pipeline(model, virtual, example_inputs, loss_fn, example_kwargs, options,
                                 n_microbatches, schedule, virtual_stages, split_points,
                                 Progress(verbose), cp_attention, param_dtype, plan=plan)  # fmt: skip
@@ -253,6 +250,18 @@ def _expert_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any,
     if "pp" in mesh.sizes:
         return PipelineRunner(prog.share(rank), device_mesh.get_group("pp"))
     return prog.module(rank)
+
+
+def _pipeline_settled(plan: Plan | None, n_microbatches: int | None, schedule: str | None,
+                      virtual_stages: int | None, split_points: Sequence[str],
+                      ) -> tuple[int | None, str, int | None]:  # fmt: skip
+    """The pp options a reloaded plan decides (given ones must agree; split points must start
+    its stages); the schedule defaults to 1F1B."""
+    saved = section(plan, "pp")
+    check_split_points(split_points, saved)
+    return (settle("n_microbatches", n_microbatches, saved and saved.n_microbatches),
+            settle("schedule", schedule, saved and saved.schedule) or "1f1b",
+            settle("virtual_stages", virtual_stages, saved and saved.virtual_stages))  # fmt: skip
 
 
 def _reused(plan: Plan | Any | None, mesh: Mesh) -> Plan | None:
