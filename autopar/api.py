@@ -3,15 +3,20 @@
 Algorithm:
 1. Turn a torch DeviceMesh into a virtual :class:`Mesh` (the axes it names, the cluster it is
    priced on).
-2. Route by the mesh's axes: ``dp`` to autopar.data_parallel (each dp rank compiles the rest of
+2. A reloaded ``plan=`` must be for this mesh; options it decides are taken from it (given
+   ones must agree), and each branch hands its sub-mesh the plan without its own section.
+3. Route by the mesh's axes: ``dp`` to autopar.data_parallel (each dp rank compiles the rest of
    the mesh on its batch slice), ``pp`` to autopar.pipeline (stage cuts, one program per
    stage), otherwise autopar.compile (trace, solve tp, passes, plan).
-3. With a DeviceMesh, bind the process groups and return this rank's module (or pipeline
+4. A program compiled from a reloaded plan must come back with the plan's decisions (else a
+   PlanError names each difference).
+5. With a DeviceMesh, bind the process groups and return this rank's module (or pipeline
    runner, or data-parallel wrapper); with a virtual mesh, the program itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,7 +26,15 @@ import torch.nn as nn
 from autopar.compile import Progress, compile_program
 from autopar.errors import MeshError, PlanError
 from autopar.mesh import AutoMesh, Mesh
-from autopar.plan import Plan
+from autopar.plan import (
+    Plan,
+    as_plan,
+    check_attention,
+    check_split_points,
+    honoured,
+    section,
+    settle,
+)
 from autopar.planner import PlanOptions
 from autopar.recompute import attach, check_mode
 from cost.hardware import Cluster
@@ -39,10 +52,10 @@ def autoparallelize(
     strict: bool = False,
     verbose: bool = False,
     n_microbatches: int | None = None,
-    schedule: str = "1f1b",
+    schedule: str | None = None,
     virtual_stages: int | None = None,
     split_points: Sequence[str] = (),
-    plan: Plan | None = None,
+    plan: Plan | Any | None = None,
     cluster: Cluster | None = None,
     zero: int | None = None,
     param_dtype: torch.dtype = torch.float32,
@@ -67,7 +80,11 @@ def autoparallelize(
     stage) shape it.  Returns a PipelineProgram, or with a DeviceMesh this rank's
     PipelineRunner (``runner.train_step(optimizer_factory)``).
 
-    ``plan=Plan.load("out/plan.json")`` reuses a saved plan's strategies instead of solving.
+    ``plan=Plan.load("out/plan.json")`` (or a program's ``prog.plan``) reuses every axis's
+    decisions of a saved plan instead of solving: tp strategies (per stage), stage cuts,
+    schedule, micro-batches, ZeRO stage, capacity factor, attention choices, recompute.  A
+    plan for another mesh or model is refused naming what differs, as is an option that
+    contradicts it.
     ``cluster`` prices a DeviceMesh's plan (default: one DGX H100 node; a virtual Mesh carries
     its own, e.g. ``Mesh(Cluster.preset("dgx-a100", nodes=2), pp=2, tp=8)``).
 
@@ -111,11 +128,12 @@ def autoparallelize(
                             cluster=cluster, zero=zero, param_dtype=param_dtype,
                             reduce_dtype=reduce_dtype, cp_attention=cp_attention,
                             capacity_factor=capacity_factor)  # fmt: skip
-    recompute = recompute or "none"
     device_mesh = None if isinstance(mesh, Mesh) else mesh
     virtual = mesh if isinstance(mesh, Mesh) else Mesh.from_device_mesh(mesh, cluster)
+    plan = _reused(plan, virtual)
+    recompute = settle("recompute", recompute, plan.recompute if plan else None) or "none"
     if "dp" in virtual.sizes:
-        return _data_parallel(model, virtual, device_mesh, example_inputs, loss_fn,
+        return _data_parallel(model, virtual, device_mesh, example_inputs, loss_fn, plan,
                               example_kwargs=example_kwargs, zero=zero, memory_limit=memory_limit,
                               param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                               n_microbatches=n_microbatches,
@@ -125,7 +143,7 @@ def autoparallelize(
                               capacity_factor=capacity_factor, recompute=recompute)  # fmt: skip
     if "ep" in virtual.sizes:
         return _expert_parallel(model, virtual, device_mesh, example_inputs, loss_fn,
-                                example_kwargs, strict=strict, verbose=verbose,
+                                example_kwargs, plan, strict=strict, verbose=verbose,
                                 capacity_factor=capacity_factor, memory_limit=memory_limit,
                                 memory_weight=memory_weight, n_microbatches=n_microbatches,
                                 schedule=schedule, virtual_stages=virtual_stages,
@@ -134,23 +152,26 @@ def autoparallelize(
         raise PlanError(f"zero={zero} shards over the data axis, but {virtual} has no dp axis; "
                         "use e.g. Mesh(dp=2, tp=2)")  # fmt: skip
     options = PlanOptions(memory_limit=memory_limit, memory_weight=memory_weight, strict=strict,
-                          fixed=_reused(plan, virtual), param_dtype=param_dtype)  # fmt: skip
+                          fixed=plan.choice if plan else (), param_dtype=param_dtype)  # fmt: skip
+    check_attention(cp_attention, plan)
     if "pp" in virtual.sizes:
         from autopar.pipeline import compile_pipeline
 
+        n_microbatches, schedule, virtual_stages = _pipeline_settled(
+            plan, n_microbatches, schedule, virtual_stages, split_points)  # fmt: skip
         prog = compile_pipeline(model, virtual, example_inputs, loss_fn, example_kwargs, options,
                                 n_microbatches, schedule, virtual_stages, split_points,
-                                Progress(verbose), cp_attention, param_dtype)  # fmt: skip
+                                Progress(verbose), cp_attention, param_dtype, plan=plan)  # fmt: skip
     elif "cp" in virtual.sizes:
         from autopar.context_parallel import compile_context_parallel
 
         prog = compile_context_parallel(model, virtual, example_inputs, loss_fn, example_kwargs,
-                                        cp_attention, options)  # fmt: skip
+                                        cp_attention, options, section(plan, "cp"))  # fmt: skip
     else:
         prog = compile_program(
             model, virtual, example_inputs, loss_fn, example_kwargs, options, verbose
         )
-    attach(prog, recompute)
+    honoured(plan, attach(prog, recompute))
     if device_mesh is None:
         return prog
     from autopar.runtime import PipelineRunner, bind_mesh
@@ -165,12 +186,19 @@ def autoparallelize(
 
 
 def _data_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any, example_inputs: Sequence[Any],
-                   loss_fn: Callable | None, *, example_kwargs: dict | None, zero: int | None,
+                   loss_fn: Callable | None, plan: Plan | None, *, example_kwargs: dict | None,
+                   zero: int | None,
                    memory_limit: float | None, param_dtype: torch.dtype,
                    reduce_dtype: torch.dtype, n_microbatches: int | None,
                    **inner_options: Any) -> Any:  # fmt: skip
-    """The dp branch: compile the sub-mesh program on B/dp, wrap it for the data axis."""
+    """The dp branch: compile the sub-mesh program on B/dp, wrap it for the data axis.  A
+    reloaded plan fixes the ZeRO stage and hands the sub-mesh its plan (kept as it is: no
+    re-solve under the memory limit)."""
     from autopar.data_parallel import compile_data_parallel
+
+    saved = section(plan, "dp")
+    zero = settle("zero", zero, saved and saved.zero)
+    sub_plan = plan.without("dp") if plan else None
 
     if device_mesh is not None:
         from autopar.runtime import check_world
@@ -180,11 +208,13 @@ def _data_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any, example_input
     def inner(sub: Mesh, args: tuple, kwargs: dict, limit: float | None) -> Any:
         return autoparallelize(model, sub, args, loss_fn, example_kwargs=kwargs or None,
                                n_microbatches=n_microbatches, memory_limit=limit,
-                               param_dtype=param_dtype, **inner_options)  # fmt: skip
+                               param_dtype=param_dtype, plan=sub_plan, **inner_options)  # fmt: skip
 
     prog = compile_data_parallel(mesh, example_inputs, example_kwargs, inner, zero=zero,
                                  memory_limit=memory_limit, param_dtype=param_dtype,
-                                 reduce_dtype=reduce_dtype, micro=n_microbatches or 1)  # fmt: skip
+                                 reduce_dtype=reduce_dtype, micro=n_microbatches or 1,
+                                 refit=plan is None)  # fmt: skip
+    honoured(plan, prog)
     if device_mesh is None:
         return prog
     from autopar.runtime import wrap_data_parallel
@@ -194,22 +224,30 @@ def _data_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any, example_input
 
 def _expert_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any,
                      example_inputs: Sequence[Any], loss_fn: Callable | None,
-                     example_kwargs: dict | None, *, strict: bool,
+                     example_kwargs: dict | None, plan: Plan | None, *, strict: bool,
                      capacity_factor: float | None, recompute: str,
                      **inner_options: Any) -> Any:  # fmt: skip
     """The ep branch: compile the sub-mesh program on B/ep, place the experts across ep; the
-    recompute mode is priced on the sub-mesh plan and applied after the experts are placed."""
+    recompute mode is priced on the sub-mesh plan and applied after the experts are placed.
+    A reloaded plan fixes the capacity factor and hands the sub-mesh its plan (its recompute
+    left to this branch)."""
     from autopar.expert_parallel import compile_expert_parallel
+
+    saved = section(plan, "ep")
+    capacity_factor = settle("capacity_factor", capacity_factor,
+                             saved.capacity_factor if saved else None)  # fmt: skip
+    sub_plan = dataclasses.replace(plan.without("ep"), recompute="none") if plan else None
 
     def inner(sub: Mesh, args: tuple, kwargs: dict) -> Any:  # strict: no rule needed at size 1
         sub_prog = autoparallelize(model, sub, args, loss_fn, example_kwargs=kwargs or None,
-                                   strict=strict and sub.world_size > 1,
+                                   strict=strict and sub.world_size > 1, plan=sub_plan,
                                    **inner_options)  # fmt: skip
         return attach(sub_prog, recompute, apply=False)
 
     prog = compile_expert_parallel(mesh, example_inputs, example_kwargs, inner, strict=strict,
                                    capacity_factor=capacity_factor)  # fmt: skip
     prog.recompute = recompute
+    honoured(plan, prog)
     if device_mesh is None:
         return prog
     from autopar.runtime import PipelineRunner, bind_mesh
@@ -220,9 +258,24 @@ def _expert_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any,
     return prog.module(rank)
 
 
-def _reused(plan: Plan | None, mesh: Mesh) -> tuple[tuple[str, str], ...]:
+def _pipeline_settled(plan: Plan | None, n_microbatches: int | None, schedule: str | None,
+                      virtual_stages: int | None, split_points: Sequence[str],
+                      ) -> tuple[int | None, str, int | None]:  # fmt: skip
+    """The pp options a reloaded plan decides (given ones must agree; split points must start
+    its stages); the schedule defaults to 1F1B."""
+    saved = section(plan, "pp")
+    check_split_points(split_points, saved)
+    return (settle("n_microbatches", n_microbatches, saved and saved.n_microbatches),
+            settle("schedule", schedule, saved and saved.schedule) or "1f1b",
+            settle("virtual_stages", virtual_stages, saved and saved.virtual_stages))  # fmt: skip
+
+
+def _reused(plan: Plan | Any | None, mesh: Mesh) -> Plan | None:
+    """The one Plan of a reloaded plan (a program's wrapper plan builds it), if it is for
+    ``mesh``."""
     if plan is None:
-        return ()
+        return None
+    plan = as_plan(plan)
     if plan.mesh != mesh.axes:
         raise MeshError(f"the plan was made for Mesh{dict(plan.mesh)} but the mesh is {mesh}")
-    return plan.choice
+    return plan

@@ -58,6 +58,7 @@ def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
     if mesh.size(axis) > 1:
         traced = split_fused_projections(traced)
     annotate_autocast(traced.gm, options.param_dtype)  # values priced in their runtime dtype
+    _check_fixed(traced, options.fixed)
     solution = solve_axis(traced, axis, mesh.size(axis), mesh.cluster.axis_link(mesh.axes, axis),
                           mesh.cluster.gpu, options)  # fmt: skip
     log(f"solved {axis}={mesh.size(axis)}: {solution.variables} variables, "
@@ -72,6 +73,20 @@ def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
         log(str(rec))
     plan = _plan(traced, gm, mesh, solution, axis)
     return Program(plan=plan, mesh=mesh, graph_module=gm, traced=traced, history=history)
+
+
+def _check_fixed(traced: Traced, fixed: tuple[tuple[str, str], ...], shown: int = 5) -> None:
+    """A reloaded plan's tp strategies must name nodes of this graph; names it lacks mean the
+    plan was saved for another model (or another version of this one)."""
+    names = {n.name for n in traced.gm.graph.nodes}
+    unknown = [n for n, _ in fixed if n not in names]
+    if unknown:
+        more = f" and {len(unknown) - shown} more" if len(unknown) > shown else ""
+        raise PlanError(
+            f"the plan does not fit {traced.model_name}: it decides nodes the model does not "
+            f"have ({', '.join(repr(n) for n in unknown[:shown])}{more}); was it saved for "
+            "another model? re-plan without plan="
+        )
 
 
 def _check_split(traced: Traced, solution: AxisSolution, mesh: Mesh, axis: str) -> None:

@@ -62,7 +62,7 @@ from autopar.compile import compile_traced
 from autopar.errors import InputError, MeshError, PlanError
 from autopar.layout import Layout, Partial, Placement, R, Shard
 from autopar.mesh import Mesh
-from autopar.plan import Collective, Plan
+from autopar.plan import Collective, CpSection, Plan
 from autopar.planner import PlanOptions, run_node_time
 from autopar.program import Program, collectives_of
 from autopar.rules import RuleContext, Strategy, strategies
@@ -137,7 +137,8 @@ class Window:
 def compile_context_parallel(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
                              loss_fn: Callable | None, example_kwargs: dict | None,
                              cp_attention: str | None = None,
-                             options: PlanOptions | None = None) -> Program:  # fmt: skip
+                             options: PlanOptions | None = None,
+                             saved: CpSection | None = None) -> Program:  # fmt: skip
     """Steps 1-5 on ``mesh`` (cp, or cp x tp: the tp program is compiled first at the global
     sequence and then split; dp wraps either through autopar.data_parallel, pp compiles each
     stage with :func:`compile_traced_cp`)."""
@@ -146,28 +147,32 @@ def compile_context_parallel(model: nn.Module, mesh: Mesh, example_inputs: Seque
         raise MeshError(f"{mesh}: cp composes with dp, tp and pp (Mesh(dp=2, cp=2), "
                         f"Mesh(cp=2, tp=2), Mesh(pp=2, cp=2)); not with {', '.join(other)}")  # fmt: skip
     traced = trace(model, example_inputs, example_kwargs, loss_fn)
-    return compile_traced_cp(traced, mesh, cp_attention, options)
+    return compile_traced_cp(traced, mesh, cp_attention, options, saved)
 
 
 def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = None,
-                      options: PlanOptions | None = None) -> Program:  # fmt: skip
+                      options: PlanOptions | None = None,
+                      saved: CpSection | None = None) -> Program:  # fmt: skip
     """Steps 1-5 for an already traced graph (a whole model or one pipeline stage, whose
-    sequence-split boundary values arrive and leave whole)."""
+    sequence-split boundary values arrive and leave whole).  ``saved`` (a reloaded plan's cp
+    section) fixes each attention's choice; ``options.fixed`` the tp program's."""
     if cp_attention not in (None, *STRATEGIES):
         raise InputError(f"cp_attention={cp_attention!r}: use 'ring', 'all_to_all' or None")
     lay = _seq_layout(traced, mesh.size(AXIS))
-    base, tp_notes = traced.gm, ()
+    base, tp_notes, tp_choice = traced.gm, (), ()
     if "tp" in mesh.sizes:  # the tp program, traced whole, is what cp splits
         tp = compile_traced(traced, Mesh.ordered((("tp", mesh.size("tp")),), mesh.cluster),
                             options or PlanOptions(), lambda _: None)  # fmt: skip
-        traced, base, tp_notes = tp.traced, tp.graph_module, tp.plan.notes
+        traced, base, tp_notes, tp_choice = tp.traced, tp.graph_module, tp.plan.notes, tp.plan.choice
     gm = fx.GraphModule(base, copy.deepcopy(base.graph))
     grad = frozenset(n.name for n in needs_grad(traced, gm))
     kept = {n: meta.layout(n) for n in gm.graph.nodes if meta.layout(n) is not None}
     for n in kept:
         meta.update(n, layout=None)
-    split = _SplitSequence(gm, traced, lay, grad, mesh, cp_attention)
+    split = _SplitSequence(gm, traced, lay, grad, mesh, cp_attention, saved)
     split.run()
+    if saved is not None:
+        _check_saved_attention(saved, split.prices, traced.model_name)
     for n in gm.graph.nodes:  # a gathered output (cut to the user's slice) keeps its tp split
         src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
         if src in kept and (n.target is cp_ops.cp_gather or src.target is cp_ops.cp_gather):
@@ -178,8 +183,19 @@ def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = Non
     _note_exchanges(gm)
     gm.graph.lint()
     gm.recompile()
-    plan = _plan(traced, gm, mesh, lay, split.prices, grad, tp_notes)
+    plan = _plan(traced, gm, mesh, lay, split.prices, grad, tp_notes, tp_choice)
     return Program(plan=plan, mesh=mesh, graph_module=gm, traced=traced, history=[])
+
+
+def _check_saved_attention(saved: CpSection, prices: list[AttentionPrice], model: str) -> None:
+    """A reloaded plan's attention choices must name exactly this graph's attention nodes."""
+    mine, found = {n for n, _ in saved.attention}, {p.node for p in prices}
+    if mine != found:
+        raise PlanError(
+            f"the plan's cp section does not fit {model}: it decides attention "
+            f"{sorted(mine - found) or 'nodes'} the model does not have"
+            f"{f' and not {sorted(found - mine)}' if found - mine else ''}; re-plan without plan="
+        )
 
 
 def _note_exchanges(gm: fx.GraphModule) -> None:
@@ -240,9 +256,10 @@ class _SplitSequence:
     """Steps 2-4: one walk over the graph, rewriting as it goes."""
 
     def __init__(self, gm: fx.GraphModule, traced: Traced, lay: SeqLayout, grad: frozenset[str],
-                 mesh: Mesh, forced: str | None) -> None:  # fmt: skip
+                 mesh: Mesh, forced: str | None, saved: CpSection | None = None) -> None:  # fmt: skip
         self.gm, self.graph, self.traced, self.lay = gm, gm.graph, traced, lay
         self.grad, self.mesh, self.forced = grad, mesh, forced
+        self.saved = dict(saved.attention) if saved is not None else {}
         self.place: dict[fx.Node, Placement | tuple] = {}
         self.localized: dict[tuple[fx.Node, Placement], fx.Node] = {}
         self.reduced: dict[fx.Node, fx.Node] = {}
@@ -512,7 +529,7 @@ class _SplitSequence:
                 f"attention at {meta.source(n)}: its mask {mask.name} is built from "
                 "sequence-split inputs (a padding mask?); cp needs a mask the model builds "
                 "whole (causal, sliding window) or no mask")  # fmt: skip
-        price = _price(n, self.lay, self.mesh, self.forced)
+        price = _price(n, self.lay, self.mesh, self.saved.get(n.name, self.forced))
         self.prices.append(price)
         build = self._ring if price.chosen == "ring" else self._ulysses
         out = build(n, *qkv, mask, a)
@@ -804,7 +821,9 @@ def _price(n: fx.Node, lay: SeqLayout, mesh: Mesh, forced: str | None) -> Attent
 
 def _plan(traced: Traced, gm: fx.GraphModule, mesh: Mesh, lay: SeqLayout,
           prices: list[AttentionPrice], grad: frozenset[str],
-          tp_notes: tuple[str, ...] = ()) -> Plan:  # fmt: skip
+          tp_notes: tuple[str, ...] = (),
+          tp_choice: tuple[tuple[str, str], ...] = ()) -> Plan:  # fmt: skip
+    """The plan: ``choice`` the tp program's strategies, the cp section each attention's."""
     names = {**traced.params, **traced.buffers}
     params = tuple((names[n.name], str(meta.layout(n) or Layout.replicate(n.meta["val"].dim())))
                    for n in gm.graph.nodes if n.op == "placeholder" and n.name in traced.params)  # fmt: skip
@@ -824,8 +843,8 @@ def _plan(traced: Traced, gm: fx.GraphModule, mesh: Mesh, lay: SeqLayout,
                      f"{a2a} of exposed cp communication per step)")  # fmt: skip
     return Plan(model=traced.model_name, mesh=mesh.axes,
                 hardware=f"{mesh.cluster.gpu.name} ×{mesh.cluster.gpus_per_node}/node",
-                params=params, collectives=tuple(found),
-                choice=tuple((p.node, p.chosen) for p in prices),
+                params=params, collectives=tuple(found), choice=tp_choice,
+                cp=CpSection(attention=tuple((p.node, p.chosen) for p in prices)),
                 compute_s=compute_time(gm, grad, mesh.cluster.gpu), comm_s=comm,
                 memory_bytes=4.0 * param_bytes + act, notes=(*notes, *tp_notes))  # fmt: skip
 

@@ -40,7 +40,7 @@ import torch.fx as fx
 from autopar import meta
 from autopar.errors import FitError, InputError, PlanError
 from autopar.mesh import Mesh
-from autopar.plan import Collective, _fmt_bytes, _pattern
+from autopar.plan import Collective, DpSection, Plan, _fmt_bytes, _pattern, as_plan
 from cost.memory import model_state
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -276,6 +276,14 @@ class DataParallelPlan:
     def hash(self) -> str:
         return f"{self.inner.hash}-dp{self.dp}z{self.zero}"
 
+    def to_plan(self) -> Plan:
+        """The one Plan (what plan.json holds): the sub-mesh's, on the whole mesh, with the dp
+        section and the data-axis traffic."""
+        inner = as_plan(self.inner)
+        return dataclasses.replace(inner, mesh=self.mesh, dp=DpSection(zero=self.zero),
+                                   collectives=(*inner.collectives, *self.collectives),
+                                   notes=(*inner.notes, *self.notes))  # fmt: skip
+
     def __str__(self) -> str:
         mesh = ", ".join(f"{a}={s}" for a, s in self.mesh)
         out = [f"autopar data-parallel plan {self.hash} on Mesh({mesh})",
@@ -360,10 +368,12 @@ class DataParallelProgram:
         return [*self.inner.collectives(), *self.plan.collectives]
 
     def save(self, directory: str | Path) -> list[Path]:
+        """The sub-mesh program's files, plan_dp.txt, and plan.json: the whole mesh's plan."""
         written = self.inner.save(directory)
-        path = Path(directory) / "plan_dp.txt"
+        path, whole = Path(directory) / "plan_dp.txt", Path(directory) / "plan.json"
         path.write_text(str(self.plan) + "\n")
-        return [*written, path]
+        whole.write_text(self.plan.to_plan().to_json())
+        return [*dict.fromkeys([*written, path, whole])]
 
     def __repr__(self) -> str:
         return f"<autopar.DataParallelProgram on {self.mesh}, ZeRO-{self.plan.zero}>"
@@ -374,8 +384,9 @@ def compile_data_parallel(mesh: Mesh, example_inputs: Sequence[Any], example_kwa
                           zero: int | None, memory_limit: float | None,
                           param_dtype: torch.dtype = torch.float32,
                           reduce_dtype: torch.dtype = torch.float32,
-                          micro: int = 1) -> DataParallelProgram:  # fmt: skip
-    """Steps 1-5 (see the module docstring)."""
+                          micro: int = 1, refit: bool = True) -> DataParallelProgram:  # fmt: skip
+    """Steps 1-5 (see the module docstring); ``refit=False`` (a reloaded plan) keeps the
+    sub-mesh plan as compiled (no re-solve under ``memory_limit``)."""
     dp = mesh.size("dp")
     args, kwargs = split_batch(example_inputs, example_kwargs, dp, micro)
     inner_mesh = mesh.without("dp")
@@ -385,7 +396,7 @@ def compile_data_parallel(mesh: Mesh, example_inputs: Sequence[Any], example_kwa
     limit = memory_limit if memory_limit is not None else mesh.cluster.gpu.hbm_bytes
     where = f"{_model_name(inner)} on {mesh}"
     resolved = None
-    if memory_limit is not None:
+    if memory_limit is not None and refit:
         inner, table, resolved = _fit_sub_mesh(inner, table, limit, zero, (dp, per), (
             lambda sub_limit: compile_inner(inner_mesh, args, kwargs, sub_limit)))  # fmt: skip
     stage, why = choose_zero(table, limit, zero, where)

@@ -59,7 +59,7 @@ from autopar.data_parallel import _graph, _model_name, loss_reduction, split_bat
 from autopar.errors import InputError, NodeProblem, ShardingRuleError
 from autopar.mesh import Mesh
 from autopar.moe_loop import find_expert_loops
-from autopar.plan import Collective, _fmt_bytes
+from autopar.plan import Collective, EpSection, Plan, _fmt_bytes, as_plan
 from autopar.recompute import apply_recompute
 from cost.comm import collective_time
 
@@ -524,6 +524,15 @@ class ExpertParallelPlan:
     def hash(self) -> str:
         return f"{self.inner.hash}-ep{self.ep}"
 
+    def to_plan(self) -> Plan:
+        """The one Plan (what plan.json holds): the sub-mesh's, on the whole mesh, with the ep
+        section (capacity factor, the MoE layers placed) and the expert-axis traffic."""
+        inner = as_plan(self.inner)
+        placed = tuple((layer.where, layer.experts) for layer in self.layers)
+        return dataclasses.replace(
+            inner, mesh=self.mesh, ep=EpSection(capacity_factor=self.capacity_factor, layers=placed),
+            collectives=(*inner.collectives, *self.collectives), notes=(*inner.notes, *self.notes))
+
     def __str__(self) -> str:
         mesh = ", ".join(f"{a}={s}" for a, s in self.mesh)
         cap = (f"capacity factor {self.capacity_factor} (rows over capacity dropped, counted)"
@@ -624,15 +633,17 @@ class ExpertParallelProgram:
         return [*self.inner.collectives(), *self.plan.collectives]
 
     def save(self, directory: str | Path) -> list[Path]:
-        """The sub-mesh program's files, the plan, and each rank's expert-parallel source."""
+        """The sub-mesh program's files, the plan (plan.json: the whole mesh's), and each
+        rank's expert-parallel source."""
         written = self.inner.save(directory)
-        path = Path(directory) / "plan_ep.txt"
+        path, whole = Path(directory) / "plan_ep.txt", Path(directory) / "plan.json"
         path.write_text(str(self.plan) + "\n")
+        whole.write_text(self.plan.to_plan().to_json())
         ranks = []
         for rank in range(self.mesh.world_size):
             ranks.append(Path(directory) / f"ep_rank_{rank}.py")
             ranks[-1].write_text(self.code(rank))
-        return [*written, path, *ranks]
+        return [*dict.fromkeys([*written, path, whole, *ranks])]
 
     def __repr__(self) -> str:
         return f"<autopar.ExpertParallelProgram on {self.mesh}, {len(self.plan.layers)} MoE layers>"

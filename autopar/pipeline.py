@@ -9,7 +9,7 @@ Algorithm (:func:`compile_pipeline`):
 3. Choose the cuts exactly: a dynamic program over contiguous partitions minimises the slowest
    stage (compute + boundary traffic), skipping partitions whose stages do not fit memory
    (parameters with Adam state + the schedule's in-flight micro-batches of activations);
-   user-pinned cuts (``split_points``) are kept.
+   user-pinned cuts (``split_points``) are kept; a reloaded plan's cuts are taken as saved.
 4. Split the graph (passes.pipeline_split) and compile every stage for the tensor-parallel axis
    with whole (replicated) boundary outputs.
 5. Run with torch.distributed.pipelining's schedules (GPipe, 1F1B, interleaved 1F1B,
@@ -19,6 +19,7 @@ Algorithm (:func:`compile_pipeline`):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -31,8 +32,9 @@ import torch.nn as nn
 
 from autopar import meta
 from autopar.analysis import needs_grad
-from autopar.errors import FitError, InputError, PlanError
+from autopar.errors import FitError, InputError, MeshError, PlanError
 from autopar.mesh import Mesh
+from autopar.plan import Plan, PpSection, as_plan
 from autopar.planner import PlanOptions, run_node_time
 from autopar.precision import annotate_autocast
 from autopar.program import Program
@@ -137,9 +139,11 @@ class PipelineConfig:
 
 
 def choose_cuts(traced: Traced, units: list[Unit], mesh: Mesh, config: PipelineConfig,
-                split_points: Sequence[str], memory_limit: float | None = None) -> StageCut:  # fmt: skip
+                split_points: Sequence[str], memory_limit: float | None = None,
+                saved: Sequence[str] | None = None) -> StageCut:  # fmt: skip
     """Steps 2-3: price units and boundaries, then cut exactly; every stage must fit
-    ``memory_limit`` (default: the GPU's memory)."""
+    ``memory_limit`` (default: the GPU's memory).  ``saved`` (a reloaded plan's stage
+    starts) are the cuts, priced but not chosen."""
     p = mesh.size("pp") * config.virtual_stages
     if p > len(units):
         raise PlanError(
@@ -147,6 +151,8 @@ def choose_cuts(traced: Traced, units: list[Unit], mesh: Mesh, config: PipelineC
             f"({', '.join(u.name for u in units)}); use fewer stages or virtual stages"
         )
     costs, boundary, sent = unit_costs(traced, units, mesh, config.param_dtype)
+    if saved is not None:
+        return _stage_cut(saved_cuts(units, saved, p, traced), units, costs, boundary, sent)
     pinned = [_pin_index(units, name, traced) for name in split_points]
     capacity = memory_limit if memory_limit is not None else mesh.cluster.gpu.hbm_bytes
     fits = _memory_check(traced, units, mesh, config, p, capacity)
@@ -160,12 +166,36 @@ def choose_cuts(traced: Traced, units: list[Unit], mesh: Mesh, config: PipelineC
             f"per GPU ({'memory_limit' if memory_limit is not None else mesh.cluster.gpu.name}); "
             "use more pipeline stages, more micro-batches, tp, or a larger memory_limit"
         ) from None
+    return _stage_cut(cuts, units, costs, boundary, sent)
+
+
+def _stage_cut(cuts: list[int], units: list[Unit], costs: list, boundary: list,
+               sent: list) -> StageCut:  # fmt: skip
+    """The cuts with each stage's predicted time and the bytes it sends on."""
     bounds = [0, *cuts, len(units)]
     stage_s = tuple(sum(costs[a:b]) + (boundary[b] if b < len(units) else 0.0)
                     for a, b in itertools.pairwise(bounds))  # fmt: skip
     out_bytes = tuple(sent[b] if b < len(units) else 0.0 for _, b in itertools.pairwise(bounds))
     return StageCut(cuts=tuple(cuts), units=tuple(u.name for u in units), stage_s=stage_s,
                     boundary_bytes=out_bytes)  # fmt: skip
+
+
+def saved_cuts(units: list[Unit], starts: Sequence[str], stages: int, traced: Traced) -> list[int]:
+    """A reloaded plan's stage starts as unit indices: one per stage after the first, each a
+    cuttable unit of this model, in order."""
+    names = [u.name for u in units]
+    if len(starts) != stages - 1:
+        raise PlanError(f"the plan's pp section cuts {len(starts) + 1} stages but this mesh "
+                        f"and its virtual stages make {stages}; re-plan without plan=")  # fmt: skip
+    unknown = [s for s in starts if s not in names[1:]]
+    if unknown:
+        raise PlanError(f"the plan's pp section starts stages at {', '.join(unknown)}, which "
+                        f"{traced.model_name} has no cuttable unit after the first for (its "
+                        f"units: {', '.join(names)}); re-plan without plan=")  # fmt: skip
+    cuts = [names.index(s) for s in starts]
+    if cuts != sorted(set(cuts)):
+        raise PlanError(f"the plan's pp section starts stages out of order: {', '.join(starts)}")
+    return cuts
 
 
 def unit_costs(traced: Traced, units: list[Unit], mesh: Mesh,
@@ -273,6 +303,24 @@ class PipelinePlan:
     @property
     def hash(self) -> str:
         return "-".join(s.plan.hash[:4] for s in self.prog.stages)
+
+    def to_plan(self) -> Plan:
+        """The one Plan (what plan.json holds): the pp section, each stage's plan, and every
+        stage's parameters and collectives (compute and communication summed over the
+        stages, one micro-batch each)."""
+        p, c = self.prog, self.prog.config
+        stages = tuple(as_plan(s.plan) for s in p.stages)
+        cuts = PpSection(stage_starts=tuple(p.cut.units[i] for i in p.cut.cuts),
+                         schedule=c.schedule, n_microbatches=c.n_microbatches,
+                         virtual_stages=c.virtual_stages)  # fmt: skip
+        return Plan(model=p.model_name, mesh=p.mesh.axes, hardware=stages[0].hardware,
+                    params=tuple(dict.fromkeys(x for s in stages for x in s.params)),
+                    collectives=tuple(x for s in stages for x in s.collectives), choice=(),
+                    compute_s=sum(s.compute_s for s in stages),
+                    comm_s=sum(s.comm_s for s in stages),
+                    memory_bytes=max(s.memory_bytes for s in stages),
+                    notes=tuple(p.cut.describe()), pp=cuts, recompute=stages[0].recompute,
+                    stages=stages)  # fmt: skip
 
     def __str__(self) -> str:
         p, c = self.prog, self.prog.config
@@ -398,7 +446,8 @@ class PipelineProgram:
         for i, st in enumerate(self.stages):
             written += st.save(d / f"stage_{i}")
         (d / "pipeline.txt").write_text(str(self.plan) + "\n\n" + str(self.timeline()) + "\n")
-        return [*written, d / "pipeline.txt"]
+        (d / "plan.json").write_text(self.plan.to_plan().to_json())  # the whole mesh's plan
+        return [*written, d / "pipeline.txt", d / "plan.json"]
 
     def __repr__(self) -> str:
         return (
@@ -443,10 +492,13 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any]
                      n_microbatches: int | None, schedule: str, virtual_stages: int | None,
                      split_points: Sequence[str], log: Callable[[str], None],
                      cp_attention: str | None = None,
-                     param_dtype: torch.dtype = torch.float32) -> PipelineProgram:  # fmt: skip
+                     param_dtype: torch.dtype = torch.float32, *,
+                     plan: Plan | None = None) -> PipelineProgram:  # fmt: skip
     """Steps 1-4 (see the module docstring); with a cp axis every stage is split along the
     sequence (autopar.context_parallel), its boundary values sent whole.  ``param_dtype``
-    16-bit: stages run under autocast with their activations sent in it (priced so)."""
+    16-bit: stages run under autocast with their activations sent in it (priced so).  A
+    reloaded ``plan`` gives the cuts and each stage's plan (its config is the caller's, taken
+    from the plan)."""
     from autopar.compile import compile_traced
 
     if schedule not in SCHEDULES:
@@ -476,7 +528,8 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any]
         f"traced {traced.model_name} on a micro-batch of {batch // m}: {len(traced.gm.graph.nodes)} nodes"
     )
     units = cuttable_units(traced)
-    cut = choose_cuts(traced, units, mesh, config, split_points, options.memory_limit)
+    cut = choose_cuts(traced, units, mesh, config, split_points, options.memory_limit,
+                      plan.pp.stage_starts if plan else None)  # fmt: skip
     log("stage cuts: " + "; ".join(cut.describe()))
     graphs = split_stages(traced, units, list(cut.cuts), loss)
     stage_mesh = Mesh(mesh.cluster, tp=mesh.size("tp"))
@@ -488,16 +541,31 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any]
 
         stage_mesh = Mesh.ordered(tuple(a for a in mesh.axes if a[0] in ("cp", "tp")),
                                   mesh.cluster)  # fmt: skip
-        stages = [compile_traced_cp(g.traced, stage_mesh, cp_attention, stage_opts)
-                  for g in graphs]  # fmt: skip
+        stages = [compile_traced_cp(g.traced, stage_mesh, cp_attention, opts, saved.cp if saved else None)
+                  for g, opts, saved in _stage_plans(graphs, stage_opts, stage_mesh, plan)]  # fmt: skip
     else:
-        stages = [
-            compile_traced(g.traced, stage_mesh, stage_opts, log, whole_model=False)
-            for g in graphs
-        ]
+        stages = [compile_traced(g.traced, stage_mesh, opts, log, whole_model=False)
+                  for g, opts, _ in _stage_plans(graphs, stage_opts, stage_mesh, plan)]  # fmt: skip
     grad = frozenset(n.name for n in needs_grad(traced))
     return PipelineProgram(mesh=mesh, stages=stages, graphs=graphs, cut=cut, config=config,
                            model_name=traced.model_name, grad_names=grad)  # fmt: skip
+
+
+def _stage_plans(graphs: list[StageGraph], options: PlanOptions, stage_mesh: Mesh,
+                 plan: Plan | None) -> list[tuple[StageGraph, PlanOptions, Plan | None]]:  # fmt: skip
+    """Per stage: its graph, its solver options (a reloaded stage plan's tp strategies fixed)
+    and that stage plan (None without a plan)."""
+    if plan is None:
+        return [(g, options, None) for g in graphs]
+    if len(plan.stages) != len(graphs):
+        raise PlanError(f"the plan has {len(plan.stages)} stage plans for {len(graphs)} "
+                        "stages; re-plan without plan=")  # fmt: skip
+    for i, saved in enumerate(plan.stages):
+        if saved.mesh != stage_mesh.axes:
+            raise MeshError(f"the plan's stage {i} was made for Mesh{dict(saved.mesh)} but "
+                            f"the stage mesh is {stage_mesh}")  # fmt: skip
+    return [(g, dataclasses.replace(options, fixed=saved.choice), saved)
+            for g, saved in zip(graphs, plan.stages, strict=True)]  # fmt: skip
 
 
 def _batch_size(args: Sequence[Any], kwargs: dict | None) -> int:

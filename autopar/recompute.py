@@ -348,6 +348,7 @@ def _attach_one(prog: Any, mode: str, whole: bool, apply: bool) -> int:
         effect = None
         prog.plan = dataclasses.replace(prog.plan, notes=(
             *prog.plan.notes, f"recompute {mode} ({regions} regions), not priced: {exc}"))  # fmt: skip
+    prog.plan = dataclasses.replace(prog.plan, recompute=mode)  # the mode asked (reloadable)
     prog.recompute_effect = effect
     return regions
 
