@@ -227,9 +227,11 @@ def _describe(section: Any) -> str:
 
 
 def _choice_differences(mine: dict[str, str], theirs: dict[str, str], shown: int = 5) -> list[str]:
-    """The nodes whose tp strategy differs, or that only one plan decides (the first few)."""
-    rows = [f"node '{n}': {mine.get(n, '(not in the plan)')} vs {theirs.get(n, '(not in the model)')}"
-            for n in sorted(set(mine) | set(theirs)) if mine.get(n) != theirs.get(n)]  # fmt: skip
+    """The nodes this plan decides whose tp strategy differs or that the other lacks (the
+    first few); nodes only the other decides are not differences (a plan may pin a few nodes
+    and leave the rest to the solver)."""
+    rows = [f"node '{n}': {s} vs {theirs.get(n, '(not in the model)')}"
+            for n, s in sorted(mine.items()) if s != theirs.get(n)]  # fmt: skip
     if len(rows) > shown:
         rows = [*rows[:shown], f"... and {len(rows) - shown} more nodes"]
     return rows
