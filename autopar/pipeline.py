@@ -23,6 +23,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -399,6 +400,13 @@ class PipelineProgram:
             written += st.save(d / f"stage_{i}")
         (d / "pipeline.txt").write_text(str(self.plan) + "\n\n" + str(self.timeline()) + "\n")
         return [*written, d / "pipeline.txt"]
+
+    def report(self, path: str | Path, **options: Any) -> Path:
+        """The plan drawn in one self-contained HTML file (`autopar.report.write_report`:
+        ``png_dir=`` also writes each chart as PNG, ``measured=`` a measured schedule)."""
+        from autopar.report import write_report
+
+        return write_report(self, path, **options)
 
     def __repr__(self) -> str:
         return (

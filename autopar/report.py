@@ -89,8 +89,12 @@ def svg_of(fig: Any, chart_id: str) -> str:
 
 def render_html(facts: Facts, svgs: dict[str, str]) -> str:
     """Step 3: the page."""
-    parts = [f"<h1>autopar report: {_e(facts.title)}</h1>", _table(("", ""), facts.summary)]
+    parts = [
+        f"<h1>autopar report: {_e(facts.title)}</h1>",
+        _table(("", ""), facts.summary, "t-summary"),
+    ]
     parts += _section("Mesh on the cluster", svgs.get("chart-mesh"), _axes_table(facts))
+    parts.insert(-1, f'<p class="note">{_e(_mesh_note(facts))}</p>')
     parts += _section("Communication of one step", svgs.get("chart-comm"),
                       _comm_table(facts) + _step_table(facts))  # fmt: skip
     parts += _section("Memory per rank", svgs.get("chart-memory"), _memory_table(facts))
@@ -103,9 +107,17 @@ def render_html(facts: Facts, svgs: dict[str, str]) -> str:
     parts += ["<h2>Per-rank programs</h2>", _code(facts)]
     if facts.notes:
         parts += ["<h2>Why</h2><ul>", *(f"<li>{_e(n)}</li>" for n in facts.notes), "</ul>"]
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"/>"
             f"<title>autopar report: {_e(facts.title)}</title><style>{STYLE}</style></head>"
             "<body>\n" + "\n".join(parts) + "\n</body></html>\n")  # fmt: skip
+
+
+def _mesh_note(facts: Facts) -> str:
+    c = facts.cluster
+    shown = "every node" if c.nodes <= 4 else f"nodes 0, 1 and {c.nodes - 1}"
+    return (f"{c.nodes} node(s) × {c.gpus_per_node} {c.gpu.name}, {shown} drawn; a cell is a "
+            "GPU, its colour the axis's group, its number the coordinate on the axis; "
+            f"NVLink: {c.intra.name}, inter-node fabric: {c.inter.name}")  # fmt: skip
 
 
 def _section(title: str, svg: str | None, table: str) -> list[str]:
@@ -120,8 +132,8 @@ def _num(value: float, text: str) -> str:
     return f'<td class="n" data-value="{value!r}">{_e(text)}</td>'
 
 
-def _table(head: tuple[str, ...], rows: Any) -> str:
-    out = ["<table>"]
+def _table(head: tuple[str, ...], rows: Any, table_id: str) -> str:
+    out = [f'<table id="{table_id}">']
     if any(head):
         out.append("<tr>" + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr>")
     for row in rows:
@@ -135,28 +147,37 @@ def _axes_table(facts: Facts) -> str:
              "NVLink (inside a node)" if a.in_node else "inter-node fabric", " + ".join(a.links),
              "-" if a.exposed_s is None else _num(a.exposed_s, f"{a.exposed_s:.6f} s"))
             for a in facts.axes]  # fmt: skip
-    return _table(("axis", "size", "stride", "groups ride", "links", "exposed"), rows)
+    return _table(("axis", "size", "stride", "groups ride", "links", "exposed"), rows, "t-axes")
 
 
 def _comm_table(facts: Facts) -> str:
     rows = [(c.axis, c.kind, c.direction, _num(c.count, str(c.count)),
-             _num(c.bytes, f"{c.bytes / 2**20:,.3f} MiB")) for c in facts.comm]  # fmt: skip
-    return _table(("axis", "kind", "direction", "collectives", "bytes"), rows)
+             _num(c.bytes, _bytes(c.bytes))) for c in facts.comm]  # fmt: skip
+    return _table(("axis", "kind", "direction", "collectives", "bytes"), rows, "t-comm")
 
 
 def _step_table(facts: Facts) -> str:
     rows = [(name, _num(s, f"{s:.6f} s")) for name, s in facts.step]
-    return _table(("component", "seconds"), rows) + f'<p class="note">{_e(facts.step_note)}</p>'
+    return (
+        _table(("component", "seconds"), rows, "t-step")
+        + f'<p class="note">{_e(facts.step_note)}</p>'
+    )
 
 
 def _memory_table(facts: Facts) -> str:
     head = ("bar", "weights", "gradients", "optimizer state", "activations", "reserve",
             "total", "chosen")  # fmt: skip
-    rows = [(b.label, *(_num(v, f"{v / 2**30:.3f} GiB") for _, v in b.parts),
-             _num(b.total, f"{b.total / 2**30:.3f} GiB"), "yes" if b.chosen else "")
+    rows = [(b.label, *(_num(v, _bytes(v)) for _, v in b.parts),
+             _num(b.total, _bytes(b.total)), "yes" if b.chosen else "")
             for b in (*facts.memory, *facts.pipeline_memory)]  # fmt: skip
     cap = f"capacity {facts.capacity / 2**30:.1f} GiB; {facts.memory_note}"
-    return _table(head, rows) + f'<p class="note">{_e(cap)}</p>'
+    return _table(head, rows, "t-memory") + f'<p class="note">{_e(cap)}</p>'
+
+
+def _bytes(n: float) -> str:
+    from autopar.plan import _fmt_bytes
+
+    return _fmt_bytes(n)
 
 
 def _ranking(facts: Facts, limit: int = 40) -> str:
@@ -166,7 +187,7 @@ def _ranking(facts: Facts, limit: int = 40) -> str:
             for p in facts.ranking if p.rank <= limit or p.compare]  # fmt: skip
     more = len(facts.ranking) - limit
     tail = f'<p class="note">{more} more configurations in the chart</p>' if more > 0 else ""
-    return _table(("rank", "configuration", "step", "memory", "loses on"), rows) + tail
+    return _table(("rank", "configuration", "step", "memory", "loses on"), rows, "t-ranking") + tail
 
 
 def _layouts(facts: Facts) -> str:
@@ -174,11 +195,11 @@ def _layouts(facts: Facts) -> str:
         return ('<p class="note">a search plans degrees, not layouts: compile the chosen '
                 "configuration (Mesh.auto) to see them</p>")  # fmt: skip
     rows = [(pattern, lay, _num(n, f"×{n}")) for pattern, lay, n in facts.layouts]
-    return _table(("module pattern", "layout", "count"), rows)
+    return _table(("module pattern", "layout", "count"), rows, "t-layouts")
 
 
 def _code(facts: Facts) -> str:
     if not facts.code:
         return '<p class="note">no per-rank program: this plan is not compiled</p>'
-    return "\n".join(f"<details><summary>{_e(title)}</summary><pre>{_e(src)}</pre></details>"
+    return "\n".join(f'<details class="code"><summary>{_e(title)}</summary><pre>{_e(src)}</pre></details>'
                      for title, src in facts.code)  # fmt: skip

@@ -65,8 +65,6 @@ def mesh_figure(facts: Facts) -> Figure:
         exposed = "" if row.exposed_s is None else f" · exposed {_seconds(row.exposed_s)}"
         ax.set_title(f"{row.axis}={row.size} (stride {row.stride}): {where} · "
                      f"{' + '.join(row.links)}{exposed}", fontsize=9, loc="left")  # fmt: skip
-    fig.suptitle(f"mesh on {cl.nodes} × {cl.gpus_per_node} {cl.gpu.name}: cell = GPU "
-                 "(colour = the axis's group, number = coordinate on the axis)", fontsize=9)  # fmt: skip
     fig.tight_layout()
     return fig
 
@@ -138,8 +136,6 @@ def memory_figure(facts: Facts) -> Figure:
         ax = fig.add_subplot(1, len(panels), i + 1)
         _stacked(ax, bars, facts.capacity)
         ax.set_title(title, fontsize=10)
-        if i == 0:
-            ax.set_ylabel("GiB per rank")
     handles = [Rectangle((0, 0), 1, 1, color=c) for c in PART_COLOURS.values()]
     fig.legend(handles, list(PART_COLOURS), loc="center right", fontsize=8)
     fig.tight_layout(rect=(0, 0, 0.83, 1))
@@ -147,22 +143,37 @@ def memory_figure(facts: Facts) -> Figure:
 
 
 def _stacked(ax, bars: tuple[MemoryBar, ...], capacity: float) -> None:
+    """Bars in the unit that suits them; the capacity drawn, or named when far above."""
+    top = max(b.total for b in bars)
+    unit, name = _unit(max(top, capacity if capacity < 5 * top else 0.0))
     for i, bar in enumerate(bars):
         bottom = 0.0
-        for name, value in bar.parts:
-            ax.bar(i, value / GIB, 0.6, bottom=bottom, color=PART_COLOURS[name])
-            bottom += value / GIB
+        for part, value in bar.parts:
+            ax.bar(i, value / unit, 0.6, bottom=bottom, color=PART_COLOURS[part])
+            bottom += value / unit
         if bar.chosen:
             ax.add_patch(Rectangle((i - 0.33, 0), 0.66, bottom, fill=False, lw=2.2,
                                    edgecolor="black"))  # fmt: skip
         ax.text(i, bottom, f"{bottom:.1f}" + ("\nchosen" if bar.chosen else ""),
                 ha="center", va="bottom", fontsize=8)  # fmt: skip
-    ax.axhline(capacity / GIB, color="#c44e52", ls="--", lw=1.2)
-    ax.text(len(bars) - 0.5, capacity / GIB, f"capacity {capacity / GIB:.0f} GiB",
-            ha="right", va="bottom", fontsize=8, color="#c44e52")  # fmt: skip
-    top = max([capacity / GIB, *(b.total / GIB for b in bars)])
-    ax.set_ylim(0, top * 1.25)
+    label = f"capacity {capacity / GIB:.0f} GiB"
+    if capacity < 5 * top:
+        ax.axhline(capacity / unit, color="#c44e52", ls="--", lw=1.2)
+        ax.text(len(bars) - 0.5, capacity / unit, label, ha="right", va="bottom", fontsize=8,
+                color="#c44e52")  # fmt: skip
+    else:
+        ax.text(0.98, 0.97, label + " (far above)", ha="right", va="top", fontsize=8,
+                color="#c44e52", transform=ax.transAxes)  # fmt: skip
+    ax.set_ylim(0, max(top, capacity if capacity < 5 * top else 0.0) / unit * 1.25)
+    ax.set_ylabel(f"{name} per rank")
     ax.set_xticks(range(len(bars)), [b.label for b in bars], fontsize=8)
+
+
+def _unit(nbytes: float) -> tuple[float, str]:
+    for unit, name in ((GIB, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if nbytes >= unit:
+            return float(unit), name
+    return 1.0, "B"
 
 
 def schedule_figure(facts: Facts) -> Figure:
@@ -170,36 +181,45 @@ def schedule_figure(facts: Facts) -> Figure:
     s = facts.schedule
     p, width = len(s.slots), max(len(r) for r in s.slots)
     panels = 2 if s.measured else 1
-    fig = Figure(figsize=(min(14.0, 2.5 + 0.28 * width), 0.5 * p * panels + 1.4 * panels))
+    fig = Figure(figsize=(min(14.0, max(7.0, 3.0 + 0.28 * width)), 0.5 * p * panels + 1.6 * panels))
     ax = fig.add_subplot(panels, 1, 1)
     for r, row in enumerate(s.slots):
+        _idle(ax, r, len(row))
         for t, action in enumerate(row):
-            _action(ax, t, 1.0, r, action)
+            if action is not None:
+                _action(ax, t, 1.0, r, action, labelled=width <= 64)
     _rank_axis(ax, p, width, "slot (one action per slot)")
-    ax.set_title(f"simulated schedule: {s.name}; bubble {s.bubble:.1%} of rank-slots "
-                 "(hatched)", fontsize=10)  # fmt: skip
+    ax.set_title(f"simulated: {s.name}; bubble {s.bubble:.1%} of rank-slots (hatched)",
+                 fontsize=10, loc="left")  # fmt: skip
     if s.measured:
         ax = fig.add_subplot(panels, 1, 2)
         t0 = min(e[3] for e in s.measured)
+        end = max((e[4] - t0) * 1e3 for e in s.measured)
+        for r in range(p):
+            _idle(ax, r, end)
         for r, kind, mb, a, b in s.measured:
-            _action(ax, (a - t0) * 1e3, (b - a) * 1e3, r, (kind, -1, mb))
-        _rank_axis(ax, p, max((e[4] - t0) * 1e3 for e in s.measured), "milliseconds")
-        ax.set_title("measured run (train_step)", fontsize=10)
+            _action(ax, (a - t0) * 1e3, (b - a) * 1e3, r, (kind, -1, mb), labelled=True)
+        _rank_axis(ax, p, end, "milliseconds")
+        ax.set_title("measured run (train_step)", fontsize=10, loc="left")
     handles = [Rectangle((0, 0), 1, 1, color=c) for c in ACTION_COLOURS.values()]
     handles.append(Rectangle((0, 0), 1, 1, fill=False, hatch="///", edgecolor="#999999"))
-    fig.legend(handles, ["forward", "backward", "idle (bubble)"], loc="upper right", fontsize=8)
-    fig.tight_layout(rect=(0, 0, 0.9, 1))
+    fig.legend(handles, ["forward", "backward", "idle (bubble)"], loc="lower center", ncol=3,
+               fontsize=8)  # fmt: skip
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     return fig
 
 
-def _action(ax, x: float, w: float, r: int, action: tuple[str, int, int] | None) -> None:
-    if action is None:
-        ax.add_patch(Rectangle((x, r - 0.4), w, 0.8, fill=False, hatch="///",
-                               edgecolor="#bbbbbb", lw=0))  # fmt: skip
-        return
+def _idle(ax, r: int, width: float) -> None:
+    ax.add_patch(Rectangle((0, r - 0.4), width, 0.8, fill=False, hatch="///",
+                           edgecolor="#bbbbbb", lw=0))  # fmt: skip
+
+
+def _action(ax, x: float, w: float, r: int, action: tuple[str, int, int],
+            labelled: bool) -> None:  # fmt: skip
     kind, _, mb = action
     ax.add_patch(Rectangle((x, r - 0.4), w * 0.96, 0.8, color=ACTION_COLOURS[kind]))
-    ax.text(x + w / 2, r, str(mb), ha="center", va="center", fontsize=7, color="white")
+    if labelled:
+        ax.text(x + w / 2, r, str(mb), ha="center", va="center", fontsize=7, color="white")
 
 
 def _rank_axis(ax, p: int, width: float, xlabel: str) -> None:

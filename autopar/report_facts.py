@@ -289,7 +289,8 @@ def simulated(schedule: str, p: int, m: int, v: int, name: str | None = None) ->
         it = iter(acts)
         slots.append(tuple(None if ch == "." else next(it) for ch in row))
     title = name or f"{schedule}, {p} pipeline ranks, {m} micro-batches" + (
-        f", {v} virtual stages" if v > 1 else "")
+        f", {v} virtual stages" if v > 1 else ""
+    )
     return Schedule(name=title, slots=tuple(slots), bubble=timeline.bubble)
 
 

@@ -36,7 +36,7 @@ def program_facts(prog: Any, measured: Any = None) -> Facts:
     memory, capacity, note = _memory(prog, wrappers, dp)
     step, step_note = _step(core, plans, wrappers)
     return Facts(
-        title=f"{plans[0].model} on {prog.mesh}",
+        title=f"{getattr(core, 'model_name', plans[0].model)} on {prog.mesh}",
         summary=_summary(prog, core, plans, dp), cluster=prog.mesh.cluster,
         axes=_axes(prog, wrappers, plans, core), comm=comm_rows(list(prog.collectives())),
         step=step, step_note=step_note, memory=memory, capacity=capacity, memory_note=note,
@@ -92,8 +92,11 @@ def _step(core: Any, plans: list[Any], wrappers: list[Any]) -> tuple[tuple, str]
         name = f"stage {i} " if len(plans) > 1 else ""
         step += [(f"{name}compute", plan.compute_s), (f"{name}{axes} comm", plan.comm_s)]
     step += [("ep comm", w.plan.comm_s) for w in wrappers if _has(w.plan, "layer_s")]
-    note = ("predicted seconds per micro-batch (forward + backward) of each stage's plan"
-            if len(plans) > 1 else "predicted seconds of one step (forward + backward)")
+    note = (
+        "predicted seconds per micro-batch (forward + backward) of each stage's plan"
+        if len(plans) > 1
+        else "predicted seconds of one step (forward + backward)"
+    )
     if any(_has(w.plan, "zero") for w in wrappers):
         note += "; the data axis's plan records its bytes, not a time"
     return tuple(step), note
@@ -103,8 +106,14 @@ def _memory(prog: Any, wrappers: list[Any], dp: Any) -> tuple[tuple[MemoryBar, .
     """Step 4: the ZeRO table of the data-parallel plan, or the same measure at dp = 1."""
     if dp is not None:
         bars = tuple(_bar(f"ZeRO-{m.stage}", m, m.stage == dp.zero) for m in dp.memory)
-        return bars, dp.memory_limit, ("per rank, most loaded pipeline rank "
-                                       "(DataParallelPlan.memory); no reserve is counted")
+        return (
+            bars,
+            dp.memory_limit,
+            (
+                "per rank, most loaded pipeline rank "
+                "(DataParallelPlan.memory); no reserve is counted"
+            ),
+        )
     from autopar.data_parallel import StateBytes, memory_table
 
     table = memory_table(prog, 1, StateBytes.for_dtype(_param_dtype(prog)))
