@@ -90,7 +90,9 @@ def _step(core: Any, plans: list[Any], wrappers: list[Any]) -> tuple[tuple, str]
     step: list[tuple[str, float]] = []
     for i, plan in enumerate(plans):
         name = f"stage {i} " if len(plans) > 1 else ""
-        step += [(f"{name}compute", plan.compute_s), (f"{name}{axes} comm", plan.comm_s)]
+        step.append((f"{name}compute", plan.compute_s))
+        if axes != "none":
+            step.append((f"{name}{axes} comm", plan.comm_s))
     step += [("ep comm", w.plan.comm_s) for w in wrappers if _has(w.plan, "layer_s")]
     note = (
         "predicted seconds per micro-batch (forward + backward) of each stage's plan"
