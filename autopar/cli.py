@@ -14,7 +14,8 @@ Algorithm (`main`):
    formulas behind it); exit 0 when it fits, 1 when it does not.
 3. `plan` searches every configuration (`cost.search`) and prints the ranking
    (`autopar.search.render_plan`); `--compare` ranks a hand-chosen one too.
-4. Bad input (unknown preset, inconsistent degrees, a model that fits nowhere, a global batch
+4. `--report FILE.html` / `--png DIR` also draw the estimate or the plan (`autopar.report`).
+5. Bad input (unknown preset, inconsistent degrees, a model that fits nowhere, a global batch
    no factorisation divides) prints the error and exits with status 2.
 """
 
@@ -57,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
         help="gradient precision (Megatron: fp32, 18 B/param; bf16: 16 B/param)",
     )
     est.add_argument("--explain", action="store_true", help="also print the closed formulas")
+    _report_args(est)
     plan = sub.add_parser("plan", help="search every configuration; print the ranking")
     _model_args(plan)
     plan.add_argument("--global-batch", type=int, required=True, help="sequences per step")
@@ -75,7 +77,27 @@ def _parser() -> argparse.ArgumentParser:
         help="the fabric is not rail-optimised (one leaf switch per node group)",
     )
     plan.add_argument("--grad-dtype", choices=("fp32", "bf16"), default="fp32")
+    _report_args(plan)
     return parser
+
+
+def _report_args(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("--report", metavar="HTML", help="also write the plan drawn as one HTML file")
+    sub.add_argument("--png", metavar="DIR", help="also write each chart as DIR/<chart>.png")
+
+
+def _write_report(obj: object, args: argparse.Namespace) -> None:
+    """Step 4: the HTML report and the PNG charts asked for (`autopar.report`)."""
+    if args.report or args.png:
+        from autopar.report import figures_of, write_pngs, write_report
+        from autopar.report_facts import facts_of
+
+        if args.report:
+            print(f"report: {write_report(obj, args.report, png_dir=args.png)}")
+        else:
+            write_pngs(figures_of(facts_of(obj)), args.png)
+        if args.png:
+            print(f"charts: {args.png}/")
 
 
 def _model_args(est: argparse.ArgumentParser) -> None:
@@ -148,6 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.explain:
         print()
         print(est.explain())
+    _write_report(est, args)
     return 0 if est.fits else 1
 
 
@@ -166,6 +189,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"autopar plan: error: {err}", file=sys.stderr)
         return 2
     print(result)
+    _write_report(result, args)
     return 0
 
 

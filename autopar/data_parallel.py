@@ -375,6 +375,13 @@ class DataParallelProgram:
         whole.write_text(self.plan.to_plan().to_json())
         return [*dict.fromkeys([*written, path, whole])]
 
+    def report(self, path: str | Path, **options: Any) -> Path:
+        """The plan drawn in one self-contained HTML file (`autopar.report.write_report`:
+        ``png_dir=`` also writes each chart as PNG, ``measured=`` a measured schedule)."""
+        from autopar.report import write_report
+
+        return write_report(self, path, **options)
+
     def __repr__(self) -> str:
         return f"<autopar.DataParallelProgram on {self.mesh}, ZeRO-{self.plan.zero}>"
 

@@ -645,6 +645,13 @@ class ExpertParallelProgram:
             ranks[-1].write_text(self.code(rank))
         return [*dict.fromkeys([*written, path, whole, *ranks])]
 
+    def report(self, path: str | Path, **options: Any) -> Path:
+        """The plan drawn in one self-contained HTML file (`autopar.report.write_report`:
+        ``png_dir=`` also writes each chart as PNG, ``measured=`` a measured schedule)."""
+        from autopar.report import write_report
+
+        return write_report(self, path, **options)
+
     def __repr__(self) -> str:
         return f"<autopar.ExpertParallelProgram on {self.mesh}, {len(self.plan.layers)} MoE layers>"
 

@@ -24,6 +24,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -448,6 +449,13 @@ class PipelineProgram:
         (d / "pipeline.txt").write_text(str(self.plan) + "\n\n" + str(self.timeline()) + "\n")
         (d / "plan.json").write_text(self.plan.to_plan().to_json())  # the whole mesh's plan
         return [*written, d / "pipeline.txt", d / "plan.json"]
+
+    def report(self, path: str | Path, **options: Any) -> Path:
+        """The plan drawn in one self-contained HTML file (`autopar.report.write_report`:
+        ``png_dir=`` also writes each chart as PNG, ``measured=`` a measured schedule)."""
+        from autopar.report import write_report
+
+        return write_report(self, path, **options)
 
     def __repr__(self) -> str:
         return (

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -84,6 +85,13 @@ class Program:
         (d / "plan.txt").write_text(str(self.plan) + "\n")
         (d / "plan.json").write_text(self.plan.to_json())
         return [*written, d / "plan.txt", d / "plan.json"]
+
+    def report(self, path: str | Path, **options: Any) -> Path:
+        """The plan drawn in one self-contained HTML file (`autopar.report.write_report`:
+        ``png_dir=`` also writes each chart as PNG, ``measured=`` a measured schedule)."""
+        from autopar.report import write_report
+
+        return write_report(self, path, **options)
 
     def __repr__(self) -> str:
         return f"<autopar.Program {self.plan.model} on {self.mesh}, plan {self.plan.hash}>"
