@@ -47,6 +47,7 @@ class Plan:
     comm_s: float
     memory_bytes: float
     notes: tuple[str, ...] = ()
+    advice: tuple[str, ...] = ()  # NCCL settings the topology calls for (printed, not applied)
 
     @property
     def hash(self) -> str:
@@ -67,6 +68,7 @@ class Plan:
         d["params"] = tuple(tuple(p) for p in d["params"])
         d["choice"] = tuple(tuple(c) for c in d["choice"])
         d["notes"] = tuple(d["notes"])
+        d["advice"] = tuple(d.get("advice", ()))
         d["collectives"] = tuple(
             Collective(**{**c, "shape": tuple(c["shape"])}) for c in d["collectives"]
         )
@@ -102,6 +104,7 @@ class Plan:
             "(parameters, gradients and Adam moments in fp32, plus saved activations)"
         )
         out += [f"why: {n}" for n in self.notes]
+        out += [f"advice (launch environment; autopar sets none of it): {a}" for a in self.advice]
         return "\n".join(out)
 
 
