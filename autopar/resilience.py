@@ -4,8 +4,8 @@
 it (the root cause, not the peer each rank happened to wait on) and the collective.  Algorithm:
 1. torch's flight recorder (``TORCH_FR_BUFFER_SIZE``, Gloo included) records every collective
    a rank issues with its per-process-group sequence number, and retires it when it completes.
-2. A daemon thread publishes this rank's heartbeat to the job's store every ``interval``: a
-   counter, the step, its process groups' ranks and, per group, the last collective issued
+2. A daemon thread publishes this rank's heartbeat to the job's store every ``interval`` (and
+   :meth:`Watchdog.step` at each step): a counter, the step, its process groups' ranks and, per group, the last collective issued
    (sequence number, name, still in flight or not).
 3. It reads every rank's heartbeat and notes (on its own clock) when each one last changed and
    when each rank's progress last changed.  A heartbeat unchanged for ``timeout`` is a dead
@@ -215,8 +215,9 @@ def diagnose(peers: Sequence[Heartbeat | None], beat_age: Sequence[float],
     dead = [r for r in range(len(peers)) if beat_age[r] > timeout]
     if dead:
         root = max(dead, key=lambda r: (beat_age[r], -r))
-        return Verdict(rank=root, kind="dead", why=_dead(root, peers, groups, edges,
-                                                          beat_age[root]))  # fmt: skip
+        why = ("its heartbeat never started: process exited?" if peers[root] is None else
+               f"its heartbeat stopped {beat_age[root]:.1f} s ago: process exited or froze")  # fmt: skip
+        return Verdict(rank=root, kind="dead", why=_dead(root, peers, groups, edges, why))
     stuck_waiters = {w.waiter for w in edges if stuck[w.waiter] > timeout}
     if not stuck_waiters:
         return None
@@ -270,18 +271,17 @@ def _hung(root: int, peers: Sequence[Heartbeat | None], groups: dict[str, list[i
 
 
 def _dead(root: int, peers: Sequence[Heartbeat | None], groups: dict[str, list[int]],
-          edges: Sequence[Wait], age: float) -> str:  # fmt: skip
+          edges: Sequence[Wait], why: str) -> str:  # fmt: skip
     """The dead rank, where its last heartbeat saw it (published every ``interval``)."""
-    hb = peers[root]
+    hb = peers[root] if root < len(peers) else None
     if hb is None:
-        return f"rank {root} is dead (its heartbeat never started: process exited?)"
+        return f"rank {root} is dead ({why})"
     last = ""
     if hb.latest in hb.seqs:
         state = "in" if hb.latest in hb.inflight else "after"
         last = f" {state} {_collective(*hb.seqs[hb.latest], hb.latest, groups)}"
-    return (f"rank {root} is dead (its heartbeat stopped {age:.1f} s ago: process exited or "
-            f"froze); last seen at step {hb.step}{last}{_reached(hb, peers, groups)}"
-            f"{_waiters(root, edges)}")  # fmt: skip
+    return (f"rank {root} is dead ({why}); last seen at step {hb.step}{last}"
+            f"{_reached(hb, peers, groups)}{_waiters(root, edges)}")  # fmt: skip
 
 
 def _reached(dead: Heartbeat, peers: Sequence[Heartbeat | None],
@@ -356,6 +356,7 @@ class Watchdog:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.step_no, self._beat = 0, 0
         self._stop, self._ended = threading.Event(), threading.Event()
+        self._lock = threading.Lock()
         self._observer = _Observer(self.world, time.monotonic())
         self._last: tuple[Heartbeat, list[Heartbeat | None]] | None = None
         self.failure: str | None = None
@@ -364,7 +365,11 @@ class Watchdog:
         self._thread.start()
 
     def step(self, n: int | None = None) -> None:
+        """A new training step: published at once (about a millisecond), so a rank that dies
+        between two heartbeats is still seen at the step it died in."""
         self.step_no = self.step_no + 1 if n is None else n
+        with contextlib.suppress(Exception):  # the store's loss is the watchdog thread's to judge
+            self._publish()
 
     def stop(self) -> None:
         self._stop.set()
@@ -384,9 +389,10 @@ class Watchdog:
             raise RankFailure(self.failure) from e
 
     def _publish(self) -> Heartbeat:
-        self._beat += 1
-        hb = self._heartbeat_now()
-        self.store.set(f"autopar/heartbeat/{self.rank}", hb.dumps())
+        with self._lock:  # the training thread publishes at each step, the watchdog's always
+            self._beat += 1
+            hb = self._heartbeat_now()
+            self.store.set(f"autopar/heartbeat/{self.rank}", hb.dumps())
         return hb
 
     def _peers(self) -> list[Heartbeat | None]:
@@ -424,13 +430,19 @@ class Watchdog:
 
     def _store_lost(self, error: Exception) -> Verdict:
         """The store's host closes it only after every rank read the verdict (step 4), so a
-        store lost before any verdict means its host died."""
+        store lost before any verdict means its host died (described from the last
+        heartbeats read)."""
         if self.store_host is None:
             return Verdict(rank=-1, kind="store", why=f"the job's store (torchrun's agent) "
                            f"closed ({error}) and no rank had named a failure")  # fmt: skip
-        return Verdict(rank=self.store_host, kind="store",
-                       why=f"rank {self.store_host} is dead (the job's store it hosts closed: "
-                           f"{error}) and no rank had named a failure")  # fmt: skip
+        peers = self._last[1] if self._last is not None else []
+        groups = all_groups(peers)
+        why = f"the job's store it hosts closed: {error}"
+        return Verdict(
+            rank=self.store_host,
+            kind="store",
+            why=_dead(self.store_host, peers, groups, wait_edges(peers, groups), why),
+        )
 
     def _end(self, verdict: Verdict) -> None:
         """Step 4: report, acknowledge the verdict; the store's host waits until every other
