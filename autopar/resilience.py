@@ -95,11 +95,6 @@ def flight_state() -> FlightState:
     return FlightState(seqs=seqs, inflight=inflight, latest=latest)
 
 
-def last_collectives() -> dict[str, tuple[int, str]]:
-    """Per process-group name: (sequence number, name) of the last collective this rank issued."""
-    return flight_state().seqs
-
-
 def _group_ranks() -> dict[str, list[int]]:
     """Process-group name -> global ranks, for the groups this rank belongs to."""
     from torch.distributed import distributed_c10d as c10d
@@ -333,25 +328,29 @@ class _Observer:
 VERDICT_KEY = "autopar/verdict"
 
 
+def _store_host() -> int | None:
+    """The rank hosting the job's store: rank 0 (``env://``, ``tcp://``), or none under
+    torchrun, whose agent hosts it."""
+    return None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
+
+
 class Watchdog:
     """Ends this rank with a named error when another rank dies or hangs (steps 1-5).
 
-    Start it after ``init_process_group`` (with :func:`enable_flight_recorder` called before);
-    ``timeout`` seconds without a peer's heartbeat, or stuck in a collective, end the process
+    Start it after ``init_process_group`` (with :func:`enable_flight_recorder` called before),
+    best once the model is compiled and every rank has reached the training loop (a barrier):
+    ranks may take unequal times to compile.  ``timeout`` seconds without a peer's heartbeat, or stuck in a collective, end the process
     with :data:`EXIT_CODE`.  Call :meth:`step` once per training step (names the step in the
     error) and :meth:`stop` at the end.  ``store_host``: the rank whose exit closes the job's
-    store (rank 0 under ``env://`` and ``tcp://`` rendezvous; none under torchrun, whose
-    agent hosts it).
+    store (default: :func:`_store_host`).
     """
 
     def __init__(self, timeout: float = 30.0, interval: float = 0.25, store: Any = None,
-                 store_host: int | None = -1) -> None:  # fmt: skip
+                 store_host: int | None = None) -> None:  # fmt: skip
         from torch.distributed import distributed_c10d as c10d
 
-        if store_host == -1:
-            agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            store_host = None if agent else 0
-        self.timeout, self.interval, self.store_host = timeout, interval, store_host
+        self.timeout, self.interval = timeout, interval
+        self.store_host = _store_host() if store_host is None else store_host
         self.store = store if store is not None else c10d._get_default_store()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.step_no, self._beat = 0, 0
