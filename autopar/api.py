@@ -176,7 +176,7 @@ def autoparallelize(
         return prog
     from autopar.runtime import PipelineRunner, bind_mesh
 
-    rank = bind_mesh(device_mesh, virtual)
+    rank = bind_mesh(device_mesh, virtual, prog.collectives())
     if "pp" in virtual.sizes:
         return PipelineRunner(prog.share(rank), device_mesh.get_group("pp"))
     if param_dtype != torch.float32:
@@ -252,7 +252,7 @@ def _expert_parallel(model: nn.Module, mesh: Mesh, device_mesh: Any,
         return prog
     from autopar.runtime import PipelineRunner, bind_mesh
 
-    rank = bind_mesh(device_mesh, mesh)
+    rank = bind_mesh(device_mesh, mesh, prog.collectives())
     if "pp" in mesh.sizes:
         return PipelineRunner(prog.share(rank), device_mesh.get_group("pp"))
     return prog.module(rank)

@@ -36,6 +36,7 @@ from autopar.precision import annotate_autocast
 from autopar.program import Program, collectives_of
 from autopar.trace import Traced, trace
 from cost.comm import collective_time
+from cost.topology import Topology, nccl_advice
 from passes import PassContext, run_pipeline
 
 
@@ -129,6 +130,7 @@ def _plan(traced: Traced, gm: torch.fx.GraphModule, mesh: Mesh, sol: AxisSolutio
         comm_s=sol.comm_s,
         memory_bytes=sol.memory_bytes,
         notes=notes,
+        advice=nccl_advice(Topology(cluster=mesh.cluster), mesh.axes),
     )
 
 

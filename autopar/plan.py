@@ -101,6 +101,7 @@ class Plan:
     cp: CpSection | None = None
     recompute: str = "none"
     stages: tuple[Plan, ...] = ()  # under pp: each stage's plan
+    advice: tuple[str, ...] = ()  # NCCL settings the topology calls for (printed, not applied)
 
     @property
     def hash(self) -> str:
@@ -138,7 +139,8 @@ class Plan:
             raise PlanError(f"plan.json has unknown fields {', '.join(unknown)} (a plan of "
                             f"another autopar version?); it knows {', '.join(sorted(known))}")  # fmt: skip
         d = {**d, "mesh": _pairs(d["mesh"]), "params": _pairs(d["params"]),
-             "choice": _pairs(d["choice"]), "notes": tuple(d.get("notes", ()))}  # fmt: skip
+             "choice": _pairs(d["choice"]), "notes": tuple(d.get("notes", ())),
+             "advice": tuple(d.get("advice", ()))}  # fmt: skip
         d["collectives"] = tuple(
             Collective(**{**c, "shape": tuple(c["shape"])}) for c in d["collectives"]
         )
@@ -202,6 +204,7 @@ class Plan:
             "(parameters, gradients and Adam moments in fp32, plus saved activations)"
         )
         out += [f"why: {n}" for n in self.notes]
+        out += [f"advice (launch environment; autopar sets none of it): {a}" for a in self.advice]
         for i, stage in enumerate(self.stages):
             out += ["", f"--- stage {i} ---", str(stage)]
         return "\n".join(out)

@@ -2,7 +2,8 @@
 
 Algorithm (:func:`bind_mesh`):
 1. Check the job's world size equals the mesh size (a mismatch would hang in the first
-   collective, so it is an error up front).
+   collective, so it is an error up front), and that every group the plan placed inside a node
+   shares one host (:mod:`autopar.placement`).
 2. Bind each named mesh dim to its process group (NCCL on GPU, Gloo on CPU, as the DeviceMesh
    was built) for the collectives in the per-rank program.
 3. Return this rank's global rank in the mesh (row-major coordinates).
@@ -10,6 +11,7 @@ Algorithm (:func:`bind_mesh`):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,9 +24,14 @@ from autopar.layout import Shard, parse_placement
 from autopar.mesh import Mesh
 
 
-def bind_mesh(device_mesh: Any, mesh: Mesh) -> int:
-    """Bind ``device_mesh``'s named dims to the collectives and return this rank (steps 1-3)."""
+def bind_mesh(device_mesh: Any, mesh: Mesh, plan_collectives: Sequence[Any] = (),
+              force_placement: bool | None = None) -> int:  # fmt: skip
+    """Bind ``device_mesh``'s named dims to the collectives and return this rank (steps 1-3).
+    ``plan_collectives``: the plan's, to price a forced misplacement (``force_placement``)."""
+    from autopar.placement import check_placement
+
     check_world(mesh)
+    check_placement(device_mesh, mesh, plan_collectives, force=force_placement)
     names = device_mesh.mesh_dim_names
     collectives.bind({name: device_mesh.get_group(name) for name in names})
     coords = {name: device_mesh.get_local_rank(name) for name in names}
@@ -470,7 +477,7 @@ def _sum_hook(group, bucket):  # noqa: ANN001, ANN202 - DDP rejects string annot
 
 def wrap_data_parallel(device_mesh: Any, prog: Any, mesh: Mesh) -> Any:
     """Bind the mesh and wrap this rank's sub-mesh module (or pipeline stages) for dp."""
-    rank = bind_mesh(device_mesh, mesh)
+    rank = bind_mesh(device_mesh, mesh, prog.collectives())
     if "pp" in mesh.sizes:
         data = DataAxis(group=device_mesh.get_group("dp"), mesh=device_mesh["dp"],
                         zero=prog.plan.zero, reduction=prog.plan.reduction,

@@ -26,6 +26,14 @@ Algorithm (`Topology.collective`, a group of `size` ranks `stride` apart in rank
    divided by the oversubscription when a path climbs to the spine.
 4. `links` names what an axis rides and splits its time between the NVSwitch and the fabric
    (the hierarchical algorithm's inside-node and across-node parts).
+
+Algorithm (`Topology.nccl_advice`, the NCCL settings the pricing assumed; printed, never set):
+1. An axis whose groups stay in one node on NVLink 4 or later with more than two members has
+   its all-reduce priced on the NVSwitch: NVLink SHARP (NVLS) does it in the switch.
+2. An axis that crosses nodes on a rail-optimised fabric is priced ring-per-rail, one NIC per
+   GPU, and another rail reached over the far node's NVSwitch (PXN): rings stay on their rail
+   (`NCCL_CROSS_NIC=0`), every NIC is listed in GPU order (`NCCL_IB_HCA`), PXN on. On a
+   top-of-rack fabric every NIC reaches the same leaf, so rings may cross NICs.
 """
 
 from __future__ import annotations
@@ -160,6 +168,32 @@ class Topology:
                                  per_node, wire) * (2 if kind == "all_reduce" else 1)  # fmt: skip
         share = min(1.0, inside / total) if total > 0 else 0.0
         return {c.intra.name: share, name: 1.0 - share}
+
+
+NVLS_LINKS = ("nvlink4", "nvlink5")  # NVSwitch generations with NVLink SHARP
+
+
+def nccl_advice(topology: Topology, axes: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
+    """The NCCL environment the topology's prices assume for the mesh `axes` (steps 1-2)."""
+    c, out = topology.cluster, []
+    inside = [a for a, s in axes if s > 2 and c.axis_in_node(axes, a)]
+    if inside and c.intra.name in NVLS_LINKS:
+        out.append(f"NCCL_NVLS_ENABLE=1: {', '.join(inside)}'s all-reduce runs in the NVSwitch "
+                   f"(NVLink SHARP on {c.intra.name})")  # fmt: skip
+    across = [a for a, s in axes if s > 1 and not c.axis_in_node(axes, a)]
+    if not across:
+        return tuple(out)
+    names = ", ".join(across)
+    if topology.rails:
+        out += [f"NCCL_CROSS_NIC=0: {names} rings stay on their rail (GPU i's NIC to GPU i's "
+                f"NIC, rail-optimised fabric)",
+                f"NCCL_IB_HCA=<the node's {c.gpus_per_node} HCAs in GPU order, e.g. "
+                f"mlx5_0,...,mlx5_{c.gpus_per_node - 1}>: one NIC per GPU, as {names} is priced",
+                "NCCL_PXN_DISABLE=0: another rail is reached over the far node's NVSwitch "
+                "(PXN), as priced"]  # fmt: skip
+    else:
+        out.append(f"NCCL_CROSS_NIC=1: top-of-rack fabric, {names} rings may use any NIC")
+    return tuple(out)
 
 
 def axis_links(topology: Topology, spans: dict, step_comm: dict[str, float],

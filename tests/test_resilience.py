@@ -24,14 +24,17 @@ from autopar.resilience import (
     StragglerMonitor,
     diagnose,
     find_stragglers,
+    where,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-WORLD, VICTIM, TIMEOUT = 4, 2, 4.0
+WORLD, TIMEOUT = 4, 4.0
 
 
-def _rank_main(rank: int, port: int, mode: str) -> None:
-    """One rank: train an autopar tp=4 MLP; the victim dies (or hangs) in step 3's forward."""
+def _rank_main(rank: int, port: int, mode: str, victim: int) -> None:
+    """One rank: train an autopar dp=2 x tp=2 MLP; the victim dies (or hangs) after step 3's
+    forward.  Its tp peer then waits on it in a tp collective, the other dp replica's ranks
+    wait in dp gradient reductions (one of them on the victim's tp peer, not the victim)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -45,17 +48,18 @@ def _rank_main(rank: int, port: int, mode: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=timedelta(seconds=120))  # fmt: skip
-    watchdog = Watchdog(timeout=TIMEOUT)
-    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     x = torch.randn(8, 16)
     module = autoparallelize(MLP(), mesh, (x,))
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    dist.barrier()  # the watchdog guards the steps: compiling may take ranks unequal times
+    watchdog = Watchdog(timeout=TIMEOUT)
     with watchdog.guard():
         for step in range(1, 1000):
             watchdog.step(step)
             out = module(x)
-            if rank == VICTIM and step == 3:
+            if rank == victim and step == 3:
                 if mode == "kill":
                     os._exit(17)
                 time.sleep(3600)
@@ -65,11 +69,19 @@ def _rank_main(rank: int, port: int, mode: str) -> None:
     print("finished", flush=True)
 
 
-@pytest.mark.parametrize("mode", ["kill", "hang"])
-def test_a_dead_or_hung_rank_ends_every_rank_with_a_named_error(mode):
+def _watchdog_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("[autopar watchdog]")]
+
+
+@pytest.mark.parametrize(("mode", "victim"), [("kill", 1), ("hang", 1), ("kill", 0)])
+def test_every_rank_blames_the_rank_that_died_or_hung(mode, victim):
+    """Every rank that is left (the hung one included) names the victim -- the root cause,
+    not the peer it waited on -- and the collective it never joined.  Rank 0 hosts the job's
+    store: killed, the others lose the store with no verdict posted and name it."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), mode], env=env,
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), mode, str(victim)],
+                              env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(WORLD)]  # fmt: skip
     try:
@@ -81,29 +93,75 @@ def test_a_dead_or_hung_rank_ends_every_rank_with_a_named_error(mode):
                 p.wait()
     codes = [p.returncode for p in procs]
     for r, (code, (_, err)) in enumerate(zip(codes, outs, strict=True)):
-        if r == VICTIM and mode == "kill":
+        if r == victim and mode == "kill":
             assert code == 17
             continue
         # ended by the watchdog, or by guard() raising RankFailure once a peer's exit broke
         # the collective (both name the rank)
         assert code in (1, EXIT_CODE), (r, code, err[-2000:])
-        if r != VICTIM:  # the survivors name the victim and the collective it never joined
-            assert f"rank {VICTIM}" in err and "gloo:" in err, (r, err[-2000:])
-            assert ("is dead" if mode == "kill" else "did not join") in err, (r, err[-2000:])
+        lines = _watchdog_lines(err)
+        assert len(lines) == 1, (r, err[-2000:])
+        want = (
+            f"rank {victim} is dead" if mode == "kill" else f"rank {victim} hung: it did not join"
+        )
+        assert lines[0].startswith(f"[autopar watchdog] rank {r}: {want}"), (r, lines[0])
+        if victim == 0:  # its store is gone: no collective to name, the store says why
+            assert "(the job's store it hosts closed" in lines[0], (r, lines[0])
+        else:  # where the victim stopped: step 3, after its forward's collectives
+            assert "gloo:" in lines[0] and "store" not in lines[0], (r, lines[0])
+            stopped = "last seen at step 3" if mode == "kill" else "at step 3, not inside"
+            assert stopped in lines[0], (r, lines[0])
+        if r == victim:
+            assert lines[0].endswith("; this rank; ending this rank"), lines[0]
     assert all(p.poll() is not None for p in procs)
 
 
-def test_diagnose_names_the_rank_behind_on_a_shared_group():
-    groups = {"1": [0, 1, 2, 3], "2": [0, 1]}
-    me = Heartbeat(rank=0, time=100.0, seqs={"1": (7, "gloo:all_reduce"), "2": (3, "x")}, step=4)
-    peers = [me, Heartbeat(rank=1, time=100.0, seqs={"1": (7, "a"), "2": (3, "x")}, step=4),
-             Heartbeat(rank=2, time=100.0, seqs={"1": (6, "a")}, step=3),
-             Heartbeat(rank=3, time=100.0, seqs={"1": (7, "a")}, step=4)]  # fmt: skip
-    assert diagnose(me, peers, groups, now=100.0, timeout=5, stuck_s=1) is None  # not yet stuck
-    why = diagnose(me, peers, groups, now=100.0, timeout=5, stuck_s=6)
-    assert why.startswith("rank 2 did not join gloo:all_reduce #7 on process group 1")
-    peers[3] = Heartbeat(rank=3, time=90.0, seqs={"1": (7, "a")}, step=4)
-    assert diagnose(me, peers, groups, now=100.0, timeout=5, stuck_s=0).startswith("rank 3 is dead")
+def _hb(rank, step, seqs, inflight=(), beat=1):
+    groups = {"0": [0, 1, 2, 3], "tp0": [0, 1], "tp1": [2, 3], "dp0": [0, 2], "dp1": [1, 3]}
+    mine = {pg: ranks for pg, ranks in groups.items() if rank in ranks}
+    return Heartbeat(rank=rank, time=0.0, seqs=seqs, step=step, inflight=inflight, groups=mine,
+                     beat=beat)  # fmt: skip
+
+
+def _issue_layout():
+    """dp=2 x tp=2 with rank 1 sleeping after a tp all_reduce: rank 0 waits on it in tp; rank 2
+    waits on rank 0 in dp; rank 3 waits on rank 1 in dp."""
+    ar = "gloo:all_reduce"
+    return [_hb(0, 3, {"tp0": (11, ar), "dp0": (4, ar)}, inflight=("tp0",)),
+            _hb(1, 3, {"tp0": (10, ar), "dp1": (4, ar)}),
+            _hb(2, 3, {"tp1": (11, ar), "dp0": (5, ar)}, inflight=("dp0",)),
+            _hb(3, 3, {"tp1": (11, ar), "dp1": (5, ar)}, inflight=("dp1",))]  # fmt: skip
+
+
+def test_diagnose_follows_the_waits_to_the_rank_that_stopped_first():
+    peers = _issue_layout()
+    alive = [0.1] * WORLD
+    assert diagnose(peers, alive, [3.0] * WORLD, timeout=5) is None  # not stuck for long yet
+    # rank 3 has waited only 1 s: its wait on rank 1 still counts; rank 2's chain 2 -> 0 -> 1
+    # ends at rank 1, not at rank 0 (the peer rank 2 waits on)
+    verdict = diagnose(peers, alive, [6.0, 7.0, 6.0, 1.0], timeout=5)
+    assert (verdict.rank, verdict.kind) == (1, "hung")
+    assert verdict.why.startswith("rank 1 hung: it did not join gloo:all_reduce #5 on process "
+                                  "group dp1 (ranks [1, 3]) (it is at #4 there), nor "
+                                  "gloo:all_reduce #11 on process group tp0 (ranks [0, 1]) (it "
+                                  "is at #10 there)")  # fmt: skip
+    assert verdict.why.endswith("ranks [0, 3] wait on it")
+    dead = diagnose(peers, [0.1, 6.0, 0.1, 0.1], [6.0] * WORLD, timeout=5)
+    assert (dead.rank, dead.kind) == (1, "dead") and dead.why.startswith("rank 1 is dead")
+    assert (
+        "last seen at step 3; its peers went on to gloo:all_reduce #5 on process group dp1 "
+        "(ranks [1, 3]), gloo:all_reduce #11 on process group tp0 (ranks [0, 1])" in dead.why
+    )
+    first = diagnose(peers, [0.1, 6.0, 8.0, 0.1], [9.0] * WORLD, timeout=5)
+    assert first.rank == 2  # of two silent ranks, the one silent longest
+
+
+def test_where_names_the_collective_this_rank_waits_in():
+    peers = _issue_layout()
+    groups = {"dp0": [0, 2]}
+    assert where(peers[2], groups) == ("rank 2 was waiting in gloo:all_reduce #5 on process group "
+                                       "dp0 (ranks [0, 2]) at step 3")  # fmt: skip
+    assert where(peers[1], groups) == "rank 1 was at step 3"
 
 
 # ---------------------------------------------------------------- stragglers
@@ -247,5 +305,5 @@ def test_loss_scaler_backs_off_on_overflow_and_grows_after_clean_steps():
 
 
 if __name__ == "__main__":
-    _rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    _rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
     sys.exit(0)
