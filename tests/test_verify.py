@@ -170,7 +170,17 @@ def test_in_place_filled_buffer_is_relaid_out_after_its_writes():
     assert report.ok, str(report)
 
 
-def test_relu_kink_flip_is_told_apart_from_a_wrong_program_by_a_float64_rerun():
+@pytest.fixture
+def one_thread():
+    """The one-device reference on one thread, as the ranks run: with two threads MKL splits
+    a K=1000 product's sum in halves, exactly as tp=2's row split does, and no kink flips."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_relu_kink_flip_is_told_apart_from_a_wrong_program_by_a_float64_rerun(one_thread):
     torch.manual_seed(0)
     x = torch.randn(16, 64)
     report = verify(Kink(x), Mesh(tp=2), (x,))
@@ -182,7 +192,7 @@ def test_relu_kink_flip_is_told_apart_from_a_wrong_program_by_a_float64_rerun():
     assert "wrong in float64 too" in str(wrong)
 
 
-def test_float64_rerun_that_cannot_run_keeps_the_fp32_verdict():
+def test_float64_rerun_that_cannot_run_keeps_the_fp32_verdict(one_thread):
     torch.manual_seed(0)
     x = torch.randn(16, 64)
     report = verify(KinkWithoutFloat64(x), Mesh(tp=2), (x,))
