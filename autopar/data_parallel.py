@@ -42,6 +42,7 @@ from autopar.errors import FitError, InputError, PlanError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, DpSection, Plan, _fmt_bytes, _pattern, as_plan
 from cost.memory import model_state
+from cost.topology import Topology, nccl_advice
 
 ZERO_STAGES = (0, 1, 2, 3)
 _MEAN, _SUM = 1, 2  # aten's reduction enum
@@ -267,6 +268,7 @@ class DataParallelPlan:
     notes: tuple[str, ...]
     param_dtype: torch.dtype = torch.float32  # compute (and ZeRO-3 all-gather) dtype
     reduce_dtype: torch.dtype = torch.float32  # gradient reduction dtype
+    advice: tuple[str, ...] = ()  # NCCL settings the whole mesh's topology calls for
 
     @property
     def dp(self) -> int:
@@ -282,7 +284,8 @@ class DataParallelPlan:
         inner = as_plan(self.inner)
         return dataclasses.replace(inner, mesh=self.mesh, dp=DpSection(zero=self.zero),
                                    collectives=(*inner.collectives, *self.collectives),
-                                   notes=(*inner.notes, *self.notes))  # fmt: skip
+                                   notes=(*inner.notes, *self.notes),
+                                   advice=self.advice or inner.advice)  # fmt: skip
 
     def __str__(self) -> str:
         mesh = ", ".join(f"{a}={s}" for a, s in self.mesh)
@@ -304,6 +307,7 @@ class DataParallelPlan:
         wire = sum(wire_bytes(c, self.dp) for c in self.collectives)
         out.append(f"  total {_fmt_bytes(wire)} sent per rank per step (ring)")
         out += [f"why: {n}" for n in self.notes]
+        out += [f"advice (launch environment; autopar sets none of it): {a}" for a in self.advice]
         out.append("sub-mesh program (every dp rank runs it on its batch slice):")
         out.append(str(self.inner))
         return "\n".join(out)
@@ -416,6 +420,7 @@ def compile_data_parallel(mesh: Mesh, example_inputs: Sequence[Any], example_kwa
                                          kept_gathered(inner))),
         notes=(why, *([resolved] if resolved else []), *_engine_note(stage)),
         param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        advice=nccl_advice(Topology(cluster=mesh.cluster), mesh.axes),
     )  # fmt: skip
     return DataParallelProgram(inner=inner, mesh=mesh, plan=plan)
 

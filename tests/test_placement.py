@@ -133,3 +133,16 @@ def test_the_plan_prints_the_nccl_advice():
     assert "advice (launch environment; autopar sets none of it): NCCL_NVLS_ENABLE=1: tp's " \
         "all-reduce" in str(prog.plan)  # fmt: skip
     assert Plan.from_json(prog.plan.to_json()) == prog.plan
+
+
+def test_a_data_parallel_plan_prints_the_advice_of_its_whole_mesh():
+    """The dp axis crosses nodes: its plan advises the rail settings the fabric is priced on
+    (the sub-mesh's tp plan alone knows only NVLink)."""
+    from autopar import autoparallelize
+    from autopar.testing import MLP
+
+    mesh = Mesh(Cluster.preset("dgx-h100", nodes=2), dp=2, tp=8)
+    prog = autoparallelize(MLP(), mesh, (torch.randn(16, 16),))
+    text = str(prog.plan)
+    assert "autopar sets none of it): NCCL_CROSS_NIC=0: dp rings stay on their rail" in text
+    assert prog.plan.to_plan().advice == nccl_advice(Topology(cluster=mesh.cluster), mesh.axes)
