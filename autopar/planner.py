@@ -26,6 +26,8 @@ Algorithm (:func:`solve_axis`):
    reduce-scatter backward of an all-gather its replicated chain starts from, by a variable
    tied to that gather's edge).  Impossible re-layouts (to partial) are forbidden pairs.  Each collective
    also pays a fixed launch-and-synchronise overhead, so fewer, larger collectives win ties.
+   The graph walks these prices need (the replicated region above a value, where its
+   reduction lands) are done once per node (``_Walks``), so pricing stays linear in depth.
 5. Solve exactly with HiGHS (scipy.optimize.milp): binary choice per node, continuous
    linearisation variables per priced edge pair; optional per-rank memory limit.
 """
