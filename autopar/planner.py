@@ -26,6 +26,8 @@ Algorithm (:func:`solve_axis`):
    reduce-scatter backward of an all-gather its replicated chain starts from, by a variable
    tied to that gather's edge).  Impossible re-layouts (to partial) are forbidden pairs.  Each collective
    also pays a fixed launch-and-synchronise overhead, so fewer, larger collectives win ties.
+   The graph walks these prices need (the replicated region above a value, where its
+   reduction lands) are done once per node (``_Walks``), so pricing stays linear in depth.
 5. Solve exactly with HiGHS (scipy.optimize.milp): binary choice per node, continuous
    linearisation variables per priced edge pair; optional per-rank memory limit.
 """
@@ -196,11 +198,11 @@ def _solve(traced: Traced, axis: str, size: int, link: Link, gpu: GPU, options: 
     if weight is None:
         weight = MEMORY_PRICE_S / gpu.hbm_bytes
     prob = _Problem()
-    pricer = _Pricer(size=size, link=link, fixed_params=in_place,
-                     small=_small_matrices(cands, traced))  # fmt: skip
+    pricer = _Pricer(size=size, link=link, fixed_params=in_place)
+    walks = _Walks(grad, _small_matrices(cands, traced))
     xvar = _choice_vars(prob, graph_nodes, rep, cands, grad, gpu, pricer, weight)
     for v in graph_nodes:
-        _price_inputs(prob, v, rep, cands, xvar, grad, pricer, options.replicate_outputs)
+        _price_inputs(prob, v, rep, cands, xvar, walks, pricer, options.replicate_outputs)
     _finish_aux(prob, weight)
     unsplit = _require_weight_split(prob, cands, xvar, traced, size) if size > 1 else ()
     _fix(prob, cands, xvar, dict(options.fixed))
@@ -428,7 +430,6 @@ class _Pricer:
     size: int
     link: Link
     fixed_params: frozenset[str] = frozenset()  # split weights (and views) are never moved
-    small: frozenset[str] = frozenset()  # matrices step 3 lets stay whole (may be replicated)
 
     def t(self, kind: str, nbytes: float) -> float:
         return COLLECTIVE_OVERHEAD_S + collective_time(kind, nbytes, self.size, self.link)
@@ -474,16 +475,17 @@ def _nbytes(arg: fx.Node) -> float:
 
 
 def _price_inputs(prob: _Problem, v: fx.Node, rep: dict, cands: dict, xvar: dict,
-                  grad: set, pricer: _Pricer, replicate: bool) -> None:  # fmt: skip
+                  walks: _Walks, pricer: _Pricer, replicate: bool) -> None:  # fmt: skip
     """Transport variables z[a, b] per edge (sum_b z = x_u[a], sum_a z = x_v[b]) keep the LP
     relaxation tight; shared re-layout costs bound them from above per (producer, target)."""
+    grad = walks.grad
     if v.op == "output":
         _price_outputs(prob, v, rep, cands, xvar, pricer, replicate)
         return
     if rep[v] not in cands:
         return
     vr = rep[v]
-    for slot, arg in enumerate(tensor_args(v)):
+    for slot, arg in enumerate(walks.args(v)):
         u, idx = _source(arg)
         ur = rep[u]
         if ur not in cands:
@@ -509,45 +511,34 @@ def _price_inputs(prob: _Problem, v: fx.Node, rep: dict, cands: dict, xvar: dict
                     key = ("relayout", ur, idx, a, want)
                     _bound_aux(prob, key, (u, idx, want), cost, edge, z[(a, b)], mem)
                 if needs and isinstance(want, Replicate) and not sb.redundant:
-                    late = _deferred_bytes(u, arg, idx, grad) if sa.redundant else nbytes
+                    late = _deferred_bytes(u, arg, idx, walks) if sa.redundant else nbytes
                     g = pricer.grad_reduce(have, min(nbytes, late))
-                    if sa.redundant and idx is None and _reduced_at_weights(u, grad, pricer.small):
+                    if sa.redundant and idx is None and walks.reduced_at_weights(u):
                         g = 0.0
                     gkey, group = ("grad", ur, idx, a), (u, idx)
                     if sa.redundant and idx is None and g > 0:  # one reduction where it lands
-                        top = _deferred_node(u, grad)
+                        top = walks.deferred(u)
                         gkey, group = ("grad", rep.get(top, top), None, "deferred"), (top, None)
                     _bound_aux(prob, gkey, group, g, edge, z[(a, b)], 0.0)
                     if sa.redundant and idx is None and g > 0:
-                        _price_gather_backward(prob, gkey, group, g, u, rep, cands, xvar, grad,
+                        _price_gather_backward(prob, gkey, group, g, u, rep, cands, xvar, walks,
                                                pricer)  # fmt: skip
         if fresh:
             _transport_rows(prob, z, xvar, ur, vr, len(cands[ur]), len(cands[vr]))
 
 
-def _deferred_bytes(u: fx.Node, arg: fx.Node, idx: int | None, grad: set) -> float:
+def _deferred_bytes(u: fx.Node, arg: fx.Node, idx: int | None, walks: _Walks) -> float:
     """Bytes of the partial gradient a replicated ``u`` passes up to where it is cheapest to
     reduce (``lower_collectives`` step 6 hoists the reduction there): back through ops with one
     user and one input that needs a gradient, while that input is not larger (a routed gather
     ``x[index]`` reduces [T, h] instead of its [T*k, h] rows)."""
     if idx is not None:
         return _nbytes(arg)
-    return _nbytes(_deferred_node(u, grad))
-
-
-def _deferred_node(u: fx.Node, grad: set) -> fx.Node:
-    """The value whose gradient the reduction of replicated ``u``'s reaches (step 6 above)."""
-    node = u
-    while node.op == "call_function" and len(node.users) == 1 and not _mutates(node):
-        ins = [a for a in tensor_args(node) if a in grad]
-        if len(ins) != 1 or _nbytes(ins[0]) > _nbytes(node):
-            break
-        node = ins[0]
-    return node
+    return _nbytes(walks.deferred(u))
 
 
 def _price_gather_backward(prob: _Problem, key: tuple, group: tuple, g: float, u: fx.Node,
-                           rep: dict, cands: dict, xvar: dict, grad: set,
+                           rep: dict, cands: dict, xvar: dict, walks: _Walks,
                            pricer: _Pricer) -> None:  # fmt: skip
     """``lower_collectives`` step 9: when the chain of ops above the reduction's value (each
     reading one non-weight value that needs a gradient, no larger; weights beside it) is
@@ -557,13 +548,14 @@ def _price_gather_backward(prob: _Problem, key: tuple, group: tuple, g: float, u
     minus the reduction ``g``) with d <= the reduction's aux, d <= the edge's split ->
     replicated transport variables, and d <= each chain op's replicated strategies; the
     discounts of one reduction sum to at most its aux (one gather per chain)."""
-    chain, found = [_deferred_node(u, grad)], []
+    grad = walks.grad
+    chain, found = [walks.deferred(u)], []
     while len(chain) <= _MAX_CHAIN:
         c = chain[-1]
         if c.op != "call_function" or _mutates(c) or rep[c] not in cands:
             break
-        args = tensor_args(c)
-        ins = [a for a in dict.fromkeys(args) if a in grad and not _is_weight(a)]
+        args = walks.args(c)
+        ins = [a for a in dict.fromkeys(args) if a in grad and not walks.is_weight(a)]
         if len(ins) != 1 or _nbytes(ins[0]) > _nbytes(c):
             break
         p, pidx = _source(ins[0])
@@ -573,7 +565,7 @@ def _price_gather_backward(prob: _Problem, key: tuple, group: tuple, g: float, u
         chain.append(ins[0])
     total: dict[int, float] = {}
     for path, edge, nbytes in found:
-        beside = {a for n in path for a in tensor_args(n) if a in grad and _is_weight(a)}
+        beside = {a for n in path for a in walks.args(n) if a in grad and walks.is_weight(a)}
         saving = g - pricer.t("reduce_scatter", nbytes)
         saving -= sum(pricer.t("all_reduce", _nbytes(w)) for w in beside)
         if saving <= 0:
@@ -602,50 +594,103 @@ def _price_gather_backward(prob: _Problem, key: tuple, group: tuple, g: float, u
 _MAX_CHAIN = 16  # chain ops between a reduction and the gather it may become (step 9)
 
 
-def _reduced_at_weights(u: fx.Node, grad: set, small: frozenset[str]) -> bool:
-    """Whether ``lower_collectives`` (step 7) moves the reduction of replicated ``u``'s partial
-    gradient to weights: the replicated region above ``u`` (ops whose users all lie in it, e.g.
-    a rotary embedding and a key projection) reads, among values that need a gradient, only
-    weights and values that also feed another projection (whose reduction, Megatron's f,
-    absorbs it).  A
-    weight-gradient reduction overlaps the rest of backward like a data-parallel bucket: it
-    costs the step no time (step 4).  A projection in the region must read a matrix step 3
-    lets stay whole: any other is split, so the replicated region (and the lowering's hoist)
-    stops before it."""
-    if len(u.users) != 1 or u.op != "call_function" or _mutates(u):
-        return False
-    region, grew = {u}, True
-    while grew:
-        grew = False
-        for n in list(region):
-            for a in tensor_args(n):
-                if (a not in region and a in grad and a.op == "call_function"
+class _Walks:
+    """The graph walks step 4 repeats per edge pair, each done once per node: a memo over the
+    traced graph, which the solve does not change.  Re-walking the region above a producer
+    for every edge it feeds made pricing quadratic in the model's depth."""
+
+    def __init__(self, grad: set[fx.Node], small: frozenset[str]) -> None:
+        self.grad = grad
+        self.small = small  # matrices step 3 lets stay whole (may be replicated)
+        self._args: dict[fx.Node, list[fx.Node]] = {}
+        self._roots: dict[fx.Node, fx.Node] = {}
+        self._deferred: dict[fx.Node, fx.Node] = {}
+        self._reduced: dict[fx.Node, bool] = {}
+
+    def args(self, n: fx.Node) -> list[fx.Node]:
+        """``trace.tensor_args(n)``, computed once."""
+        found = self._args.get(n)
+        if found is None:
+            found = self._args[n] = tensor_args(n)
+        return found
+
+    def root(self, f: fx.Node) -> fx.Node:
+        """The value a chain of single-input ops (views, casts) starts from."""
+        found = self._roots.get(f)
+        if found is None:
+            node = f
+            while node.op == "call_function" and len(self.args(node)) == 1 and not _mutates(node):
+                node = self.args(node)[0]
+            found = self._roots[f] = node
+        return found
+
+    def is_weight(self, f: fx.Node) -> bool:
+        return self.root(f).op == "placeholder"
+
+    def deferred(self, u: fx.Node) -> fx.Node:
+        """The value whose gradient the reduction of replicated ``u``'s reaches
+        (:func:`_deferred_bytes`)."""
+        found = self._deferred.get(u)
+        if found is None:
+            node = u
+            while node.op == "call_function" and len(node.users) == 1 and not _mutates(node):
+                ins = [a for a in self.args(node) if a in self.grad]
+                if len(ins) != 1 or _nbytes(ins[0]) > _nbytes(node):
+                    break
+                node = ins[0]
+            found = self._deferred[u] = node
+        return found
+
+    def reduced_at_weights(self, u: fx.Node) -> bool:
+        """Whether ``lower_collectives`` (step 7) moves the reduction of replicated ``u``'s
+        partial gradient to weights: the replicated region above ``u`` (ops whose users all lie
+        in it, e.g. a rotary embedding and a key projection) reads, among values that need a
+        gradient, only weights and values that also feed another projection (whose reduction,
+        Megatron's f, absorbs it).  A weight-gradient reduction overlaps the rest of backward
+        like a data-parallel bucket: it costs the step no time (step 4).  A projection in the
+        region must read a matrix step 3 lets stay whole: any other is split, so the replicated
+        region (and the lowering's hoist) stops before it.
+
+        Algorithm (once per ``u``):
+        1. Grow the region from ``u`` by a work list: an input joins when its last user has.
+        2. Stop at the first projection of a split matrix (the answer is no, whatever else
+           the region would hold): the region stays within one block.
+        3. Check the frontier: the values outside the region that it reads."""
+        found = self._reduced.get(u)
+        if found is None:
+            found = self._reduced[u] = self._region_reduced(u)
+        return found
+
+    def _region_reduced(self, u: fx.Node) -> bool:
+        if len(u.users) != 1 or u.op != "call_function" or _mutates(u):
+            return False
+        region, todo = {u}, [u]
+        while todo:
+            n = todo.pop()
+            if self._projects_split(n):
+                return False
+            for a in self.args(n):
+                if (a not in region and a in self.grad and a.op == "call_function"
                         and not _mutates(a) and all(x in region for x in a.users)):  # fmt: skip
                     region.add(a)
-                    grew = True
-    if any(op_name(n) in MATMUL_OPS and any(_is_weight(a) and _root(a).name not in small
-                                             for a in tensor_args(n)) for n in region):  # fmt: skip
-        return False
-    frontier = {a for n in region for a in tensor_args(n) if a in grad and a not in region}
-    return bool(frontier) and all(_is_weight(f) or _projected(f, region) for f in frontier)
+                    todo.append(a)
+        frontier = {a for n in region for a in self.args(n) if a in self.grad and a not in region}
+        return bool(frontier) and all(self.is_weight(f) or self._projected(f, region)
+                                      for f in frontier)  # fmt: skip
 
+    def _projects_split(self, n: fx.Node) -> bool:
+        """``n`` is a projection of a matrix step 3 forces to be split."""
+        return op_name(n) in MATMUL_OPS and any(
+            self.is_weight(a) and self.root(a).name not in self.small for a in self.args(n)
+        )
 
-def _projected(f: fx.Node, region: set) -> bool:
-    """``f`` also feeds a projection outside the region (a weight every tp plan splits, step
-    3, so ``f``'s gradient is reduced there anyway and the region's share merges into it)."""
-    return any(op_name(x) in MATMUL_OPS and any(_is_weight(a) for a in tensor_args(x) if a is not f)
-               for x in f.users if x not in region)  # fmt: skip
-
-
-def _is_weight(f: fx.Node) -> bool:
-    return _root(f).op == "placeholder"
-
-
-def _root(f: fx.Node) -> fx.Node:
-    """The value a chain of single-input ops (views, casts) starts from."""
-    while f.op == "call_function" and len(tensor_args(f)) == 1 and not _mutates(f):
-        f = tensor_args(f)[0]
-    return f
+    def _projected(self, f: fx.Node, region: set) -> bool:
+        """``f`` also feeds a projection outside the region (a weight every tp plan splits,
+        step 3, so ``f``'s gradient is reduced there anyway and the region's share merges
+        into it)."""
+        return any(op_name(x) in MATMUL_OPS
+                   and any(self.is_weight(a) for a in self.args(x) if a is not f)
+                   for x in f.users if x not in region)  # fmt: skip
 
 
 def _small_matrices(cands: dict, traced: Traced) -> frozenset[str]:
