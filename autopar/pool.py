@@ -115,10 +115,12 @@ class WorkerPool:
                 p.kill()
 
 
-def get_pool(world: int) -> WorkerPool:
-    """The process-wide pool, (re)started when a job needs more ranks than it has."""
+def get_pool(world: int, exact: bool = False) -> WorkerPool:
+    """The process-wide pool, (re)started when a job needs more ranks than it has (or, with
+    ``exact``, other than it has: a job that builds a DeviceMesh over the whole world)."""
     global _POOL
-    if _POOL is None or _POOL.world < world or not all(p.is_alive() for p in _POOL.procs):
+    wrong = _POOL is not None and (_POOL.world < world or (exact and _POOL.world != world))
+    if _POOL is None or wrong or not all(p.is_alive() for p in _POOL.procs):
         if _POOL is not None:
             _POOL.close()
         _POOL = WorkerPool(world)

@@ -335,13 +335,13 @@ def test_all_to_all_attention_is_four_all_to_alls_forward():
 def test_cost_model_chooses_and_says_why():
     c = Config(layers=1, seq=64, kv_heads=2)
     prog = autoparallelize(build("llama", c), Mesh(cp=2), tokens(c), lm_loss)
-    (node, chosen), = prog.plan.choice
+    (node, chosen), = prog.plan.cp.attention  # the cp section (plan.choice: tp strategies)
     why = next(n for n in prog.plan.notes if n.startswith(f"attention {node}:"))
     ring, a2a = map(float, re.search(r"\(ring ([\d.]+) us, all-to-all ([\d.]+) us", why).groups())
     assert chosen == ("ring" if ring <= a2a else "all_to_all"), why
     heads2 = Config(layers=1, seq=64, heads=2, kv_heads=2, hidden=32)
     prog = autoparallelize(build("llama", heads2), Mesh(cp=4), tokens(heads2), lm_loss)
-    assert prog.plan.choice[0][1] == "ring"  # 2 heads do not split over 4 ranks
+    assert prog.plan.cp.attention[0][1] == "ring"  # 2 heads do not split over 4 ranks
 
 
 def test_activation_memory_falls_with_cp():

@@ -47,7 +47,7 @@ def _bind(rank, groups, hosts, names, force):
 
 
 def test_tp_spanning_hosts_is_refused_and_the_right_nesting_binds():
-    pool = get_pool(WORLD)
+    pool = get_pool(WORLD, exact=True)  # init_device_mesh spans the world
     refused = pool.run(_bind, (), [(TWO_HOSTS, ("tp", "dp"), False)] * WORLD)
     assert {what for what, _, _ in refused} == {"refused"}
     message = refused[0][1]
@@ -63,7 +63,7 @@ def test_tp_spanning_hosts_is_refused_and_the_right_nesting_binds():
 
 
 def test_a_forced_misplacement_binds_with_its_predicted_cost():
-    pool = get_pool(WORLD)
+    pool = get_pool(WORLD, exact=True)  # init_device_mesh spans the world
     forced = pool.run(_bind, (), [(TWO_HOSTS, ("tp", "dp"), True)] * WORLD)
     c = Mesh(tp=2).cluster
     extra = (collective_time("all_reduce", TP_REDUCE.bytes, 2, c.inter)

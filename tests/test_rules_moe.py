@@ -65,6 +65,11 @@ def test_sequence_split_plan_turns_the_routed_reduction_into_the_gathers_reduce_
     plan = autoparallelize(model, Mesh(tp=2), args, loss_fn, example_kwargs=kwargs).plan
     monkeypatch.setattr(zoo, "TINY", replace(zoo.TINY, batch=1))  # the realistic batch
     model, args, kwargs, loss_fn = zoo.build(entry, "tiny")
+    # the tiny graph lacks a few of the realistic one's nodes (a `contiguous` the shapes make
+    # a no-op); a plan naming them is refused, so pin only the nodes both graphs have
+    names = {n.name for n in autoparallelize(model, Mesh(tp=2), args, loss_fn,
+                                             example_kwargs=kwargs).traced.gm.graph.nodes}
+    plan = replace(plan, choice=tuple(c for c in plan.choice if c[0] in names))
     prog = autoparallelize(model, Mesh(tp=2), args, loss_fn, example_kwargs=kwargs, plan=plan)
     code = prog.code(0)
     assert "grad_partial(" in code
