@@ -37,7 +37,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopar import meta
 from autopar.errors import FitError, InputError, PlanError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, DpSection, Plan, _fmt_bytes, _pattern, as_plan
@@ -448,15 +447,13 @@ def saved_activations(program: Any) -> float:
     them (head, loss); a graph the cost model cannot price (float64) falls back to its plan's
     memory less the fp32 model state its solver counts."""
     from autopar.codegen import build_module
+    from autopar.precision import mark_run_dtypes
     from cost.config import ParallelConfig
     from cost.errors import CostInputError
     from cost.graph import GraphModel
 
     mode = getattr(program, "recompute", "none")
-    local = build_module(program.graph_module, program.traced, program.mesh, 0)
-    for n in local.graph.nodes:  # priced in the dtype each value has when it runs (autocast)
-        if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor):
-            n.meta["run_dtype"] = meta.dtype(n)
+    local = mark_run_dtypes(build_module(program.graph_module, program.traced, program.mesh, 0))
     try:
         model = GraphModel.from_traced(local)
         work = model.workload(ParallelConfig(global_batch=model.batch), model.batch,

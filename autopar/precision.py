@@ -78,3 +78,13 @@ def _fake_like(val: object) -> object:
     if isinstance(val, (tuple, list)):
         return type(val)(_fake_like(v) for v in val)
     return val
+
+
+def mark_run_dtypes(gm: fx.GraphModule) -> fx.GraphModule:
+    """Record on every call's tensor value the dtype it has when the program runs (its
+    autocast dtype, else its traced one) as ``node.meta["run_dtype"]``, which ``cost.graph``
+    prices saved activations in; returns ``gm``."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor):
+            n.meta["run_dtype"] = meta.dtype(n)
+    return gm

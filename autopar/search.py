@@ -207,7 +207,8 @@ def compile_auto(model: Any, mesh: AutoMesh, example_inputs: Sequence[Any],
     Algorithm:
     1. Trace once and price the graph (`cost.graph`).
     2. Search the cluster as the compiler will build it: model state in the dtype the program
-       keeps (fp32 weights are their own master; 16-bit ones have an fp32 master), one
+       keeps (fp32 weights are their own master; 16-bit ones have an fp32 master), saved
+       activations in the dtype each value runs in (autocast under `param_dtype`), one
        micro-batch per step outside a pipeline (the data axis does not accumulate), capacity
        `memory_limit` when given, ZeRO stage and recompute fixed when the user fixes them.
     3. Walk the ranking best first: compile every chosen degree (dp, pp, cp, ep, tp) in the
@@ -217,13 +218,17 @@ def compile_auto(model: Any, mesh: AutoMesh, example_inputs: Sequence[Any],
        the compiler's reason and the next is tried.
     4. `prog.search` (AutoChoice) holds the ranking, the best, the compiled one and refusals.
     """
+    import torch
+
     from autopar.errors import PlanError
+    from autopar.precision import annotate_autocast, mark_run_dtypes
     from autopar.trace import trace
     from cost.graph import GraphModel
 
     _check_decided(options)
     traced = trace(model, example_inputs, example_kwargs, loss_fn)
-    priced = GraphModel.from_traced(traced.gm, name=type(model).__name__)
+    annotate_autocast(traced.gm, options.get("param_dtype", torch.float32))
+    priced = GraphModel.from_traced(mark_run_dtypes(traced.gm), name=type(model).__name__)
     examples = _example_batch(example_inputs)
     plan = plan_shape(priced, _capacity(mesh.cluster, options.get("memory_limit")),
                       global_batch or mesh.global_batch or examples,
