@@ -11,6 +11,7 @@ Algorithm (:func:`bind_mesh`):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,10 @@ class PipelineRunner:
        autocast with fp32 weights (:func:`mixed_precision_stage`); the activations it sends
        on, and their gradients coming back, cross in ``param_dtype``
        (``passes.pipeline_split.boundary_dtype``, as the cut's boundary bytes are priced).
+    5. Every step records this rank's schedule as it ran: one (pipeline rank, 'F' | 'B',
+       micro-batch, start s, end s) event per forward and backward chunk (a zero-bubble weight
+       pass counts as 'B'), timed from the step's start (:attr:`events`;
+       :meth:`gather_events` collects every pipeline rank's for ``prog.report(measured=...)``).
     """
 
     def __init__(self, share: RankShare, pp_group: Any, device: str = "cpu",
@@ -94,13 +99,41 @@ class PipelineRunner:
             )
             for s in self.stage_ids
         ]  # shapes given up front: inferring them would run a stage on uninitialised ids
+        self.events: list[tuple[int, str, int, float, float]] = []
+        self._t0 = 0.0
+        for stage in self.stages:
+            self._time_chunks(stage)
         self.schedule = _schedule(share.config, self.stages)
+
+    def _time_chunks(self, stage: Any) -> None:
+        """Step 5: wrap ``stage``'s chunk methods to record when each ran."""
+        rank = self.share.coords.get("pp", 0)
+        for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"),
+                           ("backward_weight_one_chunk", "B")):  # fmt: skip
+            run = getattr(stage, name)
+
+            def timed(chunk: int, *args: Any, _run: Any = run, _kind: str = kind,
+                      **kwargs: Any) -> Any:  # fmt: skip
+                start = time.perf_counter() - self._t0
+                out = _run(chunk, *args, **kwargs)
+                self.events.append((rank, _kind, chunk, start, time.perf_counter() - self._t0))
+                return out
+
+            setattr(stage, name, timed)
+
+    def gather_events(self) -> list[tuple[int, str, int, float, float]]:
+        """Every pipeline rank's events of the last step (collective over the pipeline group:
+        every rank calls it), each rank timed from its own step start."""
+        gathered: list[Any] = [None] * dist.get_world_size(self.pp_group)
+        dist.all_gather_object(gathered, self.events, group=self.pp_group)
+        return sorted(e for events in gathered for e in events)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for m in self.modules.values() for p in m.parameters()]
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """One schedule over the batch (steps 1-3); returns the loss on every rank."""
+        """One schedule over the batch (steps 1-3, 5); returns the loss on every rank."""
+        self.events, self._t0 = [], time.perf_counter()
         losses: list[torch.Tensor] = []
         dummy = torch.zeros(self.share.config.n_microbatches)
         first = 0 in self.stage_ids

@@ -5,8 +5,9 @@
 
 For one traced model and each configuration: the search's predicted step time and memory per
 rank (`cost.estimate.estimate` on the traced graph, `cost.graph`) and the compiled program's
-(`autoparallelize` on the same mesh: the plan's compute + tp/cp communication, the data axis's
-ZeRO row plus the runtime reserve).  Ratios far from 1 mean the two halves of autopar price
+(`autoparallelize` on the same mesh: the plan's compute + tp/cp communication, under pp the
+slowest stage's micro-batch times m + p - 1; the data axis's ZeRO row plus the runtime
+reserve).  Ratios far from 1 mean the two halves of autopar price
 one configuration differently; the compiled step time leaves out the data axis's communication
 and the optimizer step, which only the search prices.
 
@@ -79,7 +80,12 @@ def _compiled(model, cluster: Cluster, x: torch.Tensor, degrees: dict, zero: int
                            **options)  # fmt: skip
     plan = prog.plan
     inner = plan.inner if hasattr(plan, "inner") else plan
-    step = getattr(inner, "compute_s", 0.0) + getattr(inner, "comm_s", 0.0)
+    if hasattr(inner, "prog"):  # a pipeline: the slowest stage's micro-batch, (m + p - 1) times
+        pipe = inner.prog
+        slowest = max(st.plan.compute_s + st.plan.comm_s for st in pipe.stages)
+        step = slowest * (pipe.config.n_microbatches + pipe.mesh.size("pp") - 1)
+    else:
+        step = inner.compute_s + inner.comm_s
     return step, plan.memory[plan.zero].total + RESERVED_BYTES
 
 

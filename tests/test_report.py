@@ -213,6 +213,41 @@ def test_measured_schedule_is_drawn_under_the_simulated_one(llama_dp_pp_tp,
     assert "measured run" not in prog.report(tmp_path / "s.html").read_text()
 
 
+def _timed_step(rank: int, groups: dict, share, x, y) -> list:
+    """One pipeline step on a pool rank; every pipeline rank's recorded events."""
+    from autopar import collectives
+    from autopar.runtime import PipelineRunner
+
+    collectives.bind(groups)
+    runner = PipelineRunner(share, groups["pp"])
+    runner.step(x, y)
+    return runner.gather_events()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_pipeline_step_records_the_schedule_it_ran(schedule: str, tmp_path: Path) -> None:
+    """The runner times each forward / backward chunk as torch's schedule runs it: per
+    pipeline rank the order is the one autopar simulates and prices, every chunk once, and the
+    events draw as the report's measured timeline."""
+    from autopar.pool import get_pool
+    from autopar.schedule import actions
+    from autopar.testing import Config, build, lm_loss, tokens
+
+    c = Config(layers=4, batch=4)
+    x, y = tokens(c)
+    prog = autoparallelize(build("llama", c), Mesh(pp=2), (x, y), lm_loss, n_microbatches=4,
+                           schedule=schedule)  # fmt: skip
+    jobs = [(prog.share(r), x, y) for r in range(2)]
+    events = get_pool(2).run(_timed_step, prog.mesh.axes, jobs)[0]
+    for r, planned in enumerate(actions(schedule, 2, 4)):
+        mine = [e for e in events if e[0] == r]
+        assert [(k, mb) for _, k, mb, _, _ in sorted(mine, key=lambda e: e[3])] == [
+            (k, mb) for k, _, mb in planned]
+        assert all(0 <= a <= b for *_, a, b in mine)
+    text = prog.report(tmp_path / "measured.html", measured=events).read_text()
+    assert "measured run (train_step)" in text
+
+
 def test_unknown_objects_are_refused_with_what_to_give() -> None:
     with pytest.raises(TypeError, match="give a compiled program"):
         facts_of(object())
