@@ -141,3 +141,31 @@ def test_a_gradient_whole_over_cp_keeps_zero_over_dp():
     assert "ZeRO group dp = 2 ranks" in str(prog.plan)
     report = verify(_Regularised(), Mesh(dp=2, cp=2), (x, y), zero=2)
     assert report.ok, report
+
+
+def _device_mesh_grads(rank, groups, model, x, y, zero):
+    """This rank's gradients (whole) after one step of ``autoparallelize`` on a DeviceMesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    module = autoparallelize(model, mesh, (x, y), lm_loss, zero=zero)
+    d = mesh.get_local_rank("dp")
+    out = module(x.chunk(2)[d], y.chunk(2)[d])
+    (out[0] if isinstance(out, tuple) else out).backward()
+    return module.shard_group.size(), module.full_grads()
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_a_device_mesh_flattens_dp_x_cp(zero):
+    """On a DeviceMesh the data axis flattens its dp and cp dims (``_flatten``) into the
+    ZeRO group; every rank's gradients equal one device's."""
+    x, y = tokens(C)
+    model = build("llama", C)
+    lm_loss(model(x), y).backward()
+    ref = {n: p.grad for n, p in model.named_parameters()}
+    results = get_pool(4).run(_device_mesh_grads, (("dp", 2), ("cp", 2)),
+                              [(build("llama", C), x, y, zero)] * 4)  # fmt: skip
+    for size, grads in results:
+        assert size == 4 and grads.keys() == ref.keys()
+        for n, g in grads.items():
+            torch.testing.assert_close(g, ref[n], rtol=1e-5, atol=1e-6, msg=n)
