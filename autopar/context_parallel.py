@@ -4,7 +4,8 @@ The model is traced at its global shape, so positions, RoPE tables and masks it 
 (``arange`` ...) are whole; the program then keeps each rank's part of the sequence.  Layout:
 2·cp chunks, rank i holds chunks i and 2·cp−1−i (load-balanced causal attention), or cp chunks
 when no attention is causal (autopar.cp_ops).  Parameters are replicated over cp; their
-gradients are summed over cp (the cp ranks then join the dp reduction, like a data axis).
+gradients are summed over cp, or, under dp, left partial for the data axis to reduce once
+over dp x cp (:func:`leave_grads_to_data_axis`: ZeRO then shards over dp x cp).
 
 Algorithm (:func:`compile_context_parallel`):
 1. Trace at the global shape.  The sequence length S is dim 1 of the first user input.
@@ -36,7 +37,8 @@ Composition: with tp, the tp program is compiled first at the global sequence (a
 and steps 2-5 split it (tp collectives and lowerings act on other dims and pass the sequence
 through; one on the sequence dim, Megatron-SP's, is refused); with pp, every stage is split
 this way and its boundary values travel whole; with dp, autopar.data_parallel wraps the cp
-program like any sub-mesh program.  :func:`fit_sequence` searches the (tp, cp, pp)
+program like any sub-mesh program, its dense gradients reduced by the data axis over dp x cp
+(under pp the stages keep their cp reductions and ZeRO stays over dp).  :func:`fit_sequence` searches the (tp, cp, pp)
 factorisations of a cluster with the cost model for a sequence that must fit in HBM.
 """
 
