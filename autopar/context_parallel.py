@@ -231,7 +231,8 @@ def leave_grads_to_data_axis(prog: Program) -> Program | None:
         else:
             with gm.graph.inserting_before(e):
                 partial = gm.graph.call_function(C.grad_partial, (e.args[0], AXIS))
-            partial.meta.update(e.args[0].meta)
+            partial.meta.update({k: v for k, v in e.args[0].meta.items() if k != meta.KEY})
+            meta.update(partial, layout=meta.layout(e.args[0]), origin="context_parallel")
             e.replace_input_with(e.args[0], partial)
     gm.graph.lint()
     gm.recompile()
@@ -293,8 +294,9 @@ def _above_are_dense(node: fx.Node, params: set[fx.Node], grad: frozenset[str]) 
 
 def _on_cp(n: fx.Node) -> bool:
     """A cp op (autopar.cp_ops) or a collective over cp."""
-    return n.op == "call_function" and (getattr(n.target, "__module__", None) == cp_ops.__name__
-                                         or AXIS in n.args)  # fmt: skip
+    return n.op == "call_function" and (
+        getattr(n.target, "__module__", None) == cp_ops.__name__
+        or any(isinstance(a, str) and a == AXIS for a in n.args))
 
 
 def _comm_s(found: Sequence[Collective], mesh: Mesh) -> float:

@@ -7,6 +7,11 @@ holds after a step are 1/(dp*cp) of the model's (measured); the plan says so."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -15,7 +20,7 @@ import torch.nn.functional as F
 from autopar import Mesh, autoparallelize, verify
 from autopar.collectives import grad_all_reduce, grad_partial
 from autopar.cp_ops import cp_localize
-from autopar.pool import get_pool
+from autopar.pool import free_port, get_pool
 from autopar.testing import Config, build, lm_loss, tokens
 
 C = Config(layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=48, seq=16, batch=4)
@@ -149,29 +154,54 @@ def test_a_gradient_whole_over_cp_keeps_zero_over_dp():
     assert report.ok, report
 
 
-def _device_mesh_grads(rank, groups, model, x, y, zero):
-    """This rank's gradients (whole) after one step of ``autoparallelize`` on a DeviceMesh."""
+
+def _device_mesh_main(rank: int, port: int) -> None:
+    """One rank of a real 4-process Gloo job (not the pool, whose world may be larger): for
+    ZeRO 0 and 3, ``autoparallelize`` on a (dp, cp) DeviceMesh, one backward on this rank's
+    batch slice, every gradient against one device (exit status 1 on a mismatch)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=4, timeout=timedelta(seconds=120))  # fmt: skip
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
-    module = autoparallelize(model, mesh, (x, y), lm_loss, zero=zero)
-    d = mesh.get_local_rank("dp")
-    out = module(x.chunk(2)[d], y.chunk(2)[d])
-    (out[0] if isinstance(out, tuple) else out).backward()
-    return module.shard_group.size(), module.full_grads()
-
-
-@pytest.mark.parametrize("zero", [0, 3])
-def test_a_device_mesh_flattens_dp_x_cp(zero):
-    """On a DeviceMesh the data axis flattens its dp and cp dims (``_flatten``) into the
-    ZeRO group; every rank's gradients equal one device's."""
     x, y = tokens(C)
     model = build("llama", C)
     lm_loss(model(x), y).backward()
-    ref = {n: p.grad for n, p in model.named_parameters()}
-    results = get_pool(4).run(_device_mesh_grads, (("dp", 2), ("cp", 2)),
-                              [(build("llama", C), x, y, zero)] * 4)  # fmt: skip
-    for size, grads in results:
-        assert size == 4 and grads.keys() == ref.keys()
-        for n, g in grads.items():
-            torch.testing.assert_close(g, ref[n], rtol=1e-5, atol=1e-6, msg=n)
+    d = mesh.get_local_rank("dp")
+    for zero in (0, 3):
+        module = autoparallelize(build("llama", C), mesh, (x, y), lm_loss, zero=zero)
+        out = module(x.chunk(2)[d], y.chunk(2)[d])
+        (out[0] if isinstance(out, tuple) else out).backward()
+        assert module.shard_group.size() == 4
+        for n, g in module.full_grads().items():
+            torch.testing.assert_close(g, model.get_parameter(n).grad, rtol=1e-5, atol=1e-6,
+                                       msg=f"zero={zero} {n}")  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_device_mesh_flattens_dp_x_cp():
+    """On a DeviceMesh the data axis flattens its dp and cp dims (``_flatten``) into the
+    ZeRO group; every rank's gradients equal one device's (ZeRO 0 and 3)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(4)]  # fmt: skip
+    try:
+        errs = [p.communicate(timeout=300)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode == 0 for p in procs), "\n".join(e[-2000:] for e in errs)
+
+
+if __name__ == "__main__":
+    _device_mesh_main(int(sys.argv[1]), int(sys.argv[2]))
