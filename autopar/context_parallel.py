@@ -4,7 +4,8 @@ The model is traced at its global shape, so positions, RoPE tables and masks it 
 (``arange`` ...) are whole; the program then keeps each rank's part of the sequence.  Layout:
 2·cp chunks, rank i holds chunks i and 2·cp−1−i (load-balanced causal attention), or cp chunks
 when no attention is causal (autopar.cp_ops).  Parameters are replicated over cp; their
-gradients are summed over cp (the cp ranks then join the dp reduction, like a data axis).
+gradients are summed over cp, or, under dp, left partial for the data axis to reduce once
+over dp x cp (:func:`leave_grads_to_data_axis`: ZeRO then shards over dp x cp).
 
 Algorithm (:func:`compile_context_parallel`):
 1. Trace at the global shape.  The sequence length S is dim 1 of the first user input.
@@ -36,13 +37,15 @@ Composition: with tp, the tp program is compiled first at the global sequence (a
 and steps 2-5 split it (tp collectives and lowerings act on other dims and pass the sequence
 through; one on the sequence dim, Megatron-SP's, is refused); with pp, every stage is split
 this way and its boundary values travel whole; with dp, autopar.data_parallel wraps the cp
-program like any sub-mesh program.  :func:`fit_sequence` searches the (tp, cp, pp)
+program like any sub-mesh program, its dense gradients reduced by the data axis over dp x cp
+(under pp the stages keep their cp reductions and ZeRO stays over dp).  :func:`fit_sequence` searches the (tp, cp, pp)
 factorisations of a cluster with the cost model for a sequence that must fit in HBM.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import operator
 import warnings
@@ -196,6 +199,110 @@ def _check_saved_attention(saved: CpSection, prices: list[AttentionPrice], model
             f"{sorted(mine - found) or 'nodes'} the model does not have"
             f"{f' and not {sorted(found - mine)}' if found - mine else ''}; re-plan without plan="
         )
+
+
+def leave_grads_to_data_axis(prog: Program) -> Program | None:
+    """``prog`` with the cp reductions of its dense parameters' gradients left to the data
+    axis, which then reduces every parameter gradient once over dp x cp (torchtitan's FSDP
+    over ``dp_shard_cp``); None when some parameter's gradient cannot be left partial.
+
+    Algorithm:
+    1. Walk forward from each trainable parameter along the gradient path: every path must
+       end at a ``grad_all_reduce`` over cp or a ``cp_localize`` (a position table's chunks)
+       before it meets another cp op or the output (there the gradient would arrive whole
+       on every cp rank, and a reduction over cp would count it cp times).
+    2. Each exit reached must see only parameters and non-cp ops above it on the gradient
+       path (a pipeline stage's incoming activation needs its gradient whole).
+    3. Drop those reductions, and let a localize's gathered gradient continue from cp rank 0
+       only (``grad_partial``): each cp rank's parameter gradient is then a partial sum whose
+       sum over cp is the gradient (linear ops carry a partial gradient through unchanged);
+       the plan lists the remaining collectives and says where the reduction went.
+    """
+    gm = fx.GraphModule(prog.graph_module, copy.deepcopy(prog.graph_module.graph))
+    grad = frozenset(n.name for n in needs_grad(prog.traced, gm))
+    exits = _dense_exits(gm, prog.traced, grad)
+    if exits is None:
+        return None
+    dropped = [e for e in exits if e.target is C.grad_all_reduce]
+    for e in exits:
+        if e.target is C.grad_all_reduce:
+            e.replace_all_uses_with(e.args[0])
+            gm.graph.erase_node(e)
+        else:
+            with gm.graph.inserting_before(e):
+                partial = gm.graph.call_function(C.grad_partial, (e.args[0], AXIS))
+            partial.meta.update({k: v for k, v in e.args[0].meta.items() if k != meta.KEY})
+            meta.update(partial, layout=meta.layout(e.args[0]), origin="context_parallel")
+            e.replace_input_with(e.args[0], partial)
+    gm.graph.lint()
+    gm.recompile()
+    mesh, traced = prog.mesh, prog.traced
+    names = {**traced.params, **traced.buffers}
+    lay = _seq_layout(traced, mesh.size(AXIS))
+    found = collectives_of(gm, set(grad), mesh.sizes, names) + _cp_collectives(gm, lay, grad)
+    note = (f"dense parameter gradients not reduced over cp ({len(dropped)} reductions "
+            "left to the data axis: one reduction over dp x cp)")  # fmt: skip
+    plan = dataclasses.replace(prog.plan, collectives=tuple(found), comm_s=_comm_s(found, mesh),
+                               notes=(*prog.plan.notes, note))  # fmt: skip
+    out = Program(plan=plan, mesh=mesh, graph_module=gm, traced=traced, history=prog.history)
+    out.recompute = prog.recompute
+    return out
+
+
+def _dense_exits(gm: fx.GraphModule, traced: Traced,
+                 grad: frozenset[str]) -> list[fx.Node] | None:  # fmt: skip
+    """Steps 1-2: the cp reductions and localizes where parameters' gradients (only) enter
+    the sequence-split program, if every path of every trainable parameter meets one."""
+    params = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name in traced.params
+              and n.name in grad}  # fmt: skip
+    found: dict[fx.Node, None] = {}
+    todo, seen = list(params), set(params)
+    while todo:
+        for u in todo.pop().users:
+            if u in seen or (u.op != "output" and u.name not in grad):
+                continue
+            seen.add(u)
+            if u.target in (C.grad_all_reduce, cp_ops.cp_localize) and u.args[1] == AXIS:
+                found[u] = None
+            elif u.op == "output" or _on_cp(u):
+                return None
+            else:
+                todo.append(u)
+    for r in found:
+        if not _above_are_dense(r.args[0], params, grad):
+            return None
+    return list(found)
+
+
+def _above_are_dense(node: fx.Node, params: set[fx.Node], grad: frozenset[str]) -> bool:
+    """Step 2: only parameters and non-cp ops above ``node`` on the gradient path."""
+    todo, seen = [node], {node}
+    while todo:
+        n = todo.pop()
+        if n.op == "placeholder":
+            if n not in params:
+                return False
+            continue
+        if _on_cp(n):
+            return False
+        for a in n.all_input_nodes:
+            if a.name in grad and a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return True
+
+
+def _on_cp(n: fx.Node) -> bool:
+    """A cp op (autopar.cp_ops) or a collective over cp."""
+    return n.op == "call_function" and (
+        getattr(n.target, "__module__", None) == cp_ops.__name__
+        or any(isinstance(a, str) and a == AXIS for a in n.args))
+
+
+def _comm_s(found: Sequence[Collective], mesh: Mesh) -> float:
+    """Seconds of the collectives on the links their axes ride."""
+    return sum(collective_time(c.kind, c.bytes, 2 if c.kind == "send_recv" else mesh.size(c.axis),
+                               mesh.cluster.axis_link(mesh.axes, c.axis)) for c in found)  # fmt: skip
 
 
 def _note_exchanges(gm: fx.GraphModule) -> None:
@@ -828,8 +935,7 @@ def _plan(traced: Traced, gm: fx.GraphModule, mesh: Mesh, lay: SeqLayout,
     params = tuple((names[n.name], str(meta.layout(n) or Layout.replicate(n.meta["val"].dim())))
                    for n in gm.graph.nodes if n.op == "placeholder" and n.name in traced.params)  # fmt: skip
     found = collectives_of(gm, set(grad), mesh.sizes, names) + _cp_collectives(gm, lay, grad)
-    comm = sum(collective_time(c.kind, c.bytes, 2 if c.kind == "send_recv" else mesh.size(c.axis),
-                               mesh.cluster.axis_link(mesh.axes, c.axis)) for c in found)  # fmt: skip
+    comm = _comm_s(found, mesh)
     param_bytes = sum(_nbytes(n.meta["val"]) for n in gm.graph.nodes
                       if n.op == "placeholder" and n.name in traced.params)  # fmt: skip
     act = activation_bytes(gm, traced)

@@ -3,12 +3,17 @@
 Algorithm (:func:`compile_data_parallel`):
 1. Split the global batch: dim 0 of every tensor input (and keyword input) must divide by dp
    (times the micro-batch count under pp); the example inputs are sliced to B/dp.
-2. Compile the sub-mesh program (tp and/or pp) on the sliced inputs; every dp rank runs it.
+2. Compile the sub-mesh program (tp, cp and/or pp) on the sliced inputs; every dp rank runs
+   it.  Under cp the cp ranks join the data axis's gradient reduction (torchtitan's FSDP
+   over ``dp_shard_cp``): the cp program leaves its dense parameters' gradients partial
+   (``context_parallel.leave_grads_to_data_axis``) and ZeRO shards and reduces over the
+   flattened dp x cp group, once; the loss stays a mean (or sum) over the global tokens.
 3. Read the loss's meaning off the traced graph's final reduction (a cross-entropy's reduction
    argument, a mean or a sum): a mean over the global batch stays a mean (gradients averaged
    over dp), a sum stays a sum (gradients summed).
-4. Price model state per rank for each ZeRO stage (weights, gradients, optimizer state, with
-   the saved activations of the sub-mesh plan) and pick the lowest stage that fits the memory
+4. Price model state per rank for each ZeRO stage (weights, gradients, optimizer state
+   divided over the ZeRO group: dp, or dp x cp; with the saved activations of the sub-mesh
+   plan) and pick the lowest stage that fits the memory
    limit (the GPU's memory unless ``memory_limit`` is given); a forced stage that does not fit
    is an error naming the stage that would.  A given ``memory_limit`` also reaches the
    sub-mesh (tp) solver: a stage whose fastest sub-mesh plan does not fit re-solves that plan
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -217,9 +223,11 @@ def _precision_line(param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> str:
 def dp_collectives(grads: dict[str, tuple[tuple[int, ...], torch.dtype]], stage: int,
                    param_dtype: torch.dtype = torch.float32,
                    reduce_dtype: torch.dtype = torch.float32,
-                   kept: frozenset[str] = frozenset()) -> list[Collective]:  # fmt: skip
-    """Step 5: the scalar loss all-reduce, then per parameter needing a gradient (local shape
-    on its tp/pp coordinate); direction 'step' is after the optimizer step.  Parameter
+                   kept: frozenset[str] = frozenset(),
+                   group: str = "dp") -> list[Collective]:  # fmt: skip
+    """Step 5: the scalar loss all-reduce (over dp), then per parameter needing a gradient
+    (local shape on its tp/pp coordinate) over the ZeRO ``group`` (``dp`` or ``dp_cp``);
+    direction 'step' is after the optimizer step.  Parameter
     all-gathers move ``param_dtype``, gradient reductions ``reduce_dtype``, and ZeRO-1's
     post-step gather the fp32 master weights.  ZeRO-3 re-gathers in backward every parameter
     but those ``kept`` gathered from the end of forward into backward
@@ -239,7 +247,7 @@ def dp_collectives(grads: dict[str, tuple[tuple[int, ...], torch.dtype]], stage:
                      reduce_dtype if kind != "all_gather" else param_dtype)  # fmt: skip
             dtype = master if dtype == torch.float32 else dtype
             nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            out.append(Collective(kind=kind, axis="dp", shape=tuple(shape),
+            out.append(Collective(kind=kind, axis=group, shape=tuple(shape),
                                   dtype=str(dtype).replace("torch.", ""), bytes=nbytes,
                                   direction=direction, where=fqn.rsplit(".", 1)[0]))  # fmt: skip
     return out
@@ -268,14 +276,26 @@ class DataParallelPlan:
     param_dtype: torch.dtype = torch.float32  # compute (and ZeRO-3 all-gather) dtype
     reduce_dtype: torch.dtype = torch.float32  # gradient reduction dtype
     advice: tuple[str, ...] = ()  # NCCL settings the whole mesh's topology calls for
+    zero_axes: tuple[str, ...] = ("dp",)  # the ZeRO group: gradients reduced once over these
 
     @property
     def dp(self) -> int:
         return dict(self.mesh)["dp"]
 
     @property
+    def zero_size(self) -> int:
+        """Ranks of the ZeRO group (dp, or dp x cp)."""
+        return math.prod(dict(self.mesh)[a] for a in self.zero_axes)
+
+    @property
+    def zero_group(self) -> str:
+        """The ZeRO group's name in the plan's collectives: ``dp`` or ``dp_cp``."""
+        return "_".join(self.zero_axes)
+
+    @property
     def hash(self) -> str:
-        return f"{self.inner.hash}-dp{self.dp}z{self.zero}"
+        group = "".join(f"{a}{dict(self.mesh)[a]}" for a in self.zero_axes)
+        return f"{self.inner.hash}-{group}z{self.zero}"
 
     def to_plan(self) -> Plan:
         """The one Plan (what plan.json holds): the sub-mesh's, on the whole mesh, with the dp
@@ -294,6 +314,9 @@ class DataParallelPlan:
                f"per rank; loss is a {self.reduction} over the batch: gradients "
                f"{'averaged' if self.reduction == 'mean' else 'summed'} over dp",
                _precision_line(self.param_dtype, self.reduce_dtype),
+               f"ZeRO group {' x '.join(self.zero_axes)} = {self.zero_size} ranks"
+               + (" (the cp ranks join the gradient reduction: no separate cp all-reduce)"
+                  if "cp" in self.zero_axes else ""),
                f"ZeRO stage {self.zero}; per-rank memory by stage "
                f"(limit {_fmt_bytes(self.memory_limit)}):"]  # fmt: skip
         out += [f"  {'*' if m.stage == self.zero else ' '} {m}" for m in self.memory]
@@ -303,7 +326,8 @@ class DataParallelPlan:
             groups.setdefault((str(c), _pattern(c.where + ".").rstrip(".")), []).append(c.bytes)
         for (text, where), sizes in groups.items():
             out.append(f"  {text:<44} {_fmt_bytes(sizes[0]):>10}  x{len(sizes):<3} {where}")
-        wire = sum(wire_bytes(c, self.dp) for c in self.collectives)
+        wire = sum(wire_bytes(c, self.dp if c.axis == "dp" else self.zero_size)
+                   for c in self.collectives)  # fmt: skip
         out.append(f"  total {_fmt_bytes(wire)} sent per rank per step (ring)")
         out += [f"why: {n}" for n in self.notes]
         out += [f"advice (launch environment; autopar sets none of it): {a}" for a in self.advice]
@@ -363,7 +387,8 @@ class DataParallelProgram:
         coords = ", ".join(f"{a}={c}" for a, c in self.mesh.coordinates(rank).items())
         head = (f"# data-parallel rank {rank} of {self.mesh.world_size} ({coords}): the "
                 f"program below on batch slice dp={self.mesh.coordinates(rank)['dp']}, "
-                f"gradients reduced over dp with ZeRO-{self.plan.zero}\n")  # fmt: skip
+                f"gradients reduced over {' x '.join(self.plan.zero_axes)} with "
+                f"ZeRO-{self.plan.zero}\n")  # fmt: skip
         return head + self.inner.code(self.inner_rank(rank))
 
     def collectives(self) -> list[Collective]:
@@ -400,15 +425,16 @@ def compile_data_parallel(mesh: Mesh, example_inputs: Sequence[Any], example_kwa
     dp = mesh.size("dp")
     args, kwargs = split_batch(example_inputs, example_kwargs, dp, micro)
     inner_mesh = mesh.without("dp")
-    inner = compile_inner(inner_mesh, args, kwargs, None)
+    inner, axes = join_cp(compile_inner(inner_mesh, args, kwargs, None))
+    shard = math.prod(mesh.size(a) for a in axes)
     per = StateBytes.for_dtype(param_dtype)
-    table = memory_table(inner, dp, per)
+    table = memory_table(inner, shard, per)
     limit = memory_limit if memory_limit is not None else mesh.cluster.gpu.hbm_bytes
     where = f"{_model_name(inner)} on {mesh}"
     resolved = None
     if memory_limit is not None and refit:
-        inner, table, resolved = _fit_sub_mesh(inner, table, limit, zero, (dp, per), (
-            lambda sub_limit: compile_inner(inner_mesh, args, kwargs, sub_limit)))  # fmt: skip
+        inner, table, resolved = _fit_sub_mesh(inner, table, limit, zero, (shard, per), (
+            lambda sub_limit: join_cp(compile_inner(inner_mesh, args, kwargs, sub_limit))[0]))  # fmt: skip
     stage, why = choose_zero(table, limit, zero, where)
     grads = _grad_shapes(inner)
     batch = _batch(example_inputs, example_kwargs)
@@ -416,12 +442,24 @@ def compile_data_parallel(mesh: Mesh, example_inputs: Sequence[Any], example_kwa
         inner=inner.plan, mesh=mesh.axes, links=tuple(mesh.describe()), zero=stage,
         reduction=loss_reduction(_graph(inner), _model_name(inner)), batch=batch, memory=table, memory_limit=limit,
         collectives=tuple(dp_collectives(grads, stage, param_dtype, reduce_dtype,
-                                         kept_gathered(inner))),
-        notes=(why, *([resolved] if resolved else []), *_engine_note(stage)),
+                                         kept_gathered(inner), "_".join(axes))),
+        notes=(why, *([resolved] if resolved else []), *_engine_note(stage, axes)),
         param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-        advice=nccl_advice(Topology(cluster=mesh.cluster), mesh.axes),
+        advice=nccl_advice(Topology(cluster=mesh.cluster), mesh.axes), zero_axes=axes,
     )  # fmt: skip
     return DataParallelProgram(inner=inner, mesh=mesh, plan=plan)
+
+
+def join_cp(inner: Any) -> tuple[Any, tuple[str, ...]]:
+    """Step 2: a cp program (without pp) whose dense gradients the data axis can take, and
+    the ZeRO group ``("dp", "cp")``; any other sub-mesh program as it is, over ``("dp",)``."""
+    from autopar.context_parallel import leave_grads_to_data_axis
+    from autopar.program import Program
+
+    if not isinstance(inner, Program) or inner.mesh.size("cp") == 1:
+        return inner, ("dp",)
+    joined = leave_grads_to_data_axis(inner)
+    return (inner, ("dp",)) if joined is None else (joined, ("dp", "cp"))
 
 
 def memory_table(inner: Any, dp: int, per: StateBytes) -> tuple[ZeroMemory, ...]:
@@ -520,9 +558,10 @@ def _fit_sub_mesh(inner: Any, table: tuple[ZeroMemory, ...], limit: float, zero:
     return inner, table, None
 
 
-def _engine_note(stage: int) -> list[str]:
+def _engine_note(stage: int, axes: tuple[str, ...] = ("dp",)) -> list[str]:
+    group = " x ".join(axes)
     engine = {0: "torch DDP (bucketed all-reduce overlapped with backward)",
-              1: "torch DDP + ZeroRedundancyOptimizer (optimizer state sharded over dp)",
+              1: f"torch DDP + ZeroRedundancyOptimizer (optimizer state sharded over {group})",
               2: "torch FSDP2 fully_shard(reshard_after_forward=False) per block: gradients "
                  "reduce-scattered, parameters kept whole between forward and backward",
               3: "torch FSDP2 fully_shard(reshard_after_forward=True) per block (each "
@@ -532,7 +571,8 @@ def _engine_note(stage: int) -> list[str]:
                  "per block; the rest (as torch's root) and the last block, whose "
                  "backward comes first, stay gathered from the end of forward into "
                  "backward"}  # fmt: skip
-    return [f"runs on {engine[stage]}"]
+    over = f" over the flattened {group} group" if len(axes) > 1 else ""
+    return [f"runs on {engine[stage]}{over}"]
 
 
 def _graph(inner: Any) -> fx.GraphModule:

@@ -247,6 +247,30 @@ def _mesh_groups(axes: tuple[tuple[str, int], ...], rank: int) -> dict:
             group = dist.new_group(ranks, backend="gloo")
             if rank in ranks:
                 mine[name] = group
+    names = [name for name, _ in axes]
+    if "dp" in names and "cp" in names:  # the data axis's ZeRO group under cp (dp x cp)
+        mine["dp_cp"] = _flattened_group(sizes, [names.index("dp"), names.index("cp")], rank)
+    return mine
+
+
+def _flattened_group(sizes: list[int], dims: list[int], rank: int) -> Any:
+    """This rank's group over mesh ``dims`` together (every worker creates every group)."""
+    import itertools
+
+    import torch.distributed as dist
+
+    mine = None
+    others = [range(s) if j not in dims else [0] for j, s in enumerate(sizes)]
+    for fixed in itertools.product(*others):
+        ranks = []
+        for inner in itertools.product(*(range(sizes[d]) for d in dims)):
+            coords = list(fixed)
+            for d, c in zip(dims, inner, strict=True):
+                coords[d] = c
+            ranks.append(_flat(coords, sizes))
+        group = dist.new_group(sorted(ranks), backend="gloo")
+        if rank in ranks:
+            mine = group
     return mine
 
 

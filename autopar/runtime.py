@@ -292,14 +292,17 @@ class DataParallelModule(torch.nn.Module):
     """This rank's sub-mesh module wrapped for the data axis with torch's own engines.
 
     Algorithm:
-    1. ZeRO 0 and 1: torch DDP over the dp process group (gradients all-reduced in buckets as
+    1. ZeRO 0 and 1: torch DDP over the ZeRO group (gradients all-reduced in buckets as
        they fill during backward; ``gradient_as_bucket_view``: the gradients are views into
        the buckets, so no per-step copy in or out); ZeRO 1 adds ZeroRedundancyOptimizer
        (:meth:`optimizer`).
-       ZeRO 2 and 3: FSDP2 ``fully_shard`` over the dp sub-mesh, parameters resharded after
-       forward only for 3.
-    2. A loss that is a sum over the batch has its gradients summed over dp, not averaged
-       (a DDP comm hook; under FSDP2 the outputs' gradients are scaled by dp).
+       ZeRO 2 and 3: FSDP2 ``fully_shard`` over the ZeRO group's mesh, parameters resharded
+       after forward only for 3.  The ZeRO group is dp, or the flattened dp x cp group
+       (``shard_group``) when the cp program left its dense gradients partial over cp.
+    2. Gradients are summed over the ZeRO group and divided by dp for a mean loss (over cp
+       they are partial sums of one replica's gradient), by 1 for a sum loss: a DDP comm
+       hook where the divisor is not the group's size; under FSDP2, which averages over
+       its group, the outputs' gradients are scaled by group size / divisor.
     3. Every floating scalar output (the loss) returns its global value (mean or sum over dp:
        one scalar all-reduce) while its gradient stays this rank's, so ``loss.backward()``
        computes the right gradient.  The all-reduce is launched asynchronously and the loss
@@ -315,22 +318,26 @@ class DataParallelModule(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, *, group: Any, dp_mesh: Any, zero: int,
                  reduction: str, param_dtype: torch.dtype = torch.float32,
-                 reduce_dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
+                 reduce_dtype: torch.dtype = torch.float32,
+                 shard_group: Any = None) -> None:  # fmt: skip
         super().__init__()
         self.group, self.zero, self.reduction = group, zero, reduction
+        self.shard_group = group if shard_group is None else shard_group
         self.dp = dist.get_world_size(group)
         self.param_dtype = param_dtype
         mixed = _is_mixed(module, param_dtype)
+        divisor = self.dp if reduction == "mean" else 1
         if zero <= 1:
-            self.engine = _ddp(module, group, reduction, param_dtype if mixed else None,
+            self.engine = _ddp(module, self.shard_group, divisor, param_dtype if mixed else None,
                                reduce_dtype, bucket_view=True)  # fmt: skip
         else:
             self.engine = shard_per_block(module, dp_mesh, reshard_after_forward=zero == 3,
                                           mp_policy=_mp_policy(param_dtype if mixed else None,
                                                                reduce_dtype))  # fmt: skip
-        # FSDP2 averages; a sum-factor reduce-scatter needs PREMUL_SUM, which Gloo lacks, so
-        # the outputs' gradients are scaled by dp instead (exact for power-of-two dp)
-        self.grad_scale = self.dp if reduction == "sum" and zero >= 2 else 1
+        # FSDP2 averages; another divisor needs PREMUL_SUM, which Gloo lacks, so the outputs'
+        # gradients are scaled by group size / divisor instead (exact for powers of two)
+        size = dist.get_world_size(self.shard_group)
+        self.grad_scale = size // divisor if zero >= 2 else 1
         self.autocast = param_dtype if mixed else None
         self.device_type = next(iter(module.parameters()), torch.empty(())).device.type
 
@@ -363,7 +370,8 @@ class DataParallelModule(torch.nn.Module):
     def optimizer(self, cls: type, **kwargs: Any) -> torch.optim.Optimizer:
         """``cls(parameters, **kwargs)`` with its state sharded over dp for ZeRO >= 1 (FSDP2's
         parameters are already dp shards for ZeRO 2/3)."""
-        data = DataAxis(group=self.group, mesh=None, zero=self.zero, reduction=self.reduction)
+        data = DataAxis(group=self.shard_group, mesh=None, zero=self.zero,
+                        reduction=self.reduction)  # fmt: skip
         return make_optimizer(self.parameters(), cls, data, **kwargs)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
@@ -452,9 +460,10 @@ def _is_mixed(module: torch.nn.Module, param_dtype: torch.dtype) -> bool:
     return any(p.is_floating_point() and p.dtype != param_dtype for p in module.parameters())
 
 
-def _ddp(module: torch.nn.Module, group: Any, reduction: str, param_dtype: torch.dtype | None,
+def _ddp(module: torch.nn.Module, group: Any, divisor: int, param_dtype: torch.dtype | None,
          reduce_dtype: torch.dtype, bucket_view: bool = False) -> torch.nn.Module:  # fmt: skip
-    """torch DDP over ``group`` (summed gradients for a sum loss).  Mixed precision: DDP's own
+    """torch DDP over ``group``, gradients summed and divided by ``divisor`` (DDP's default
+    divides by the group's size; 1 for a sum loss, dp for a mean over a dp x cp group).  Mixed precision: DDP's own
     ``_MixedPrecision`` needs CUDA streams, so the parameters stay fp32 and the caller's
     autocast casts them to ``param_dtype`` at each matrix product (cached for the forward);
     gradients land fp32 and are reduced in fp32, or in ``reduce_dtype`` (a comm hook that
@@ -465,10 +474,9 @@ def _ddp(module: torch.nn.Module, group: Any, reduction: str, param_dtype: torch
     ddp = DistributedDataParallel(module, process_group=group, forward_sync_buffers=False,
                                   gradient_as_bucket_view=bucket_view)  # fmt: skip
     if param_dtype is not None and reduce_dtype != torch.float32:
-        ddp.register_comm_hook(_LowPrecision(group, reduce_dtype, reduction == "mean"),
-                               _low_precision_hook)  # fmt: skip
-    elif reduction == "sum":
-        ddp.register_comm_hook(group, _sum_hook)
+        ddp.register_comm_hook(_LowPrecision(group, reduce_dtype, divisor), _low_precision_hook)
+    elif divisor != dist.get_world_size(group):
+        ddp.register_comm_hook(_Divided(group, divisor), _divided_hook)
     return ddp
 
 
@@ -476,15 +484,15 @@ def _ddp(module: torch.nn.Module, group: Any, reduction: str, param_dtype: torch
 class _LowPrecision:
     group: Any
     dtype: torch.dtype
-    mean: bool
+    divisor: int
 
 
 def _low_precision_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP rejects string annotations
-    """DDP comm hook: reduce the bucket in ``state.dtype`` (averaged for a mean loss)."""
+    """DDP comm hook: reduce the bucket in ``state.dtype`` (divided by ``state.divisor``)."""
     buf = bucket.buffer()
     low = buf.to(state.dtype)
-    if state.mean:
-        low.div_(dist.get_world_size(state.group))
+    if state.divisor != 1:
+        low.div_(state.divisor)
     fut = dist.all_reduce(low, group=state.group, async_op=True).get_future()
 
     def back(f):  # noqa: ANN001, ANN202
@@ -502,24 +510,38 @@ def _mp_policy(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype) -> An
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
-def _sum_hook(group, bucket):  # noqa: ANN001, ANN202 - DDP rejects string annotations
-    """DDP comm hook: sum the bucket over dp (DDP's default averages)."""
-    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+@dataclass(frozen=True)
+class _Divided:
+    group: Any
+    divisor: int
+
+
+def _divided_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP rejects string annotations
+    """DDP comm hook: the bucket summed over the group, divided by ``state.divisor`` (DDP's
+    default divides by the group's size)."""
+    buf = bucket.buffer()
+    if state.divisor != 1:
+        buf.div_(state.divisor)
+    fut = dist.all_reduce(buf, group=state.group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 
 
 def wrap_data_parallel(device_mesh: Any, prog: Any, mesh: Mesh) -> Any:
-    """Bind the mesh and wrap this rank's sub-mesh module (or pipeline stages) for dp."""
+    """Bind the mesh and wrap this rank's sub-mesh module (or pipeline stages) for dp: its
+    ZeRO group the dp dim, or the dp and cp dims flattened (``plan.zero_axes``)."""
     rank = bind_mesh(device_mesh, mesh, prog.collectives())
+    axes = prog.plan.zero_axes
+    zero_mesh = device_mesh[axes]._flatten("_".join(axes)) if len(axes) > 1 else device_mesh["dp"]
     if "pp" in mesh.sizes:
         data = DataAxis(group=device_mesh.get_group("dp"), mesh=device_mesh["dp"],
                         zero=prog.plan.zero, reduction=prog.plan.reduction,
                         reduce_dtype=prog.plan.reduce_dtype)  # fmt: skip
         return PipelineRunner(prog.share(rank), device_mesh.get_group("pp"), data=data)
     return DataParallelModule(prog.module(rank), group=device_mesh.get_group("dp"),
-                              dp_mesh=device_mesh["dp"], zero=prog.plan.zero,
+                              dp_mesh=zero_mesh, zero=prog.plan.zero,
                               reduction=prog.plan.reduction, param_dtype=prog.plan.param_dtype,
-                              reduce_dtype=prog.plan.reduce_dtype)  # fmt: skip
+                              reduce_dtype=prog.plan.reduce_dtype,
+                              shard_group=zero_mesh.get_group())  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -544,7 +566,8 @@ class DataAxis:
         reduced in ``reduce_dtype``."""
         mixed = param_dtype if _is_mixed(module, param_dtype) else None
         if self.zero <= 1:
-            return _ddp(module, self.group, self.reduction, mixed, self.reduce_dtype)
+            divisor = self.size if self.reduction == "mean" else 1
+            return _ddp(module, self.group, divisor, mixed, self.reduce_dtype)
         return shard_per_block(module, self.mesh, reshard_after_forward=self.zero == 3,
                                mp_policy=_mp_policy(mixed, self.reduce_dtype))  # fmt: skip
 

@@ -523,7 +523,7 @@ def _dp_job(prog: Any, rank: int, args: Sequence[Any], kwargs: dict | None, cots
         local.append(c)
     return (prog.module(rank), tuple(mine(a) for a in args),
             {k: mine(v) for k, v in (kwargs or {}).items()}, local, prog.plan.zero,
-            prog.plan.reduction)  # fmt: skip
+            prog.plan.reduction, prog.plan.zero_axes)  # fmt: skip
 
 
 def _dp_replica(prog: Any, results: list, d: int) -> list[tuple[list, dict]]:
@@ -543,15 +543,17 @@ def _dp_replica(prog: Any, results: list, d: int) -> list[tuple[list, dict]]:
 
 
 def _dp_rank_step(rank: int, groups: dict, module: torch.fx.GraphModule, args: tuple,
-                  kwargs: dict, cots: list, zero: int, reduction: str) -> tuple[list, dict]:  # fmt: skip
+                  kwargs: dict, cots: list, zero: int, reduction: str,
+                  zero_axes: tuple[str, ...] = ("dp",)) -> tuple[list, dict]:  # fmt: skip
     from torch.distributed.device_mesh import DeviceMesh
 
     from autopar.runtime import DataParallelModule
 
     collectives.bind(groups)  # dp too: global batch statistics (batch_mean over dp)
-    dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
-    wrapped = DataParallelModule(module, group=groups["dp"], dp_mesh=dp_mesh, zero=zero,
-                                 reduction=reduction)  # fmt: skip
+    name = "_".join(zero_axes)  # the ZeRO group: dp, or the pool's flattened dp x cp
+    zero_mesh = DeviceMesh.from_group(groups[name], "cpu", mesh_dim_names=(name,))
+    wrapped = DataParallelModule(module, group=groups["dp"], dp_mesh=zero_mesh, zero=zero,
+                                 reduction=reduction, shard_group=groups[name])  # fmt: skip
     leaves = pytree.tree_leaves(wrapped(*args, **kwargs))
     _seed_backward(leaves, cots)
     return [x.detach() for x in leaves], wrapped.full_grads()
