@@ -91,6 +91,16 @@ def test_norm_over_a_split_dim_all_reduces_statistics_only(kind, affine, eps, co
     assert report.ok, str(report)
 
 
+@pytest.mark.parametrize("kind", ["var", "var_mean", "std"])
+def test_moments_over_a_split_dim_match_single_device_at_tp4(kind):
+    """The partial-moments lowering on every moment op, unbiased, at the larger degree."""
+    torch.manual_seed(1)
+    model, x = SplitNorm(kind, False, 1e-5, 1), (torch.randn(B, S, H),)
+    _assert_statistics_only(autoparallelize(model, Mesh(tp=4), x, memory_weight=MEMORY))
+    report = verify(model, Mesh(tp=4), x, memory_weight=MEMORY, rtol=1e-5)
+    assert report.ok, str(report)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("tp", [2, 4])
 def test_every_kind_all_reduces_statistics_only(kind, tp):
