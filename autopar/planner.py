@@ -432,7 +432,8 @@ class _Pricer:
     fixed_params: frozenset[str] = frozenset()  # split weights (and views) are never moved
 
     def t(self, kind: str, nbytes: float) -> float:
-        return COLLECTIVE_OVERHEAD_S + collective_time(kind, nbytes, self.size, self.link)
+        best = collective_time(kind, nbytes, self.size, self.link, algorithm="best")
+        return COLLECTIVE_OVERHEAD_S + best
 
     def relayout(self, have: Placement, want: Placement, nbytes: float, grad: bool) -> float | None:
         """Forward + backward seconds of a re-layout; None when impossible."""

@@ -12,6 +12,8 @@ Algorithm (`collective_time`):
 2. Tree (all-reduce, broadcast): ⌈log2 g⌉ latency steps each way; the pipelined double binary
    tree moves the whole message in and out once (2·N/B for all-reduce, N/B for broadcast).
 3. Send/recv: one latency plus N/B.
+4. Best (all-reduce, broadcast): the faster of ring and tree, as NCCL's tuner picks per message
+   size (small messages: the tree's log-depth latency; large ones: the ring's bandwidth).
 
 Algorithm (`hierarchical_time`, a group of k ranks in each of n nodes):
 1. Reduce-scatter (or nothing, for all-gather) inside each node over the fast link.
@@ -41,6 +43,10 @@ def collective_time(
     _check(kind, nbytes, group, algorithm)
     if group == 1 or nbytes <= 0:
         return 0.0
+    if algorithm == "best":
+        return min(
+            collective_time(kind, nbytes, group, link, algorithm=a) for a in ("ring", "tree")
+        )
     alpha, bw = link.latency, link.achieved_bandwidth
     if kind == "send_recv":
         return alpha + nbytes / bw
@@ -73,8 +79,10 @@ def hierarchical_time(kind: str, nbytes: float, per_node: int, nodes: int, intra
 def _check(kind: str, nbytes: float, group: int, algorithm: str) -> None:
     if kind not in KINDS:
         raise CostInputError(f"unknown collective {kind!r}; known: {', '.join(KINDS)}")
-    if algorithm not in ("ring", "tree"):
-        raise CostInputError(f"unknown collective algorithm {algorithm!r}; use 'ring' or 'tree'")
+    if algorithm not in ("ring", "tree", "best"):
+        raise CostInputError(
+            f"unknown collective algorithm {algorithm!r}; use 'ring', 'tree' or 'best'"
+        )
     if group < 1 or nbytes < 0:
         raise CostInputError(f"collective needs group >= 1 and nbytes >= 0, got {group}, {nbytes}")
 

@@ -14,6 +14,11 @@ Algorithm:
    squares (layer_norm: first of the sum, for the mean), then the local normalisation with
    this rank's slice of the weight and bias.  The all-reduces also sum their gradients, since
    split consumers make those partial.
+6. ``partial_moments``: var / std (/ var_mean / std_mean) over a split dim: the local sum,
+   one ``all_reduce`` of it for the mean, the local sum of the centred squares, one
+   ``all_reduce`` of it, divided by the global count less the correction (std: its root);
+   the [..., 1] statistics are replicated, squeezed where the op does not keep the dims, and
+   read through ``grad_partial`` (the all-reduces' backward sums partial gradients only).
 """
 
 from __future__ import annotations
@@ -25,13 +30,14 @@ import torch.fx as fx
 
 from autopar import collectives, meta, parallel_ops
 from autopar.layout import PARTIAL, Layout, Placement, R
+from autopar.rules.reductions import moment_args
 from passes import NodeError, PassContext
 
 aten = torch.ops.aten
 
 
 def tensor_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Replace nodes whose strategy names a lowering (steps 1-5)."""
+    """Replace nodes whose strategy names a lowering (steps 1-6)."""
     for node in list(gm.graph.nodes):
         strat = ctx.choice.get(node.name)
         if strat is None or strat.lowering is None:
@@ -130,6 +136,56 @@ def _distributed_norm(graph: fx.Graph, node: fx.Node, axis: str) -> None:
     graph.erase_node(node)
 
 
+_STD = (aten.std.correction, aten.std.dim, aten.std_mean.correction, aten.std_mean.dim)
+
+
+def _partial_moments(graph: fx.Graph, node: fx.Node, axis: str) -> None:
+    x = node.args[0]
+    val = x.meta["val"]
+    dims, keep, correction = moment_args(node)
+    count = math.prod(val.shape[d] for d in dims)
+    dtype = torch.float32 if val.dtype in (torch.float16, torch.bfloat16) else val.dtype
+    split = meta.layout(x).placement(axis)
+    emit = _Emitter(graph, node, axis, val.shape, dtype, dims)
+    with graph.inserting_before(node):
+        xf = x if dtype == val.dtype else emit.op(aten._to_copy.default, (x,), split,
+                                                  dtype=dtype)  # fmt: skip
+        mean = emit.op(aten.div.Scalar, (emit.total(xf), count), R, stats=True)
+        centred = emit.op(aten.sub.Tensor, (xf, mean), split)
+        square = emit.op(aten.mul.Tensor, (centred, centred), split)
+        var = emit.op(aten.div.Scalar, (emit.total(square), count - correction), R, stats=True)
+        if node.target in _STD:
+            var = emit.op(aten.sqrt.default, (var,), R, stats=True)
+        outs = [_moment_out(graph, node, emit, t, keep, axis) for t in (var, mean)]
+    _replace_outputs(graph, node, outs)
+
+
+def _moment_out(graph: fx.Graph, node: fx.Node, emit: _Emitter, t: fx.Node, keep: bool,
+                axis: str) -> fx.Node:  # fmt: skip
+    """``t`` in the op's dtype, its reduced dims squeezed unless the op keeps them; its
+    consumers' whole gradient is made partial again (``grad_partial``), as the gradients of
+    the split ops inside are, so the all-reduces' backward sums each exactly once."""
+    if emit.dtype != emit.out_dtype:
+        t = emit.op(aten._to_copy.default, (t,), R, stats=True, out_dtype=True,
+                    dtype=emit.out_dtype)  # fmt: skip
+    if not keep:
+        shape = [n for d, n in enumerate(t.meta["val"].shape) if d not in emit.dims]
+        val = torch.empty(shape, dtype=emit.out_dtype, device="meta")
+        t = _emit(graph, node, aten.squeeze.dims, (t, emit.dims), val, R, axis)
+    return _emit(graph, node, collectives.grad_partial, (t, axis), t.meta["val"], R, axis)
+
+
+def _replace_outputs(graph: fx.Graph, node: fx.Node, outs: list[fx.Node]) -> None:
+    """Point the users of ``node`` at ``outs[0]`` (a tuple op's ``getitem`` users at their
+    element), then erase it."""
+    if not isinstance(node.meta["val"], (tuple, list)):
+        node.replace_all_uses_with(outs[0])
+    for user in list(node.users):
+        user.replace_all_uses_with(outs[user.args[1]])
+        graph.erase_node(user)
+    graph.erase_node(node)
+
+
 class _Emitter:
     """Writes the ATen nodes of one lowering with their global ``val`` and layout."""
 
@@ -137,7 +193,8 @@ class _Emitter:
                  dtype: torch.dtype, dims: list[int]) -> None:  # fmt: skip
         self.graph, self.like, self.axis = graph, like, axis
         self.shape, self.dtype, self.dims = shape, dtype, dims
-        self.out_dtype = like.meta["val"].dtype
+        out = like.meta["val"]
+        self.out_dtype = (out[0] if isinstance(out, (tuple, list)) else out).dtype
 
     def op(self, target: object, args: tuple, p: Placement, stats: bool = False,
            out_dtype: bool = False, **kwargs: object) -> fx.Node:  # fmt: skip
@@ -171,4 +228,5 @@ _LOWERINGS = {
     "replicated_kv_heads": _kv_heads,
     "partial_mean": _partial_mean,
     "distributed_norm": _distributed_norm,
+    "partial_moments": _partial_moments,
 }

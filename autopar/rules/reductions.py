@@ -1,11 +1,13 @@
 """Reductions, softmax-like ops along a dim, and norms: split any dim not reduced; a sum over
-the split dim gives a partial sum (mean: ``partial_mean``)."""
+the split dim gives a partial sum (mean: ``partial_mean``); variance and standard deviation
+over a split dim all-reduce the [..., 1] partial moments (``partial_moments``)."""
 
 from __future__ import annotations
 
 import math
 
 import torch.fx as fx
+from torch.fx.operator_schemas import normalize_function
 
 from autopar.layout import PARTIAL, R, Shard
 from autopar.rules.core import RuleContext, Strategy, _dim, _shape, aten, rule
@@ -25,7 +27,7 @@ def _reduced_dims(node: fx.Node) -> tuple[list[int], bool]:
 
 
 @rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default,
-      aten.amin.default, aten.max.dim, aten.min.dim, aten.var.correction, aten.std.correction)  # fmt: skip
+      aten.amin.default, aten.max.dim, aten.min.dim)  # fmt: skip
 def reduction(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     dims, keep = _reduced_dims(node)
     linear = node.target in (aten.sum.dim_IntList, aten.sum.default, aten.mean.dim,
@@ -45,6 +47,48 @@ def reduction(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
             out_d = d if keep else d - sum(1 for r in dims if r < d)
             found.append(Strategy((Shard(d, b),), wrap(Shard(out_d, b))))
     return found
+
+
+MOMENTS = (aten.var.correction, aten.var.dim, aten.std.correction, aten.std.dim,
+           aten.var_mean.correction, aten.var_mean.dim, aten.std_mean.correction,
+           aten.std_mean.dim)  # fmt: skip
+
+
+@rule(*MOMENTS)
+def moments(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """var / std (and with the mean) over ``dims``: split a dim not reduced, or a reduced one;
+    over a split dim each rank sums its shard and two all-reduces of the [..., 1] partial sums
+    (first of x, for the mean; then of the centred squares) give the replicated statistics."""
+    dims, keep, _ = moment_args(node)
+    shape = _shape(node.args[0])
+    wrap = (lambda p: (p, p)) if isinstance(node.meta["val"], (tuple, list)) else (lambda p: p)  # noqa: E731
+    rows = math.prod(n for d, n in enumerate(shape) if d not in dims) * 4  # fp32 statistics
+    comm = (("all_reduce", rows),) * 4  # the sum and the centred square sum, forward and backward
+    found = []
+    for d in range(len(shape)):
+        for b in ctx.blocks:
+            if d in dims:
+                found.append(Strategy((Shard(d, b),), wrap(R), "partial_moments", comm))
+                continue
+            out_d = d if keep else d - sum(1 for r in dims if r < d)
+            found.append(Strategy((Shard(d, b),), wrap(Shard(out_d, b))))
+    return found
+
+
+def moment_args(node: fx.Node) -> tuple[list[int], bool, float]:
+    """(reduced dims sorted, keepdim, correction) of a var / std / var_mean / std_mean node:
+    ``unbiased`` is correction 1 or 0; no correction given is 1 (torch's default)."""
+    bound = normalize_function(node.target, node.args, node.kwargs,
+                               normalize_to_only_use_kwargs=True).kwargs  # fmt: skip
+    nd = len(_shape(node.args[0]))
+    dims = bound.get("dim")
+    dims = list(range(nd)) if dims is None or dims == [] else dims
+    dims = [dims] if isinstance(dims, int) else dims
+    correction = bound.get("correction")
+    if "unbiased" in bound:
+        correction = 1 if bound["unbiased"] else 0
+    correction = 1 if correction is None else correction
+    return sorted(_dim(d, nd) for d in dims), bool(bound.get("keepdim", False)), float(correction)
 
 
 @rule(aten.mse_loss.default)

@@ -155,3 +155,11 @@ def test_crosses_nodes_by_span():
     assert not crosses_nodes(1, 8, 8) and not crosses_nodes(4, 2, 8)
     assert crosses_nodes(8, 2, 8) and crosses_nodes(4, 4, 8) and crosses_nodes(1, 16, 8)
     assert not crosses_nodes(64, 1, 8)  # a group of one rides nothing
+
+
+@PROPERTY
+@given(kind=st.sampled_from(["all_reduce", "broadcast"]), n=sizes, group=groups, bw=bandwidths)
+def test_best_is_the_faster_of_ring_and_tree(kind, n, group, bw):
+    link = Link(name="x", bandwidth=bw, latency=5e-6, efficiency=0.8)
+    ring, tree = (collective_time(kind, n, group, link, algorithm=a) for a in ("ring", "tree"))
+    assert collective_time(kind, n, group, link, algorithm="best") == min(ring, tree)
