@@ -283,9 +283,10 @@ def _placeholder_strategies(n: fx.Node, traced: Traced, ctx: RuleContext) -> lis
 
 def pieces(s: Strategy, size: int) -> int:
     """How many distinct pieces strategy ``s`` computes on an axis of ``size`` ranks: size,
-    over the replication count of a shared split."""
+    over the replication count of a shared output split (attention reading shared K/V heads
+    still computes its own query heads: ``size`` pieces)."""
     outs = s.output if isinstance(s.output, tuple) else (s.output,)
-    reps = [p.rep for p in (*s.inputs, *outs) if isinstance(p, Shard)]
+    reps = [p.rep for p in outs if isinstance(p, Shard)]
     return size // max(reps, default=1)
 
 
