@@ -42,8 +42,8 @@ def test_repeat_kv_becomes_grouped_query_attention():
     assert not [n for n in gm.graph.nodes if n.target is aten.expand.default]
 
 
-def _compile(tp: int, heads: int, kv_heads: int):
-    c = Config(heads=heads, kv_heads=kv_heads)
+def _compile(tp: int, heads: int, kv_heads: int, fused_qkv: bool = False):
+    c = Config(heads=heads, kv_heads=kv_heads, fused_qkv=fused_qkv)
     model = build("llama", c)
     return model, c, autoparallelize(model, Mesh(tp=tp), tokens(c), loss_fn=lm_loss)
 
@@ -63,9 +63,10 @@ def test_kv_projection_is_shared_by_the_ranks_of_its_head():
     assert not [c for c in fwd if c.where.endswith((".wk", ".wv"))]
 
 
-@pytest.mark.parametrize(("tp", "heads", "kv_heads"), [(4, 8, 2), (8, 8, 2), (4, 8, 1)])
-def test_shared_kv_heads_match_single_device(tp, heads, kv_heads):
-    model, c, prog = _compile(tp, heads, kv_heads)
+@pytest.mark.parametrize(("tp", "heads", "kv_heads", "fused_qkv"),
+                         [(4, 8, 2, False), (8, 8, 2, False), (4, 8, 1, False), (4, 8, 2, True)])  # fmt: skip
+def test_shared_kv_heads_match_single_device(tp, heads, kv_heads, fused_qkv):
+    model, c, prog = _compile(tp, heads, kv_heads, fused_qkv)
     sdpa = [n for n in prog.graph_module.graph.nodes
             if n.target is aten.scaled_dot_product_attention.default]  # fmt: skip
     assert all(f"x{tp // kv_heads}" in n.meta["autopar"].strategy for n in sdpa)
