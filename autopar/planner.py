@@ -747,6 +747,9 @@ def _price_outputs(prob: _Problem, out: fx.Node, rep: dict, cands: dict, xvar: d
             have = _out(sa, idx)
             if isinstance(have, Partial) or (replicate and isinstance(have, Shard)):
                 cost = pricer.relayout(have, R, _nbytes(arg), False)
+                if cost is None:  # a shared split is never gathered: not an output
+                    prob.row({xvar[(ur, a)]: 1.0}, 0.0, 0.0)
+                    continue
                 _link_aux(prob, ("relayout", ur, idx, a, R), (u, idx, R), cost, xvar[(ur, a)])
 
 
