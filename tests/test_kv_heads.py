@@ -10,6 +10,7 @@ import torch
 
 from autopar import Mesh, autoparallelize, zoo
 from autopar import collectives as C
+from autopar.checkpoint import ShardSpec, global_pieces
 from autopar.codegen import shard_tensor, unshard_tensors
 from autopar.layout import Layout, Shard, parse_placement
 from autopar.testing import Config, build, lm_loss, tokens
@@ -31,6 +32,21 @@ def test_shared_split_prints_parses_and_slices():
     shards = [shard_tensor(w, lay, mesh, c) for c in coords]
     assert [int(s[0, 0]) // 3 for s in shards] == [0, 0, 1, 1, 2, 2, 3, 3]  # piece r // 2
     assert torch.equal(unshard_tensors(shards, lay, mesh, coords), w)
+
+
+def test_checkpoint_pieces_of_a_shared_split_are_the_pieces_of_its_head():
+    """Every rank saves its piece at the piece's global offset; the rep ranks sharing it save
+    the same values there (DCP keeps one)."""
+    lay, mesh = Layout.from_placements(2, {"tp": Shard(0, rep=2)}), Mesh(tp=4)
+    full = torch.randn(8, 3)
+    out, cover = torch.zeros(8, 3), torch.zeros(8, 3)
+    for r in range(4):
+        coords = mesh.coordinates(r)
+        spec = ShardSpec(shape=(8, 3), padded=(8, 3), layout=lay, sizes={"tp": 4}, coords=coords)
+        for offsets, view in global_pieces(shard_tensor(full, lay, mesh, coords), spec, 0):
+            out[offsets[0] : offsets[0] + view.shape[0]] = view
+            cover[offsets[0] : offsets[0] + view.shape[0]] += 1
+    assert torch.equal(out, full) and bool((cover == 2).all())
 
 
 def test_repeat_kv_becomes_grouped_query_attention():
