@@ -85,7 +85,8 @@ def test_shared_kv_heads_match_single_device(tp, heads, kv_heads, fused_qkv):
     model, c, prog = _compile(tp, heads, kv_heads, fused_qkv)
     sdpa = [n for n in prog.graph_module.graph.nodes
             if n.target is aten.scaled_dot_product_attention.default]  # fmt: skip
-    assert all(f"x{tp // kv_heads}" in n.meta["autopar"].strategy for n in sdpa)
+    shared = f"x{tp // kv_heads}" if kv_heads > 1 else "replicated_kv_heads"  # MQA: whole head
+    assert all(shared in n.meta["autopar"].strategy for n in sdpa)
     report = verify(model, Mesh(tp=tp), tokens(c), loss_fn=lm_loss)
     assert report.ok, str(report)
 
