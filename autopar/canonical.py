@@ -64,7 +64,7 @@ _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
 def canonicalize(graph: fx.Graph) -> None:
-    """Steps 0-5, in place."""
+    """Steps 0-6, in place."""
     functionalize_view_writes(graph)
     for node in list(graph.nodes):
         if node.target is torch.ops.aten.dropout.default and _inference_dropout(node):
