@@ -36,6 +36,12 @@ Algorithm:
    stacked biases, broadcast along the split dim: the norm reduces over trailing dims only,
    so the pieces never mix.  A Python list of pieces cannot carry a split layout; the whole
    tensor can (each rank normalises its own heads).
+6. Attention whose key and value both repeat their heads in place (HF's ``repeat_kv``:
+   ``reshape(expand(unsqueeze(x, 2), [b, g, n, s, d]), [b, g * n, s, d])``) reads the
+   unrepeated ``[b, g, s, d]`` tensors with ``enable_gqa=True``, which repeats the same way
+   (query head j reads key/value head j // n).  The repeat hides the g heads from the
+   planner: with fewer heads than ranks, the repeated heads cannot be split evenly through the
+   reshape, while grouped-query attention can read each rank's own head locally.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
 def canonicalize(graph: fx.Graph) -> None:
-    """Steps 0-5, in place."""
+    """Steps 0-6, in place."""
     functionalize_view_writes(graph)
     for node in list(graph.nodes):
         if node.target is torch.ops.aten.dropout.default and _inference_dropout(node):
@@ -80,6 +86,9 @@ def canonicalize(graph: fx.Graph) -> None:
             pieces = _normed_pieces(node)
             if pieces is not None:
                 _norm_whole(graph, node, *pieces)
+    for node in list(graph.nodes):
+        if node.target is _SDPA:
+            _read_grouped_heads(graph, node)
 
 
 def _inference_dropout(node: fx.Node) -> bool:
@@ -309,3 +318,60 @@ def _norm_whole(graph: fx.Graph, split: fx.Node, norms: list[fx.Node], cat: fx.N
     cat.replace_all_uses_with(out)
     for node in [cat, *norms, *list(split.users), split]:
         graph.erase_node(node)
+
+
+# ---------------------------------------------------------------- step 6: repeated K/V heads
+
+_SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _read_grouped_heads(graph: fx.Graph, sdpa: fx.Node) -> None:
+    """Step 6: ``sdpa`` reads the unrepeated key and value, with ``enable_gqa``.
+
+    1. Match both the key and the value to a head repeat of one count ``n`` (None: leave).
+    2. Rewrite the arguments, keeping the others as keywords, and erase the repeats when
+       nothing else reads them.
+    """
+    kwargs = {**dict(zip(_SDPA_ARGS, sdpa.args[3:], strict=False)), **sdpa.kwargs}
+    if kwargs.get("enable_gqa") or len(sdpa.args) < 3:
+        return
+    q, k, v = sdpa.args[:3]
+    found = [_repeated_heads(x) for x in (k, v)]
+    if None in found or found[0][1] != found[1][1]:
+        return
+    sdpa.args = (q, found[0][0], found[1][0])
+    sdpa.kwargs = {**kwargs, "enable_gqa": True}
+    for reshape in (k, v):
+        if not reshape.users:
+            expand = reshape.args[0]
+            unsqueeze = expand.args[0]
+            for old in (reshape, expand, unsqueeze):
+                if not old.users:
+                    graph.erase_node(old)
+
+
+def _repeated_heads(node: object) -> tuple[fx.Node, int] | None:
+    """``(x, n)`` when ``node`` is ``reshape(expand(unsqueeze(x, 2), [b, g, n, s, d]),
+    [b, g * n, s, d])`` of a 4-D ``x`` (heads repeated in place), else None."""
+    if not isinstance(node, fx.Node) or node.target not in _VIEWS:
+        return None
+    expand = node.args[0]
+    if not _calls(expand, torch.ops.aten.expand.default):
+        return None
+    unsqueeze = expand.args[0]
+    if not _calls(unsqueeze, torch.ops.aten.unsqueeze.default):
+        return None
+    x = unsqueeze.args[0]
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dim() != 4 or unsqueeze.args[1] not in (2, -3):
+        return None
+    b, g, s, d = val.shape
+    wide = tuple(expand.meta["val"].shape)
+    n = wide[2]
+    if wide != (b, g, n, s, d) or tuple(node.meta["val"].shape) != (b, g * n, s, d):
+        return None
+    return x, n
+
+
+def _calls(node: object, target: object) -> bool:
+    return isinstance(node, fx.Node) and node.target is target

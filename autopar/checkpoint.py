@@ -129,7 +129,8 @@ def _segments(start: int, length: int, spec: ShardSpec, d: int,
         return [(0, length, start)] if length else []
     if len(axes) > 1:
         raise CheckpointError(f"dim {d} is split by several mesh axes {axes}; not supported")
-    n, r, blocks = spec.sizes[axes[0]], spec.coords[axes[0]], spec.layout.blocks[d]
+    rep = spec.layout.rep(axes[0])  # a shared split: piece r // rep, the same on rep ranks
+    n, r, blocks = spec.sizes[axes[0]] // rep, spec.coords[axes[0]] // rep, spec.layout.blocks[d]
     m = spec.padded[d] // (n * blocks)  # rows of one block on one rank
     out, i = [], start
     while i < start + length:

@@ -37,13 +37,15 @@ from autopar.trace import Traced
 def shard_tensor(
     t: torch.Tensor, layout: Layout, mesh: Mesh, coords: dict[str, int]
 ) -> torch.Tensor:
-    """This rank's shard of ``t`` under ``layout`` (step 2)."""
+    """This rank's shard of ``t`` under ``layout`` (step 2; a shared split: piece r // rep)."""
     for dim, axes in enumerate(layout.dims):
         for axis in axes:
-            n, blocks = mesh.size(axis), layout.blocks[dim]
+            rep = layout.rep(axis)
+            n, blocks = mesh.size(axis) // rep, layout.blocks[dim]
             moved = t.movedim(dim, 0)
             size = moved.shape[0]
-            part = moved.reshape(blocks, n, size // (blocks * n), *moved.shape[1:])[:, coords[axis]]
+            piece = coords[axis] // rep
+            part = moved.reshape(blocks, n, size // (blocks * n), *moved.shape[1:])[:, piece]
             t = part.reshape(size // n, *moved.shape[1:]).movedim(0, dim)
     return t.contiguous()
 
@@ -54,8 +56,9 @@ def unshard_tensors(shards: list[torch.Tensor], layout: Layout, mesh: Mesh,
     out = shards[0]
     for dim, axes in enumerate(layout.dims):
         for axis in axes:
-            n, blocks = mesh.size(axis), layout.blocks[dim]
-            parts = [next(s for s, c in zip(shards, coords, strict=True) if c[axis] == i)
+            rep = layout.rep(axis)
+            n, blocks = mesh.size(axis) // rep, layout.blocks[dim]
+            parts = [next(s for s, c in zip(shards, coords, strict=True) if c[axis] == i * rep)
                      for i in range(n)]  # fmt: skip
             moved = [p.movedim(dim, 0) for p in parts]
             local = moved[0].shape[0]

@@ -11,6 +11,9 @@ the wire in both directions:
 - ``split(x, axis, dim, blocks)``: replicated -> split, locally.  Backward: all-gather.
 - ``all_to_all(x, axis, src_dim, dst_dim)``: split on one dim -> split on another.
 - ``grad_all_reduce(x, axis)``: identity forward, all-reduce backward (Megatron's f).
+- ``grad_sum_shared(x, axis, rep)``: identity forward on a shared split (each piece held by
+  ``rep`` consecutive ranks); backward sums the gradient over the ranks sharing the piece
+  (one all-reduce over the axis of the pieces laid side by side, zeros but this rank's).
 - ``grad_partial(x, axis)``: identity forward; backward keeps a whole gradient on the axis'
   rank 0 only (zeros elsewhere), so it joins partial gradients one later reduction sums.
 - ``expert_dispatch(rows, offs, axis)``: rows grouped by expert -> this rank's experts' rows
@@ -207,6 +210,21 @@ class _GradAllReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         return _all_reduce(g, ctx.axis), None
+
+
+class _GradSumShared(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: str, rep: int) -> torch.Tensor:
+        ctx.axis, ctx.rep = axis, rep
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        piece = axis_rank(ctx.axis) // ctx.rep
+        side = g.new_zeros((axis_size(ctx.axis) // ctx.rep, *g.shape))
+        side[piece] = g
+        dist.all_reduce(side, group=group(ctx.axis))
+        return side[piece].clone(), None, None
 
 
 _PENDING: dict[str, tuple[int, torch.Tensor]] = {}  # bucket key -> (backwards seen, their sum)
@@ -413,6 +431,12 @@ def all_to_all(x: torch.Tensor, axis: str, src_dim: int, dst_dim: int) -> torch.
 def grad_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     """Identity forward; all-reduce the gradient over ``axis`` in backward."""
     return _GradAllReduce.apply(x, axis)
+
+
+@graph_op
+def grad_sum_shared(x: torch.Tensor, axis: str, rep: int) -> torch.Tensor:
+    """Identity forward; backward sums the gradient over the ``rep`` ranks sharing a piece."""
+    return _GradSumShared.apply(x, axis, rep)
 
 
 @graph_op

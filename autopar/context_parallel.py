@@ -323,7 +323,8 @@ def _merge_layouts(gm: fx.GraphModule, kept: dict[fx.Node, Any]) -> None:
             continue
         dims = tuple(c + t for c, t in zip(cp_lay.dims, tp_lay.dims, strict=True))
         blocks = tuple(max(a, b) for a, b in zip(cp_lay.blocks, tp_lay.blocks, strict=True))
-        meta.update(n, layout=Layout(dims=dims, blocks=blocks, partial=tp_lay.partial))
+        meta.update(n, layout=Layout(dims=dims, blocks=blocks, partial=tp_lay.partial,
+                                     shared=tp_lay.shared))  # fmt: skip
 
 
 # ---------------------------------------------------------------- step 1

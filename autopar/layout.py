@@ -4,13 +4,17 @@ A layout says, for each tensor dim, which mesh axes split it, plus the mesh axes
 value is still a pending partial sum.  It prints compactly, e.g. ``P(None, 'tp')`` or
 ``P(None, None, partial=('tp',))``.  A split dim may be *blocked*: ``'tp:3'`` means the dim is
 viewed as ``[3, n/3]`` and the inner part is split, so each rank holds its slice of each of the
-three blocks (a fused QKV projection's q, k and v columns).
+three blocks (a fused QKV projection's q, k and v columns).  A split dim may be *shared*:
+``'tp'x2`` means the dim is split into size/2 pieces, each held by 2 consecutive ranks (rank r
+holds piece r // 2): grouped-query attention with fewer K/V heads than ranks, where each
+rank holds the K/V head its query heads read.
 
 The planner reasons about one mesh axis at a time through :class:`Placement` values (the
 per-axis view of a layout):
 
 1. ``Replicate()`` -- every rank along the axis holds the whole value.
-2. ``Shard(dim, blocks)`` -- dim ``dim`` is split evenly along the axis (per block).
+2. ``Shard(dim, blocks, rep)`` -- dim ``dim`` is split evenly along the axis (per block);
+   with ``rep`` > 1 into size/rep pieces, each on ``rep`` consecutive ranks.
 3. ``Partial()`` -- every rank holds a summand; the value is their sum.
 
 :class:`Layout` is the per-dim form stored on graph nodes and printed in plans and code.
@@ -32,13 +36,16 @@ class Replicate:
 
 @dataclass(frozen=True)
 class Shard:
-    """Tensor dim ``dim`` split evenly along the axis; ``blocks`` > 1 splits each block."""
+    """Tensor dim ``dim`` split evenly along the axis; ``blocks`` > 1 splits each block;
+    ``rep`` > 1 splits it into size/rep pieces, piece r // rep on rank r."""
 
     dim: int
     blocks: int = 1
+    rep: int = 1
 
     def __str__(self) -> str:
-        return f"S({self.dim})" if self.blocks == 1 else f"S({self.dim}:{self.blocks})"
+        text = f"S({self.dim})" if self.blocks == 1 else f"S({self.dim}:{self.blocks})"
+        return text if self.rep == 1 else f"{text}x{self.rep}"
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,7 @@ class Layout:
     dims: tuple[tuple[str, ...], ...]
     blocks: tuple[int, ...]
     partial: tuple[str, ...] = ()
+    shared: tuple[tuple[str, int], ...] = ()  # (axis, rep) of the shared splits (rep > 1)
 
     @staticmethod
     def replicate(ndim: int) -> Layout:
@@ -72,13 +80,21 @@ class Layout:
         dims: list[tuple[str, ...]] = [()] * ndim
         blocks = [1] * ndim
         partial: list[str] = []
+        shared: list[tuple[str, int]] = []
         for axis, p in placements.items():
             if isinstance(p, Shard):
                 dims[p.dim] = (*dims[p.dim], axis)
                 blocks[p.dim] = p.blocks
+                if p.rep > 1:
+                    shared.append((axis, p.rep))
             elif isinstance(p, Partial):
                 partial.append(axis)
-        return Layout(dims=tuple(dims), blocks=tuple(blocks), partial=tuple(partial))
+        return Layout(dims=tuple(dims), blocks=tuple(blocks), partial=tuple(partial),
+                      shared=tuple(shared))  # fmt: skip
+
+    def rep(self, axis: str) -> int:
+        """How many consecutive ranks of ``axis`` hold each piece (1: a plain split)."""
+        return dict(self.shared).get(axis, 1)
 
     def placement(self, axis: str) -> Placement:
         """The per-axis view of this layout."""
@@ -86,7 +102,7 @@ class Layout:
             return PARTIAL
         for d, axes in enumerate(self.dims):
             if axis in axes:
-                return Shard(d, self.blocks[d])
+                return Shard(d, self.blocks[d], self.rep(axis))
         return R
 
     def local_shape(self, shape: Sequence[int], sizes: Mapping[str, int]) -> tuple[int, ...]:
@@ -94,7 +110,7 @@ class Layout:
         out = []
         for n, axes in zip(shape, self.dims, strict=True):
             for a in axes:
-                n //= sizes[a]
+                n //= sizes[a] // self.rep(a)
             out.append(n)
         return tuple(out)
 
@@ -109,7 +125,9 @@ class Layout:
                 parts.append("None")
                 continue
             names = [f"{a}:{b}" if b > 1 and i == len(axes) - 1 else a for i, a in enumerate(axes)]
-            parts.append(repr(names[0]) if len(names) == 1 else repr(tuple(names)))
+            text = repr(names[0]) if len(names) == 1 else repr(tuple(names))
+            reps = [f"x{self.rep(a)}" for a in axes if self.rep(a) > 1]
+            parts.append(text + "".join(reps))
         if self.partial:
             parts.append(f"partial={self.partial!r}")
         return f"P({', '.join(parts)})"
@@ -118,12 +136,14 @@ class Layout:
 
 
 def parse_placement(text: str) -> Placement:
-    """Inverse of ``str(placement)``: 'R', 'P', 'S(2)' or 'S(2:3)'."""
+    """Inverse of ``str(placement)``: 'R', 'P', 'S(2)', 'S(2:3)' or 'S(1)x2'."""
     if text == "R":
         return R
     if text == "P":
         return PARTIAL
-    if text.startswith("S(") and text.endswith(")"):
-        dim, _, blocks = text[2:-1].partition(":")
-        return Shard(int(dim), int(blocks or 1))
-    raise ValueError(f"not a placement: {text!r} (expected R, P, S(d) or S(d:blocks))")
+    body, _, rep = text.partition(")x")
+    body = body + ")" if rep else body
+    if body.startswith("S(") and body.endswith(")"):
+        dim, _, blocks = body[2:-1].partition(":")
+        return Shard(int(dim), int(blocks or 1), int(rep or 1))
+    raise ValueError(f"not a placement: {text!r} (expected R, P, S(d), S(d:blocks) or S(d)xrep)")

@@ -54,7 +54,7 @@ from autopar.errors import FitError, PlanError
 from autopar.layout import Partial, Placement, R, Replicate, Shard
 from autopar.meta import nbytes as runtime_bytes
 from autopar.meta import source
-from autopar.rules import RuleContext, Strategy, strategies, view_block_counts
+from autopar.rules import RuleContext, Strategy, shared_kv_reps, strategies, view_block_counts
 from autopar.trace import Traced, is_getitem, is_tensor, tensor_args
 from cost.comm import collective_time
 from cost.compute import (
@@ -189,7 +189,8 @@ def _solve(traced: Traced, axis: str, size: int, link: Link, gpu: GPU, options: 
            in_place: frozenset[str]) -> AxisSolution:  # fmt: skip
     graph_nodes = list(traced.gm.graph.nodes)
     grad = needs_grad(traced)
-    ctx = RuleContext(size=size, blocks=block_counts(graph_nodes))
+    ctx = RuleContext(size=size, blocks=block_counts(graph_nodes),
+                      reps=shared_kv_reps(graph_nodes, size))  # fmt: skip
     rep = tie_blocks(graph_nodes, traced)
     cands = _candidates(graph_nodes, rep, traced, ctx, options.strict)
     if axis == "tp" and size > 1:
@@ -274,9 +275,19 @@ def _placeholder_strategies(n: fx.Node, traced: Traced, ctx: RuleContext) -> lis
     found = [Strategy((), R)]
     for d, dim_size in enumerate(shape):
         for b in ctx.blocks:
-            if dim_size % (b * ctx.size) == 0 and ctx.size > 1:
-                found.append(Strategy((), Shard(d, b)))
+            for rep in (1, *ctx.reps):
+                if dim_size % (b * ctx.size // rep) == 0 and ctx.size > 1:
+                    found.append(Strategy((), Shard(d, b, rep)))
     return found
+
+
+def pieces(s: Strategy, size: int) -> int:
+    """How many distinct pieces strategy ``s`` computes on an axis of ``size`` ranks: size,
+    over the replication count of a shared output split (attention reading shared K/V heads
+    still computes its own query heads: ``size`` pieces)."""
+    outs = s.output if isinstance(s.output, tuple) else (s.output,)
+    reps = [p.rep for p in outs if isinstance(p, Shard)]
+    return size // max(reps, default=1)
 
 
 def _drop_batch_splits(cands: dict[fx.Node, list[Strategy]], traced: Traced, size: int) -> None:
@@ -305,12 +316,12 @@ def _choice_vars(prob: _Problem, nodes: list[fx.Node], rep: dict, cands: dict, g
         base = run_node_time(n, gpu) if n.op == "call_function" else 0.0
         ids = []
         for i, s in enumerate(strats):
-            share = 1.0 if s.redundant else 1.0 / size
-            local = _local_gemm_time(n, s, size, gpu) if base > 0 else None
+            share = 1.0 if s.redundant else 1.0 / pieces(s, size)
+            local = _local_gemm_time(n, s, pieces(s, size), gpu) if base > 0 else None
             t = base * share if local is None else local
             t = max(t, min(base, KERNEL_LAUNCH_S)) * (3.0 if n in grad else 1.0)
             t += sum(pricer.t(kind, nbytes) for kind, nbytes in s.comm)
-            mem = _memory(n, s, size, grad)
+            mem = _memory(n, s, pieces(s, size), grad)
             xvar[(n, i)] = prob.var(
                 mult[n] * (t + memory_weight * mem), True, time=mult[n] * t
             )
@@ -439,8 +450,8 @@ class _Pricer:
         """Forward + backward seconds of a re-layout; None when impossible."""
         if have == want:
             return 0.0
-        if isinstance(want, Partial):
-            return None
+        if isinstance(want, Partial) or _rep(have) > 1 or _rep(want) > 1:
+            return None  # a shared split is only read as it is
         bwd = 1.0 if grad else 0.0
         if isinstance(have, Replicate):  # local slice; backward all-gathers the gradient
             return bwd * self.t("all_gather", nbytes)
@@ -457,6 +468,10 @@ class _Pricer:
     def grad_reduce(self, have: Placement, nbytes: float) -> float:
         """Backward cost of a replicated value whose consumers make its gradient partial."""
         return self.t("reduce_scatter" if isinstance(have, Shard) else "all_reduce", nbytes)
+
+
+def _rep(p: Placement) -> int:
+    return p.rep if isinstance(p, Shard) else 1
 
 
 def _source(arg: fx.Node) -> tuple[fx.Node, int | None]:
@@ -733,6 +748,9 @@ def _price_outputs(prob: _Problem, out: fx.Node, rep: dict, cands: dict, xvar: d
             have = _out(sa, idx)
             if isinstance(have, Partial) or (replicate and isinstance(have, Shard)):
                 cost = pricer.relayout(have, R, _nbytes(arg), False)
+                if cost is None:  # a shared split is never gathered: not an output
+                    prob.row({xvar[(ur, a)]: 1.0}, 0.0, 0.0)
+                    continue
                 _link_aux(prob, ("relayout", ur, idx, a, R), (u, idx, R), cost, xvar[(ur, a)])
 
 

@@ -135,6 +135,9 @@ def collectives_of(gm: fx.GraphModule, grad: set[str], sizes: dict[str, int],
         if node.target is parallel_ops.vocab_parallel_cross_entropy:
             found += _ce_collectives(node)
             continue
+        if node.target is C.grad_sum_shared:
+            found += _shared_collectives(node, sizes, names)
+            continue
         if node.target not in (*_FORWARD, C.split, C.grad_all_reduce):
             continue
         x, axis = node.args[0], node.args[1]
@@ -170,6 +173,15 @@ def _message(node: fx.Node, size: int) -> torch.Tensor:
         shape[node.args[2]] *= size
         return x.new_empty(shape, device="meta")
     return x
+
+
+def _shared_collectives(node: fx.Node, sizes: dict[str, int],
+                        names: dict[str, str]) -> list[Collective]:  # fmt: skip
+    """A shared split's gradient sum: one backward all-reduce of the pieces side by side."""
+    x, axis, rep = node.args
+    val = x.meta["val"].new_empty((sizes[axis] // rep, *x.meta["val"].shape), device="meta")
+    where = names[x.name].rsplit(".", 1)[0] if x.name in names else meta.module_path(node)
+    return [_record("all_reduce", axis, val, "bwd", where, meta.dtype(x))]
 
 
 def _ce_collectives(node: fx.Node) -> list[Collective]:

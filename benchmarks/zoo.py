@@ -13,6 +13,8 @@ Algorithm:
 A measurement, not a test (tests/test_zoo.py asserts the same checks).
 
 Run: PYTHONPATH=. python benchmarks/zoo.py [--tp 4] [--only llama gpt2] [--no-verify]
+(``--tp 8``: the GQA families' 4 K/V heads are fewer than the ranks, so each K/V head is
+computed by the 2 ranks whose query heads read it; MQA's one head by all of them.)
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from autopar import zoo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree: 2 (default), 4 or 8")
     parser.add_argument("--only", nargs="*", default=None, help="family names (default: all)")
     parser.add_argument("--no-verify", action="store_true", help="skip the tiny verify runs")
     args = parser.parse_args()

@@ -6,6 +6,8 @@ Algorithm (one mesh axis; ``pg`` = the consumers make the gradient partial):
 3. S -> R: ``all_gather`` (backward reduce-scatter when pg, else the local slice).
 4. R -> S: ``split`` (local; backward all-gather).  P -> S: ``reduce_scatter``.
 5. S(i) -> S(j): ``all_to_all`` when neither dim is blocked, else all_gather then split.
+   A shared split read as it is with pg (a parameter): ``grad_sum_shared`` (identity forward;
+   backward sums the gradient over the ranks sharing the piece).
 6. Hoist each ``grad_all_reduce`` above the replicated op feeding it while that op has no other
    user, one input that needs a gradient, and that input is not larger: a partial gradient
    stays partial through any op every rank repeats (its backward is linear in the gradient),
@@ -66,7 +68,9 @@ def _lower(graph: fx.Graph, node: fx.Node, x: fx.Node, axis: str, src: Placement
         return
     if not isinstance(dst, Shard):
         raise NodeError(node, f"cannot re-lay {src} as {dst}: nothing turns a value partial")
-    if isinstance(src, Replicate):
+    if src == dst and dst.rep > 1 and pg:
+        _become(node, C.grad_sum_shared, (x, axis, dst.rep))
+    elif isinstance(src, Replicate):
         _become(node, C.split, (x, axis, dst.dim, dst.blocks))
     elif isinstance(src, Partial):
         _become(node, C.reduce_scatter, (x, axis, dst.dim, dst.blocks))

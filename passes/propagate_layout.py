@@ -12,7 +12,9 @@ Algorithm:
    (a write before a view is taken is already in the view).
 3. Replicated inputs of split ops get gradients that are partial sums: those consumers read
    the value through a redistribute with ``partial_grad=True`` (Megatron's f), kept apart from
-   consumers that repeat the op on every rank (whose gradients are already whole).
+   consumers that repeat the op on every rank (whose gradients are already whole).  So do
+   parameters read as a shared split (``S(d)xrep``): the ranks sharing a piece each hold the
+   part of its gradient their own query heads made.
 4. Graph outputs that are still partial sums are reduced.
 """
 
@@ -97,10 +99,15 @@ def _requirements(node: fx.Node, ctx: PassContext, have: dict) -> list:
     out = []
     for a, want in zip(args, strat.inputs, strict=True):
         pg = isinstance(want, Replicate) and not strat.redundant and a.name in ctx.grad
+        pg = pg or (_shared(want) and a.op == "placeholder" and a.name in ctx.grad)
         if a.target is redistribute and a.args[4]:
             pg = False  # already reads through a partial-gradient re-layout (idempotence)
         out.append((a, want, pg) if a in have else (None, None, False))
     return out
+
+
+def _shared(p: Placement) -> bool:
+    return isinstance(p, Shard) and p.rep > 1
 
 
 def _tensor_slots(node: fx.Node) -> list[fx.Node]:

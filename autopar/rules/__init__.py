@@ -18,7 +18,8 @@ from autopar.rules.core import (
     rule,
     strategies,
 )
+from autopar.rules.matmul import shared_kv_reps
 from autopar.rules.views import map_view, view_block_counts
 
 __all__ = ["RULES", "Rule", "RuleContext", "Strategy", "has_rule", "map_view",
-           "replicated", "rule", "strategies", "view_block_counts"]  # fmt: skip
+           "replicated", "rule", "shared_kv_reps", "strategies", "view_block_counts"]  # fmt: skip

@@ -15,7 +15,13 @@ Algorithm of :func:`strategies`:
    op and the user's source line (an error under ``strict=True``).
 2. Every rule offers the fully replicated strategy; the others come from the op's dim
    structure (pointwise broadcasting, view dim groups, matmul batch/m/n/k dims, ...).
-3. Drop strategies whose split dims do not divide evenly by the axis size (times blocks).
+3. Shared splits (``ctx.reps``, set where grouped-query attention has fewer K/V heads than
+   ranks): a strategy on an axis of size/rep ranks also runs on the whole axis with each piece
+   held by rep consecutive ranks (they repeat its computation), when it splits its output
+   and makes nothing partial (a partial summand would be counted rep times); every split
+   becomes shared, replicated inputs stay replicated.
+4. Drop strategies whose split dims do not divide evenly by the axis size (times blocks,
+   over rep for shared splits).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import ShardingRuleError
-from autopar.layout import Placement, R, Replicate, Shard
+from autopar.layout import Partial, Placement, R, Replicate, Shard
 from autopar.meta import source
 from autopar.trace import tensor_args
 
@@ -64,6 +70,7 @@ class RuleContext:
 
     size: int
     blocks: tuple[int, ...] = (1,)
+    reps: tuple[int, ...] = ()  # shared-split replication counts in play (step 3)
 
 
 Rule = Callable[[fx.Node, RuleContext], list[Strategy]]
@@ -104,8 +111,26 @@ def strategies(node: fx.Node, ctx: RuleContext, strict: bool = False) -> list[St
         warnings.warn(msg, stacklevel=2)
         return [replicated(node)]
     found = [replicated(node)] + [s for s in fn(node, ctx) if not s.redundant]
+    for rep in ctx.reps:
+        narrow = RuleContext(size=ctx.size // rep, blocks=ctx.blocks)
+        found += [shared for s in fn(node, narrow) if (shared := _shared(s, rep)) is not None]
     unique = list(dict.fromkeys(found))
     return [s for s in unique if _divides(node, s, ctx.size)]
+
+
+def _shared(s: Strategy, rep: int) -> Strategy | None:
+    """Step 3: ``s`` with every split shared by ``rep`` ranks (None when it does not apply)."""
+    outs = s.output if isinstance(s.output, tuple) else (s.output,)
+    places = (*s.inputs, *outs)
+    if s.lowering or s.comm or any(isinstance(p, Partial) for p in places):
+        return None
+    if any(isinstance(p, Shard) and p.rep > 1 for p in places):
+        return None  # already shared (grouped-query attention's own strategy)
+    if not any(isinstance(p, Shard) and p.rep == 1 for p in outs):
+        return None
+    lift = lambda p: Shard(p.dim, p.blocks, rep) if isinstance(p, Shard) else p  # noqa: E731
+    out = tuple(map(lift, outs)) if isinstance(s.output, tuple) else lift(s.output)
+    return Strategy(tuple(map(lift, s.inputs)), out)
 
 
 def _op_name(node: fx.Node) -> str:
@@ -128,7 +153,9 @@ def _divides(node: fx.Node, s: Strategy, size: int) -> bool:
         v.shape if isinstance(v, torch.Tensor) else () for v in vals
     ]
     for shape, p in zip(shapes, [p for _, p in pairs] + list(outs), strict=True):
-        if isinstance(p, Shard) and (p.dim >= len(shape) or shape[p.dim] % (size * p.blocks)):
+        if isinstance(p, Shard) and (
+            p.dim >= len(shape) or size % p.rep or shape[p.dim] % (size // p.rep * p.blocks)
+        ):
             return False
     return True
 

@@ -80,7 +80,11 @@ def addmm(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
 
 @rule(aten.scaled_dot_product_attention.default)
 def sdpa(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
-    """q[b, a, s, d], k/v[b, g, s, d]: split batch or heads; heads with g < size replicate KV."""
+    """q[b, a, s, d], k/v[b, g, s, d]: split batch or heads.  Grouped-query attention with
+    g < size K/V heads reads, on each rank, the K/V head its a/size query heads use: either
+    from K/V replicated on every rank (``replicated_kv_heads``) or, when ``ctx.reps`` holds
+    size/g (:func:`shared_kv_reps`), from K/V split into g pieces, each shared by size/g ranks
+    (``S(1)x(size/g)``: no re-layout, no lowering)."""
     args = tensor_args(node)
     q, k = _shape(args[0]), _shape(args[1])
     masks = [_shape(m) for m in args[3:]]
@@ -89,7 +93,23 @@ def sdpa(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     if heads_kv % ctx.size and ctx.size % heads_kv == 0 and heads_q % ctx.size == 0:
         ins = (Shard(1), R, R) + _mask_placements(masks, 1)
         found.append(Strategy(ins, Shard(1), "replicated_kv_heads"))
+    if ctx.size % heads_kv == 0 and ctx.size // heads_kv in ctx.reps:
+        kv = Shard(1, rep=ctx.size // heads_kv)
+        found.append(Strategy((Shard(1), kv, kv) + _mask_placements(masks, 1), Shard(1)))
     return found
+
+
+def shared_kv_reps(nodes: list[fx.Node], size: int) -> tuple[int, ...]:
+    """The replication counts of :func:`sdpa`'s shared K/V splits in a graph (size/g for every
+    grouped-query attention with 1 < g < size K/V heads dividing size; multi-query attention's
+    one head is replicated, ``replicated_kv_heads``: one piece is no split)."""
+    found = set()
+    for n in nodes:
+        if n.target is aten.scaled_dot_product_attention.default:
+            q, k = _shape(n.args[0]), _shape(n.args[1])
+            if 1 < k[1] < size and size % k[1] == 0 and q[1] % size == 0:
+                found.add(size // k[1])
+    return tuple(sorted(found))
 
 
 def _mask_placements(masks: list[torch.Size], d: int) -> tuple[Placement, ...]:

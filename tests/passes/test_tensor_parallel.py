@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar import Mesh, autoparallelize, parallel_ops
+from autopar import Mesh, autoparallelize, collectives, parallel_ops
 from autopar.testing import Config, build, lm_loss, tokens
 
 
@@ -27,6 +27,9 @@ def test_vocab_parallel_embedding_and_cross_entropy():
     assert torch.ops.aten.cross_entropy_loss.default not in targets
 
 
-def test_replicated_kv_heads_lowering():
+def test_shared_kv_heads_need_no_lowering():
+    """Fewer K/V heads than ranks: K/V split in shared pieces (each rank's own head), so no
+    ``local_kv_heads`` slice; the shared weights' gradients are summed over their ranks."""
     targets = lowered_targets("llama", kv_heads=2)
-    assert parallel_ops.local_kv_heads in targets
+    assert parallel_ops.local_kv_heads not in targets
+    assert collectives.grad_sum_shared in targets

@@ -1,0 +1,97 @@
+"""Grouped-query attention with fewer K/V heads than ranks (REFERENCE.md, g < t): the K/V
+projections split into g pieces, each shared by t/g ranks (``S(0)x(t/g)``), every rank reads
+the K/V head its query heads use, no forward communication for K/V, and the weight gradient
+of a piece is summed over the ranks sharing it (``grad_sum_shared``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar import Mesh, autoparallelize, zoo
+from autopar import collectives as C
+from autopar.checkpoint import ShardSpec, global_pieces
+from autopar.codegen import shard_tensor, unshard_tensors
+from autopar.layout import Layout, Shard, parse_placement
+from autopar.testing import Config, build, lm_loss, tokens
+from autopar.trace import trace
+from autopar.verify import verify
+
+aten = torch.ops.aten
+
+
+def test_shared_split_prints_parses_and_slices():
+    lay = Layout.from_placements(2, {"tp": Shard(0, rep=2)})
+    assert str(lay) == "P('tp'x2, None)"
+    assert lay.placement("tp") == Shard(0, 1, 2) and str(lay.placement("tp")) == "S(0)x2"
+    assert parse_placement("S(1)x4") == Shard(1, 1, 4)
+    assert lay.local_shape((4, 3), {"tp": 8}) == (1, 3)
+    mesh = Mesh(tp=8)
+    w = torch.arange(12.0).reshape(4, 3)
+    coords = [{"tp": r} for r in range(8)]
+    shards = [shard_tensor(w, lay, mesh, c) for c in coords]
+    assert [int(s[0, 0]) // 3 for s in shards] == [0, 0, 1, 1, 2, 2, 3, 3]  # piece r // 2
+    assert torch.equal(unshard_tensors(shards, lay, mesh, coords), w)
+
+
+def test_checkpoint_pieces_of_a_shared_split_are_the_pieces_of_its_head():
+    """Every rank saves its piece at the piece's global offset; the rep ranks sharing it save
+    the same values there (DCP keeps one)."""
+    lay, mesh = Layout.from_placements(2, {"tp": Shard(0, rep=2)}), Mesh(tp=4)
+    full = torch.randn(8, 3)
+    out, cover = torch.zeros(8, 3), torch.zeros(8, 3)
+    for r in range(4):
+        coords = mesh.coordinates(r)
+        spec = ShardSpec(shape=(8, 3), padded=(8, 3), layout=lay, sizes={"tp": 4}, coords=coords)
+        for offsets, view in global_pieces(shard_tensor(full, lay, mesh, coords), spec, 0):
+            out[offsets[0] : offsets[0] + view.shape[0]] = view
+            cover[offsets[0] : offsets[0] + view.shape[0]] += 1
+    assert torch.equal(out, full) and bool((cover == 2).all())
+
+
+def test_repeat_kv_becomes_grouped_query_attention():
+    model, args, kwargs, _ = zoo.build(zoo.family("llama"), "tiny")
+    gm = trace(model, args, kwargs).gm
+    sdpa = [n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
+    assert sdpa and all(n.kwargs.get("enable_gqa") for n in sdpa)
+    assert all(n.args[1].meta["val"].shape[1] == 2 for n in sdpa)  # the 2 K/V heads, unrepeated
+    assert not [n for n in gm.graph.nodes if n.target is aten.expand.default]
+
+
+def _compile(tp: int, heads: int, kv_heads: int, fused_qkv: bool = False):
+    c = Config(heads=heads, kv_heads=kv_heads, fused_qkv=fused_qkv)
+    model = build("llama", c)
+    return model, c, autoparallelize(model, Mesh(tp=tp), tokens(c), loss_fn=lm_loss)
+
+
+def test_kv_projection_is_shared_by_the_ranks_of_its_head():
+    _, _, prog = _compile(8, 8, 2)
+    lay = {prog.traced.params[n.name]: str(n.meta["autopar"].layout)
+           for n in prog.graph_module.graph.nodes if n.name in prog.traced.params}  # fmt: skip
+    assert lay["layers.0.wk.weight"] == "P('tp'x4, None)"
+    assert lay["layers.0.wv.weight"] == "P('tp'x4, None)"
+    nodes = list(prog.graph_module.graph.nodes)
+    sdpa = [n for n in nodes if n.target is aten.scaled_dot_product_attention.default]
+    assert all(n.meta["autopar"].strategy == "(S(1),S(1)x4,S(1)x4)->S(1)" for n in sdpa)
+    shared = [n for n in nodes if n.target is C.grad_sum_shared]
+    assert len(shared) == 2 * 2 * 2  # wk, wv and their biases, two layers
+    fwd = [c for c in prog.collectives() if c.direction == "fwd" and ".w" in c.where]
+    assert not [c for c in fwd if c.where.endswith((".wk", ".wv"))]
+
+
+@pytest.mark.parametrize(("tp", "heads", "kv_heads", "fused_qkv"),
+                         [(4, 8, 2, False), (8, 8, 2, False), (4, 8, 1, False), (4, 8, 2, True)])  # fmt: skip
+def test_shared_kv_heads_match_single_device(tp, heads, kv_heads, fused_qkv):
+    model, c, prog = _compile(tp, heads, kv_heads, fused_qkv)
+    sdpa = [n for n in prog.graph_module.graph.nodes
+            if n.target is aten.scaled_dot_product_attention.default]  # fmt: skip
+    shared = f"x{tp // kv_heads}" if kv_heads > 1 else "replicated_kv_heads"  # MQA: whole head
+    assert all(shared in n.meta["autopar"].strategy for n in sdpa)
+    report = verify(model, Mesh(tp=tp), tokens(c), loss_fn=lm_loss)
+    assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
+def test_gqa_families_meet_the_hand_design_at_tp8(name):
+    row = zoo.check(zoo.family(name), 8, run_verify=False)
+    assert row.comm is not None and row.comm.ok, zoo.table([row])
