@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -293,6 +294,33 @@ def spawn_ranks(rank_main: Callable[..., None], world: int) -> tuple[list[float]
     agree = all(per_rank[r] == per_rank[0] for r in range(world))
     print(f"every rank returned rank 0's losses: {agree}", flush=True)
     return per_rank[0], agree
+
+
+def run_rank_scripts(script: str, world: int, *args: str, timeout: float,
+                     root: str | None = None) -> tuple[list[int], list[str]]:  # fmt: skip
+    """Run ``python script RANK PORT *args`` as ``world`` real processes (one compute thread,
+    ``root`` on PYTHONPATH) and return their exit codes and stderr; no process is left behind,
+    whatever happened (a test of dying or hanging ranks needs processes the pool cannot give)."""
+    import subprocess
+    import sys
+
+    from autopar.pool import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if root is not None:
+        env["PYTHONPATH"] = root
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, script, str(r), port, *args], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]  # fmt: skip
+    try:
+        errs = [p.communicate(timeout=timeout)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [p.returncode for p in procs], errs
 
 
 def compare_losses(

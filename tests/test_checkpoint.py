@@ -8,7 +8,6 @@ losses must equal an uninterrupted single-device run (fp32, rtol 1e-5).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,8 +27,8 @@ from autopar.checkpoint import (
 from autopar.checkpoint_format import SafetensorsWriter
 from autopar.codegen import shard_tensor
 from autopar.layout import Layout
-from autopar.pool import free_port, get_pool
-from autopar.testing import Config, build, lm_loss, tokens, train_loop
+from autopar.pool import get_pool
+from autopar.testing import Config, build, lm_loss, run_rank_scripts, tokens, train_loop
 
 GPT = Config(layers=1, vocab=90, fused_qkv=True, batch=4)  # 90 rows: padded to 92 at tp=4
 LLAMA = Config(layers=2, hidden=32, heads=4, ffn=64, vocab=48, seq=8, batch=4, bias=False)
@@ -262,20 +261,9 @@ def _resume_rank(rank, groups, module, root):
 
 
 def test_a_save_killed_part_way_leaves_the_previous_checkpoint_loadable(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(tmp_path)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]  # fmt: skip
-    try:
-        errs = [p.communicate(timeout=120)[1] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert procs[1].returncode == 9, errs[1][-2000:]
-    assert procs[0].returncode != 0 and "checkpoint save failed" in errs[0], errs[0][-2000:]
+    codes, errs = run_rank_scripts(__file__, 2, str(tmp_path), timeout=120, root=str(ROOT))
+    assert codes[1] == 9, errs[1][-2000:]
+    assert codes[0] != 0 and "checkpoint save failed" in errs[0], errs[0][-2000:]
     assert committed_steps(tmp_path) == [3]  # step 5 never became visible
     assert any((tmp_path / "step_00000005.tmp").iterdir())  # though rank 1 wrote its files
     ref = _reference("gpt", GPT)

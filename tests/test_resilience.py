@@ -7,7 +7,6 @@ shared pool, which must survive): this file is also their entry point.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopar.pool import free_port, get_pool
+from autopar.pool import get_pool
 from autopar.resilience import (
     EXIT_CODE,
     Heartbeat,
@@ -26,6 +25,7 @@ from autopar.resilience import (
     find_stragglers,
     where,
 )
+from autopar.testing import run_rank_scripts
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD, TIMEOUT = 4, 4.0
@@ -78,21 +78,9 @@ def test_every_rank_blames_the_rank_that_died_or_hung(mode, victim):
     """Every rank that is left (the hung one included) names the victim -- the root cause,
     not the peer it waited on -- and the collective it never joined.  Rank 0 hosts the job's
     store: killed, the others lose the store with no verdict posted and name it."""
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), mode, str(victim)],
-                              env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(WORLD)]  # fmt: skip
-    try:
-        outs = [p.communicate(timeout=90) for p in procs]
-    finally:
-        for p in procs:  # no process left behind, whatever happened
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    codes = [p.returncode for p in procs]
-    for r, (code, (_, err)) in enumerate(zip(codes, outs, strict=True)):
+    codes, errs = run_rank_scripts(__file__, WORLD, mode, str(victim), timeout=90,
+                                   root=str(ROOT))  # fmt: skip
+    for r, (code, err) in enumerate(zip(codes, errs, strict=True)):
         if r == victim and mode == "kill":
             assert code == 17
             continue
@@ -113,7 +101,6 @@ def test_every_rank_blames_the_rank_that_died_or_hung(mode, victim):
             assert stopped in lines[0], (r, lines[0])
         if r == victim:
             assert lines[0].endswith("; this rank; ending this rank"), lines[0]
-    assert all(p.poll() is not None for p in procs)
 
 
 def _hb(rank, step, seqs, inflight=(), beat=1):

@@ -7,8 +7,6 @@ holds after a step are 1/(dp*cp) of the model's (measured); the plan says so."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,8 +18,8 @@ import torch.nn.functional as F
 from autopar import Mesh, autoparallelize, verify
 from autopar.collectives import grad_all_reduce, grad_partial
 from autopar.cp_ops import cp_localize
-from autopar.pool import free_port, get_pool
-from autopar.testing import Config, build, lm_loss, tokens
+from autopar.pool import get_pool
+from autopar.testing import Config, build, lm_loss, run_rank_scripts, tokens
 
 C = Config(layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=48, seq=16, batch=4)
 
@@ -188,19 +186,8 @@ def test_a_device_mesh_flattens_dp_x_cp():
     """On a DeviceMesh the data axis flattens its dp and cp dims (``_flatten``) into the
     ZeRO group; every rank's gradients equal one device's (ZeRO 0 and 3)."""
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(4)]  # fmt: skip
-    try:
-        errs = [p.communicate(timeout=300)[1] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert all(p.returncode == 0 for p in procs), "\n".join(e[-2000:] for e in errs)
+    codes, errs = run_rank_scripts(__file__, 4, timeout=300, root=str(root))
+    assert all(code == 0 for code in codes), "\n".join(e[-2000:] for e in errs)
 
 
 if __name__ == "__main__":
