@@ -1,6 +1,6 @@
-"""The compile driver below the front door: trace, solve the tensor-parallel axis, run the
-passes, package a :class:`Program`.  ``autopar.api`` (whole models), ``autopar.pipeline``
-(one stage at a time) and ``autopar.data_parallel`` (the sub-mesh of each dp rank) all call it.
+"""The tensor-parallel compile of one traced graph: solve the tp axis, run the passes, package
+a :class:`Program`.  ``autopar.driver`` (whole models), ``autopar.pipeline`` (one stage at a
+time) and ``autopar.context_parallel`` (the tp program it splits) call it.
 
 Algorithm (:func:`compile_traced`):
 1. Pad vocabularies the degree does not divide (autopar.pad); cut fused projections of
@@ -17,12 +17,9 @@ Algorithm (:func:`compile_traced`):
 from __future__ import annotations
 
 import copy
-import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 import torch
-import torch.nn as nn
 
 from autopar import meta
 from autopar.analysis import block_of, needs_grad
@@ -34,20 +31,10 @@ from autopar.plan import Plan
 from autopar.planner import AxisSolution, PlanOptions, describe_tp_dims, solve_axis
 from autopar.precision import annotate_autocast
 from autopar.program import Program, collectives_of
-from autopar.trace import Traced, trace
+from autopar.trace import Traced
 from cost.comm import collective_time
 from cost.topology import Topology, nccl_advice
 from passes import PassContext, run_pipeline
-
-
-def compile_program(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
-                    loss_fn: Callable | None, example_kwargs: dict | None,
-                    options: PlanOptions, verbose: bool = False) -> Program:  # fmt: skip
-    """Steps 1-4 on a virtual mesh."""
-    log = Progress(verbose)
-    traced = trace(model, example_inputs, example_kwargs, loss_fn)
-    log(f"traced {traced.model_name}: {len(traced.gm.graph.nodes)} nodes")
-    return compile_traced(traced, mesh, options, log)
 
 
 def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
@@ -156,12 +143,3 @@ def _why(sol: AxisSolution, mesh: Mesh, axis: str) -> list[str]:
         out.append(f"does not fit: {sol.memory_bytes / 2**30:.1f} GiB per rank > "
                    f"{cap / 2**30:.0f} GiB on {mesh.cluster.gpu.name}")  # fmt: skip
     return out
-
-
-class Progress:
-    def __init__(self, enabled: bool) -> None:
-        self.enabled, self.start = enabled, time.perf_counter()
-
-    def __call__(self, msg: str) -> None:
-        if self.enabled:
-            print(f"[autopar {time.perf_counter() - self.start:6.2f}s] {msg}", flush=True)

@@ -7,8 +7,8 @@ when no attention is causal (autopar.cp_ops).  Parameters are replicated over cp
 gradients are summed over cp, or, under dp, left partial for the data axis to reduce once
 over dp x cp (:func:`leave_grads_to_data_axis`: ZeRO then shards over dp x cp).
 
-Algorithm (:func:`compile_context_parallel`):
-1. Trace at the global shape.  The sequence length S is dim 1 of the first user input.
+Algorithm (:func:`compile_traced_cp`):
+1. The driver traces at the global shape.  The sequence length S is dim 1 of the first user input.
    What the model computes from its inputs alone, off the gradient path (a label shift, a
    ``labels[..., 1:]``), runs whole on every rank like the inputs; the first op of the model
    reading such a value with S at dim 1 reads this rank's chunks of it (``cp_localize``: no
@@ -49,13 +49,12 @@ import dataclasses
 import math
 import operator
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from autopar import collectives as C
@@ -69,7 +68,7 @@ from autopar.plan import Collective, CpSection, Plan
 from autopar.planner import PlanOptions, run_node_time
 from autopar.program import Program, collectives_of
 from autopar.rules import RuleContext, Strategy, strategies
-from autopar.trace import Traced, is_getitem, tensor_args, trace
+from autopar.trace import Traced, is_getitem, tensor_args
 from cost.comm import collective_time
 from cost.compute import op_time
 from passes import PassContext
@@ -137,20 +136,12 @@ class Window:
         return self.outer * self.seq * self.inner
 
 
-def compile_context_parallel(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
-                             loss_fn: Callable | None, example_kwargs: dict | None,
-                             cp_attention: str | None = None,
-                             options: PlanOptions | None = None,
-                             saved: CpSection | None = None) -> Program:  # fmt: skip
-    """Steps 1-5 on ``mesh`` (cp, or cp x tp: the tp program is compiled first at the global
-    sequence and then split; dp wraps either through autopar.data_parallel, pp compiles each
-    stage with :func:`compile_traced_cp`)."""
+def check_cp_mesh(mesh: Mesh) -> None:
+    """The axes a cp program composes with inside (dp, ep and pp wrap it)."""
     other = [a for a in mesh.sizes if a != AXIS]
     if set(other) - {"tp"}:
         raise MeshError(f"{mesh}: cp composes with dp, tp and pp (Mesh(dp=2, cp=2), "
                         f"Mesh(cp=2, tp=2), Mesh(pp=2, cp=2)); not with {', '.join(other)}")  # fmt: skip
-    traced = trace(model, example_inputs, example_kwargs, loss_fn)
-    return compile_traced_cp(traced, mesh, cp_attention, options, saved)
 
 
 def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = None,

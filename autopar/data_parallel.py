@@ -1,9 +1,10 @@
 """The data axis: each dp rank runs the program of the mesh without dp on its slice of the batch.
 
 Algorithm (:func:`compile_data_parallel`):
-1. Split the global batch: dim 0 of every tensor input (and keyword input) must divide by dp
-   (times the micro-batch count under pp); the example inputs are sliced to B/dp.
-2. Compile the sub-mesh program (tp, cp and/or pp) on the sliced inputs; every dp rank runs
+1. Split the global batch (the driver, :func:`split_batch`): dim 0 of every tensor input (and
+   keyword input) must divide by dp (times the micro-batch count under pp); the example
+   inputs are sliced to B/dp and traced once.
+2. Compile the sub-mesh program (tp, cp, ep and/or pp) from that trace; every dp rank runs
    it.  Under cp the cp ranks join the data axis's gradient reduction (torchtitan's FSDP
    over ``dp_shard_cp``): the cp program leaves its dense parameters' gradients partial
    (``context_parallel.leave_grads_to_data_axis``) and ZeRO shards and reduces over the
@@ -414,18 +415,18 @@ class DataParallelProgram:
         return f"<autopar.DataParallelProgram on {self.mesh}, ZeRO-{self.plan.zero}>"
 
 
-def compile_data_parallel(mesh: Mesh, example_inputs: Sequence[Any], example_kwargs: dict | None,
-                          compile_inner: Callable[[Mesh, tuple, dict, float | None], Any], *,
+def compile_data_parallel(mesh: Mesh, batch: int,
+                          compile_inner: Callable[[float | None], Any], *,
                           zero: int | None, memory_limit: float | None,
                           param_dtype: torch.dtype = torch.float32,
                           reduce_dtype: torch.dtype = torch.float32,
-                          micro: int = 1, refit: bool = True) -> DataParallelProgram:  # fmt: skip
-    """Steps 1-5 (see the module docstring); ``refit=False`` (a reloaded plan) keeps the
-    sub-mesh plan as compiled (no re-solve under ``memory_limit``)."""
-    dp = mesh.size("dp")
-    args, kwargs = split_batch(example_inputs, example_kwargs, dp, micro)
-    inner_mesh = mesh.without("dp")
-    inner, axes = join_cp(compile_inner(inner_mesh, args, kwargs, None))
+                          refit: bool = True) -> DataParallelProgram:  # fmt: skip
+    """Steps 2-6 (see the module docstring) for a global batch of ``batch`` rows; the driver
+    sliced and traced it (step 1) and ``compile_inner(limit)`` builds the program of the mesh
+    without dp from that one trace (``limit``: the sub-mesh solver's memory limit, None for
+    none).  ``refit=False`` (a reloaded plan) keeps the sub-mesh plan as compiled (no
+    re-solve under ``memory_limit``)."""
+    inner, axes = join_cp(compile_inner(None))
     shard = math.prod(mesh.size(a) for a in axes)
     per = StateBytes.for_dtype(param_dtype)
     table = memory_table(inner, shard, per)
@@ -434,10 +435,9 @@ def compile_data_parallel(mesh: Mesh, example_inputs: Sequence[Any], example_kwa
     resolved = None
     if memory_limit is not None and refit:
         inner, table, resolved = _fit_sub_mesh(inner, table, limit, zero, (shard, per), (
-            lambda sub_limit: join_cp(compile_inner(inner_mesh, args, kwargs, sub_limit))[0]))  # fmt: skip
+            lambda sub_limit: join_cp(compile_inner(sub_limit))[0]))  # fmt: skip
     stage, why = choose_zero(table, limit, zero, where)
     grads = _grad_shapes(inner)
-    batch = _batch(example_inputs, example_kwargs)
     plan = DataParallelPlan(
         inner=inner.plan, mesh=mesh.axes, links=tuple(mesh.describe()), zero=stage,
         reduction=loss_reduction(_graph(inner), _model_name(inner)), batch=batch, memory=table, memory_limit=limit,
@@ -583,13 +583,6 @@ def _graph(inner: Any) -> fx.GraphModule:
 
 def _model_name(inner: Any) -> str:
     return inner.traced.model_name if hasattr(inner, "traced") else inner.model_name
-
-
-def _batch(example_inputs: Sequence[Any], example_kwargs: dict | None) -> int:
-    for t in (*example_inputs, *(example_kwargs or {}).values()):
-        if isinstance(t, torch.Tensor) and t.dim():
-            return t.shape[0]
-    return 0
 
 
 def kept_gathered(inner: Any) -> frozenset[str]:

@@ -7,8 +7,8 @@ all-to-alls; the rest of the routing (router, top-k, grouping by expert, weighte
 runs on each rank's own tokens, exactly as on one device.
 
 Algorithm (:func:`compile_expert_parallel`):
-1. Split the global batch over ep (dim 0 of every input, as for dp) and compile the sub-mesh
-   program (tp, or nothing) on the slice.
+1. The driver splits the global batch over ep (dim 0 of every input, as for dp) and traces
+   the slice once; the sub-mesh program (tp, pp, or nothing) is compiled from that trace.
 2. Recognise each MoE layer structurally in the sub-mesh graph (:func:`find_moe_layers`): the
    grouped matmuls (``aten._grouped_mm``, ``transformers::grouped_mm_fallback``) sharing one
    offsets tensor (the cumulative rows per expert of the router's top-k, grouped by expert),
@@ -55,7 +55,7 @@ from autopar import collectives as C
 from autopar import meta
 from autopar.batch_stats import boundaries, globalize_batch_statistics, statistic_collectives
 from autopar.codegen import _param_block
-from autopar.data_parallel import _graph, _model_name, loss_reduction, split_batch
+from autopar.data_parallel import _graph, _model_name, loss_reduction
 from autopar.errors import InputError, NodeProblem, ShardingRuleError
 from autopar.mesh import Mesh
 from autopar.moe_loop import find_expert_loops
@@ -656,19 +656,14 @@ class ExpertParallelProgram:
         return f"<autopar.ExpertParallelProgram on {self.mesh}, {len(self.plan.layers)} MoE layers>"
 
 
-def compile_expert_parallel(mesh: Mesh, example_inputs: Sequence[Any],
-                            example_kwargs: dict | None,
-                            compile_inner: Callable[[Mesh, tuple, dict], Any], *,
+def compile_expert_parallel(mesh: Mesh, batch: int, compile_inner: Callable[[], Any], *,
                             strict: bool = False,
                             capacity_factor: float | None = None) -> ExpertParallelProgram:  # fmt: skip
-    """Steps 1-4 (see the module docstring)."""
-    if capacity_factor is not None and not capacity_factor > 0:
-        raise InputError(f"capacity_factor={capacity_factor!r}: the capacity factor must be > 0 "
-                         "(tokens an expert takes, as a multiple of an even share); "
-                         "None is dropless")  # fmt: skip
+    """Steps 2-4 (see the module docstring) for a batch of ``batch`` rows over ep; the
+    driver sliced and traced it (step 1) and ``compile_inner()`` builds the program of the
+    mesh without ep from that one trace."""
     ep = mesh.size("ep")
-    args, kwargs = split_batch(example_inputs, example_kwargs, ep)
-    inner = compile_inner(mesh.without("ep"), args, kwargs)
+    inner = compile_inner()
     samples = ([st.module(0) for st in inner.stages] if hasattr(inner, "stages")
                else [inner.module(0)])  # fmt: skip
     found_layers = [find_moe_layers(m) for m in samples]
@@ -698,7 +693,7 @@ def compile_expert_parallel(mesh: Mesh, example_inputs: Sequence[Any],
                     if c.kind == "all_to_all" and layers and c.where == layers[0].where)  # fmt: skip
     plan = ExpertParallelPlan(
         inner=inner.plan, mesh=mesh.axes, links=tuple(mesh.describe()), layers=tuple(layers),
-        stage_layers=tuple(tuple(ls) for ls, _ in found_layers), reduction=reduction, batch=_batch(example_inputs, example_kwargs),
+        stage_layers=tuple(tuple(ls) for ls, _ in found_layers), reduction=reduction, batch=batch,
         capacity_factor=capacity_factor, collectives=found, link=link.name,
         layer_s=per_layer, comm_s=sum(times), param_bytes=_param_bytes(samples, layers, ep),
         notes=tuple(notes))  # fmt: skip
@@ -764,13 +759,6 @@ def _capacity(factor: float | None, layers: list[MoELayer], gm: fx.GraphModule, 
     nodes = {n.name: n for n in gm.graph.nodes}
     rows = nodes[layers[0].entry].meta["val"].shape[0] * ep
     return float(math.ceil(factor * rows / layers[0].experts))
-
-
-def _batch(example_inputs: Sequence[Any], example_kwargs: dict | None) -> int:
-    for t in (*example_inputs, *(example_kwargs or {}).values()):
-        if isinstance(t, torch.Tensor) and t.dim():
-            return t.shape[0]
-    return 0
 
 
 def ep_collectives(gm: fx.GraphModule, layers: Sequence[MoELayer], capped: bool = False,

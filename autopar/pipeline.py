@@ -1,8 +1,9 @@
 """Pipeline parallelism: cost-balanced stage cuts, per-stage programs, real schedules.
 
 Algorithm (:func:`compile_pipeline`):
-1. Trace the model (plus loss) on one micro-batch (the batch must divide by the micro-batch
-   count); the traced function must return one scalar loss.
+1. The schedule and micro-batch count come first (:func:`pipeline_config`): the driver
+   traces the model (plus loss) once, on one micro-batch (the batch must divide by the
+   micro-batch count); the traced function must return one scalar loss.
 2. Price each cuttable unit (prologue, each block, epilogue): its forward+backward compute on
    the stage's tensor-parallel degree, plus the send/recv of the values live across each
    boundary on the pipeline axis's link.
@@ -40,7 +41,7 @@ from autopar.planner import PlanOptions, run_node_time
 from autopar.precision import annotate_autocast
 from autopar.program import Program
 from autopar.runtime import RankShare
-from autopar.trace import Traced, trace
+from autopar.trace import Traced
 from cost.comm import collective_time
 from passes.pipeline_split import StageGraph, Unit, boundary_bytes, cuttable_units, split_stages
 
@@ -495,25 +496,15 @@ class TrainStepPreview:
         )
 
 
-def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
-                     loss_fn: Callable | None, example_kwargs: dict | None, options: PlanOptions,
-                     n_microbatches: int | None, schedule: str, virtual_stages: int | None,
-                     split_points: Sequence[str], log: Callable[[str], None],
-                     cp_attention: str | None = None,
-                     param_dtype: torch.dtype = torch.float32, *,
-                     plan: Plan | None = None) -> PipelineProgram:  # fmt: skip
-    """Steps 1-4 (see the module docstring); with a cp axis every stage is split along the
-    sequence (autopar.context_parallel), its boundary values sent whole.  ``param_dtype``
-    16-bit: stages run under autocast with their activations sent in it (priced so).  A
-    reloaded ``plan`` gives the cuts and each stage's plan (its config is the caller's, taken
-    from the plan)."""
-    from autopar.compile import compile_traced
-
+def pipeline_config(mesh: Mesh, batch: int, n_microbatches: int | None, schedule: str,
+                    virtual_stages: int | None,
+                    param_dtype: torch.dtype = torch.float32) -> PipelineConfig:  # fmt: skip
+    """Step 1 before tracing: the schedule, its virtual stages and the micro-batch count for a
+    per-rank batch of ``batch`` rows (the micro-batch is what the driver traces)."""
     if schedule not in SCHEDULES:
         raise InputError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     v = virtual_stages or (2 if schedule in ("interleaved", "zero_bubble") else 1)
     p = mesh.size("pp")
-    batch = _batch_size(example_inputs, example_kwargs)
     m = n_microbatches or default_microbatches(batch, p * v)
     if schedule == "zero_bubble" and mesh.size("tp") > 1:
         raise InputError(
@@ -526,15 +517,24 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any]
             f"the {schedule} schedule needs at least as many micro-batches as pipeline ranks "
             f"({p}); got n_microbatches={m} (GPipe has no such limit)"
         )
-    config = PipelineConfig(n_microbatches=m, schedule=schedule, virtual_stages=v,
-                            param_dtype=param_dtype)  # fmt: skip
-    args, kwargs = microbatch(example_inputs, example_kwargs, m)
-    traced = trace(model, args, kwargs, loss_fn)
+    return PipelineConfig(n_microbatches=m, schedule=schedule, virtual_stages=v,
+                          param_dtype=param_dtype)  # fmt: skip
+
+
+def compile_pipeline(traced: Traced, mesh: Mesh, config: PipelineConfig, options: PlanOptions,
+                     split_points: Sequence[str], log: Callable[[str], None],
+                     cp_attention: str | None = None, *,
+                     plan: Plan | None = None) -> PipelineProgram:  # fmt: skip
+    """Steps 2-4 (see the module docstring) on ``traced``, one micro-batch's graph; with a cp
+    axis every stage is split along the sequence (autopar.context_parallel), its boundary
+    values sent whole.  ``config.param_dtype`` 16-bit: stages run under autocast with their
+    activations sent in it (priced so).  A reloaded ``plan`` gives the cuts and each stage's
+    plan (its config is the caller's, taken from the plan)."""
+    from autopar.compile import compile_traced
+
+    param_dtype = config.param_dtype
     annotate_autocast(traced.gm, param_dtype)  # stage memory priced in the runtime dtype
     loss = loss_output(traced)
-    log(
-        f"traced {traced.model_name} on a micro-batch of {batch // m}: {len(traced.gm.graph.nodes)} nodes"
-    )
     units = cuttable_units(traced)
     cut = choose_cuts(traced, units, mesh, config, split_points, options.memory_limit,
                       plan.pp.stage_starts if plan else None)  # fmt: skip
@@ -576,7 +576,7 @@ def _stage_plans(graphs: list[StageGraph], options: PlanOptions, stage_mesh: Mes
             for g, saved in zip(graphs, plan.stages, strict=True)]  # fmt: skip
 
 
-def _batch_size(args: Sequence[Any], kwargs: dict | None) -> int:
+def batch_size(args: Sequence[Any], kwargs: dict | None) -> int:
     for t in [*args, *(kwargs or {}).values()]:
         if isinstance(t, torch.Tensor) and t.dim() > 0:
             return t.shape[0]

@@ -5,7 +5,7 @@ record (`autopar.plan.Plan`, `DataParallelPlan.memory`, a search `Choice`, a `Ti
 computed by the function that produced that record, never estimated a second time here.
 
 Algorithm (`facts_of`):
-1. Recognise the object: a whole-cluster search (`autopar.search.Plan`), one priced
+1. Recognise the object: a whole-cluster search (`autopar.search.Ranking`), one priced
    configuration (`cost.estimate.Estimate`), or a compiled program (`Program`,
    `PipelineProgram`, `DataParallelProgram`, `ExpertParallelProgram`, any nesting).
 2. Mesh on the cluster: each axis's (stride, size) in rank order and the link its groups
@@ -124,13 +124,12 @@ class Facts:
 
 def facts_of(obj: Any, measured: Any = None) -> Facts:
     """Step 1: dispatch on the kind of plan or program (see the module docstring)."""
-    from autopar.search import AutoChoice
-    from autopar.search import Plan as SearchPlan
+    from autopar.search import AutoChoice, Ranking
     from cost.estimate import Estimate
 
     if isinstance(obj, AutoChoice):
         obj = obj.plan
-    if isinstance(obj, SearchPlan):
+    if isinstance(obj, Ranking):
         return _search_facts(obj)
     if isinstance(obj, Estimate):
         return _estimate_facts(obj)
@@ -140,7 +139,7 @@ def facts_of(obj: Any, measured: Any = None) -> Facts:
         return program_facts(obj, measured)
     raise TypeError(
         f"cannot report a {type(obj).__name__}: give a compiled program (autoparallelize's "
-        "result), an autopar.search.Plan (plan_shape) or a cost.estimate.Estimate"
+        "result), an autopar.search.Ranking (plan_shape) or a cost.estimate.Estimate"
     )
 
 

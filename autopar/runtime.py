@@ -1,5 +1,8 @@
 """Run programs inside a distributed job: bind mesh axes to torch DeviceMesh process groups.
 
+:func:`bind` turns a compiled program into what this rank runs: its module, its pipeline
+runner (a pp axis) or its data-parallel wrapper (DDP / FSDP2 over dp, a dp axis).
+
 Algorithm (:func:`bind_mesh`):
 1. Check the job's world size equals the mesh size (a mismatch would hang in the first
    collective, so it is an error up front), and that every group the plan placed inside a node
@@ -23,6 +26,21 @@ from autopar import collectives
 from autopar.errors import MeshError
 from autopar.layout import Shard, parse_placement
 from autopar.mesh import Mesh
+
+
+def bind(prog: Any, device_mesh: Any, mesh: Mesh, param_dtype: torch.dtype) -> Any:
+    """This rank's runnable form of ``prog`` on ``device_mesh`` (the mesh ``mesh`` names)."""
+    from autopar.errors import PlanError
+
+    if "dp" in mesh.sizes:
+        return wrap_data_parallel(device_mesh, prog, mesh)
+    rank = bind_mesh(device_mesh, mesh, prog.collectives())
+    if "pp" in mesh.sizes:
+        return PipelineRunner(prog.share(rank), device_mesh.get_group("pp"))
+    if "ep" not in mesh.sizes and param_dtype != torch.float32:
+        raise PlanError(f"param_dtype={param_dtype} is applied by the data-parallel and pipeline "
+                        f"runtimes; on {mesh} compile without it, or add a dp or pp axis")  # fmt: skip
+    return prog.module(rank)
 
 
 def bind_mesh(device_mesh: Any, mesh: Mesh, plan_collectives: Sequence[Any] = (),

@@ -7,7 +7,7 @@ Algorithm (`plan_shape`):
 1. Build the cluster's topology graph (`cost.topology`): collectives are priced by the links
    their groups span.
 2. Search (`cost.search.search`); a hand-chosen configuration (`compare`) is ranked exactly.
-3. `Plan.__str__`: search statistics, the ranking (step time, MFU, memory, degrees, settings,
+3. `Ranking.__str__`: search statistics, the ranking (step time, MFU, memory, degrees, settings,
    nesting, the components each runner-up loses on), the best configuration's breakdown
    (`cost.report.render`), the links each axis rides with their share of the step, and where
    the hand-chosen configuration ranks and why.
@@ -33,7 +33,7 @@ GIB = 2**30
 
 
 @dataclass(frozen=True)
-class Plan:
+class Ranking:
     """A search result with its topology, a hand-chosen configuration's rank, and printing."""
 
     result: SearchResult
@@ -153,7 +153,7 @@ def parse_degrees(text: str, global_batch: int = 1) -> ParallelConfig:
 def plan_shape(model, cluster: Cluster, global_batch: int, *, top: int = 10,
                compare: ParallelConfig | None = None, zero: tuple[int, ...] = (0, 1, 2, 3),
                attention: str = "flash", nest: bool = True, rails: bool = True,
-               grad_bytes: int = 4, space: SearchSpace | None = None) -> Plan:  # fmt: skip
+               grad_bytes: int = 4, space: SearchSpace | None = None) -> Ranking:  # fmt: skip
     """Search `model` (a ModelShape, preset name or traced graph) on `cluster` (steps 1-2)."""
     topology = Topology(cluster=cluster, rails=rails)
     space = space or SearchSpace(zero=zero, attention=attention, nest=nest, grad_bytes=grad_bytes)
@@ -166,7 +166,7 @@ def plan_shape(model, cluster: Cluster, global_batch: int, *, top: int = 10,
     if keep is not None and keep.dp is None:
         keep = ParallelConfig(tp=keep.tp, pp=keep.pp, cp=keep.cp, ep=keep.ep,
                               dp=_degrees_key(keep, cluster)[2], global_batch=global_batch)  # fmt: skip
-    return Plan(result=result, topology=topology, compare=keep, top=top)
+    return Ranking(result=result, topology=topology, compare=keep, top=top)
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,7 @@ class AutoChoice:
     """What `Mesh.auto` chose: the ranked plan, its best configuration, the one compiled (the
     best the compiler accepted) and the configurations the compiler refused, with why."""
 
-    plan: Plan
+    plan: Ranking
     best: Choice
     compiled: Choice
     mesh: Mesh
@@ -195,13 +195,11 @@ class AutoChoice:
 
 
 MAX_REFUSALS = 4  # ranked configurations tried after the best before giving up
-_DECIDED = {"n_microbatches": None, "virtual_stages": None, "plan": None, "cluster": None}
+_DECIDED = ("n_microbatches", "virtual_stages", "plan", "cluster")
 
 
-def compile_auto(model: Any, mesh: AutoMesh, example_inputs: Sequence[Any],
-                 loss_fn: Callable[..., Any] | None, *, example_kwargs: dict | None = None,
-                 global_batch: int | None = None, verbose: bool = False,
-                 recompute: str | None = None, **options: Any) -> Any:  # fmt: skip
+def compile_auto(model: Any, mesh: AutoMesh, example: Any, loss_fn: Callable[..., Any] | None,
+                 options: Any) -> Any:  # fmt: skip
     """`autoparallelize(model, Mesh.auto(cluster), ...)`.
 
     Algorithm:
@@ -213,38 +211,41 @@ def compile_auto(model: Any, mesh: AutoMesh, example_inputs: Sequence[Any],
        `memory_limit` when given, ZeRO stage and recompute fixed when the user fixes them.
     3. Walk the ranking best first: compile every chosen degree (dp, pp, cp, ep, tp) in the
        chosen nesting on every GPU of the cluster, with its ZeRO stage, schedule, micro-batch
-       count and recompute mode.  A configuration the compiler refuses (its memory count is
-       what runs; some axis combinations it cannot build for this model) is recorded with
-       the compiler's reason and the next is tried.
+       count and recompute mode, through the one driver (`autopar.driver`), which reuses the
+       search's trace when the configuration's per-rank slice is the whole example batch (and
+       each trace it makes for the next configurations).  A configuration the compiler
+       refuses (its memory count is what runs; some axis combinations it cannot build for
+       this model) is recorded with the compiler's reason and the next is tried.
     4. `prog.search` (AutoChoice) holds the ranking, the best, the compiled one and refusals.
     """
-    import torch
-
+    from autopar.driver import compile_model
     from autopar.errors import PlanError
     from autopar.precision import annotate_autocast, mark_run_dtypes
     from autopar.trace import trace
     from cost.graph import GraphModel
 
     _check_decided(options)
-    traced = trace(model, example_inputs, example_kwargs, loss_fn)
-    annotate_autocast(traced.gm, options.get("param_dtype", torch.float32))
+    examples = _example_batch(example.args)
+    traced = trace(model, example.args, example.kwargs or None, loss_fn)
+    traces = {examples: traced}
+    annotate_autocast(traced.gm, options.param_dtype)
     priced = GraphModel.from_traced(mark_run_dtypes(traced.gm), name=type(model).__name__)
-    examples = _example_batch(example_inputs)
-    plan = plan_shape(priced, _capacity(mesh.cluster, options.get("memory_limit")),
-                      global_batch or mesh.global_batch or examples,
-                      space=_auto_space(mesh, options, recompute))  # fmt: skip
+    plan = plan_shape(priced, _capacity(mesh.cluster, options.memory_limit),
+                      options.global_batch or mesh.global_batch or examples,
+                      space=_auto_space(mesh, options))  # fmt: skip
     refused: list[tuple[Choice, str]] = []
     for choice in plan.result.ranked[: MAX_REFUSALS + 1]:
         concrete = auto_mesh(choice, mesh.cluster)
         try:
-            prog = _compile_choice(model, concrete, choice, example_inputs, loss_fn,
-                                   example_kwargs, examples, verbose, options)  # fmt: skip
+            prog = compile_model(model, concrete, example, loss_fn,
+                                 _choice_options(concrete, choice, examples, options),
+                                 traces=traces)  # fmt: skip
         except PlanError as exc:
             refused.append((choice, f"{type(exc).__name__}: {exc}"))
             continue
         prog.search = AutoChoice(plan=plan, best=plan.best, compiled=choice, mesh=concrete,
                                  refused=tuple(refused))  # fmt: skip
-        if verbose or refused:
+        if options.verbose or refused:
             print(prog.search.__str__().split("\n\n")[0])
         return prog
     tried = "; ".join(f"{c.describe()}: {why}" for c, why in refused)
@@ -252,18 +253,17 @@ def compile_auto(model: Any, mesh: AutoMesh, example_inputs: Sequence[Any],
                     f"of the search ({tried}); give a larger cluster or memory_limit")  # fmt: skip
 
 
-def _check_decided(options: dict[str, Any]) -> None:
+def _check_decided(options: Any) -> None:
     """Options that fix what the search decides are refused rather than ignored."""
     from autopar.errors import PlanError
 
-    given = [k for k, default in _DECIDED.items() if options.pop(k, default) not in (default, ())]
-    if options.get("split_points"):
+    given = [k for k in _DECIDED if getattr(options, k) is not None]
+    if options.split_points:
         given.append("split_points")
     if given:
         raise PlanError(f"Mesh.auto chooses the mesh and its schedule, but {', '.join(given)} "
                         "was given; compile a fixed Mesh(...) with it instead (e.g. the one "
                         "prog.search reports)")  # fmt: skip
-    options.pop("split_points", None)
 
 
 def _capacity(cluster: Cluster, memory_limit: float | None) -> Cluster:
@@ -276,19 +276,19 @@ def _capacity(cluster: Cluster, memory_limit: float | None) -> Cluster:
                                                                 hbm_bytes=memory_limit))  # fmt: skip
 
 
-def _auto_space(mesh: AutoMesh, options: dict[str, Any], recompute: str | None) -> SearchSpace:
+def _auto_space(mesh: AutoMesh, options: Any) -> SearchSpace:
     """Step 2: the search space of configurations the compiler builds as priced."""
     import torch
 
     from cost.search import RECOMPUTE
 
-    zero = mesh.zero if options.get("zero") is None else (options["zero"],)
-    schedule = options.get("schedule")
+    zero = mesh.zero if options.zero is None else (options.zero,)
+    schedule = options.schedule
     schedules = ("1f1b", "interleaved") if schedule in (None, "1f1b") else (schedule,)
-    fp32 = options.get("param_dtype", torch.float32) == torch.float32
-    return SearchSpace(zero=zero, recompute=(recompute,) if recompute else RECOMPUTE,
-                       schedules=schedules, weight_bytes=4 if fp32 else 2,
-                       accumulate=False)  # fmt: skip
+    fp32 = options.param_dtype == torch.float32
+    recompute = (options.recompute,) if options.recompute else RECOMPUTE
+    return SearchSpace(zero=zero, recompute=recompute, schedules=schedules,
+                       weight_bytes=4 if fp32 else 2, accumulate=False)  # fmt: skip
 
 
 def auto_mesh(choice: Choice, cluster: Cluster) -> Mesh:
@@ -302,23 +302,18 @@ def auto_mesh(choice: Choice, cluster: Cluster) -> Mesh:
     return Mesh.ordered(axes, cluster)
 
 
-def _compile_choice(model: Any, concrete: Mesh, choice: Choice, example_inputs: Sequence[Any],
-                    loss_fn: Callable | None, example_kwargs: dict | None, examples: int,
-                    verbose: bool, options: dict[str, Any]) -> Any:  # fmt: skip
-    """Step 3 for one configuration: the front door on its mesh with its settings."""
-    from autopar.api import autoparallelize
-
+def _choice_options(concrete: Mesh, choice: Choice, examples: int, options: Any) -> Any:
+    """Step 3 for one configuration: the driver's options on its mesh with its settings."""
     c = choice.config
-    settings: dict[str, Any] = {**options, "recompute": c.recompute or "none"}
-    settings["zero"] = c.zero if concrete.sizes.get("dp", 1) > 1 else None
+    settings: dict[str, Any] = {"recompute": c.recompute or "none",
+                                "zero": c.zero if concrete.sizes.get("dp", 1) > 1 else None}  # fmt: skip
     if c.pp > 1:
         m = choice.micro_batches
         # 1F1B with fewer micro-batches than stages is GPipe (same bubble, m in flight)
         settings["schedule"] = "gpipe" if c.schedule == "1f1b" and m < c.pp else c.schedule
         settings["virtual_stages"] = c.virtual_stages if c.schedule == "interleaved" else None
         settings["n_microbatches"] = m if (examples // c.dp) % m == 0 else None
-    return autoparallelize(model, concrete, example_inputs, loss_fn,
-                           example_kwargs=example_kwargs, verbose=verbose, **settings)  # fmt: skip
+    return options.replace(**settings)
 
 
 def load_traced(spec: str) -> Any:

@@ -1,0 +1,232 @@
+"""The one compile driver: slice the batch once, trace once, build the program of every axis.
+
+Algorithm (:func:`compile_model`):
+1. Slice the example batch for the batch axes, once: B/dp per data rank (the batch must
+   divide by dp, times the micro-batch count when one is given), B/(dp·ep) per expert rank,
+   and under pp one micro-batch of that (the schedule and micro-batch count are settled
+   first, :func:`autopar.pipeline.pipeline_config`).
+2. Trace the slice once (torch.export, autopar.trace); a trace the caller already holds at
+   that slice (the whole-cluster search's) is reused.  Every program below is built from
+   copies of this one graph: nothing re-traces, nothing calls the front door.
+3. Build the program of the mesh without the batch axes (:func:`_core`): pp cuts stages and
+   compiles each (tp, or cp x tp); else cp splits the sequence of the tp program; else the
+   tp compile.  Then the recompute mode (autopar.recompute).
+4. ep places the experts of that program across ep ranks (autopar.expert_parallel).
+5. dp chooses the ZeRO stage for the per-rank memory of that program; under a memory limit
+   it re-solves the sub-mesh (steps 3-4 on a fresh copy of the trace) for a stage whose
+   fastest plan does not fit (autopar.data_parallel).
+6. A reloaded plan is honoured at every level: each axis's section decides that axis, and
+   the compiled program must carry the saved decisions (else a PlanError names them).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from autopar.errors import PlanError
+from autopar.mesh import Mesh
+from autopar.options import Options
+from autopar.plan import Plan, check_attention, check_split_points, honoured, section, settle
+from autopar.planner import PlanOptions
+from autopar.trace import Traced, trace
+
+
+@dataclass(frozen=True, kw_only=True)
+class Example:
+    """The example call: positional and keyword inputs (the last positional one is the
+    loss's target when a ``loss_fn`` is given)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def batch(self) -> int:
+        """Dim 0 of the first batched tensor input (0: none)."""
+        for t in (*self.args, *self.kwargs.values()):
+            if isinstance(t, torch.Tensor) and t.dim():
+                return t.shape[0]
+        return 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capture:
+    """The one traced graph of a compile (step 2) and how it was sliced."""
+
+    traced: Traced
+    rows: int  # batch rows of the traced slice
+    log: Callable[[str], None]
+
+    def fresh(self) -> Traced:
+        """A copy of the trace that passes may rewrite (vocab padding edits in place)."""
+        t = self.traced
+        return dataclasses.replace(t, gm=fx.GraphModule(t.gm, copy.deepcopy(t.gm.graph)))
+
+
+class Progress:
+    """Timestamped progress lines under ``verbose=True``."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled, self.start = enabled, time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        if self.enabled:
+            print(f"[autopar {time.perf_counter() - self.start:6.2f}s] {msg}", flush=True)
+
+
+def compile_model(model: nn.Module, mesh: Mesh, example: Example,
+                  loss_fn: Callable | None, options: Options, *,
+                  traces: dict[int, Traced] | None = None) -> Any:  # fmt: skip
+    """Steps 1-6 on a virtual mesh.  ``traces`` (rows -> Traced) holds traces already made at
+    a slice of that many rows (the search's); the one this call makes is added to it."""
+    log = Progress(options.verbose)
+    plan = options.plan
+    if options.zero is not None and "dp" not in mesh.sizes:
+        raise PlanError(f"zero={options.zero} shards over the data axis, but {mesh} has no dp "
+                        "axis; use e.g. Mesh(dp=2, tp=2)")  # fmt: skip
+    options = _settled(options, mesh, plan)
+    sliced, config = _slice(mesh, example, options)
+    capture = _capture(model, sliced, loss_fn, log, traces)
+    if "dp" not in mesh.sizes:
+        return _experts(capture, mesh, options, plan, config, example.batch)
+    from autopar.data_parallel import compile_data_parallel
+
+    sub, sub_plan = mesh.without("dp"), plan.without("dp") if plan else None
+    refits = iter(range(1 << 30))
+
+    def inner(limit: float | None) -> Any:
+        take = capture if next(refits) == 0 else dataclasses.replace(capture, traced=capture.fresh())
+        return _experts(take, sub, options.replace(memory_limit=limit, plan=sub_plan), sub_plan,
+                        config, example.batch // mesh.size("dp"))  # fmt: skip
+
+    prog = compile_data_parallel(mesh, example.batch, inner, zero=options.zero,
+                                 memory_limit=options.memory_limit,
+                                 param_dtype=options.param_dtype,
+                                 reduce_dtype=options.reduce_dtype,
+                                 refit=plan is None)  # fmt: skip
+    return honoured(plan, prog)
+
+
+def _settled(options: Options, mesh: Mesh, plan: Plan | None) -> Options:
+    """Options a reloaded plan decides, taken from it (given ones must agree): the recompute
+    mode, ZeRO stage, capacity factor and the pipeline's schedule."""
+    recompute = settle("recompute", options.recompute, plan.recompute if plan else None)
+    changes: dict[str, Any] = {"recompute": recompute or "none"}
+    if "dp" in mesh.sizes:
+        saved = section(plan, "dp")
+        changes["zero"] = settle("zero", options.zero, saved and saved.zero)
+    if "ep" in mesh.sizes:
+        saved = section(plan, "ep")
+        changes["capacity_factor"] = settle("capacity_factor", options.capacity_factor,
+                                            saved.capacity_factor if saved else None)  # fmt: skip
+    if "pp" in mesh.sizes:
+        saved = section(plan, "pp")
+        check_split_points(options.split_points, saved)
+        changes["n_microbatches"] = settle("n_microbatches", options.n_microbatches,
+                                           saved and saved.n_microbatches)  # fmt: skip
+        changes["schedule"] = settle("schedule", options.schedule,
+                                     saved and saved.schedule) or "1f1b"  # fmt: skip
+        changes["virtual_stages"] = settle("virtual_stages", options.virtual_stages,
+                                           saved and saved.virtual_stages)  # fmt: skip
+    return options.replace(**changes)
+
+
+def _slice(mesh: Mesh, example: Example, options: Options) -> tuple[Example, Any]:
+    """Step 1: rank 0's slice of the batch for dp and ep, and under pp its first micro-batch
+    (with the pipeline's config)."""
+    from autopar.data_parallel import split_batch
+
+    args, kwargs = example.args, example.kwargs
+    if "dp" in mesh.sizes:
+        args, kwargs = split_batch(args, kwargs, mesh.size("dp"), options.n_microbatches or 1)
+    if "ep" in mesh.sizes:
+        args, kwargs = split_batch(args, kwargs, mesh.size("ep"))
+    if "pp" not in mesh.sizes:
+        return Example(args=args, kwargs=kwargs), None
+    from autopar.pipeline import batch_size, microbatch, pipeline_config
+
+    config = pipeline_config(mesh, batch_size(args, kwargs), options.n_microbatches,
+                             options.schedule, options.virtual_stages, options.param_dtype)  # fmt: skip
+    args, kwargs = microbatch(args, kwargs, config.n_microbatches)
+    return Example(args=args, kwargs=kwargs), config
+
+
+def _capture(model: nn.Module, sliced: Example, loss_fn: Callable | None,
+             log: Callable[[str], None], traces: dict[int, Traced] | None) -> Capture:  # fmt: skip
+    """Step 2: the one trace of the slice.  A held trace (``traces``) is kept pristine: this
+    compile rewrites a copy."""
+    rows = sliced.batch
+    held = traces is not None and rows in traces
+    if not held:
+        traced = trace(model, sliced.args, sliced.kwargs or None, loss_fn)
+        log(f"traced {traced.model_name} on {rows or 'unbatched'} rows: "
+            f"{len(traced.gm.graph.nodes)} nodes")  # fmt: skip
+        if traces is None:
+            return Capture(traced=traced, rows=rows, log=log)
+        traces[rows] = traced
+    capture = Capture(traced=traces[rows], rows=rows, log=log)
+    return dataclasses.replace(capture, traced=capture.fresh())
+
+
+def _experts(capture: Capture, mesh: Mesh, options: Options, plan: Plan | None, config: Any,
+             batch: int) -> Any:  # fmt: skip
+    """Step 4 (and 3 below it) on the mesh without dp."""
+    if "ep" not in mesh.sizes:
+        return _core(capture, mesh, options, plan, config)
+    from autopar.expert_parallel import compile_expert_parallel
+    from autopar.recompute import attach
+
+    sub = mesh.without("ep")
+    sub_plan = dataclasses.replace(plan.without("ep"), recompute="none") if plan else None
+    inner_options = options.replace(strict=options.strict and sub.world_size > 1,
+                                    plan=sub_plan, recompute="none")  # fmt: skip
+
+    def inner() -> Any:
+        return attach(_core(capture, sub, inner_options, sub_plan, config), options.recompute,
+                      apply=False)  # fmt: skip
+
+    prog = compile_expert_parallel(mesh, batch, inner, strict=options.strict,
+                                   capacity_factor=options.capacity_factor)  # fmt: skip
+    prog.recompute = options.recompute
+    return honoured(plan, prog)
+
+
+def _core(capture: Capture, mesh: Mesh, options: Options, plan: Plan | None,
+          config: Any) -> Any:  # fmt: skip
+    """Step 3: the program of the mesh without the batch axes (pp / cp / tp), with its
+    recompute mode."""
+    from autopar.recompute import attach
+
+    solver = PlanOptions(memory_limit=options.memory_limit, memory_weight=options.memory_weight,
+                         strict=options.strict, fixed=plan.choice if plan else (),
+                         param_dtype=options.param_dtype)  # fmt: skip
+    check_attention(options.cp_attention, plan)
+    traced, log = capture.traced, capture.log
+    if "pp" in mesh.sizes:
+        from autopar.pipeline import compile_pipeline
+
+        prog = compile_pipeline(traced, mesh, config, solver, options.split_points, log,
+                                options.cp_attention, plan=plan)  # fmt: skip
+    elif "cp" in mesh.sizes:
+        from autopar.context_parallel import check_cp_mesh, compile_traced_cp
+
+        check_cp_mesh(mesh)
+        prog = compile_traced_cp(traced, mesh, options.cp_attention, solver, section(plan, "cp"))
+    else:
+        from autopar.compile import compile_traced
+
+        prog = compile_traced(traced, mesh, solver, log)
+    mode = "none" if options.recompute is None else options.recompute
+    return honoured(plan, attach(prog, mode))
+
+
+def example_of(example_inputs: Sequence[Any], example_kwargs: dict | None) -> Example:
+    return Example(args=tuple(example_inputs), kwargs=dict(example_kwargs or {}))

@@ -1,0 +1,73 @@
+"""The options of one ``autoparallelize`` call, validated once into a frozen record.
+
+Algorithm (:func:`make_options`):
+1. Check every option whose value alone can be wrong (recompute mode, attention choice,
+   capacity factor, micro-batch and stage counts, split points), naming the option and what
+   to give instead.
+2. Freeze them into :class:`Options`; the driver and every axis read this record (the sub-mesh
+   programs get ``dataclasses.replace`` copies, e.g. with the plan's own section removed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autopar.errors import InputError
+from cost.hardware import Cluster
+
+ATTENTION = ("ring", "all_to_all")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """Everything ``autoparallelize`` was told besides the model, mesh and example inputs."""
+
+    memory_limit: float | None = None
+    memory_weight: float | None = None
+    strict: bool = False
+    verbose: bool = False
+    n_microbatches: int | None = None
+    schedule: str | None = None
+    virtual_stages: int | None = None
+    split_points: tuple[str, ...] = ()
+    plan: Any = None  # autopar.plan.Plan (a reloaded plan), or None
+    cluster: Cluster | None = None
+    zero: int | None = None
+    param_dtype: torch.dtype = torch.float32
+    global_batch: int | None = None
+    reduce_dtype: torch.dtype = torch.float32
+    cp_attention: str | None = None
+    capacity_factor: float | None = None
+    recompute: str | None = None
+
+    def replace(self, **changes: Any) -> Options:
+        return dataclasses.replace(self, **changes)
+
+
+def make_options(*, split_points: Sequence[str] = (), **given: Any) -> Options:
+    """Steps 1-2."""
+    from autopar.recompute import check_mode
+
+    if given.get("recompute") is not None:
+        check_mode(given["recompute"])
+    attention = given.get("cp_attention")
+    if attention not in (None, *ATTENTION):
+        raise InputError(f"cp_attention={attention!r}: use 'ring', 'all_to_all' or None")
+    factor = given.get("capacity_factor")
+    if factor is not None and not factor > 0:
+        raise InputError(f"capacity_factor={factor!r}: the capacity factor must be > 0 "
+                         "(tokens an expert takes, as a multiple of an even share); "
+                         "None is dropless")  # fmt: skip
+    for name in ("n_microbatches", "virtual_stages", "global_batch"):
+        value = given.get(name)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise InputError(f"{name}={value!r}: give a positive integer (or None to choose)")
+    if isinstance(split_points, str):
+        raise InputError(f"split_points={split_points!r}: give a list of module paths, "
+                         f"e.g. [{split_points!r}]")  # fmt: skip
+    return Options(split_points=tuple(split_points), **given)

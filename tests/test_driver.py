@@ -1,0 +1,129 @@
+"""The one driver (autopar.driver): one trace per ``autoparallelize`` call on every mesh, and no
+module below the front door calling the front door."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import autopar
+from autopar import Mesh, autoparallelize
+from autopar.errors import PlanError
+from autopar.testing import Config, MoEConfig, build, build_moe, lm_loss, tokens
+from cost.hardware import Cluster
+
+LLAMA = Config(batch=8)
+LONG = Config(batch=8, seq=32)  # cp chunks the sequence in 2 x cp
+MOE = MoEConfig(batch=8)
+
+# mesh, model kind, options: every axis alone and in the compositions the driver nests
+MESHES = [
+    (Mesh(tp=2), "llama", {}),
+    (Mesh(dp=2), "llama", {}),
+    (Mesh(dp=2, tp=2), "llama", {}),
+    (Mesh(dp=2, tp=2), "llama", {"memory_limit": 3e6}),  # re-solved under the limit
+    (Mesh(dp=4), "llama", {"memory_limit": 1.2e6}),
+    (Mesh(pp=2, tp=2), "llama", {"n_microbatches": 4}),
+    (Mesh(dp=2, pp=2), "llama", {"n_microbatches": 2, "memory_limit": 1.5e6}),
+    (Mesh(cp=2, tp=2), "llama", {}),
+    (Mesh(dp=2, cp=2), "llama", {}),
+    (Mesh(pp=2, cp=2), "long", {"n_microbatches": 2}),
+    (Mesh(tp=2), "llama", {"recompute": "full"}),
+    (Mesh(ep=2), "moe", {}),
+    (Mesh(ep=2, tp=2), "moe", {"recompute": "full"}),
+    (Mesh(dp=2, ep=2), "moe", {}),
+    (Mesh(ep=2, pp=2), "moe", {"n_microbatches": 2}),
+]
+
+
+@pytest.fixture
+def exports(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Every torch.export.export call made, with the batch of its first input."""
+    calls: list[tuple] = []
+    real = torch.export.export
+
+    def counting(root, args, *rest, **kwargs):  # noqa: ANN001, ANN202 - torch's signature
+        calls.append(tuple(a.shape for a in args if isinstance(a, torch.Tensor)))
+        return real(root, args, *rest, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", counting)
+    return calls
+
+
+def _model(kind: str) -> tuple:
+    if kind == "moe":
+        return build_moe(MOE), tokens(MOE)
+    if kind == "long":
+        return build("llama", LONG), tokens(LONG)
+    return build("llama", LLAMA), tokens(LLAMA)
+
+
+@pytest.mark.parametrize(("mesh", "kind", "options"), MESHES, ids=lambda v: str(v))
+def test_every_mesh_traces_the_model_once(mesh, kind, options, exports):
+    model, inputs = _model(kind)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        autoparallelize(model, mesh, inputs, lm_loss, **options)
+    rows = inputs[0].shape[0] // mesh.size("dp") // mesh.size("ep")
+    if "pp" in mesh.sizes:
+        rows //= options["n_microbatches"]
+    assert [shapes[0][0] for shapes in exports] == [rows]  # once, at the per-rank slice
+
+
+def test_mesh_auto_traces_the_example_batch_and_each_slice_once(exports):
+    """The search traces the example batch; the compiled configuration reuses that trace when
+    its per-rank slice is the whole batch, else traces its slice once."""
+    model, inputs = build("llama", LLAMA), tokens(LLAMA)
+    node = dataclasses.replace(Cluster.preset("dgx-h100", nodes=1), gpus_per_node=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = autoparallelize(model, Mesh.auto(node), inputs, lm_loss)
+    mesh, batch = prog.search.mesh, inputs[0].shape[0]
+    rows = batch // mesh.size("dp") // mesh.size("ep")
+    if "pp" in mesh.sizes:
+        pipeline = prog
+        while not hasattr(pipeline, "config"):  # the pipeline inside the batch axes' programs
+            pipeline = pipeline.inner
+        rows //= pipeline.config.n_microbatches
+    assert [shapes[0][0] for shapes in exports] == [batch] + ([rows] if rows != batch else [])
+
+
+def test_zero_without_a_data_axis_is_refused_on_every_mesh():
+    """``zero=`` was silently dropped on a mesh with ep but no dp."""
+    model, inputs = build_moe(MOE), tokens(MOE)
+    with pytest.raises(PlanError, match=r"zero=1 shards over the data axis.*no dp axis"):
+        autoparallelize(model, Mesh(ep=2), inputs, lm_loss, zero=1)
+
+
+def _calls_front_door(path: Path) -> list[str]:
+    """Lines of ``path`` that import or call ``autoparallelize``."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and any(a.name == "autoparallelize" for a in node.names):
+            found.append(f"{path.name}:{node.lineno} imports it")
+        elif isinstance(node, ast.Call):
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
+            if name == "autoparallelize":
+                found.append(f"{path.name}:{node.lineno} calls it")
+    return found
+
+
+# the front door itself, and the tools above it (they drive whole compiles as a user does)
+ABOVE = {"__init__.py", "api.py", "verify.py", "zoo.py", "cli.py", "testing.py"}
+
+
+def test_nothing_below_the_front_door_calls_it():
+    root = Path(autopar.__file__).parent
+    repo = root.parent
+    below = [p for p in root.rglob("*.py") if p.name not in ABOVE]
+    below += [*(repo / "passes").rglob("*.py"), *(repo / "cost").rglob("*.py")]
+    assert len(below) > 40
+    offenders = [line for p in below for line in _calls_front_door(p)]
+    assert offenders == []
