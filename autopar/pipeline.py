@@ -11,8 +11,12 @@ Algorithm (:func:`compile_pipeline`):
    stage (compute + boundary traffic), skipping partitions whose stages do not fit memory
    (parameters with Adam state + the schedule's in-flight micro-batches of activations);
    user-pinned cuts (``split_points``) are kept; a reloaded plan's cuts are taken as saved.
-4. Split the graph (passes.pipeline_split) and compile every stage for the tensor-parallel axis
-   with whole (replicated) boundary outputs.
+4. Split the graph (passes.pipeline_split) and compile every stage for the tensor-parallel axis,
+   in order: each boundary value leaves a stage in the layout its plan produced it in (a
+   Megatron-SP sequence shard is sent as each rank's shard, not gathered whole) and the next
+   stage's plan takes that placement as the one the value arrives in
+   (``PlanOptions.arrive``); the plan's "sends" are the compiled per-rank bytes.  Under cp
+   the boundary values travel whole.
 5. Run with torch.distributed.pipelining's schedules (GPipe, 1F1B, interleaved 1F1B,
    interleaved zero-bubble); gradients of a weight used on two stages (tied embeddings) are
    summed between them after each step.
@@ -43,7 +47,14 @@ from autopar.program import Program
 from autopar.runtime import RankShare
 from autopar.trace import Traced
 from cost.comm import collective_time
-from passes.pipeline_split import StageGraph, Unit, boundary_bytes, cuttable_units, split_stages
+from passes.pipeline_split import (
+    StageGraph,
+    Unit,
+    boundary_bytes,
+    boundary_dtype,
+    cuttable_units,
+    split_stages,
+)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 ADAM_BYTES_PER_PARAM = 16  # fp32 parameter, gradient and two Adam moments
@@ -542,21 +553,58 @@ def compile_pipeline(traced: Traced, mesh: Mesh, config: PipelineConfig, options
     graphs = split_stages(traced, units, list(cut.cuts), loss)
     stage_mesh = Mesh(mesh.cluster, tp=mesh.size("tp"))
     stage_opts = PlanOptions(memory_limit=options.memory_limit, memory_weight=options.memory_weight,
-                             strict=options.strict, replicate_outputs=True,
-                             param_dtype=param_dtype)  # fmt: skip
+                             strict=options.strict, param_dtype=param_dtype)  # fmt: skip
     if "cp" in mesh.sizes:
         from autopar.context_parallel import compile_traced_cp
 
         stage_mesh = Mesh.ordered(tuple(a for a in mesh.axes if a[0] in ("cp", "tp")),
                                   mesh.cluster)  # fmt: skip
+        whole = dataclasses.replace(stage_opts, replicate_outputs=True)  # cp stages: whole values
         stages = [compile_traced_cp(g.traced, stage_mesh, cp_attention, opts, saved.cp if saved else None)
-                  for g, opts, saved in _stage_plans(graphs, stage_opts, stage_mesh, plan)]  # fmt: skip
+                  for g, opts, saved in _stage_plans(graphs, whole, stage_mesh, plan)]  # fmt: skip
     else:
-        stages = [compile_traced(g.traced, stage_mesh, opts, log, whole_model=False)
-                  for g, opts, _ in _stage_plans(graphs, stage_opts, stage_mesh, plan)]  # fmt: skip
+        stages, arrive = [], {}
+        link = mesh.cluster.axis_link(mesh.axes, "pp")
+        for g, opts, _ in _stage_plans(graphs, stage_opts, stage_mesh, plan):
+            opts = dataclasses.replace(opts, send_link=link if g is not graphs[-1] else None,
+                                       arrive=tuple((n, arrive[n]) for n in g.inputs
+                                                    if n in arrive))  # fmt: skip
+            stages.append(compile_traced(g.traced, stage_mesh, opts, log, whole_model=False))
+            arrive.update(sent_placements(stages[-1].graph_module, g))
     grad = frozenset(n.name for n in needs_grad(traced))
+    sent = [_sent_bytes(st.graph_module, g, grad, param_dtype) if g is not graphs[-1] else 0.0
+            for st, g in zip(stages, graphs, strict=True)]  # fmt: skip
+    cut = dataclasses.replace(cut, boundary_bytes=tuple(sent))
     return PipelineProgram(mesh=mesh, stages=stages, graphs=graphs, cut=cut, config=config,
                            model_name=traced.model_name, grad_names=grad)  # fmt: skip
+
+
+def _outputs(gm: fx.GraphModule) -> list[fx.Node]:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return [a for a in torch.utils._pytree.tree_leaves(out.args[0])]
+
+
+def sent_placements(gm: fx.GraphModule, stage: StageGraph) -> dict[str, str]:
+    """Step 4: the tp placement each boundary value of ``stage`` leaves in (the layout its
+    plan produced it in: Megatron-SP's sequence shard stays a shard), which the next stage's
+    plan takes as the placement it arrives in."""
+    found = {}
+    for node, name in zip(_outputs(gm), stage.outputs, strict=True):
+        lay = meta.layout(node) if isinstance(node, fx.Node) else None
+        found[name] = str(lay.placement("tp")) if lay is not None else "R"
+    return found
+
+
+def _sent_bytes(gm: fx.GraphModule, stage: StageGraph, grad: frozenset[str],
+                param_dtype: torch.dtype) -> float:  # fmt: skip
+    """Bytes one rank of ``stage`` sends per micro-batch: its boundary values' local shards
+    in the dtype they cross in (``passes.pipeline_split.boundary_dtype``)."""
+    total = 0.0
+    for node, name in zip(_outputs(gm), stage.outputs, strict=True):
+        v = node.meta.get("val") if isinstance(node, fx.Node) else None
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * boundary_dtype(v.dtype, v.shape, name in grad, param_dtype).itemsize
+    return total
 
 
 def _stage_plans(graphs: list[StageGraph], options: PlanOptions, stage_mesh: Mesh,

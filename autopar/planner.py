@@ -51,7 +51,7 @@ from autopar.analysis import (
     tie_blocks,
 )
 from autopar.errors import FitError, PlanError
-from autopar.layout import Partial, Placement, R, Replicate, Shard
+from autopar.layout import Partial, Placement, R, Replicate, Shard, parse_placement
 from autopar.meta import nbytes as runtime_bytes
 from autopar.meta import source
 from autopar.rules import RuleContext, Strategy, shared_kv_reps, strategies, view_block_counts
@@ -87,7 +87,9 @@ class PlanOptions:
     memory_limit: float | None = None
     memory_weight: float | None = None
     strict: bool = False
-    replicate_outputs: bool = False  # graph outputs must be whole (pipeline stage boundaries)
+    replicate_outputs: bool = False  # graph outputs must be whole
+    arrive: tuple[tuple[str, str], ...] = ()  # input -> placement it arrives in (a stage's)
+    send_link: Link | None = None  # a pipeline stage: its outputs are sent on over this link
     fixed: tuple[tuple[str, str], ...] = ()  # (node, strategy) pairs to keep (a reloaded Plan)
     param_dtype: torch.dtype = torch.float32  # autocast compute dtype (autopar.precision)
 
@@ -192,7 +194,7 @@ def _solve(traced: Traced, axis: str, size: int, link: Link, gpu: GPU, options: 
     ctx = RuleContext(size=size, blocks=block_counts(graph_nodes),
                       reps=shared_kv_reps(graph_nodes, size))  # fmt: skip
     rep = tie_blocks(graph_nodes, traced)
-    cands = _candidates(graph_nodes, rep, traced, ctx, options.strict)
+    cands = _candidates(graph_nodes, rep, traced, ctx, options.strict, dict(options.arrive))
     if axis == "tp" and size > 1:
         _drop_batch_splits(cands, traced, size)
     weight = options.memory_weight
@@ -203,7 +205,7 @@ def _solve(traced: Traced, axis: str, size: int, link: Link, gpu: GPU, options: 
     walks = _Walks(grad, _small_matrices(cands, traced))
     xvar = _choice_vars(prob, graph_nodes, rep, cands, grad, gpu, pricer, weight)
     for v in graph_nodes:
-        _price_inputs(prob, v, rep, cands, xvar, walks, pricer, options.replicate_outputs)
+        _price_inputs(prob, v, rep, cands, xvar, walks, pricer, options)
     _finish_aux(prob, weight)
     unsplit = _require_weight_split(prob, cands, xvar, traced, size) if size > 1 else ()
     _fix(prob, cands, xvar, dict(options.fixed))
@@ -252,12 +254,14 @@ def block_counts(nodes: list[fx.Node]) -> tuple[int, ...]:
 
 
 def _candidates(nodes: list[fx.Node], rep: dict, traced: Traced, ctx: RuleContext,
-                strict: bool) -> dict[fx.Node, list[Strategy]]:  # fmt: skip
+                strict: bool, arrive: dict[str, str]) -> dict[fx.Node, list[Strategy]]:  # fmt: skip
     cands: dict[fx.Node, list[Strategy]] = {}
     for n in nodes:
         if rep[n] is not n or n.op == "output" or is_getitem(n):
             continue
-        if n.op == "placeholder":
+        if n.op == "placeholder" and n.name in arrive:  # sent by the stage before, as it is
+            cands[n] = [Strategy((), parse_placement(arrive[n.name]))]
+        elif n.op == "placeholder":
             cands[n] = _placeholder_strategies(n, traced, ctx)
         elif n.op == "call_function" and (
             is_tensor(n) or isinstance(n.meta.get("val"), (tuple, list))
@@ -491,12 +495,12 @@ def _nbytes(arg: fx.Node) -> float:
 
 
 def _price_inputs(prob: _Problem, v: fx.Node, rep: dict, cands: dict, xvar: dict,
-                  walks: _Walks, pricer: _Pricer, replicate: bool) -> None:  # fmt: skip
+                  walks: _Walks, pricer: _Pricer, options: PlanOptions) -> None:  # fmt: skip
     """Transport variables z[a, b] per edge (sum_b z = x_u[a], sum_a z = x_v[b]) keep the LP
     relaxation tight; shared re-layout costs bound them from above per (producer, target)."""
     grad = walks.grad
     if v.op == "output":
-        _price_outputs(prob, v, rep, cands, xvar, pricer, replicate)
+        _price_outputs(prob, v, rep, cands, xvar, pricer, options, walks.grad)
         return
     if rep[v] not in cands:
         return
@@ -737,8 +741,11 @@ def _transport_rows(prob: _Problem, z: dict, xvar: dict, ur: fx.Node, vr: fx.Nod
 
 
 def _price_outputs(prob: _Problem, out: fx.Node, rep: dict, cands: dict, xvar: dict,
-                   pricer: _Pricer, replicate: bool) -> None:  # fmt: skip
-    """Partial outputs are reduced; with ``replicate`` split outputs are gathered too."""
+                   pricer: _Pricer, options: PlanOptions, grad: set) -> None:  # fmt: skip
+    """Partial outputs are reduced; with ``replicate_outputs`` split outputs are gathered too.
+    A pipeline stage's outputs (``send_link``) are sent on as they are: a split one sends
+    1/t of the bytes but the next stage may gather it, priced as that gather less the send
+    time it saves (its latency, on links as fast as tp's)."""
     for arg in tensor_args(out):
         u, idx = _source(arg)
         ur = rep[u]
@@ -746,12 +753,26 @@ def _price_outputs(prob: _Problem, out: fx.Node, rep: dict, cands: dict, xvar: d
             continue
         for a, sa in enumerate(cands[ur]):
             have = _out(sa, idx)
-            if isinstance(have, Partial) or (replicate and isinstance(have, Shard)):
+            if isinstance(have, Partial) or (options.replicate_outputs and isinstance(have, Shard)):
                 cost = pricer.relayout(have, R, _nbytes(arg), False)
                 if cost is None:  # a shared split is never gathered: not an output
                     prob.row({xvar[(ur, a)]: 1.0}, 0.0, 0.0)
                     continue
                 _link_aux(prob, ("relayout", ur, idx, a, R), (u, idx, R), cost, xvar[(ur, a)])
+            elif options.send_link is not None and isinstance(have, Shard) and have.rep == 1:
+                cost = _sent_shard_price(pricer, options.send_link, _nbytes(arg), arg in grad)
+                if cost > 0:
+                    _link_aux(prob, ("sent", ur, idx, a), (u, idx, have), cost, xvar[(ur, a)])
+
+
+def _sent_shard_price(pricer: _Pricer, link: Link, nbytes: float, needs: bool) -> float:
+    """A split boundary value: the gather the next stage may need, less the send time its
+    1/t share saves (forward, and its gradient back when it carries one)."""
+    def send(b: float) -> float:
+        return collective_time("send_recv", b, 2, link)
+
+    saved = (send(nbytes) - send(nbytes / pricer.size)) * (2.0 if needs else 1.0)
+    return max(0.0, pricer.t("all_gather", nbytes) - saved)
 
 
 def _local_bytes(nbytes: float, p: Placement, size: int) -> float:
