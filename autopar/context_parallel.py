@@ -67,11 +67,12 @@ from autopar.layout import Layout, Partial, Placement, R, Shard
 from autopar.mesh import Mesh
 from autopar.plan import Collective, CpSection, Plan
 from autopar.planner import PlanOptions, run_node_time
+from autopar.precision import annotate_autocast
 from autopar.program import Program, collectives_of
 from autopar.rules import RuleContext, Strategy, strategies
 from autopar.trace import Traced, is_getitem, tensor_args, trace
 from cost.comm import collective_time
-from cost.compute import op_time
+from cost.compute import attention_time, backward_factor, train_factor
 from passes import PassContext
 from passes.localize import localize
 
@@ -79,6 +80,7 @@ aten = torch.ops.aten
 AXIS = "cp"
 STRATEGIES = ("ring", "all_to_all")
 _SDPA = aten.scaled_dot_product_attention.default
+_SDPA_NAME = "scaled_dot_product_attention"  # its cost.compute name (ring attention prices)
 _CE = aten.cross_entropy_loss.default
 _MEAN, _SUM = 1, 2
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -186,6 +188,7 @@ def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = Non
     _note_exchanges(gm)
     gm.graph.lint()
     gm.recompile()
+    annotate_autocast(gm, (options or PlanOptions()).param_dtype)  # priced as it runs
     plan = _plan(traced, gm, mesh, lay, split.prices, grad, tp_notes, tp_choice)
     return Program(plan=plan, mesh=mesh, graph_module=gm, traced=traced, history=[])
 
@@ -936,7 +939,8 @@ def _plan(traced: Traced, gm: fx.GraphModule, mesh: Mesh, lay: SeqLayout,
     params = tuple((names[n.name], str(meta.layout(n) or Layout.replicate(n.meta["val"].dim())))
                    for n in gm.graph.nodes if n.op == "placeholder" and n.name in traced.params)  # fmt: skip
     found = collectives_of(gm, set(grad), mesh.sizes, names) + _cp_collectives(gm, lay, grad)
-    comm = _comm_s(found, mesh)
+    rings = ring_comm_s(gm, mesh)  # the K/V exchanges, overlapped as the search prices them
+    comm = _comm_s([c for c in found if c.kind != "send_recv"], mesh) + rings
     param_bytes = sum(_nbytes(n.meta["val"]) for n in gm.graph.nodes
                       if n.op == "placeholder" and n.name in traced.params)  # fmt: skip
     act = activation_bytes(gm, traced)
@@ -958,9 +962,8 @@ def _plan(traced: Traced, gm: fx.GraphModule, mesh: Mesh, lay: SeqLayout,
 
 def compute_time(gm: fx.GraphModule, grad: frozenset[str], gpu: Any) -> float:
     """Seconds of one rank's forward + backward at its local shapes, priced as the tp planner
-    prices them (roofline per node, x3 for nodes on the gradient path).  A ring attention is
-    the attention of this rank's queries over every key: 4·b·h·s_local·S·d FLOPs forward,
-    half of that under a causal mask."""
+    prices them (roofline per node, `cost.compute.train_factor` for the backward).  A ring
+    attention is the attention of this rank's queries over every key (`ring_forward_s`)."""
     total = 0.0
     for n in gm.graph.nodes:
         if n.op != "call_function":
@@ -968,16 +971,69 @@ def compute_time(gm: fx.GraphModule, grad: frozenset[str], gpu: Any) -> float:
         if n.target in _RING_STEPS:
             continue  # priced whole at ring_attention_out
         if n.target in (cp_ops.ring_attention, cp_ops.ring_attention_out):
-            at = 0 if n.target is cp_ops.ring_attention else 2
-            q, causal, seq = n.args[0].meta["val"], n.args[5 + at], n.args[7 + at]
-            b, h, s, d = q.shape
-            flops = 4.0 * b * h * s * seq * d * (0.5 if causal else 1.0)
-            size = meta.dtype(n.args[0]).itemsize  # its autocast dtype under mixed precision
-            t = op_time(flops, 4.0 * q.numel() * size, gpu, min(max(size, 2), 4))
+            t = ring_forward_s(n, gpu) * (1 + backward_factor(_SDPA_NAME, n.name in grad))
         else:
-            t = run_node_time(n, gpu)
-        total += t * (3.0 if n.name in grad else 1.0)
+            t = run_node_time(n, gpu) * train_factor(n, n.name in grad)
+        total += t
     return total
+
+
+def ring_forward_s(n: fx.Node, gpu: Any) -> float:
+    """Forward seconds of ring attention node ``n``: 4·b·h·s_local·S·d FLOPs (half under a
+    causal mask) at the whole sequence's attention efficiency, reading q, k, v and writing o
+    in their autocast dtype (`cost.compute.attention_time`, as the search prices SDPA)."""
+    at = 0 if n.target is cp_ops.ring_attention else 2
+    q, k, v = (n.args[i].meta["val"] for i in range(3))
+    causal, seq = n.args[5 + at], n.args[7 + at]
+    b, h, s, d = q.shape
+    flops = 4.0 * b * h * s * seq * d * (0.5 if causal else 1.0)
+    size = meta.dtype(n.args[0]).itemsize  # its autocast dtype under mixed precision
+    moved = (2 * q.numel() + k.numel() + v.numel()) * size
+    return attention_time(flops, moved, gpu, min(max(size, 2), 4), seq, seq, d)
+
+
+def ring_comm_s(gm: fx.GraphModule, mesh: Mesh, recompute: str = "none") -> float:
+    """Exposed seconds of every ring attention's K/V exchanges in one micro-batch, by the
+    search's `cost.step.ring_attention` (each send hides behind one step's block; launches
+    and the log-sum-exp merges added)."""
+    from cost.step import AttentionWork, ring_attention
+
+    link, gpu, c = mesh.cluster.axis_link(mesh.axes, AXIS), mesh.cluster.gpu, mesh.size(AXIS)
+    total = 0.0
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in (cp_ops.ring_attention,
+                                                       cp_ops.ring_attention_out):  # fmt: skip
+            continue
+        q, k, v = (n.args[i].meta["val"] for i in range(3))
+        size = meta.dtype(n.args[0]).itemsize
+        kv = (k.numel() + v.numel()) * size
+        work = AttentionWork(attn_fwd_s=ring_forward_s(n, gpu), attn_out_bytes=q.numel() * size)
+        ring = ring_attention(work, c, collective_time("send_recv", kv, 2, link),
+                              collective_time("send_recv", 2 * kv, 2, link), gpu.hbm_bw)  # fmt: skip
+        total += (2 if recompute == "full" else 1) * ring.fwd + ring.bwd
+    return total
+
+
+def ring_work(gm: fx.GraphModule, work: Any, gpu: Any) -> Any:
+    """``work`` (`cost.graph`'s Workload of rank graph ``gm``, which prices no ring op) with
+    its ring attentions added per layer: their forward seconds (`ring_forward_s`) in the
+    layer's forward, attention and backward (`cost.compute.backward_factor`) seconds, their
+    local K/V bytes as the cp message and their output bytes as the merge."""
+    rings = [n for n in gm.graph.nodes if n.op == "call_function"
+             and n.target in (cp_ops.ring_attention, cp_ops.ring_attention_out)]  # fmt: skip
+    if not rings:
+        return work
+    per = work.layers
+    fwd = sum(ring_forward_s(n, gpu) for n in rings) / per
+    size = [meta.dtype(n.args[0]).itemsize for n in rings]
+    kv = sum((n.args[1].meta["val"].numel() + n.args[2].meta["val"].numel()) * b
+             for n, b in zip(rings, size, strict=True)) / per  # fmt: skip
+    out = sum(n.args[0].meta["val"].numel() * b for n, b in zip(rings, size, strict=True)) / per
+    return dataclasses.replace(
+        work, layer_fwd_s=work.layer_fwd_s + fwd, attn_fwd_s=work.attn_fwd_s + fwd,
+        layer_bwd_s=work.layer_bwd_s + backward_factor(_SDPA_NAME, True) * fwd,
+        recompute_s={**work.recompute_s, "full": work.recompute_s["full"] + fwd},
+        cp_bytes=kv, attn_out_bytes=out)  # fmt: skip
 
 
 def activation_bytes(gm: fx.GraphModule, traced: Traced) -> float:
