@@ -450,7 +450,7 @@ def compile_data_parallel(mesh: Mesh, example_inputs: Sequence[Any], example_kwa
         notes=(why, *([resolved] if resolved else []), *_engine_note(stage, axes)),
         param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         advice=nccl_advice(Topology(cluster=mesh.cluster), mesh.axes), zero_axes=axes,
-        step=predict_step(inner, mesh, stage, axes),
+        step=predict_step(inner, mesh, stage, axes, param_dtype),
     )  # fmt: skip
     return DataParallelProgram(inner=inner, mesh=mesh, plan=plan)
 
@@ -505,7 +505,8 @@ class PlanStep:
                 f"{self.optimizer * 1e3:.3f} ms")  # fmt: skip
 
 
-def predict_step(inner: Any, mesh: Mesh, stage: int, axes: tuple[str, ...]) -> PlanStep:
+def predict_step(inner: Any, mesh: Mesh, stage: int, axes: tuple[str, ...],
+                 param_dtype: torch.dtype = torch.float32) -> PlanStep:  # fmt: skip
     """Step 7: the plan's step time.  Per rank position (`_rank_positions`) its micro-batch
     seconds (the plan's compute + communication, plus the boundary sends under pp), its
     local work (`local_work`: layers, parameters, per-layer seconds at its local shapes) for
@@ -520,7 +521,7 @@ def predict_step(inner: Any, mesh: Mesh, stage: int, axes: tuple[str, ...]) -> P
     spans = _mesh_spans(mesh, axes)
     best: PlanStep | None = None
     for _, programs in _rank_positions(inner):
-        works = [local_work(p) for p, _ in programs]
+        works = [local_work(p, param_dtype) for p, _ in programs]
         per_mb = sum(_micro_batch_s(inner, p, mesh) for p, _ in programs)
         dp = sum(data_parallel_time(w, cfg, mesh.cluster, micro_batches=m,
                                     recompute=getattr(p, "recompute", "none"),
@@ -567,7 +568,7 @@ def _micro_batch_s(inner: Any, program: Any, mesh: Mesh) -> float:
     return own + 2 * collective_time("send_recv", sent, 2, link)
 
 
-def local_work(program: Any) -> Any:
+def local_work(program: Any, param_dtype: torch.dtype = torch.float32) -> Any:
     """The cost model's `Workload` of one micro-batch of ``program``'s rank program
     (``cost.graph`` on sub-mesh rank 0's graph at its local shapes, each value in its run-time
     dtype: the functions the search prices a traced model by); a cp program's ring
@@ -587,7 +588,7 @@ def local_work(program: Any) -> Any:
         return None
     gpu = program.mesh.cluster.gpu
     work = model.workload(ParallelConfig(global_batch=model.batch), model.batch, gpu)
-    return ring_work(local, work, gpu)
+    return ring_work(local, work, gpu, param_dtype)
 
 
 def saved_activations(program: Any) -> float:

@@ -16,7 +16,8 @@ Algorithm:
    value priced in its autocast dtype, as the compiler's memory table prices it).
 2. Per configuration: estimate it (micro-batch = the per-rank batch: the data axis does not
    accumulate; under pp 1F1B over micro-batches of one sequence; the given ZeRO stage and
-   recompute), compile it the same way, read the compiled plan.
+   recompute; no Megatron-SP: the compiled tp plans keep norms and residuals whole),
+   compile it the same way, read the compiled plan.
 3. Print one row per configuration: step time and memory, search vs compiled, and the ratios.
 """
 
@@ -71,7 +72,8 @@ def _searched(priced: GraphModel, cluster: Cluster, batch: int, degrees: dict, z
     dp, pp = degrees.get("dp", 1), degrees.get("pp", 1)
     cfg = ParallelConfig(tp=degrees.get("tp", 1), pp=pp, dp=dp, cp=degrees.get("cp", 1),
                          zero=zero, global_batch=batch, micro_batch=1 if pp > 1 else batch // dp,
-                         schedule="1f1b", virtual_stages=1, recompute=recompute)  # fmt: skip
+                         schedule="1f1b", virtual_stages=1, recompute=recompute,
+                         sequence_parallel=False)  # fmt: skip
     est = estimate(priced, cluster, cfg)
     return est.step.total, est.memory.total
 

@@ -152,7 +152,7 @@ class GraphModel:
             post_s=3 * float(times[a["region"] == 2].sum()),
             tp_bytes=self.comm["tp_bytes"] * share, tp_calls=round(self.comm["tp_calls"]),
             cp_bytes=self.comm["kv_bytes"] * share / t / per, cp_calls=cfg.cp - 1,
-            ep_bytes=0.0, ep_calls=0, boundary_bytes=s["inputs"] * share / t / per,
+            ep_bytes=0.0, ep_calls=0, boundary_bytes=s["inputs"] * share / sp / per,
             act_bytes={"none": kept + share * s["core"] / t / per, "selective": kept,
                        "full": share * s["inputs"] / sp / per},
             post_act_bytes=s["post"] * share / t,
