@@ -66,11 +66,12 @@ from autopar.layout import Layout, Partial, Placement, R, Shard
 from autopar.mesh import Mesh
 from autopar.plan import Collective, CpSection, Plan
 from autopar.planner import PlanOptions, run_node_time
+from autopar.precision import annotate_autocast
 from autopar.program import Program, collectives_of
 from autopar.rules import RuleContext, Strategy, strategies
 from autopar.trace import Traced, is_getitem, tensor_args
 from cost.comm import collective_time
-from cost.compute import op_time
+from cost.compute import attention_time, backward_factor, train_factor
 from passes import PassContext
 from passes.localize import localize
 
@@ -78,6 +79,7 @@ aten = torch.ops.aten
 AXIS = "cp"
 STRATEGIES = ("ring", "all_to_all")
 _SDPA = aten.scaled_dot_product_attention.default
+_SDPA_NAME = "scaled_dot_product_attention"  # its cost.compute name (ring attention prices)
 _CE = aten.cross_entropy_loss.default
 _MEAN, _SUM = 1, 2
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -177,7 +179,9 @@ def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = Non
     _note_exchanges(gm)
     gm.graph.lint()
     gm.recompile()
-    plan = _plan(traced, gm, mesh, lay, split.prices, grad, tp_notes, tp_choice)
+    dtype = (options or PlanOptions()).param_dtype
+    annotate_autocast(gm, dtype)  # priced as it runs
+    plan = _plan(traced, gm, mesh, lay, split.prices, grad, tp_notes, tp_choice, dtype)
     return Program(plan=plan, mesh=mesh, graph_module=gm, traced=traced, history=[])
 
 
@@ -921,13 +925,15 @@ def _price(n: fx.Node, lay: SeqLayout, mesh: Mesh, forced: str | None) -> Attent
 def _plan(traced: Traced, gm: fx.GraphModule, mesh: Mesh, lay: SeqLayout,
           prices: list[AttentionPrice], grad: frozenset[str],
           tp_notes: tuple[str, ...] = (),
-          tp_choice: tuple[tuple[str, str], ...] = ()) -> Plan:  # fmt: skip
+          tp_choice: tuple[tuple[str, str], ...] = (),
+          param_dtype: torch.dtype = torch.float32) -> Plan:  # fmt: skip
     """The plan: ``choice`` the tp program's strategies, the cp section each attention's."""
     names = {**traced.params, **traced.buffers}
     params = tuple((names[n.name], str(meta.layout(n) or Layout.replicate(n.meta["val"].dim())))
                    for n in gm.graph.nodes if n.op == "placeholder" and n.name in traced.params)  # fmt: skip
     found = collectives_of(gm, set(grad), mesh.sizes, names) + _cp_collectives(gm, lay, grad)
-    comm = _comm_s(found, mesh)
+    rings = ring_comm_s(gm, mesh, param_dtype)  # K/V exchanges, overlapped as the search prices
+    comm = _comm_s([c for c in found if c.kind != "send_recv"], mesh) + rings
     param_bytes = sum(_nbytes(n.meta["val"]) for n in gm.graph.nodes
                       if n.op == "placeholder" and n.name in traced.params)  # fmt: skip
     act = activation_bytes(gm, traced)
@@ -943,15 +949,15 @@ def _plan(traced: Traced, gm: fx.GraphModule, mesh: Mesh, lay: SeqLayout,
                 hardware=f"{mesh.cluster.gpu.name} ×{mesh.cluster.gpus_per_node}/node",
                 params=params, collectives=tuple(found), choice=tp_choice,
                 cp=CpSection(attention=tuple((p.node, p.chosen) for p in prices)),
-                compute_s=compute_time(gm, grad, mesh.cluster.gpu), comm_s=comm,
+                compute_s=compute_time(gm, grad, mesh.cluster.gpu, param_dtype), comm_s=comm,
                 memory_bytes=4.0 * param_bytes + act, notes=(*notes, *tp_notes))  # fmt: skip
 
 
-def compute_time(gm: fx.GraphModule, grad: frozenset[str], gpu: Any) -> float:
+def compute_time(gm: fx.GraphModule, grad: frozenset[str], gpu: Any,
+                 param_dtype: torch.dtype = torch.float32) -> float:  # fmt: skip
     """Seconds of one rank's forward + backward at its local shapes, priced as the tp planner
-    prices them (roofline per node, x3 for nodes on the gradient path).  A ring attention is
-    the attention of this rank's queries over every key: 4·b·h·s_local·S·d FLOPs forward,
-    half of that under a causal mask."""
+    prices them (roofline per node, `cost.compute.train_factor` for the backward).  A ring
+    attention is the attention of this rank's queries over every key (`ring_forward_s`)."""
     total = 0.0
     for n in gm.graph.nodes:
         if n.op != "call_function":
@@ -959,16 +965,74 @@ def compute_time(gm: fx.GraphModule, grad: frozenset[str], gpu: Any) -> float:
         if n.target in _RING_STEPS:
             continue  # priced whole at ring_attention_out
         if n.target in (cp_ops.ring_attention, cp_ops.ring_attention_out):
-            at = 0 if n.target is cp_ops.ring_attention else 2
-            q, causal, seq = n.args[0].meta["val"], n.args[5 + at], n.args[7 + at]
-            b, h, s, d = q.shape
-            flops = 4.0 * b * h * s * seq * d * (0.5 if causal else 1.0)
-            size = meta.dtype(n.args[0]).itemsize  # its autocast dtype under mixed precision
-            t = op_time(flops, 4.0 * q.numel() * size, gpu, min(max(size, 2), 4))
+            t = ring_forward_s(n, gpu, _compute_bytes(param_dtype)) * (
+                1 + backward_factor(_SDPA_NAME, n.name in grad))
         else:
-            t = run_node_time(n, gpu)
-        total += t * (3.0 if n.name in grad else 1.0)
+            t = run_node_time(n, gpu) * train_factor(n, n.name in grad)
+        total += t
     return total
+
+
+def ring_forward_s(n: fx.Node, gpu: Any, compute_bytes: int = 2) -> float:
+    """Forward seconds of ring attention node ``n``: 4·b·h·s_local·S·d FLOPs (half under a
+    causal mask) at the whole sequence's attention efficiency and the peak of
+    ``compute_bytes`` elements (its block matmuls run under the program's autocast, as the
+    SDPA it replaces), reading q, k, v and writing o in their run-time dtypes
+    (`cost.compute.attention_time`, as the search prices SDPA)."""
+    at = 0 if n.target is cp_ops.ring_attention else 2
+    q = n.args[0].meta["val"]
+    causal, seq = n.args[5 + at], n.args[7 + at]
+    b, h, s, d = q.shape
+    flops = 4.0 * b * h * s * seq * d * (0.5 if causal else 1.0)
+    moved = 2 * meta.nbytes(n.args[0]) + meta.nbytes(n.args[1]) + meta.nbytes(n.args[2])
+    return attention_time(flops, moved, gpu, compute_bytes, seq, seq, d)
+
+
+def _compute_bytes(param_dtype: torch.dtype) -> int:
+    return min(max(param_dtype.itemsize, 2), 4)
+
+
+def ring_comm_s(gm: fx.GraphModule, mesh: Mesh, param_dtype: torch.dtype = torch.float32,
+                recompute: str = "none") -> float:  # fmt: skip
+    """Exposed seconds of every ring attention's K/V exchanges in one micro-batch, by the
+    search's `cost.step.ring_attention` (each send hides behind one step's block; launches
+    and the log-sum-exp merges added)."""
+    from cost.step import AttentionWork, ring_attention
+
+    link, gpu, c = mesh.cluster.axis_link(mesh.axes, AXIS), mesh.cluster.gpu, mesh.size(AXIS)
+    total = 0.0
+    for n in _rings(gm):
+        kv = meta.nbytes(n.args[1]) + meta.nbytes(n.args[2])
+        work = AttentionWork(attn_fwd_s=ring_forward_s(n, gpu, _compute_bytes(param_dtype)),
+                             attn_out_bytes=meta.nbytes(n.args[0]))  # fmt: skip
+        ring = ring_attention(work, c, collective_time("send_recv", kv, 2, link),
+                              collective_time("send_recv", 2 * kv, 2, link), gpu.hbm_bw)  # fmt: skip
+        total += (2 if recompute == "full" else 1) * ring.fwd + ring.bwd
+    return total
+
+
+def _rings(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function"
+            and n.target in (cp_ops.ring_attention, cp_ops.ring_attention_out)]  # fmt: skip
+
+
+def ring_work(gm: fx.GraphModule, work: Any, gpu: Any,
+              param_dtype: torch.dtype = torch.float32) -> Any:  # fmt: skip
+    """``work`` (`cost.graph`'s Workload of rank graph ``gm``, which prices no ring op) with
+    its ring attentions added per layer: their forward seconds (`ring_forward_s`) in the
+    layer's forward, attention and backward (`cost.compute.backward_factor`) seconds, their
+    local K/V bytes as the cp message and their output bytes as the merge."""
+    rings, per = _rings(gm), work.layers
+    if not rings:
+        return work
+    fwd = sum(ring_forward_s(n, gpu, _compute_bytes(param_dtype)) for n in rings) / per
+    kv = sum(meta.nbytes(n.args[1]) + meta.nbytes(n.args[2]) for n in rings) / per
+    out = sum(meta.nbytes(n.args[0]) for n in rings) / per
+    return dataclasses.replace(
+        work, layer_fwd_s=work.layer_fwd_s + fwd, attn_fwd_s=work.attn_fwd_s + fwd,
+        layer_bwd_s=work.layer_bwd_s + backward_factor(_SDPA_NAME, True) * fwd,
+        recompute_s={**work.recompute_s, "full": work.recompute_s["full"] + fwd},
+        cp_bytes=kv, attn_out_bytes=out)  # fmt: skip
 
 
 def activation_bytes(gm: fx.GraphModule, traced: Traced) -> float:

@@ -27,6 +27,9 @@ Algorithm (:func:`compile_data_parallel`):
    time (runtime.shard_per_block); with ``param_dtype`` 16-bit the gathers move 16-bit.
 6. Statistics over the batch that feed a non-linear loss term (an MoE load-balancing loss)
    become global over dp where they are computed (autopar.batch_stats).
+7. Predict the step time (:func:`predict_step`) with the whole-cluster search's functions
+   (`cost.step`): the sub-mesh plan's micro-batches and pipeline bubble, the exposed
+   gradient traffic over the ZeRO group and the optimizer step, on the program's local work.
 The runtime (autopar.runtime.DataParallelModule) reuses torch's engines for the reduction.
 """
 
@@ -104,9 +107,8 @@ def zero_memory(params: int, dp: int, stage: int, per: StateBytes,
     ``kept`` parameters (:func:`kept_gathered`: the root group and the last block) are held
     whole between forward and backward."""
     weights, grads, optimizer = model_state(params, 0.0, stage, dp, dp, grad_bytes=per.grads,
-                                            weight_bytes=per.weights, optim_bytes=per.optimizer)  # fmt: skip
-    if stage == 3:
-        weights += kept * per.weights * (dp - 1) / dp
+                                            weight_bytes=per.weights, optim_bytes=per.optimizer,
+                                            kept=kept)  # fmt: skip
     return ZeroMemory(stage=stage, weights=weights, grads=grads, optimizer=optimizer,
                       activations=activations)  # fmt: skip
 
@@ -278,6 +280,7 @@ class DataParallelPlan:
     reduce_dtype: torch.dtype = torch.float32  # gradient reduction dtype
     advice: tuple[str, ...] = ()  # NCCL settings the whole mesh's topology calls for
     zero_axes: tuple[str, ...] = ("dp",)  # the ZeRO group: gradients reduced once over these
+    step: PlanStep | None = None  # predicted step time, the search's functions (step 7)
 
     @property
     def dp(self) -> int:
@@ -318,6 +321,7 @@ class DataParallelPlan:
                f"ZeRO group {' x '.join(self.zero_axes)} = {self.zero_size} ranks"
                + (" (the cp ranks join the gradient reduction: no separate cp all-reduce)"
                   if "cp" in self.zero_axes else ""),
+               *([str(self.step)] if self.step else []),
                f"ZeRO stage {self.zero}; per-rank memory by stage "
                f"(limit {_fmt_bytes(self.memory_limit)}):"]  # fmt: skip
         out += [f"  {'*' if m.stage == self.zero else ' '} {m}" for m in self.memory]
@@ -446,6 +450,7 @@ def compile_data_parallel(mesh: Mesh, batch: int,
         notes=(why, *([resolved] if resolved else []), *_engine_note(stage, axes)),
         param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         advice=nccl_advice(Topology(cluster=mesh.cluster), mesh.axes), zero_axes=axes,
+        step=predict_step(inner, mesh, stage, axes, param_dtype),
     )  # fmt: skip
     return DataParallelProgram(inner=inner, mesh=mesh, plan=plan)
 
@@ -477,6 +482,115 @@ def memory_table(inner: Any, dp: int, per: StateBytes) -> tuple[ZeroMemory, ...]
     return tuple(max((r[s] for r in rows), key=lambda m: m.total) for s in ZERO_STAGES)
 
 
+@dataclass(frozen=True, kw_only=True)
+class PlanStep:
+    """The compiled plan's predicted seconds of one training step, by the search's functions
+    (`cost.step`): the sub-mesh program's micro-batches (compute + tp/cp/pp communication,
+    under pp the slowest stage's m micro-batches plus the bubble), the exposed data-axis
+    gradient traffic and the optimizer step."""
+
+    sub_mesh: float
+    bubble: float
+    dp: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.sub_mesh + self.bubble + self.dp + self.optimizer
+
+    def __str__(self) -> str:
+        return (f"predicted step {self.total * 1e3:.3f} ms = sub-mesh forward+backward "
+                f"{self.sub_mesh * 1e3:.3f} ms + pipeline bubble {self.bubble * 1e3:.3f} ms + "
+                f"exposed data-axis traffic {self.dp * 1e3:.3f} ms + optimizer step "
+                f"{self.optimizer * 1e3:.3f} ms")  # fmt: skip
+
+
+def predict_step(inner: Any, mesh: Mesh, stage: int, axes: tuple[str, ...],
+                 param_dtype: torch.dtype = torch.float32) -> PlanStep:  # fmt: skip
+    """Step 7: the plan's step time.  Per rank position (`_rank_positions`) its micro-batch
+    seconds (the plan's compute + communication, plus the boundary sends under pp), its
+    local work (`local_work`: layers, parameters, per-layer seconds at its local shapes) for
+    `cost.step.data_parallel_time` over the ZeRO group, and `cost.step.optimizer_time` over
+    its parameters; the slowest position sets the step."""
+    from cost.step import bubble_time, data_parallel_time, optimizer_time
+
+    pp = mesh.size("pp")
+    m = inner.config.n_microbatches if pp > 1 else 1
+    v = max(inner.config.virtual_stages, 1) if pp > 1 else 1
+    cfg = _step_config(mesh, stage, m)
+    spans = _mesh_spans(mesh, axes)
+    best: PlanStep | None = None
+    for _, programs in _rank_positions(inner):
+        works = [local_work(p, param_dtype) for p, _ in programs]
+        per_mb = sum(_micro_batch_s(inner, p, mesh) for p, _ in programs)
+        dp = sum(data_parallel_time(w, cfg, mesh.cluster, micro_batches=m,
+                                    recompute=getattr(p, "recompute", "none"),
+                                    per_stage=w.layers, spans=spans)
+                 for w, (p, _) in zip(works, programs, strict=True))  # fmt: skip
+        params = sum(w.layers * w.layer_dense_params + w.edge_params for w in works)
+        shard = math.prod(mesh.size(a) for a in axes) if stage >= 1 else 1
+        step = PlanStep(sub_mesh=m * per_mb, bubble=bubble_time(per_mb, pp, v), dp=dp,
+                        optimizer=optimizer_time(params, shard, mesh.cluster.gpu))  # fmt: skip
+        best = step if best is None or step.total > best.total else best
+    return best
+
+
+def _step_config(mesh: Mesh, stage: int, micro_batches: int) -> Any:
+    from cost.config import ParallelConfig
+
+    sizes = {a: mesh.size(a) for a in ("tp", "pp", "dp", "cp")}
+    return ParallelConfig(**sizes, zero=stage, global_batch=sizes["dp"] * micro_batches,
+                          micro_batch=1)  # fmt: skip
+
+
+def _mesh_spans(mesh: Mesh, axes: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """(stride, size) in global rank order of each axis's group on ``mesh`` (`cost.step`'s
+    spans), the data axis's being the ZeRO group ``axes`` (dp, or dp x cp: adjacent)."""
+    names = [a for a, _ in mesh.axes]
+    stride = {a: math.prod(mesh.size(b) for b in names[i + 1:]) for i, a in enumerate(names)}
+    out = {a: (stride.get(a, 1), mesh.size(a)) for a in ("tp", "cp", "pp")}
+    inner_most = min(axes, key=lambda a: stride[a])
+    out["dp"] = (stride[inner_most], math.prod(mesh.size(a) for a in axes))
+    return {**out, "ep": (1, 1), "dp_expert": (1, 1)}
+
+
+def _micro_batch_s(inner: Any, program: Any, mesh: Mesh) -> float:
+    """Seconds of one micro-batch of ``program``: its plan's compute and communication, plus
+    under pp the send and receive of what its stage passes on (`cost.step`'s pp term)."""
+    from cost.comm import collective_time
+
+    own = program.plan.compute_s + program.plan.comm_s
+    if not hasattr(inner, "cut"):
+        return own
+    s = inner.stages.index(program)
+    sent = inner.cut.boundary_bytes[s] or (inner.cut.boundary_bytes[s - 1] if s else 0.0)
+    link = mesh.cluster.axis_link(mesh.axes, "pp")
+    return own + 2 * collective_time("send_recv", sent, 2, link)
+
+
+def local_work(program: Any, param_dtype: torch.dtype = torch.float32) -> Any:
+    """The cost model's `Workload` of one micro-batch of ``program``'s rank program
+    (``cost.graph`` on sub-mesh rank 0's graph at its local shapes, each value in its run-time
+    dtype: the functions the search prices a traced model by); a cp program's ring
+    attentions, which ``cost.graph`` does not know, are added as the cp pricing prices them.
+    None for a graph the cost model cannot price (float64)."""
+    from autopar.codegen import build_module
+    from autopar.context_parallel import ring_work
+    from autopar.precision import mark_run_dtypes
+    from cost.config import ParallelConfig
+    from cost.errors import CostInputError
+    from cost.graph import GraphModel
+
+    local = mark_run_dtypes(build_module(program.graph_module, program.traced, program.mesh, 0))
+    try:
+        model = GraphModel.from_traced(local)
+    except CostInputError:
+        return None
+    gpu = program.mesh.cluster.gpu
+    work = model.workload(ParallelConfig(global_batch=model.batch), model.batch, gpu)
+    return ring_work(local, work, gpu, param_dtype)
+
+
 def saved_activations(program: Any) -> float:
     """Bytes autograd keeps for one micro-batch of ``program``'s rank program: the cost
     model's saved-tensor count (``cost.graph``, the count the whole-cluster search prices) on
@@ -484,19 +598,12 @@ def saved_activations(program: Any) -> float:
     parallelism included, counts) and in each value's run-time dtype, its blocks under its recompute mode plus what lies after
     them (head, loss); a graph the cost model cannot price (float64) falls back to its plan's
     memory less the fp32 model state its solver counts."""
-    from autopar.codegen import build_module
-    from autopar.precision import mark_run_dtypes
-    from cost.config import ParallelConfig
-    from cost.errors import CostInputError
-    from cost.graph import GraphModel
-
     mode = getattr(program, "recompute", "none")
-    local = mark_run_dtypes(build_module(program.graph_module, program.traced, program.mesh, 0))
-    try:
-        model = GraphModel.from_traced(local)
-        work = model.workload(ParallelConfig(global_batch=model.batch), model.batch,
-                              program.mesh.cluster.gpu)  # fmt: skip
-    except CostInputError:
+    work = local_work(program)
+    if work is None:
+        from autopar.codegen import build_module
+
+        local = build_module(program.graph_module, program.traced, program.mesh, 0)
         state = 16.0 * sum(p.numel() for p in local.parameters() if p.requires_grad)
         return max(0.0, getattr(program.plan, "memory_bytes", 0.0) - state)
     working = work.act_bytes["none"] if mode == "full" else 0.0

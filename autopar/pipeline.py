@@ -47,6 +47,7 @@ from autopar.program import Program
 from autopar.runtime import RankShare
 from autopar.trace import Traced
 from cost.comm import collective_time
+from cost.compute import train_factor
 from passes.pipeline_split import (
     StageGraph,
     Unit,
@@ -218,7 +219,7 @@ def unit_costs(traced: Traced, units: list[Unit], mesh: Mesh,
     ``param_dtype`` under mixed precision, as the runtime sends them)."""
     tp, gpu = mesh.size("tp"), mesh.cluster.gpu
     grad = needs_grad(traced)
-    costs = [sum(run_node_time(n, gpu) * (3 if n in grad else 1) for n in u.nodes) / tp
+    costs = [sum(run_node_time(n, gpu) * train_factor(n, n in grad) for n in u.nodes) / tp
              for u in units]  # fmt: skip
     link = mesh.cluster.axis_link(mesh.axes, "pp")
     sent = boundary_bytes(traced, units, grad=frozenset(n.name for n in grad),

@@ -67,6 +67,7 @@ from cost.compute import (
     op_name,
     op_time,
     tensors_of,
+    train_factor,
 )
 from cost.hardware import GPU, Link
 
@@ -218,7 +219,7 @@ def _solve(traced: Traced, axis: str, size: int, link: Link, gpu: GPU, options: 
     comm = sum(prob.time[i] * x[i] for i in prob.comm_vars)
     memory = sum(c * x[i] for i, c in prob.mem.items())
     tied = sum(1 for n, r in rep.items() if r is not n)
-    single = sum(run_node_time(n, gpu) * (3.0 if n in grad else 1.0)
+    single = sum(run_node_time(n, gpu) * train_factor(n, n in grad)
                  for n in graph_nodes if n.op == "call_function")  # fmt: skip
     pbytes = sum(_nbytes(n) for n in graph_nodes if n in grad and n.op == "placeholder")
     return AxisSolution(choice=choice, compute_s=float(compute), comm_s=float(comm),
@@ -323,7 +324,7 @@ def _choice_vars(prob: _Problem, nodes: list[fx.Node], rep: dict, cands: dict, g
             share = 1.0 if s.redundant else 1.0 / pieces(s, size)
             local = _local_gemm_time(n, s, pieces(s, size), gpu) if base > 0 else None
             t = base * share if local is None else local
-            t = max(t, min(base, KERNEL_LAUNCH_S)) * (3.0 if n in grad else 1.0)
+            t = max(t, min(base, KERNEL_LAUNCH_S)) * train_factor(n, n in grad)
             t += sum(pricer.t(kind, nbytes) for kind, nbytes in s.comm)
             mem = _memory(n, s, pieces(s, size), grad)
             xvar[(n, i)] = prob.var(

@@ -5,18 +5,19 @@
 
 For one traced model and each configuration: the search's predicted step time and memory per
 rank (`cost.estimate.estimate` on the traced graph, `cost.graph`) and the compiled program's
-(`autoparallelize` on the same mesh: the plan's compute + tp/cp communication, under pp the
-slowest stage's micro-batch times m + p - 1; the data axis's ZeRO row plus the runtime
-reserve).  Ratios far from 1 mean the two halves of autopar price
-one configuration differently; the compiled step time leaves out the data axis's communication
-and the optimizer step, which only the search prices.
+(`autoparallelize` on the same mesh: the data-parallel plan's predicted step, which prices its
+sub-mesh plan's micro-batches, the pipeline bubble, the exposed data-axis traffic and the
+optimizer step with the search's `cost.step` functions; the data axis's ZeRO row plus the
+runtime reserve).  Ratios far from 1 mean the two halves of autopar price one configuration
+differently.
 
 Algorithm:
-1. Build the model on the meta device and trace it once for the search (`cost.graph`, each
+1. Build the model on the meta device and trace it (with its loss, returned alone) once for the search (`cost.graph`, each
    value priced in its autocast dtype, as the compiler's memory table prices it).
 2. Per configuration: estimate it (micro-batch = the per-rank batch: the data axis does not
    accumulate; under pp 1F1B over micro-batches of one sequence; the given ZeRO stage and
-   recompute), compile it the same way, read the compiled plan.
+   recompute; no Megatron-SP: the compiled tp plans keep norms and residuals whole),
+   compile it the same way, read the compiled plan.
 3. Print one row per configuration: step time and memory, search vs compiled, and the ratios.
 """
 
@@ -42,7 +43,8 @@ GIB = 2**30
 CONFIGS = [
     ("fsdp", {"dp": 64}, 3, "none"),
     ("fsdp + full recompute", {"dp": 64}, 3, "full"),
-    ("tp x fsdp", {"dp": 8, "tp": 8}, 1, "full"),
+    ("tp x fsdp", {"dp": 8, "tp": 8}, 3, "none"),
+    ("tp x dp + recompute", {"dp": 8, "tp": 8}, 1, "full"),
     ("tp2 x dp", {"dp": 32, "tp": 2}, 2, "none"),
     ("pp x tp x dp", {"dp": 4, "pp": 2, "tp": 8}, 1, "none"),
     ("dp x cp", {"dp": 32, "cp": 2}, 2, "none"),
@@ -59,13 +61,19 @@ def _model(layers: int, seq: int):
         return LlamaForCausalLM(cfg)
 
 
+def _loss(out, labels: torch.Tensor) -> torch.Tensor:
+    """The traced step returns the loss alone (HF's logits output would be gathered whole)."""
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+
+
 def _searched(priced: GraphModel, cluster: Cluster, batch: int, degrees: dict, zero: int,
               recompute: str) -> tuple[float, float]:  # fmt: skip
     """Step 2: the search's (step seconds, bytes per rank) of one configuration."""
     dp, pp = degrees.get("dp", 1), degrees.get("pp", 1)
     cfg = ParallelConfig(tp=degrees.get("tp", 1), pp=pp, dp=dp, cp=degrees.get("cp", 1),
                          zero=zero, global_batch=batch, micro_batch=1 if pp > 1 else batch // dp,
-                         schedule="1f1b", virtual_stages=1, recompute=recompute)  # fmt: skip
+                         schedule="1f1b", virtual_stages=1, recompute=recompute,
+                         sequence_parallel=False)  # fmt: skip
     est = estimate(priced, cluster, cfg)
     return est.step.total, est.memory.total
 
@@ -75,18 +83,11 @@ def _compiled(model, cluster: Cluster, x: torch.Tensor, degrees: dict, zero: int
     """Step 2: the compiled plan's (step seconds, bytes per rank incl. the reserve)."""
     per_rank = x.shape[0] // degrees.get("dp", 1)  # under pp: micro-batches of one sequence
     options = {"n_microbatches": per_rank} if degrees.get("pp", 1) > 1 else {}
-    prog = autoparallelize(model, Mesh(cluster, **degrees), (x,), example_kwargs={"labels": x},
+    prog = autoparallelize(model, Mesh(cluster, **degrees), (x, x), loss_fn=_loss,
                            zero=zero, recompute=recompute, param_dtype=torch.bfloat16,
                            **options)  # fmt: skip
     plan = prog.plan
-    inner = plan.inner if hasattr(plan, "inner") else plan
-    if hasattr(inner, "prog"):  # a pipeline: the slowest stage's micro-batch, (m + p - 1) times
-        pipe = inner.prog
-        slowest = max(st.plan.compute_s + st.plan.comm_s for st in pipe.stages)
-        step = slowest * (pipe.config.n_microbatches + pipe.mesh.size("pp") - 1)
-    else:
-        step = inner.compute_s + inner.comm_s
-    return step, plan.memory[plan.zero].total + RESERVED_BYTES
+    return plan.step.total, plan.memory[plan.zero].total + RESERVED_BYTES
 
 
 def main() -> None:
@@ -99,7 +100,7 @@ def main() -> None:
     cluster = Cluster.preset("dgx-h100", nodes=8)
     model = _model(args.layers, args.seq)
     x = torch.randint(0, 128256, (args.batch, args.seq), device="meta")
-    gm = trace(model, (x,), {"labels": x}, None).gm
+    gm = trace(model, (x, x), None, _loss).gm
     annotate_autocast(gm, torch.bfloat16)  # activations priced in the dtype they run in
     priced = GraphModel.from_traced(mark_run_dtypes(gm), name="llama")
     print(f"HF Llama, {args.layers} layers at the Llama-3-8B width, global batch {args.batch} "

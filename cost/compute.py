@@ -15,6 +15,11 @@ Algorithm (`op_time`):
 2. Memory time = bytes / (HBM bandwidth × achieved fraction).
 3. Time = max(compute, memory, kernel-launch floor): a kernel overlaps its loads with its math,
    and no kernel is faster than its launch.
+
+Algorithm (`train_factor`, the one rule the search and the compiler price a training step by):
+a node on the gradient path (its value depends on a trainable parameter) runs its forward and
+a backward of 2× its forward (input and weight gradients), 2.5× for flash attention, which
+recomputes its scores; a node off the gradient path (rotary tables, masks) runs forward only.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ MATMUL_TILE = 128  # output tile edge of a tensor-core GEMM kernel
 MATMUL_MIN_TILE = 16  # narrowest tile edge GEMM libraries pick for a skinny dim (router, gate)
 MEMORY_BW_FRACTION = 0.80  # streaming kernels reach ~80% of the HBM data-sheet bandwidth
 KERNEL_LAUNCH_S = 4e-6  # eager launch + scheduling floor per kernel
+BACKWARD_FACTOR = 2.0  # backward seconds per forward second: input + weight gradients
+SDPA_BACKWARD_FACTOR = 2.5  # flash attention's backward recomputes the scores
 
 MATMUL_OPS = {"linear", "addmm", "mm", "bmm", "matmul", "baddbmm",
               "_grouped_mm", "grouped_mm_fallback"}  # fmt: skip
@@ -147,6 +154,16 @@ def node_time(node: torch.fx.Node, gpu: GPU, itemsize: int | None = None) -> flo
     return op_time(flops, moved, gpu, dtype_bytes, compute_efficiency=node_efficiency(node))
 
 
+def attention_time(flops: float, nbytes: float, gpu: GPU, dtype_bytes: int, q_len: int,
+                   k_len: int, head_dim: int) -> float:
+    """Roofline seconds of a fused attention at the efficiency of its score GEMM
+    [q_len, head_dim] x [head_dim, k_len] (what `node_efficiency` gives SDPA): a ring
+    attention's FLOPs over the whole sequence are priced at the whole sequence's efficiency,
+    as the search prices the SDPA it replaces."""
+    return op_time(flops, nbytes, gpu, dtype_bytes,
+                   compute_efficiency=matmul_efficiency(q_len, k_len, head_dim))
+
+
 def node_efficiency(node: torch.fx.Node) -> float:
     """Compute efficiency of a node's kernel: `matmul_efficiency` of its GEMM shape (for SDPA
     the score GEMM, whose K loop is the head dim), else the large-GEMM fraction."""
@@ -157,6 +174,18 @@ def node_efficiency(node: torch.fx.Node) -> float:
         q, k = (_val(a) for a in node.args[:2])
         return matmul_efficiency(q.shape[-2], k.shape[-2], q.shape[-1])
     return MATMUL_PEAK_FRACTION
+
+
+def backward_factor(name: str | None, on_grad_path: bool) -> float:
+    """Backward seconds per forward second of an op named `name` (module docstring)."""
+    if not on_grad_path:
+        return 0.0
+    return SDPA_BACKWARD_FACTOR if name == "scaled_dot_product_attention" else BACKWARD_FACTOR
+
+
+def train_factor(node: torch.fx.Node, on_grad_path: bool) -> float:
+    """Forward + backward seconds per forward second of one node in a training step."""
+    return 1.0 + backward_factor(op_name(node), on_grad_path)
 
 
 def op_name(node: torch.fx.Node) -> str | None:

@@ -5,9 +5,12 @@ Algorithm (`GraphModel.from_traced`, once per graph):
    and sequence length (first user input, [batch, seq, ...]).
 2. Group nodes into repeated blocks by module path (`layers.7.mlp.fc1` → `layers.7`); nodes
    before the first block are the embedding end, nodes after the last the head end.
-3. Per node: FLOPs and bytes (`cost.compute`), matmul efficiency, backward factor (2.5 for
-   SDPA, which recomputes its scores, else 2), whether it is attention, and whether it is the
-   unfused attention core (score-shaped [.., s, s] tensors and the matmul consuming them).
+3. Per node: FLOPs and bytes (`cost.compute`; bytes and peak at the dtype the node runs in
+   when `meta["run_dtype"]` records it, as the compiler's `node_time` prices it), matmul
+   efficiency, backward factor (`cost.compute.backward_factor`: 2.5 for SDPA, which recomputes
+   its scores, 2 for other nodes on the gradient path, 0 off it), whether it is attention, and
+   whether it is the unfused attention core (score-shaped [.., s, s] tensors and the matmul
+   consuming them).
 4. Tensor parallelism, Megatron's column/row pairing found in the graph: a parameter linear
    whose output (through dropout/views) feeds a residual `add` is row-parallel, every other
    parameter linear column-parallel; the tp region is what lies downstream of a column linear
@@ -44,6 +47,7 @@ from cost.compute import (
     KERNEL_LAUNCH_S,
     MATMUL_OPS,
     MEMORY_BW_FRACTION,
+    backward_factor,
     node_efficiency,
     node_flops_bytes,
     op_name,
@@ -119,7 +123,8 @@ class GraphModel:
     def node_times(self, share: float, t: int, gpu: GPU) -> np.ndarray:
         """Roofline seconds of every node for `share` of the traced sequences split over t."""
         a = self.arrays
-        compute = a["flops"] * share / t / (gpu.bf16_flops * a["eff"])
+        peak = np.vectorize(gpu.peak_flops, otypes=[float])(a["dtype"].astype(int))
+        compute = a["flops"] * share / t / (peak * a["eff"])
         moved = a["act_bytes"] * share / t + a["weight_bytes"] / t
         memory = moved / (gpu.hbm_bw * MEMORY_BW_FRACTION)
         roof = np.maximum(np.maximum(compute, memory), KERNEL_LAUNCH_S)
@@ -147,10 +152,11 @@ class GraphModel:
             post_s=3 * float(times[a["region"] == 2].sum()),
             tp_bytes=self.comm["tp_bytes"] * share, tp_calls=round(self.comm["tp_calls"]),
             cp_bytes=self.comm["kv_bytes"] * share / t / per, cp_calls=cfg.cp - 1,
-            ep_bytes=0.0, ep_calls=0, boundary_bytes=s["inputs"] * share / t / per,
+            ep_bytes=0.0, ep_calls=0, boundary_bytes=s["inputs"] * share / sp / per,
             act_bytes={"none": kept + share * s["core"] / t / per, "selective": kept,
                        "full": share * s["inputs"] / sp / per},
             post_act_bytes=s["post"] * share / t,
+            attn_out_bytes=self.comm["attn_out"] * share / t / per,
             layer_dense_params=self.params["block"] / per / t, layer_expert_params=0.0,
             edge_params=_edges(self.params["pre"], self.params["post"], cfg.pp) / t,
         )  # fmt: skip
@@ -213,6 +219,11 @@ class _Walk:
             src = n.args[0] if n.args else None
             is_view = _name(n) in _VIEWS and isinstance(src, torch.fx.Node)
             self.base[n] = self.base.get(src, src) if is_view else n
+        self.grad: set[torch.fx.Node] = set()  # values that depend on a parameter
+        for n in self.nodes:
+            if n in self.params or (n.op == "call_function"
+                                    and any(a in self.grad for a in n.all_input_nodes)):  # fmt: skip
+                self.grad.add(n)
         self.row = {m for n in self.nodes if _name(n) == "add" and not self._bias_add(n)
                     for a in n.args if (m := self._producer(a, n)) is not None}  # fmt: skip
         self.inside: set[torch.fx.Node] = set()
@@ -269,6 +280,16 @@ def _is_core(node: torch.fx.Node, seq: int, walk: _Walk) -> bool:
     return _name(node) in MATMUL_OPS and not walk.param_matmul(node) and consumes_scores
 
 
+def _run_scale(node: torch.fx.Node) -> tuple[float, int]:
+    """(bytes moved per traced byte, element size of the peak) of a node that runs in
+    ``meta["run_dtype"]`` (as `cost.compute.node_time` prices it); (1, 2) when none is
+    recorded: bf16 peak, traced bytes."""
+    run, vals = node.meta.get("run_dtype"), tensors_of(node.meta.get("val"))
+    if run is None or not vals:
+        return 1.0, 2
+    return run.itemsize / vals[0].element_size(), min(max(run.itemsize, 2), 4)
+
+
 def _saved(node: torch.fx.Node, walk: _Walk) -> list[tuple[object, float]]:
     """(identity, bytes) of what autograd saves for this node's backward (params excluded)."""
     name = _name(node)
@@ -296,14 +317,16 @@ def _node_arrays(walk: _Walk, regions: dict, seq: int) -> dict[str, np.ndarray]:
     for n in regions:
         flops, moved = node_flops_bytes(n)
         weights = sum(_out_bytes(a) for a in n.all_input_nodes if a in walk.fixed)
+        scale, peak = _run_scale(n)
         eff = node_efficiency(n)
-        bwd = 2.5 if _name(n) == "scaled_dot_product_attention" else 2.0
+        bwd = backward_factor(_name(n), n in walk.grad)
         launch = 1.0 if flops or moved else 0.0
         core = _is_core(n, seq, walk)
         attn = core or _name(n) == "scaled_dot_product_attention"
-        rows.append((flops, max(moved - weights, 0.0), weights, eff, bwd, launch,
-                     regions[n], float(core), float(attn)))  # fmt: skip
-    keys = ("flops", "act_bytes", "weight_bytes", "eff", "bwd", "launch", "region", "core", "attn")
+        rows.append((flops, max(moved - weights, 0.0) * scale, weights * scale, eff, bwd, launch,
+                     regions[n], float(core), float(attn), peak))  # fmt: skip
+    keys = ("flops", "act_bytes", "weight_bytes", "eff", "bwd", "launch", "region", "core", "attn",
+            "dtype")  # fmt: skip
     cols = np.array(rows, dtype=np.float64).reshape(-1, len(keys)).T
     return dict(zip(keys, cols, strict=True))
 
@@ -358,7 +381,8 @@ def _analyse(graph: torch.fx.Graph, params: set[str], inputs: set[str], name: st
         saved=_saved_totals(walk, regions, seq),
         comm={"tp_calls": len(rows) / layers,
               "tp_bytes": sum(_out_bytes(n) for n in rows) / max(len(rows), 1),
-              "kv_bytes": sum(_out_bytes(a) for n in sdpa for a in n.args[1:3])},
+              "kv_bytes": sum(_out_bytes(a) for n in sdpa for a in n.args[1:3]),
+              "attn_out": sum(_out_bytes(n) for n in sdpa)},
     )  # fmt: skip
 
 

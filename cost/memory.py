@@ -8,7 +8,10 @@ Algorithm (`rank_memory`):
    parameter — 18 B (16 B) for DDP, stage 0; fp32 training without a master copy: 4 B
    weights, 4 B gradients, 8 B moments (16 B). ZeRO-1 shards the
    12 B, ZeRO-2 also the gradients, ZeRO-3 also the weights, over the data-parallel group
-   (dp·cp for dense parameters, dp·cp/ep for experts).
+   (dp·cp for dense parameters, dp·cp/ep for experts). Per-block ZeRO-3 (FSDP2, as autopar's
+   runtime and torchtitan run it) keeps the root group (embedding, final norm, LM head) and
+   each stage's last block gathered from the end of forward into backward: those weights
+   count whole (`model_state`'s `kept`; the compiled plan's memory table passes its own).
 3. Activations: saved bytes per layer and micro-batch for the recompute mode × layers on the
    stage × micro-batches in flight on the first stage (GPipe m, 1F1B min(p, m), interleaved
    min(p, m)·(1 + (p−1)/(p·v))); full recompute also holds one layer's un-recomputed working
@@ -66,16 +69,19 @@ def in_flight(schedule: str, pp: int, micro_batches: int, virtual: int) -> float
 
 def model_state(params_dense: float, params_expert: float, zero: int, dp_dense: int,
                 dp_expert: int, grad_bytes: float = GRAD_BYTES, weight_bytes: float = WEIGHT_BYTES,
-                optim_bytes: float = OPTIM_BYTES) -> tuple[float, float, float]:  # fmt: skip
+                optim_bytes: float = OPTIM_BYTES, kept: float = 0.0,
+                ) -> tuple[float, float, float]:  # fmt: skip
     """(weights, gradients, optimizer) bytes for the parameters on one rank (step 2); the
-    element sizes default to mixed precision (bf16 weights, fp32 gradients, Adam in fp32)."""
+    element sizes default to mixed precision (bf16 weights, fp32 gradients, Adam in fp32).
+    At ZeRO-3 the `kept` dense parameters (held gathered into backward) count whole."""
 
     def shard(nbytes: float, stage: int) -> float:
         if zero < stage:
             return nbytes * (params_dense + params_expert)
         return nbytes * (params_dense / dp_dense + params_expert / dp_expert)
 
-    return shard(weight_bytes, 3), shard(grad_bytes, 2), shard(optim_bytes, 1)
+    held = kept * weight_bytes * (dp_dense - 1) / dp_dense if zero == 3 else 0.0
+    return shard(weight_bytes, 3) + held, shard(grad_bytes, 2), shard(optim_bytes, 1)
 
 
 def state_bytes(weight_bytes: int) -> tuple[int, int]:
@@ -92,9 +98,10 @@ def rank_memory(work: Workload, *, pp: int, zero: int, dp_dense: int, dp_expert:
     per_stage = stage_layers(work.layers, pp, virtual)
     dense = per_stage * work.layer_dense_params + work.edge_params
     w_bytes, o_bytes = state_bytes(weight_bytes)
+    kept = work.edge_params + work.layer_dense_params  # the root group and the last block
     weights, grads, optim = model_state(
         dense, per_stage * work.layer_expert_params, zero, dp_dense, dp_expert, grad_bytes,
-        w_bytes, o_bytes,
+        w_bytes, o_bytes, kept,
     )
     layer = work.act_bytes[recompute]
     working = work.act_bytes["none"] if recompute == "full" else 0.0

@@ -128,6 +128,7 @@ def explain(est) -> str:
     values = dict(b=cfg.micro_batch, s=shape.seq // cfg.cp, h=shape.hidden, a=shape.heads,
                   t=cfg.tp, p=cfg.pp, d=cfg.data_parallel, m=est.micro_batches, v=v,
                   L=shape.layers, V=shape.vocab, B_g=cfg.global_batch, N_r=per_rank,
+                  N_k=work.edge_params + work.layer_dense_params,
                   N=shape.active_params)  # fmt: skip
     from cost.symbolic import formulas  # sympy: only when --explain asks for the closed forms
 

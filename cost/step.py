@@ -82,6 +82,15 @@ CP_MERGE_BWD = 4.0  # backward: read/write the fp32 dQ accumulator
 
 
 @dataclass(frozen=True, kw_only=True)
+class AttentionWork:
+    """What `ring_attention` reads of a layer: its forward attention seconds on the rank
+    (whole sequence, this rank's queries) and the bytes of its attention output."""
+
+    attn_fwd_s: float
+    attn_out_bytes: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class RingAttention:
     """Seconds of one layer's ring attention per micro-batch: `fwd`/`bwd` exposed (the excess
     over the blocks they hide behind, plus launches and merges), `wire_fwd`/`wire_bwd` the ring's
@@ -93,7 +102,7 @@ class RingAttention:
     wire_bwd: float
 
 
-def ring_attention(work: Workload, c: int, ring_fwd: float, ring_bwd: float,
+def ring_attention(work: Workload | AttentionWork, c: int, ring_fwd: float, ring_bwd: float,
                    hbm_bw: float) -> RingAttention:  # fmt: skip
     """Ring attention over c ranks (module docstring, step 3).
 
@@ -198,6 +207,31 @@ def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, re
     return gather + micro_batches * (layers + tail)
 
 
+def bubble_time(micro_batch_s: float, pp: int, virtual: int = 1) -> float:
+    """Pipeline bubble of a step (step 5): (p − 1)/v micro-batch times of the bottleneck stage."""
+    return (pp - 1) / virtual * micro_batch_s
+
+
+def optimizer_time(params: float, shard: int, gpu) -> float:
+    """Adam's step over `params` local parameters sharded `shard` ways (step 7): it reads and
+    writes `ADAM_BYTES_PER_PARAM` bytes per parameter of the shard at streaming HBM speed."""
+    return ADAM_BYTES_PER_PARAM * params / shard / (gpu.hbm_bw * MEMORY_BW_FRACTION)
+
+
+def data_parallel_time(work: Workload, cfg: ParallelConfig, cluster: Cluster, *,
+                       micro_batches: int, recompute: str, per_stage: int,
+                       spans: dict | None = None,
+                       collective: Collective | None = None) -> float:  # fmt: skip
+    """Exposed data-parallel seconds of one step (step 6) for `per_stage` layers of `work`
+    on the rank: what `step_time` prices, and what the compiled plan's step prices."""
+    spans = spans or _spans(cfg)
+    coll = collective or _default(cluster)
+    ring = _ring(work, cfg, coll, spans, cluster)
+    gpn = cluster.gpus_per_node
+    shared = crosses_nodes(*spans["cp"], gpn) and crosses_nodes(*spans["dp"], gpn)
+    return _dp_comm(work, cfg, coll, spans, micro_batches, recompute, per_stage, ring, shared)
+
+
 def step_time(work: Workload, cfg: ParallelConfig, cluster: Cluster, *, micro_batches: int,
               schedule: str, virtual: int, recompute: str, spans: dict | None = None,
               collective: Collective | None = None) -> StepBreakdown:  # fmt: skip
@@ -218,12 +252,11 @@ def step_time(work: Workload, cfg: ParallelConfig, cluster: Cluster, *, micro_ba
     comm_mb["pp"] = 2 * v * p2p if cfg.pp > 1 else 0.0
     per_mb = compute_mb + sum(comm_mb.values())
     comm = {k: micro_batches * x for k, x in comm_mb.items()}
-    gpn = cluster.gpus_per_node
-    shared = crosses_nodes(*spans["cp"], gpn) and crosses_nodes(*spans["dp"], gpn)
-    comm["dp"] = _dp_comm(work, cfg, coll, spans, micro_batches, recompute, per_stage, ring,
-                          shared)  # fmt: skip
+    comm["dp"] = data_parallel_time(work, cfg, cluster, micro_batches=micro_batches,
+                                    recompute=recompute, per_stage=per_stage, spans=spans,
+                                    collective=coll)  # fmt: skip
     params = per_stage * (work.layer_dense_params + work.layer_expert_params) + work.edge_params
     shard = cfg.data_parallel if cfg.zero >= 1 else 1
-    optimizer = ADAM_BYTES_PER_PARAM * params / shard / (cluster.gpu.hbm_bw * MEMORY_BW_FRACTION)
     return StepBreakdown(compute=micro_batches * compute_mb, comm=comm,
-                         bubble=(cfg.pp - 1) / v * per_mb, optimizer=optimizer)  # fmt: skip
+                         bubble=bubble_time(per_mb, cfg.pp, v),
+                         optimizer=optimizer_time(params, shard, cluster.gpu))  # fmt: skip

@@ -2,7 +2,8 @@
 
 Symbols follow REFERENCE.md: b micro-batch, s sequence, h hidden, a heads, L layers, V vocab,
 t tensor-, p pipeline-, d data-parallel degree, m micro-batches, v virtual stages, N model
-parameters (without the input embedding), N_r parameters held by one rank,
+parameters (without the input embedding), N_r parameters held by one rank, N_k of them kept
+gathered from forward into backward under per-block ZeRO-3 (the root group and the last block),
 n group size, M message bytes, B link bandwidth (B/s), alpha link latency (s), B_g global batch.
 
 Algorithm:
@@ -23,7 +24,7 @@ import sympy as sp
 
 b, s, h, a, L, V = sp.symbols("b s h a L V", positive=True)
 t, p, d, m, v, n = sp.symbols("t p d m v n", positive=True, integer=True)
-N, N_r, M, B, alpha, B_g = sp.symbols("N N_r M B alpha B_g", positive=True)
+N, N_r, N_k, M, B, alpha, B_g = sp.symbols("N N_r N_k M B alpha B_g", positive=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,7 +89,8 @@ def formulas() -> dict[str, Formula]:
         _f("model_state_ddp", 18 * N_r, "bytes", "bf16 weights + fp32 grads + Adam fp32 state"),
         _f("model_state_zero1", (6 + 12 / d) * N_r, "bytes", "optimizer state sharded over d"),
         _f("model_state_zero2", (2 + 16 / d) * N_r, "bytes", "+ gradients sharded"),
-        _f("model_state_zero3", 18 * N_r / d, "bytes", "+ weights sharded (FSDP)"),
+        _f("model_state_zero3", 18 * N_r / d + 2 * N_k * (d - 1) / d, "bytes",
+           "+ weights sharded (FSDP; the root group and last block held whole into backward)"),
         _f("bubble_gpipe", (p - 1) / (m + p - 1), "fraction of step", "GPipe bubble"),
         _f("bubble_1f1b", (p - 1) / m, "fraction of ideal", "1F1B bubble"),
         _f("bubble_interleaved", (p - 1) / (v * m), "fraction of ideal", "interleaved 1F1B"),

@@ -9,8 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar import InputError, Mesh, PlanError, autoparallelize, verify
-from autopar import meta
+from autopar import InputError, Mesh, PlanError, autoparallelize, meta, verify
 from autopar.pipeline import balanced_cuts, sent_placements, unit_costs
 from autopar.testing import Config, build, lm_loss, tokens
 from autopar.trace import trace
