@@ -350,6 +350,11 @@ class DataParallelProgram:
         self._modules: dict[int, Any] = {}
         self._shares: dict[int, Any] = {}
 
+    @property
+    def history(self) -> list[Any]:
+        """The passes that built the sub-mesh program (this axis rewrites rank modules)."""
+        return self.inner.history
+
     def inner_rank(self, rank: int) -> int:
         """The sub-mesh rank that global ``rank`` plays (its non-dp coordinates)."""
         coords = self.mesh.coordinates(rank)

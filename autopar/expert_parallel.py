@@ -585,6 +585,11 @@ class ExpertParallelProgram:
     def stages_of(self, pp_rank: int) -> list[int]:
         return self.inner.stages_of(pp_rank)
 
+    @property
+    def history(self) -> list[Any]:
+        """The passes that built the sub-mesh program (this axis rewrites rank modules)."""
+        return self.inner.history
+
     def inner_rank(self, rank: int) -> int:
         coords = self.mesh.coordinates(rank)
         return self.inner_mesh.rank_of({a: coords.get(a, 0) for a, _ in self.inner_mesh.axes})

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ from autopar.runtime import RankShare
 from autopar.trace import Traced
 from cost.comm import collective_time
 from cost.compute import train_factor
+from passes import PassRecord, record
 from passes.pipeline_split import (
     StageGraph,
     Unit,
@@ -372,7 +374,7 @@ class PipelineProgram:
 
     def __init__(self, *, mesh: Mesh, stages: list[Program], graphs: list[StageGraph],
                  cut: StageCut, config: PipelineConfig, model_name: str,
-                 grad_names: frozenset[str]) -> None:  # fmt: skip
+                 grad_names: frozenset[str], split: PassRecord) -> None:  # fmt: skip
         self.mesh, self.stages, self.graphs, self.cut, self.config = (
             mesh,
             stages,
@@ -388,6 +390,13 @@ class PipelineProgram:
             for fqn in st.traced.params.values():
                 uses.setdefault(fqn, []).append(i)
         self.tied = {fqn: ix for fqn, ix in uses.items() if len(ix) > 1}
+        self.split = split
+
+    @property
+    def history(self) -> list[PassRecord]:
+        """The passes that built the program: the stage split, then each stage's."""
+        return [self.split, *(dataclasses.replace(r, name=f"{r.name} [stage {i}]")
+                              for i, st in enumerate(self.stages) for r in st.history)]  # fmt: skip
 
     def stages_of(self, pp_rank: int) -> list[int]:
         """Stages held by a pipeline rank: s, s + p, ... (interleaved placement)."""
@@ -551,7 +560,10 @@ def compile_pipeline(traced: Traced, mesh: Mesh, config: PipelineConfig, options
     cut = choose_cuts(traced, units, mesh, config, split_points, options.memory_limit,
                       plan.pp.stage_starts if plan else None)  # fmt: skip
     log("stage cuts: " + "; ".join(cut.describe()))
+    start, before = time.perf_counter(), len(traced.gm.graph.nodes)
     graphs = split_stages(traced, units, list(cut.cuts), loss)
+    split = record("pipeline_split", before, start, [g.traced.gm for g in graphs])
+    log(str(split))
     stage_mesh = Mesh(mesh.cluster, tp=mesh.size("tp"))
     stage_opts = PlanOptions(memory_limit=options.memory_limit, memory_weight=options.memory_weight,
                              strict=options.strict, param_dtype=param_dtype)  # fmt: skip
@@ -577,7 +589,7 @@ def compile_pipeline(traced: Traced, mesh: Mesh, config: PipelineConfig, options
             for st, g in zip(stages, graphs, strict=True)]  # fmt: skip
     cut = dataclasses.replace(cut, boundary_bytes=tuple(sent))
     return PipelineProgram(mesh=mesh, stages=stages, graphs=graphs, cut=cut, config=config,
-                           model_name=traced.model_name, grad_names=grad)  # fmt: skip
+                           model_name=traced.model_name, grad_names=grad, split=split)  # fmt: skip
 
 
 def _outputs(gm: fx.GraphModule) -> list[fx.Node]:

@@ -85,6 +85,15 @@ def run_pipeline(
     return gm, history
 
 
+def record(name: str, before: int, start: float, graphs: Sequence[fx.GraphModule]) -> PassRecord:
+    """The history entry of a pass that turns one graph into several (``pipeline_split``: one
+    per stage), started at ``start`` (``time.perf_counter()``) on ``before`` nodes."""
+    ms = (time.perf_counter() - start) * 1e3
+    text = "".join(f"# graph {i}\n{format_graph(g)}" for i, g in enumerate(graphs))
+    return PassRecord(name=name, ms=ms, nodes_before=before,
+                      nodes_after=sum(len(g.graph.nodes) for g in graphs), graph=text)  # fmt: skip
+
+
 def default_pipeline() -> list[Pass]:
     from passes.cleanup import cleanup
     from passes.localize import localize
