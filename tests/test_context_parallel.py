@@ -432,8 +432,8 @@ def test_hf_shifts_labels_inside_the_model(axes):
 @pytest.mark.parametrize("strategy", ["ring", "all_to_all"])
 def test_hf_padding_mask_from_the_attention_mask_input(strategy):
     """HF builds its mask from ``attention_mask`` (an input): that runs whole on every rank,
-    so attention gets the whole padding-and-causal mask (contiguous chunks: the mask is not
-    the plain causal triangle)."""
+    so attention gets the whole padding-and-causal mask (balanced chunks: the mask is the
+    causal triangle and-ed with the padding, tests/test_cp_compose.py)."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 128, (2, 32), generator=g)
     mask = torch.ones(2, 32, dtype=torch.long)
