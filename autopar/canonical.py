@@ -75,7 +75,7 @@ def canonicalize(graph: fx.Graph) -> None:
             _sum_matmuls_first(graph, node)
     for node in list(graph.nodes):
         mask = _mask_arg(node) if node.target is _SDPA else None
-        if isinstance(mask, fx.Node) and _constant_causal(mask):
+        if isinstance(mask, fx.Node) and constant_causal(mask):
             dead = _ancestors(mask, limit=None) or []
             _make_causal(node)
             for old in reversed(dead):  # the mask's computation, now unread
@@ -171,7 +171,7 @@ def _mask_arg(node: fx.Node) -> object:
     return node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
 
 
-def _constant_causal(mask: fx.Node) -> bool:
+def constant_causal(mask: fx.Node) -> bool:
     """Step 4: ``mask`` depends on no input and is the causal lower triangle."""
     built = _ancestors(mask, limit=None)
     if built is not None and is_causal_mask(mask, built):

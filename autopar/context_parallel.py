@@ -34,8 +34,10 @@ Algorithm (:func:`compile_traced_cp`):
    attention choice with its prices, and the activation memory per rank.
 
 Composition: with tp, the tp program is compiled first at the global sequence (autopar.compile)
-and steps 2-5 split it (tp collectives and lowerings act on other dims and pass the sequence
-through; one on the sequence dim, Megatron-SP's, is refused); with pp, every stage is split
+and steps 2-5 split it (tp collectives and lowerings on other dims pass the sequence through;
+on the sequence dim, Megatron-SP's gather and reduce-scatter, they act within this rank's
+chunks: the dim is split cp outer, tp inner, ``P(None, ('cp', 'tp'), None)``, and a value
+whole over cp that tp splits there is recomputed from cp's chunks); with pp, every stage is split
 this way and its boundary values travel whole; with dp, autopar.data_parallel wraps the cp
 program like any sub-mesh program, its dense gradients reduced by the data axis over dp x cp
 (under pp the stages keep their cp reductions and ZeRO stays over dp).  :func:`fit_sequence` searches the (tp, cp, pp)
@@ -60,8 +62,10 @@ from torch.utils import _pytree as pytree
 from autopar import collectives as C
 from autopar import cp_ops, meta, parallel_ops
 from autopar.analysis import needs_grad
+from autopar.canonical import constant_causal
 from autopar.compile import compile_traced
 from autopar.errors import InputError, MeshError, PlanError
+from autopar.expert_parallel import find_moe_layers
 from autopar.layout import Layout, Partial, Placement, R, Shard
 from autopar.mesh import Mesh
 from autopar.plan import Collective, CpSection, Plan
@@ -83,6 +87,10 @@ _SDPA_NAME = "scaled_dot_product_attention"  # its cost.compute name (ring atten
 _CE = aten.cross_entropy_loss.default
 _MEAN, _SUM = 1, 2
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_AND = (aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default)
+_MASK_VIEWS = (aten.expand.default, aten.unsqueeze.default, aten.alias.default, aten.clone.default,
+               aten.contiguous.default, aten.to.dtype, aten.to.dtype_layout,
+               aten._to_copy.default)  # fmt: skip
 _RING_STEPS = (cp_ops.ring_send, cp_ops.ring_recv, cp_ops.ring_block)
 _TP_DIM_OPS = (C.all_gather, C.reduce_scatter, C.split, C.all_to_all)
 _TP_OPS = (*_TP_DIM_OPS, C.all_reduce, C.grad_all_reduce, C.grad_partial, parallel_ops.local_kv_heads,
@@ -155,6 +163,7 @@ def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = Non
     if cp_attention not in (None, *STRATEGIES):
         raise InputError(f"cp_attention={cp_attention!r}: use 'ring', 'all_to_all' or None")
     lay = _seq_layout(traced, mesh.size(AXIS))
+    _refuse_moe(traced)
     base, tp_notes, tp_choice = traced.gm, (), ()
     if "tp" in mesh.sizes:  # the tp program, traced whole, is what cp splits
         tp = compile_traced(traced, Mesh.ordered((("tp", mesh.size("tp")),), mesh.cluster),
@@ -165,7 +174,7 @@ def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = Non
     kept = {n: meta.layout(n) for n in gm.graph.nodes if meta.layout(n) is not None}
     for n in kept:
         meta.update(n, layout=None)
-    split = _SplitSequence(gm, traced, lay, grad, mesh, cp_attention, saved)
+    split = _SplitSequence(gm, traced, lay, grad, mesh, cp_attention, saved, kept)
     split.run()
     if saved is not None:
         _check_saved_attention(saved, split.prices, traced.model_name)
@@ -183,6 +192,21 @@ def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = Non
     annotate_autocast(gm, dtype)  # priced as it runs
     plan = _plan(traced, gm, mesh, lay, split.prices, grad, tp_notes, tp_choice, dtype)
     return Program(plan=plan, mesh=mesh, graph_module=gm, traced=traced, history=[])
+
+
+def _refuse_moe(traced: Traced) -> None:
+    """cp splits the graph traced at the global sequence by propagation; an MoE layer groups
+    every token of the batch by expert (a sort of all b·s·k routed rows, a histogram, the
+    inverse permutation), which no sharding rule splits along the sequence.  ep, in contrast,
+    splits the batch before tracing, so each rank traces its own tokens' routing."""
+    layers, bad = find_moe_layers(traced.gm)
+    if layers or bad:
+        where = layers[0].where if layers else bad[0].source
+        raise ContextParallelError(
+            f"{traced.model_name}: the MoE layer at {where} routes every token of the sequence "
+            "together (tokens sorted by expert, grouped matmuls over the groups), which cp "
+            "cannot split along the sequence; split the tokens by the batch instead "
+            "(Mesh(ep=...), Mesh(dp=...), with tp or pp), and cp only dense models")  # fmt: skip
 
 
 def _check_saved_attention(saved: CpSection, prices: list[AttentionPrice], model: str) -> None:
@@ -333,7 +357,7 @@ def _seq_layout(traced: Traced, size: int) -> SeqLayout:
         raise InputError(f"{traced.model_name}: cp splits the sequence (dim 1 of the first "
                          "input), but no input has two dims; pass token ids [batch, seq]")  # fmt: skip
     seq = shaped[0].meta["val"].shape[1]
-    causal = any(_sdpa_args(n)["is_causal"] for n in traced.gm.graph.nodes if n.target is _SDPA)
+    causal = any(_causal(_sdpa_args(n)) for n in traced.gm.graph.nodes if n.target is _SDPA)
     lay = SeqLayout(size=size, seq=seq, balanced=causal)
     if seq % lay.chunks:
         why = f"2·cp = {lay.chunks} chunks (causal attention)" if causal else f"cp = {size}"
@@ -341,6 +365,32 @@ def _seq_layout(traced: Traced, size: int) -> SeqLayout:
                          f"{shaped[0].name}) does not divide into {why}; use a sequence "
                          f"length that is a multiple of {lay.chunks}")  # fmt: skip
     return lay
+
+
+def _causal(a: dict[str, Any]) -> bool:
+    """Attention is causal: ``is_causal``, or a bool mask and-ed with the constant causal
+    triangle (HF's mask of a padded batch, ``causal & attention_mask[b, key]``), which hides
+    at least what causal hides: the ring skips the pairs above the diagonal and the chunks
+    are balanced, the mask still applied."""
+    if a["is_causal"]:
+        return True
+    mask = a["attn_mask"]
+    if not isinstance(mask, fx.Node) or mask.meta["val"].dtype != torch.bool:
+        return False
+    score = tuple(mask.meta["val"].shape[-2:])
+    todo = [mask]
+    while todo:
+        n = todo.pop()
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dtype != torch.bool or n.op != "call_function":
+            continue
+        if val.dim() >= 2 and tuple(val.shape[-2:]) == score and constant_causal(n):
+            return True
+        if n.target in _AND:
+            todo.extend(tensor_args(n))
+        elif n.target in _MASK_VIEWS and tuple(val.shape[-2:]) == score:
+            todo.append(n.args[0])
+    return False
 
 
 def _sdpa_args(n: fx.Node) -> dict[str, Any]:
@@ -359,8 +409,11 @@ class _SplitSequence:
     """Steps 2-4: one walk over the graph, rewriting as it goes."""
 
     def __init__(self, gm: fx.GraphModule, traced: Traced, lay: SeqLayout, grad: frozenset[str],
-                 mesh: Mesh, forced: str | None, saved: CpSection | None = None) -> None:  # fmt: skip
+                 mesh: Mesh, forced: str | None, saved: CpSection | None = None,
+                 tp_layouts: dict[fx.Node, Any] | None = None) -> None:  # fmt: skip
         self.gm, self.graph, self.traced, self.lay = gm, gm.graph, traced, lay
+        self.tp_layouts = tp_layouts if tp_layouts is not None else {}
+        self.replayed: list[fx.Node] = []  # tp-split values recomputed from cp's chunks
         self.grad, self.mesh, self.forced = grad, mesh, forced
         self.saved = dict(saved.attention) if saved is not None else {}
         self.place: dict[fx.Node, Placement | tuple] = {}
@@ -380,6 +433,10 @@ class _SplitSequence:
                 if n.op == "call_function" and n not in self.whole:
                     self._visit(n)
         self._gather_outputs()
+        for n in reversed(self.replayed):  # the originals, when nothing else reads them
+            if not n.users:
+                self.graph.erase_node(n)
+                self.place.pop(n, None)
         for n, p in self.place.items():
             _set_layout(n, p)
 
@@ -403,6 +460,12 @@ class _SplitSequence:
             p = self.place.get(a) if isinstance(a, fx.Node) else None
             if not isinstance(p, Shard):
                 return a
+            if self._tp_splits(a, p.dim):
+                raise ContextParallelError(
+                    f"output {a.name} ({meta.source(a)}) leaves the tp program split along dim "
+                    f"{p.dim} by tp and by cp (sequence parallelism), which no gather of cp "
+                    "makes whole; return a value tp gathers, or use a tp plan without sequence "
+                    "parallelism at the output")  # fmt: skip
             with self.graph.inserting_before(out):
                 g = self._call(cp_ops.cp_gather, (a, AXIS, p.dim, p.blocks, self.lay.balanced),
                                a.meta["val"])  # fmt: skip
@@ -456,20 +519,35 @@ class _SplitSequence:
                 n.replace_input_with(a, self._localize(a, Shard(1), n))
 
     def _through_tp_op(self, n: fx.Node, have: list) -> None:
-        """A tp collective or lowering moves or splits a non-sequence dim: the sequence stays
-        where it is (a tp op on the sequence dim itself, Megatron-SP's, is refused)."""
+        """A tp collective or lowering keeps the sequence where it is.  On another dim it
+        moves or splits that dim; on the sequence dim itself (Megatron-SP's gather before a
+        column GEMM, reduce-scatter after a row GEMM) it acts within this rank's chunks: the
+        dim is split cp outer, tp inner (``P(None, ('cp', 'tp'), None)``), every tp rank of
+        a cp rank holding its tp piece of that cp rank's chunks."""
         p = next(q for q in have if isinstance(q, Shard))
         dims = n.args[2:4] if n.target is C.all_to_all else n.args[2:3]
         if n.target in _TP_DIM_OPS and p.dim in dims:
-            raise ContextParallelError(
-                f"{_op(n)} at {meta.source(n)} acts on the sequence dim {p.dim} that cp splits "
-                "(tensor-parallel sequence parallelism); use a tp plan without it")  # fmt: skip
+            self._check_nested(n, p)
         for a, q in zip(tensor_args(n), have, strict=True):
             if not isinstance(q, Shard):
                 new = self._reduce_grad(a, n)
                 if new is not a:
                     n.replace_input_with(a, new)
         self.place[n] = p
+
+    def _check_nested(self, n: fx.Node, p: Shard) -> None:
+        """A tp op on the cp-split dim runs on this rank's chunks: their length must divide
+        into the tp pieces (per block), and a cp rank's pieces into its chunks."""
+        ins = [a.meta["val"].shape[p.dim] for a in tensor_args(n)]
+        whole = max([*ins, n.meta["val"].shape[p.dim]])
+        tp, blocks = self.mesh.size("tp"), (1 if n.target is C.all_to_all else n.args[3])
+        local = whole // self.lay.size
+        if whole % self.lay.chunks or local % (blocks * tp) or (whole // tp) % self.lay.chunks:
+            raise ContextParallelError(
+                f"{_op(n)} at {meta.source(n)}: tp splits the sequence dim {p.dim} that cp "
+                f"splits (sequence parallelism), within each cp rank's {local} positions, into "
+                f"{tp} pieces of {blocks} block(s), which does not divide; use a sequence length "
+                f"that is a multiple of {self.lay.chunks * blocks * tp}")  # fmt: skip
 
     def _by_rules(self, n: fx.Node, args: list[fx.Node], have: list) -> None:
         best = _pick(n, self.ctx, have)
@@ -645,7 +723,7 @@ class _SplitSequence:
         """One node per ring step: start the exchange of the block in hand, attend to it,
         wait for the next (cp_ops: the exchanges print as ``ring_send`` / ``ring_recv``)."""
         scale = float(a["scale"] or q.meta["val"].shape[-1] ** -0.5)
-        causal, lay = bool(a["is_causal"]), self.lay
+        causal, lay = _causal(a), self.lay
         qv = q.meta["val"]
         acc = _meta(qv.shape, cp_ops._ACCUMULATE.get(qv.dtype, qv.dtype))
         state = (acc, _meta(qv.shape[:-1], acc.dtype))
@@ -773,14 +851,61 @@ class _SplitSequence:
         consumer ``before``: stage graphs interleave placeholders and ops)."""
         key = (a, p)
         if key not in self.localized:
-            ctx = self.graph.inserting_before(before) if before else self.graph.inserting_after(a)
-            with ctx:
-                loc = self._call(cp_ops.cp_localize,
-                                 (a, AXIS, p.dim, p.blocks, self.lay.balanced), a.meta["val"],
-                                 like=a if a.op != "placeholder" else None)  # fmt: skip
+            if isinstance(p, Shard) and self._tp_splits(a, p.dim):
+                loc = self._localize_below_tp(a, p, before)
+            else:
+                ctx = (self.graph.inserting_before(before) if before
+                       else self.graph.inserting_after(a))  # fmt: skip
+                with ctx:
+                    loc = self._call(cp_ops.cp_localize,
+                                     (a, AXIS, p.dim, p.blocks, self.lay.balanced),
+                                     a.meta["val"], like=a if a.op != "placeholder" else None)  # fmt: skip
             self.place[loc] = p
             self.localized[key] = loc
         return self.localized[key]
+
+    def _tp_splits(self, a: fx.Node, dim: int) -> bool:
+        lay = self.tp_layouts.get(a)
+        return isinstance(lay, Layout) and "tp" in lay.dims[dim]
+
+    def _localize_below_tp(self, a: fx.Node, p: Shard, before: fx.Node | None) -> fx.Node:
+        """``a``, whole over cp, is split along dim ``p.dim`` by tp (sequence parallelism):
+        cp's chunks are taken above tp's split and ``a`` recomputed from them (tp's split
+        re-applied, the ops after it replayed by their sharding rules), so the dim is split
+        cp outer, tp inner like the sequence-split activations ``a`` meets."""
+        at = 3 if a.target is C.all_to_all else 2
+        if a.target in (C.split, C.reduce_scatter, C.all_to_all) and a.args[at] == p.dim:
+            wants = [Shard(p.dim, p.blocks)]
+        else:
+            found = self._strategy_giving(a, p)
+            if found is None:
+                raise ContextParallelError(
+                    f"{_op(a)} at {meta.source(a)}: {a.name} is split along dim {p.dim} by tp "
+                    "(sequence parallelism) and must be split there by cp too, but no sharding "
+                    "strategy recomputes it from cp's chunks; use a tp plan without sequence "
+                    "parallelism here")  # fmt: skip
+            wants = list(found.inputs)
+        args = tensor_args(a)
+        new = [self._localize(x, w, before) if isinstance(w, Shard) else x
+               for x, w in zip(args, wants, strict=True)]  # fmt: skip
+        ctx = self.graph.inserting_before(before) if before else self.graph.inserting_after(a)
+        with ctx:
+            loc = self.graph.node_copy(a, dict(zip(args, new, strict=True)).get)
+        for x, w in zip(args, wants, strict=True):
+            if not isinstance(w, Shard) and x.name in self.grad:
+                loc.replace_input_with(x, self._reduce_grad(x, loc))
+        self.tp_layouts[loc] = self.tp_layouts[a]
+        self.replayed.append(a)
+        return loc
+
+    def _strategy_giving(self, a: fx.Node, p: Shard) -> Strategy | None:
+        """A strategy of ``a`` whose output is ``p``, its inputs split or whole (not partial)."""
+        try:
+            options = strategies(a, self.ctx)
+        except Exception:  # noqa: BLE001 - an op the rules cannot describe has no split strategy
+            return None
+        return next((s for s in options if s.lowering is None and s.output == p
+                     and not any(isinstance(w, Partial) for w in s.inputs)), None)  # fmt: skip
 
     def _reduce_grad(self, a: fx.Node, consumer: fx.Node) -> fx.Node:
         """A replicated input read whole by a split op: each rank's gradient is partial."""
