@@ -164,34 +164,63 @@ def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = Non
         raise InputError(f"cp_attention={cp_attention!r}: use 'ring', 'all_to_all' or None")
     lay = _seq_layout(traced, mesh.size(AXIS))
     _refuse_moe(traced)
-    base, tp_notes, tp_choice = traced.gm, (), ()
+    base, tp_notes, tp_choice, tp_history = traced.gm, (), (), []
     if "tp" in mesh.sizes:  # the tp program, traced whole, is what cp splits
         tp = compile_traced(traced, Mesh.ordered((("tp", mesh.size("tp")),), mesh.cluster),
                             options or PlanOptions(), lambda _: None)  # fmt: skip
         traced, base, tp_notes, tp_choice = tp.traced, tp.graph_module, tp.plan.notes, tp.plan.choice
+        tp_history = tp.history
+    from passes import run_pipeline
+    from passes.context_parallel import context_parallel
+
     gm = fx.GraphModule(base, copy.deepcopy(base.graph))
     grad = frozenset(n.name for n in needs_grad(traced, gm))
+    decided = CpDecisions(layout=lay, attention=cp_attention, saved=saved)
+    ctx = PassContext(mesh=mesh, axis=AXIS, choice={}, grad=grad, traced=traced,
+                      sections={"cp": decided})  # fmt: skip
+    gm, history = run_pipeline(gm, ctx, [context_parallel])
+    prices = gm.meta["cp_prices"]
+    if saved is not None:
+        _check_saved_attention(saved, prices, traced.model_name)
+    dtype = (options or PlanOptions()).param_dtype
+    annotate_autocast(gm, dtype)  # priced as it runs
+    plan = _plan(traced, gm, mesh, lay, prices, grad, tp_notes, tp_choice, dtype)
+    return Program(plan=plan, mesh=mesh, graph_module=gm, traced=traced,
+                   history=[*tp_history, *history])  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpDecisions:
+    """What the context_parallel pass applies (``PassContext.sections["cp"]``)."""
+
+    layout: SeqLayout  # the sequence's chunks per cp rank
+    attention: str | None  # 'ring' / 'all_to_all' forced, None: each attention by its price
+    saved: CpSection | None  # a reloaded plan's cp section (its attention choices)
+
+
+def split_sequence(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """The walk of passes.context_parallel (steps 2-4 of the module docstring), in place:
+    returns ``gm`` with every sequence-dim value split over cp, localized over cp, and the
+    tp layouts merged back; the attention prices in ``gm.meta["cp_prices"]``."""
+    decided: CpDecisions = ctx.sections["cp"]
     kept = {n: meta.layout(n) for n in gm.graph.nodes if meta.layout(n) is not None}
     for n in kept:
         meta.update(n, layout=None)
-    split = _SplitSequence(gm, traced, lay, grad, mesh, cp_attention, saved, kept)
+    split = _SplitSequence(gm, ctx.traced, decided.layout, ctx.grad, ctx.mesh, decided.attention,
+                           decided.saved, kept)  # fmt: skip
     split.run()
-    if saved is not None:
-        _check_saved_attention(saved, split.prices, traced.model_name)
     for n in gm.graph.nodes:  # a gathered output (cut to the user's slice) keeps its tp split
         src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
         if src in kept and (n.target is cp_ops.cp_gather or src.target is cp_ops.cp_gather):
             kept[n] = kept[src]
-    cp_only = Mesh.ordered(((AXIS, lay.size),), mesh.cluster)
-    gm = localize(gm, PassContext(mesh=cp_only, axis=AXIS, choice={}, grad=grad, traced=traced))
+    cp_only = Mesh.ordered(((AXIS, decided.layout.size),), ctx.mesh.cluster)
+    gm = localize(gm, dataclasses.replace(ctx, mesh=cp_only))
     _merge_layouts(gm, kept)
     _note_exchanges(gm)
     gm.graph.lint()
     gm.recompile()
-    dtype = (options or PlanOptions()).param_dtype
-    annotate_autocast(gm, dtype)  # priced as it runs
-    plan = _plan(traced, gm, mesh, lay, split.prices, grad, tp_notes, tp_choice, dtype)
-    return Program(plan=plan, mesh=mesh, graph_module=gm, traced=traced, history=[])
+    gm.meta["cp_prices"] = split.prices
+    return gm
 
 
 def _refuse_moe(traced: Traced) -> None:

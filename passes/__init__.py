@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch.fx as fx
 
@@ -22,7 +23,9 @@ from autopar.trace import Traced
 
 @dataclass(frozen=True, kw_only=True)
 class PassContext:
-    """What every pass may read: the mesh, the split axis, the chosen strategies."""
+    """What every pass may read: the mesh, the axis a shape-local pass acts on, the tp
+    strategies, and each other axis's decisions (``sections``: e.g. ``sections["cp"]``, the
+    sequence layout and attention choices context parallelism applies)."""
 
     mesh: Mesh
     axis: str
@@ -30,6 +33,7 @@ class PassContext:
     grad: frozenset[str]  # names of values that need a gradient
     traced: Traced
     replicate_outputs: bool = False  # graph outputs must be whole (pipeline stage boundaries)
+    sections: Mapping[str, Any] = field(default_factory=dict)  # axis -> its decisions
 
     @property
     def size(self) -> int:
@@ -48,7 +52,7 @@ class PassRecord:
 
     def __str__(self) -> str:
         diff = self.nodes_after - self.nodes_before
-        return f"{self.name:<20} {self.ms:8.1f} ms  {self.nodes_after:5d} nodes ({diff:+d})"
+        return f"{self.name:<28} {self.ms:8.1f} ms  {self.nodes_after:5d} nodes ({diff:+d})"
 
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
