@@ -1,37 +1,31 @@
 """verify: run the per-rank programs and the single-device model on the same inputs and
-compare outputs and every parameter gradient, on every mesh by one path.
+compare outputs and every parameter gradient, by one path for every mesh.
 
 Algorithm:
-1. Compile the model for ``mesh`` (a virtual mesh: no processes needed for this step).  The
-   program is read through its wrappers (:func:`program_view`): the batch axes present (dp,
-   then ep), the programs on the other axes (the whole tp / cp one, or each pipeline stage),
-   the expert parameters, and the data axis's ZeRO stage and loss reduction.
+1. Compile the model for ``mesh`` (virtual: no processes) and read the program through its
+   wrappers (:func:`program_view`): the batch axes present (dp, then ep), the programs on the
+   other axes (the whole tp / cp one, or each pipeline stage), the expert parameters.
 2. Single device: forward, then backward of sum(output * cotangent) over every floating
-   output leaf, with cotangents drawn from a fixed seed (with a scalar loss this is the loss
-   scaled by one random number); under pp the scalar loss alone (a unit cotangent).
-3. Ranks: each rank of a persistent Gloo worker pool takes its slice of the batch over the
-   batch axes (by its mesh coordinates) and runs its module forward + backward with its shard
-   of the same cotangents (batched ones sliced too and, under a mean loss over dp, scaled by
-   dp to keep their single-device weight), or under pp its share's pipeline step; under dp
-   inside torch's DDP / FSDP2 (ZeRO shards gathered).  The job runs twice; any output or
-   gradient that is not bitwise identical across the two runs fails as nondeterministic
-   (uninitialised memory, a race, a stray in-place update).
-4. For every batch replica (one coordinate per batch axis) and every program on the other
-   axes: outputs concatenated over the batch replicas on dim 0 (scalars, the loss, as the
-   replica holds them), expert gradients concatenated over ep, every other gradient as the
-   replica holds it; then split outputs and gradients reassembled by their layouts and every
-   replica of a replicated one compared; each row keeps its worst replica.  A NaN or
-   infinity in ours or in the reference fails as non-finite.
+   output leaf, cotangents drawn from a fixed seed (with a scalar loss: the loss scaled by
+   one random number); under pp the scalar loss alone.
+3. Each rank of a persistent Gloo worker pool runs on its slice of the batch over the batch
+   axes its module forward + backward with its shard of the cotangents (batched ones sliced
+   too, and scaled by dp under a mean loss over dp), or under pp its share's pipeline step;
+   under dp in torch's DDP / FSDP2.  The job runs twice; an output or gradient that is not
+   bitwise identical across the runs fails as nondeterministic (a race, uninitialised memory).
+4. Per batch replica and program: batched outputs concatenated over the replicas, expert
+   gradients over ep; split tensors reassembled by their layouts, every replica of a
+   replicated one compared, each row at its worst.  A NaN or infinity fails as non-finite.
    Relative error = max |ours - ref| / (max |ref| + 1e-3 * S), S the largest finite
    reference magnitude among tensors of the same kind: a tensor whose exact value is zero
    (a key bias's gradient: softmax ignores a constant shift) is judged against rounding
    noise of its neighbours, not divided by its own noise.
 5. An fp32 run that fails on tolerance alone runs again on float64 copies of the model and
-   inputs (a fresh compile).  A relu whose input lies within fp32 rounding of zero takes a
-   different branch in two summation orders and moves a gradient by a whole unit (seen on
-   OPT: one of 98k pre-activations at 1.5e-8 vs -3.1e-8); in float64 that needs an input
-   within 1e-16 of the kink.  The report passes when the float64 run passes at the same
-   tolerance and shows both; a wrong collective fails both.
+   inputs.  A relu whose input lies within fp32 rounding of zero takes a different branch in
+   two summation orders and moves a gradient by a whole unit (seen on OPT: one of 98k
+   pre-activations at 1.5e-8 vs -3.1e-8); in float64 that needs an input within 1e-16 of
+   the kink.  The report passes when the float64 run passes at the same tolerance and shows
+   both; a wrong collective fails both.
 """
 
 from __future__ import annotations
@@ -132,8 +126,9 @@ def verify(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
     if report.ok or not _recheckable(report, model, reference_dtype):
         return report
     wide = copy.deepcopy(model).to(torch.float64)
-    inputs, kwargs = pytree.tree_map_only(torch.Tensor, _widen,
-                                          (tuple(example_inputs), example_kwargs))  # fmt: skip
+    inputs, kwargs = pytree.tree_map_only(
+        torch.Tensor, lambda t: t.to(torch.float64) if t.dtype == torch.float32 else t,
+        (tuple(example_inputs), example_kwargs))  # fmt: skip
     try:
         again = _verify(wide, mesh, inputs, loss_fn, example_kwargs=kwargs, rtol=rtol, seed=seed,
                         **compile_options)  # fmt: skip
@@ -148,10 +143,6 @@ def _recheckable(report: VerifyReport, model: nn.Module, reference_dtype: Any) -
     return (reference_dtype is None and bool(params)
             and all(p.dtype == torch.float32 and not p.is_meta for p in params)
             and all(r.ok or not r.note for r in report.rows))  # fmt: skip
-
-
-def _widen(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.float64) if t.dtype == torch.float32 else t
 
 
 def _verify(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
@@ -170,23 +161,18 @@ def _verify(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
                                           unit_cotangent=view.pipeline)  # fmt: skip
     jobs = rank_jobs(view, example_inputs, example_kwargs, cots)
     pool = get_pool(prog.mesh.world_size)
-    results = pool.run(_rank_step, prog.mesh.axes, jobs)
-    unstable = _unstable(view, ref_out, results, pool.run(_rank_step, prog.mesh.axes, jobs))
-    rows = [_mark_unstable(r) if r.name in unstable else r
-            for r in _rows(view, results, ref_out, ref_grads, rtol)]  # fmt: skip
-    return VerifyReport(mesh=str(mesh), rtol=rtol, rows=tuple(rows))
+    runs = [pool.run(_rank_step, prog.mesh.axes, jobs) for _ in range(2)]
+    return VerifyReport(mesh=str(mesh), rtol=rtol, rows=tuple(_rows(view, runs, ref_out,
+                                                                    ref_grads, rtol)))  # fmt: skip
 
 
 def _in_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy of ``model`` in ``dtype`` whose floating inputs are cast to it on the way in (an
     fp32 input would otherwise meet float64 weights, e.g. in a LayerNorm)."""
     copied = copy.deepcopy(model).to(dtype)
-
-    def cast(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor)
-                               and t.is_floating_point() else t, (args, kwargs))  # fmt: skip
-
-    copied.register_forward_pre_hook(cast, with_kwargs=True)
+    cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+    copied.register_forward_pre_hook(lambda _, args, kwargs: pytree.tree_map_only(
+        torch.Tensor, cast, (args, kwargs)), with_kwargs=True)  # fmt: skip
     return copied
 
 
@@ -197,20 +183,16 @@ def _reference(model: nn.Module, args: Sequence[Any], kwargs: dict | None,
     model.zero_grad(set_to_none=True)
     kwargs = kwargs or {}
     out = loss_fn(model(*args[:-1], **kwargs), args[-1]) if loss_fn else model(*args, **kwargs)
-    leaves = pytree.tree_leaves(out)
-    gen = torch.Generator().manual_seed(seed)
-    cots = [torch.randn(x.shape, generator=gen, dtype=x.dtype) if _floating(x) else None
-            for x in leaves]  # fmt: skip
-    if unit_cotangent:  # pipelines differentiate the scalar loss alone
-        cots = [torch.ones(()) if _floating(x) and x.dim() == 0 else None for x in leaves]
+    leaves, gen = pytree.tree_leaves(out), torch.Generator().manual_seed(seed)
+    wanted = [isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad
+              and (x.dim() == 0 or not unit_cotangent) for x in leaves]  # fmt: skip
+    cots = [None if not w else torch.ones(()) if unit_cotangent  # pp: the scalar loss alone
+            else torch.randn(x.shape, generator=gen, dtype=x.dtype)
+            for x, w in zip(leaves, wanted, strict=True)]  # fmt: skip
     _seed_backward(leaves, cots)
     named = model.named_parameters(remove_duplicate=False)  # a tied weight under every name
     grads = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
     return [x.detach() for x in leaves], grads, cots
-
-
-def _floating(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad
 
 
 def _seed_backward(leaves: list, cots: list) -> None:
@@ -229,15 +211,11 @@ class ProgramView:
     experts: frozenset[str]  # expert parameters: each ep rank holds its experts (dim 0)
     data: tuple[int, str, tuple[str, ...]] | None  # dp: ZeRO stage, reduction, ZeRO axes
     scale: int  # cotangent factor of batched outputs: dp under a mean loss
+    replicas: tuple[tuple[int, ...], ...]  # every batch replica: a coordinate per batch axis
 
     @property
     def pipeline(self) -> bool:
         return self.units[0][0] is not None
-
-    @property
-    def replicas(self) -> list[tuple[int, ...]]:
-        """Every batch replica: one coordinate per batch axis (dp major)."""
-        return list(itertools.product(*(range(n) for _, n in self.batch)))
 
 
 def program_view(prog: Any) -> ProgramView:
@@ -246,15 +224,17 @@ def program_view(prog: Any) -> ProgramView:
     if isinstance(prog, DataParallelProgram):
         dp, plan = prog.mesh.size("dp"), prog.plan
         batch.append(("dp", dp))
-        data, scale = (plan.zero, plan.reduction, plan.zero_axes), (dp if plan.reduction == "mean" else 1)
+        data = (plan.zero, plan.reduction, plan.zero_axes)
+        scale = dp if plan.reduction == "mean" else 1
         prog = prog.inner
     if isinstance(prog, ExpertParallelProgram):
         batch.append(("ep", prog.mesh.size("ep")))
         experts = frozenset(w for layer in prog.plan.layers for w in layer.weights)
         prog = prog.inner
     units = tuple(enumerate(prog.stages)) if isinstance(prog, PipelineProgram) else ((None, prog),)
+    replicas = tuple(itertools.product(*(range(n) for _, n in batch)))
     return ProgramView(top=top, batch=tuple(batch), units=units, experts=experts, data=data,
-                       scale=scale)  # fmt: skip
+                       scale=scale, replicas=replicas)  # fmt: skip
 
 
 def output_layouts(prog: Program) -> list[Layout | None]:
@@ -336,8 +316,8 @@ def replica(view: ProgramView, results: list, stage: int | None, prog: Program,
         if stage in grads:
             at[(tuple(c[a] for a, _ in view.batch), prog.mesh.rank_of(
                 {a: c.get(a, 0) for a, _ in prog.mesh.axes}))] = (outs, grads[stage])  # fmt: skip
-    peers = [b for b in view.replicas if all(x == y or a == "ep" for (a, _), x, y
-                                             in zip(view.batch, b, choice, strict=True))]  # fmt: skip
+    peers = [b for b in view.replicas  # choice and its replicas over ep
+             if all(a == "ep" or x == y for (a, _), x, y in zip(view.batch, b, choice))]  # noqa: B905
     out = []
     for k in range(prog.mesh.world_size):
         outs, grads = at[(choice, k)]
@@ -348,55 +328,49 @@ def replica(view: ProgramView, results: list, stage: int | None, prog: Program,
     return out
 
 
-def _rows(view: ProgramView, results: list, ref_out: list, ref_grads: dict,
+def _rows(view: ProgramView, runs: list[list], ref_out: list, ref_grads: dict,
           rtol: float) -> list[TensorCheck]:  # fmt: skip
-    """Step 4: every output and gradient, its candidates from every batch replica."""
-    found: dict[str, list] = {}  # row name -> [kind, reference, candidates (None: missing)]
+    """Step 4: every output and gradient, its candidates from every batch replica of the
+    first run; one differing bitwise between the two runs (step 3) fails."""
+    found: dict[str, list] = {}  # row name -> [kind, reference, candidates (None: missing), same]
 
-    def add(name: str, kind: str, ref: torch.Tensor, wholes: list | None) -> None:
-        row = found.setdefault(name, [kind, ref, []])
+    def add(name: str, kind: str, ref: torch.Tensor, wholes: list | None, same: bool) -> None:
+        row = found.setdefault(name, [kind, ref, [], True])
         row[2] = None if wholes is None or row[2] is None else row[2] + wholes
+        row[3] &= same
 
     if view.pipeline:  # the loss over the whole batch (mean of micro-batch losses), every rank
         ref_out = [next(x for x in ref_out if x.dim() == 0)]
-        add("loss", "output", ref_out[0], [outs[0] for outs, _ in results])
+        add("loss", "output", ref_out[0], [outs[0] for outs, _ in runs[0]],
+            all(bitwise_equal(a[0][0], b[0][0]) for a, b in zip(*runs, strict=True)))  # fmt: skip
     for choice, (stage, prog) in itertools.product(view.replicas, view.units):
-        per_rank = replica(view, results, stage, prog, choice)
+        first, second = (replica(view, run, stage, prog, choice) for run in runs)
+        pairs = list(zip(first, second, strict=True))
         outputs = [] if view.pipeline else zip(output_layouts(prog), ref_out, strict=True)
         for i, (lay, r) in enumerate(outputs):
             if isinstance(r, torch.Tensor) and r.is_floating_point():
                 add(_output_name(i, r), "output", r,
-                    _wholes([o[i] for o, _ in per_rank], lay, prog.mesh))  # fmt: skip
-        layouts = _param_layouts(prog)
-        order = {fqn: i for i, (fqn, _) in enumerate(prog.plan.params)}
-        names = sorted(layouts, key=lambda n: order.get(n, len(order)))
-        for fqn, group in _param_groups(prog.traced.pieces, names).items():
+                    _wholes([o[i] for o, _ in first], lay, prog.mesh),
+                    all(bitwise_equal(a[0][i], b[0][i]) for a, b in pairs))  # fmt: skip
+        layouts = {prog.traced.params[n.name]: meta.layout(n) for n in prog.graph_module.graph.nodes
+                   if n.op == "placeholder" and n.name in prog.traced.params}  # fmt: skip
+        order, groups = {n: i for i, (n, _) in enumerate(prog.plan.params)}, {}
+        pieces = prog.traced.pieces
+        for n in sorted(layouts, key=lambda n: order.get(n, len(order))):  # user FQN -> pieces
+            groups.setdefault(pieces[n].fqn if n in pieces else n, []).append(n)
+        for fqn, names in groups.items():
             if fqn in ref_grads:
-                add(fqn + _label(stage), "grad", ref_grads[fqn],
-                    _grad_wholes(prog, fqn, group, layouts, [g for _, g in per_rank]))  # fmt: skip
+                add(fqn + ("" if stage is None else f" (stage {stage})"), "grad", ref_grads[fqn],
+                    _grad_wholes(prog, fqn, names, layouts, [g for _, g in first]),
+                    all(bitwise_equal(a[1].get(n), b[1].get(n))
+                        for a, b in pairs for n in names))  # fmt: skip
     scale = {"output": _scale(ref_out), "grad": _scale(list(ref_grads.values()))}
-    return [_failed(name, kind, "no gradient on some rank") if ours is None else
+    rows = [_failed(name, kind, "no gradient on some rank") if ours is None else
             _check(name, kind, ours, None, ref, view.top.mesh, rtol, scale[kind])
-            for name, (kind, ref, ours) in found.items()]  # fmt: skip
-
-
-def _label(stage: int | None) -> str:
-    return "" if stage is None else f" (stage {stage})"
-
-
-def _unstable(view: ProgramView, ref_out: list, first: list, second: list) -> set[str]:
-    """Row names of the outputs and gradients that differ bitwise between two identical runs
-    on any rank (step 3)."""
-    names = set()
-    for (outs_a, grads_a), (outs_b, grads_b) in zip(first, second, strict=True):
-        names |= {"loss" if view.pipeline else _output_name(i, ref_out[i])
-                  for i, (a, b) in enumerate(zip(outs_a, outs_b, strict=True))
-                  if not bitwise_equal(a, b)}  # fmt: skip
-        for stage, prog in view.units:
-            a, b, pieces = grads_a.get(stage, {}), grads_b.get(stage, {}), prog.traced.pieces
-            names |= {(pieces[n].fqn if n in pieces else n) + _label(stage)
-                      for n in a.keys() | b.keys() if not bitwise_equal(a.get(n), b.get(n))}  # fmt: skip
-    return names
+            for name, (kind, ref, ours, _) in found.items()]  # fmt: skip
+    note = "nondeterministic across identical runs"
+    return [r if found[r.name][3] else dataclasses.replace(
+        r, ok=False, note="; ".join(filter(None, [r.note, note]))) for r in rows]  # fmt: skip
 
 
 def bitwise_equal(a: Any, b: Any) -> bool:
@@ -409,40 +383,15 @@ def bitwise_equal(a: Any, b: Any) -> bool:
     return torch.equal(*as_bytes)
 
 
-def _mark_unstable(row: TensorCheck) -> TensorCheck:
-    note = "; ".join(filter(None, [row.note, "nondeterministic across identical runs"]))
-    return dataclasses.replace(row, ok=False, note=note)
-
-
 def _output_name(i: int, ref: Any) -> str:
     return f"output[{i}] {tuple(ref.shape)}" if isinstance(ref, torch.Tensor) else f"output[{i}]"
 
 
 def _scale(tensors: list) -> float:
     """Largest finite magnitude among floating tensors (non-finite ones fail on their own)."""
-    mags = [
-        t.detach().abs().nan_to_num(nan=0.0, posinf=0.0).max().item()
-        for t in tensors
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
-    ]
-    return max(mags, default=0.0)
-
-
-def _param_layouts(prog: Program) -> dict[str, Layout | None]:
-    """Parameter name -> layout in a compiled (whole or stage) program."""
-    return {prog.traced.params[n.name]: meta.layout(n) for n in prog.graph_module.graph.nodes
-            if n.op == "placeholder" and n.name in prog.traced.params}  # fmt: skip
-
-
-def _param_groups(pieces: dict, names: list[str]) -> dict[str, list[str]]:
-    """User parameter FQN -> the program's names for it: itself, or its pieces in order
-    (a fused projection cut per block, autopar/fused.py)."""
-    groups: dict[str, list[str]] = {}
-    for name in names:
-        groups.setdefault(pieces[name].fqn if name in pieces else name, []).append(name)
-    for group in groups.values():
-        group.sort(key=lambda n: pieces[n].start if n in pieces else 0)
-    return groups
+    return max((t.detach().abs().nan_to_num(nan=0.0, posinf=0.0).max().item() for t in tensors
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()),
+               default=0.0)  # fmt: skip
 
 
 def _wholes(shards: list[torch.Tensor], lay: Layout | None, mesh: Mesh) -> list[torch.Tensor]:
@@ -455,25 +404,24 @@ def _wholes(shards: list[torch.Tensor], lay: Layout | None, mesh: Mesh) -> list[
 
 def _grad_wholes(prog: Program, fqn: str, names: list[str], layouts: dict,
                  per_rank: list[dict]) -> list[torch.Tensor] | None:  # fmt: skip
-    """The whole gradients of one user parameter held under ``names`` (pieces concatenated
-    per rank; a padded vocabulary cut back to its size), None where a rank has none."""
-    columns = []
-    for name in names:
-        shards = [grads.get(name) for grads in per_rank]
-        if any(g is None for g in shards):
-            return None
-        columns.append(_wholes(shards, layouts[name], prog.mesh))
-    whole = columns[0] if len(columns) == 1 else [
-        torch.cat([col[min(r, len(col) - 1)] for col in columns], prog.traced.pieces[names[0]].dim)
-        for r in range(max(map(len, columns)))]  # fmt: skip
+    """The whole gradients of parameter ``fqn`` held under ``names`` (pieces side by side per
+    rank; a padded vocabulary cut back to its size), None where a rank has none."""
+    pieces = prog.traced.pieces
+    names = sorted(names, key=lambda n: pieces[n].start if n in pieces else 0)
+    cols = [[grads.get(name) for grads in per_rank] for name in names]
+    if any(g is None for col in cols for g in col):
+        return None
+    cols = [_wholes(col, layouts[name], prog.mesh) for name, col in zip(names, cols, strict=True)]
+    whole = cols[0] if len(cols) == 1 else [  # a reassembled piece: the same on every rank
+        torch.cat([c[min(r, len(c) - 1)] for c in cols], pieces[names[0]].dim)
+        for r in range(max(map(len, cols)))]  # fmt: skip
     rows = prog.traced.padded.get(fqn)
     return whole if rows is None else [w[:rows] for w in whole]
 
 
 def _check(name: str, kind: str, ours: list[torch.Tensor], lay: Layout | None, ref: torch.Tensor,
            mesh: Mesh, rtol: float, kind_scale: float) -> TensorCheck:  # fmt: skip
-    """Compare every replica of (``lay`` None or replicated), or the reassembled, ``ours``
-    with ``ref``."""
+    """Compare every replica of (``lay`` None or replicated), or the reassembled, ``ours``."""
     candidates = _wholes(ours, lay, mesh)
     bad = [f"shape {tuple(c.shape)}, expected {tuple(ref.shape)}"
            for c in candidates if c.shape != ref.shape]  # fmt: skip
@@ -486,9 +434,8 @@ def _check(name: str, kind: str, ours: list[torch.Tensor], lay: Layout | None, r
     scale = max(_scale([ref]) + 1e-3 * kind_scale, 1e-30)
     worst = max((c.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
                 for c in candidates)  # fmt: skip
-    return TensorCheck(
-        name=name, kind=kind, max_abs=worst, max_rel=worst / scale, ok=worst / scale <= rtol
-    )
+    return TensorCheck(name=name, kind=kind, max_abs=worst, max_rel=worst / scale,
+                       ok=worst / scale <= rtol)  # fmt: skip
 
 
 def _failed(name: str, kind: str, note: str) -> TensorCheck:
