@@ -349,7 +349,7 @@ def _rows(view: ProgramView, runs: list[list], ref_out: list, ref_grads: dict,
         outputs = [] if view.pipeline else zip(output_layouts(prog), ref_out, strict=True)
         for i, (lay, r) in enumerate(outputs):
             if isinstance(r, torch.Tensor) and r.is_floating_point():
-                add(_output_name(i, r), "output", r,
+                add(f"output[{i}] {tuple(r.shape)}", "output", r,
                     _wholes([o[i] for o, _ in first], lay, prog.mesh),
                     all(bitwise_equal(a[0][i], b[0][i]) for a, b in pairs))  # fmt: skip
         layouts = {prog.traced.params[n.name]: meta.layout(n) for n in prog.graph_module.graph.nodes
@@ -381,10 +381,6 @@ def bitwise_equal(a: Any, b: Any) -> bool:
         return False
     as_bytes = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
     return torch.equal(*as_bytes)
-
-
-def _output_name(i: int, ref: Any) -> str:
-    return f"output[{i}] {tuple(ref.shape)}" if isinstance(ref, torch.Tensor) else f"output[{i}]"
 
 
 def _scale(tensors: list) -> float:
