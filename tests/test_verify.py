@@ -1,6 +1,7 @@
-"""verify() itself: garbage (NaN/inf, run-to-run differences) fails by name; it works from a
-script without a main guard and from exec()-ed notebook code; workers load the modules that
-register custom operators; a value written in place is re-laid out after the writes."""
+"""verify() itself: garbage (NaN/inf, run-to-run differences, a corrupted shard on every kind
+of program) fails by name; it works from a script without a main guard and from exec()-ed
+notebook code; workers load the modules that register custom operators; a value written in
+place is re-laid out after the writes."""
 
 from __future__ import annotations
 
