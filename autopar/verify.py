@@ -1,33 +1,38 @@
 """verify: run the per-rank programs and the single-device model on the same inputs and
-compare outputs and every parameter gradient.
+compare outputs and every parameter gradient, by one path for every mesh.
 
 Algorithm:
-1. Compile the model for ``mesh`` (a virtual mesh: no processes needed for this step).
+1. Compile the model for ``mesh`` (virtual: no processes) and read the program through its
+   wrappers (:func:`program_view`): the batch axes present (dp, then ep), the programs on the
+   other axes (the whole tp / cp one, or each pipeline stage), the expert parameters.
 2. Single device: forward, then backward of sum(output * cotangent) over every floating
-   output leaf, with cotangents drawn from a fixed seed (with a scalar loss this is the loss
-   scaled by one random number).
-3. Ranks: each rank of a persistent Gloo worker pool runs its module on the same inputs with
-   its shard of the same cotangents, and returns its outputs and parameter gradients.  The
-   job runs twice; any output or gradient that is not bitwise identical across the two runs
-   fails as nondeterministic (uninitialised memory, a race, a stray in-place update).
-4. Reassemble split outputs and gradients by their layouts; compare every replica of a
-   replicated one.  A NaN or infinity in ours or in the reference fails as non-finite.
+   output leaf, cotangents drawn from a fixed seed (with a scalar loss: the loss scaled by
+   one random number); under pp the scalar loss alone.
+3. Each rank of a persistent Gloo worker pool runs on its slice of the batch over the batch
+   axes its module forward + backward with its shard of the cotangents (batched ones sliced
+   too, and scaled by dp under a mean loss over dp), or under pp its share's pipeline step;
+   under dp in torch's DDP / FSDP2.  The job runs twice; an output or gradient that is not
+   bitwise identical across the runs fails as nondeterministic (a race, uninitialised memory).
+4. Per batch replica and program: batched outputs concatenated over the replicas, expert
+   gradients over ep; split tensors reassembled by their layouts, every replica of a
+   replicated one compared, each row at its worst.  A NaN or infinity fails as non-finite.
    Relative error = max |ours - ref| / (max |ref| + 1e-3 * S), S the largest finite
    reference magnitude among tensors of the same kind: a tensor whose exact value is zero
    (a key bias's gradient: softmax ignores a constant shift) is judged against rounding
    noise of its neighbours, not divided by its own noise.
 5. An fp32 run that fails on tolerance alone runs again on float64 copies of the model and
-   inputs (a fresh compile).  A relu whose input lies within fp32 rounding of zero takes a
-   different branch in two summation orders and moves a gradient by a whole unit (seen on
-   OPT: one of 98k pre-activations at 1.5e-8 vs -3.1e-8); in float64 that needs an input
-   within 1e-16 of the kink.  The report passes when the float64 run passes at the same
-   tolerance and shows both; a wrong collective fails both.
+   inputs.  A relu whose input lies within fp32 rounding of zero takes a different branch in
+   two summation orders and moves a gradient by a whole unit (seen on OPT: one of 98k
+   pre-activations at 1.5e-8 vs -3.1e-8); in float64 that needs an input within 1e-16 of
+   the kink.  The report passes when the float64 run passes at the same tolerance and shows
+   both; a wrong collective fails both.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,8 +44,11 @@ from torch.utils import _pytree as pytree
 from autopar import collectives, meta
 from autopar.api import autoparallelize
 from autopar.codegen import shard_tensor, unshard_tensors
+from autopar.data_parallel import DataParallelProgram, batch_slices
+from autopar.expert_parallel import ExpertParallelProgram
 from autopar.layout import Layout
 from autopar.mesh import Mesh
+from autopar.pipeline import PipelineProgram
 from autopar.pool import get_pool
 from autopar.program import Program
 
@@ -101,19 +109,12 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def verify(
-    model: nn.Module,
-    mesh: Mesh,
-    example_inputs: Sequence[Any],
-    loss_fn: Callable[..., torch.Tensor] | None = None,
-    *,
-    example_kwargs: dict[str, Any] | None = None,
-    rtol: float = 1e-4,
-    seed: int = 0,
-    reference_dtype: torch.dtype | None = None,
-    **compile_options: Any,
-) -> VerifyReport:
-    """Compare ``model`` with its parallel programs on ``mesh`` (steps 1-5).
+def verify(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
+           loss_fn: Callable[..., torch.Tensor] | None = None, *,
+           example_kwargs: dict[str, Any] | None = None, rtol: float = 1e-4, seed: int = 0,
+           reference_dtype: torch.dtype | None = None,
+           **compile_options: Any) -> VerifyReport:  # fmt: skip
+    """Compare ``model`` with its parallel program on ``mesh`` (steps 1-5).
 
     ``reference_dtype=torch.float64`` runs the single-device reference on a float64 copy of
     the model: the truth, for programs whose kernels round differently from the model's own
@@ -125,8 +126,9 @@ def verify(
     if report.ok or not _recheckable(report, model, reference_dtype):
         return report
     wide = copy.deepcopy(model).to(torch.float64)
-    inputs, kwargs = pytree.tree_map_only(torch.Tensor, _widen,
-                                          (tuple(example_inputs), example_kwargs))  # fmt: skip
+    inputs, kwargs = pytree.tree_map_only(
+        torch.Tensor, lambda t: t.to(torch.float64) if t.dtype == torch.float32 else t,
+        (tuple(example_inputs), example_kwargs))  # fmt: skip
     try:
         again = _verify(wide, mesh, inputs, loss_fn, example_kwargs=kwargs, rtol=rtol, seed=seed,
                         **compile_options)  # fmt: skip
@@ -143,10 +145,6 @@ def _recheckable(report: VerifyReport, model: nn.Module, reference_dtype: Any) -
             and all(r.ok or not r.note for r in report.rows))  # fmt: skip
 
 
-def _widen(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.float64) if t.dtype == torch.float32 else t
-
-
 def _verify(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
             loss_fn: Callable[..., torch.Tensor] | None = None, *,
             example_kwargs: dict[str, Any] | None = None, rtol: float = 1e-4, seed: int = 0,
@@ -155,62 +153,46 @@ def _verify(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
     """Steps 1-4 once."""
     prog = autoparallelize(model, mesh, example_inputs, loss_fn,
                            example_kwargs=example_kwargs, **compile_options)  # fmt: skip
-    mesh = getattr(getattr(prog, "search", None), "mesh", mesh)  # Mesh.auto: the chosen mesh
+    mesh = getattr(getattr(prog, "search", None), "mesh", prog.mesh)  # Mesh.auto: the chosen one
     if reference_dtype is not None:
         model = _in_dtype(model, reference_dtype)
-    if "dp" in mesh.sizes:
-        return _verify_data_parallel(prog, model, example_inputs, example_kwargs, loss_fn, rtol,
-                                     seed)  # fmt: skip
-    if "ep" in mesh.sizes:
-        return _verify_expert_parallel(prog, model, example_inputs, example_kwargs, loss_fn,
-                                       rtol, seed)  # fmt: skip
-    if "pp" in mesh.sizes:
-        return _verify_pipeline(prog, model, example_inputs, example_kwargs, loss_fn, rtol)
-    ref_out, ref_grads, cots = _reference(model, example_inputs, example_kwargs, loss_fn, seed)
-    results = run_ranks(prog, example_inputs, example_kwargs, cots)
-    again = run_ranks(prog, example_inputs, example_kwargs, cots)
-    out_scale = _scale(ref_out)
-    grad_scale = _scale(list(ref_grads.values()))
-    rows = _compare_outputs(prog, ref_out, [r[0] for r in results], rtol, out_scale)
-    rows += _compare_grads(prog, ref_grads, [r[1] for r in results], rtol, grad_scale)
-    unstable = unstable_names(prog, results, again)
-    rows = [_mark_unstable(r) if r.name in unstable else r for r in rows]
-    return VerifyReport(mesh=str(mesh), rtol=rtol, rows=tuple(rows))
+    view = program_view(prog)
+    ref_out, ref_grads, cots = _reference(model, example_inputs, example_kwargs, loss_fn, seed,
+                                          unit_cotangent=view.pipeline)  # fmt: skip
+    jobs = rank_jobs(view, example_inputs, example_kwargs, cots)
+    pool = get_pool(prog.mesh.world_size)
+    runs = [pool.run(_rank_step, prog.mesh.axes, jobs) for _ in range(2)]
+    return VerifyReport(mesh=str(mesh), rtol=rtol, rows=tuple(_rows(view, runs, ref_out,
+                                                                    ref_grads, rtol)))  # fmt: skip
 
 
 def _in_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy of ``model`` in ``dtype`` whose floating inputs are cast to it on the way in (an
     fp32 input would otherwise meet float64 weights, e.g. in a LayerNorm)."""
     copied = copy.deepcopy(model).to(dtype)
-
-    def cast(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor)
-                               and t.is_floating_point() else t, (args, kwargs))  # fmt: skip
-
-    copied.register_forward_pre_hook(cast, with_kwargs=True)
+    cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+    copied.register_forward_pre_hook(lambda _, args, kwargs: pytree.tree_map_only(
+        torch.Tensor, cast, (args, kwargs)), with_kwargs=True)  # fmt: skip
     return copied
 
 
 def _reference(model: nn.Module, args: Sequence[Any], kwargs: dict | None,
                loss_fn: Callable | None, seed: int,
                unit_cotangent: bool = False) -> tuple[list, dict, list]:  # fmt: skip
+    """Step 2: output leaves, gradients under every parameter name, cotangents."""
     model.zero_grad(set_to_none=True)
     kwargs = kwargs or {}
     out = loss_fn(model(*args[:-1], **kwargs), args[-1]) if loss_fn else model(*args, **kwargs)
-    leaves = pytree.tree_leaves(out)
-    gen = torch.Generator().manual_seed(seed)
-    cots = [torch.randn(x.shape, generator=gen, dtype=x.dtype) if _floating(x) else None
-            for x in leaves]  # fmt: skip
-    if unit_cotangent:  # pipelines differentiate the scalar loss alone
-        cots = [torch.ones(()) if _floating(x) and x.dim() == 0 else None for x in leaves]
+    leaves, gen = pytree.tree_leaves(out), torch.Generator().manual_seed(seed)
+    wanted = [isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad
+              and (x.dim() == 0 or not unit_cotangent) for x in leaves]  # fmt: skip
+    cots = [None if not w else torch.ones(()) if unit_cotangent  # pp: the scalar loss alone
+            else torch.randn(x.shape, generator=gen, dtype=x.dtype)
+            for x, w in zip(leaves, wanted, strict=True)]  # fmt: skip
     _seed_backward(leaves, cots)
     named = model.named_parameters(remove_duplicate=False)  # a tied weight under every name
     grads = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
     return [x.detach() for x in leaves], grads, cots
-
-
-def _floating(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad
 
 
 def _seed_backward(leaves: list, cots: list) -> None:
@@ -219,45 +201,176 @@ def _seed_backward(leaves: list, cots: list) -> None:
         torch.stack(terms).sum().backward()
 
 
+@dataclass(frozen=True, kw_only=True)
+class ProgramView:
+    """What autoparallelize returned, read through its dp / ep wrappers (step 1)."""
+
+    top: Any  # the returned program: its module(rank), or under pp its share(rank), runs
+    batch: tuple[tuple[str, int], ...]  # the batch axes present (dp, then ep) and their sizes
+    units: tuple[tuple[int | None, Program], ...]  # (stage, or None: no pp; its program)
+    experts: frozenset[str]  # expert parameters: each ep rank holds its experts (dim 0)
+    data: tuple[int, str, tuple[str, ...]] | None  # dp: ZeRO stage, reduction, ZeRO axes
+    scale: int  # cotangent factor of batched outputs: dp under a mean loss
+    replicas: tuple[tuple[int, ...], ...]  # every batch replica: a coordinate per batch axis
+
+    @property
+    def pipeline(self) -> bool:
+        return self.units[0][0] is not None
+
+
+def program_view(prog: Any) -> ProgramView:
+    """Step 1: unwrap dp (DataParallelProgram), then ep (ExpertParallelProgram), then pp."""
+    top, batch, experts, data, scale = prog, [], frozenset(), None, 1
+    if isinstance(prog, DataParallelProgram):
+        dp, plan = prog.mesh.size("dp"), prog.plan
+        batch.append(("dp", dp))
+        data = (plan.zero, plan.reduction, plan.zero_axes)
+        scale = dp if plan.reduction == "mean" else 1
+        prog = prog.inner
+    if isinstance(prog, ExpertParallelProgram):
+        batch.append(("ep", prog.mesh.size("ep")))
+        experts = frozenset(w for layer in prog.plan.layers for w in layer.weights)
+        prog = prog.inner
+    units = tuple(enumerate(prog.stages)) if isinstance(prog, PipelineProgram) else ((None, prog),)
+    replicas = tuple(itertools.product(*(range(n) for _, n in batch)))
+    return ProgramView(top=top, batch=tuple(batch), units=units, experts=experts, data=data,
+                       scale=scale, replicas=replicas)  # fmt: skip
+
+
 def output_layouts(prog: Program) -> list[Layout | None]:
     out = next(n for n in prog.graph_module.graph.nodes if n.op == "output")
     leaves = pytree.tree_leaves(out.args[0])
     return [meta.layout(a) if isinstance(a, torch.fx.Node) else None for a in leaves]
 
 
-def run_ranks(prog: Program, args: Sequence[Any], kwargs: dict | None, cots: list) -> list:
-    """Forward + backward of every rank's module on the worker pool (step 3)."""
-    world = prog.mesh.world_size
-    lays = output_layouts(prog)
-    jobs = []
-    for rank in range(world):
-        coords = prog.mesh.coordinates(rank)
-        local = [shard_tensor(c, lay, prog.mesh, coords) if c is not None and lay is not None
-                 else c for c, lay in zip(cots, lays, strict=True)]  # fmt: skip
-        jobs.append((prog.module(rank), tuple(args), dict(kwargs or {}), local))
-    return get_pool(world).run(_rank_step, prog.mesh.axes, jobs)
+def _batched(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() > 0
 
 
-def _rank_step(rank: int, groups: dict, module: torch.fx.GraphModule, args: tuple,
-               kwargs: dict, cots: list) -> tuple[list, dict]:  # fmt: skip
-    collectives.bind(groups)
-    module.zero_grad(set_to_none=True)
+def _batch_slice(t: Any, view: ProgramView, coords: dict[str, int]) -> Any:
+    """A rank's slice of a batched tensor: its dp slice, then its ep slice of that."""
+    for axis, n in view.batch if _batched(t) else ():
+        t = batch_slices(t, n)[coords[axis]]
+    return t
+
+
+def rank_jobs(view: ProgramView, args: Sequence[Any], kwargs: dict | None,
+              cots: list) -> list[tuple]:  # fmt: skip
+    """Per rank, the arguments of :func:`_rank_step` (step 3)."""
+    jobs, mesh = [], view.top.mesh
+    lays = [] if view.pipeline else output_layouts(view.units[0][1])
+    for rank in range(mesh.world_size):
+        at = mesh.coordinates(rank)
+        mine = (tuple(_batch_slice(a, view, at) for a in args),
+                {k: _batch_slice(v, view, at) for k, v in (kwargs or {}).items()})  # fmt: skip
+        if view.pipeline:
+            jobs.append((view.top.share(rank), *mine, None, view.data))
+            continue
+        local = [_batch_slice(c, view, at) * view.scale if _batched(c) else c for c in cots]
+        local = [shard_tensor(c, lay, mesh, at) if c is not None and lay is not None else c
+                 for c, lay in zip(local, lays, strict=True)]  # fmt: skip
+        jobs.append((view.top.module(rank), *mine, local, view.data))
+    return jobs
+
+
+def _rank_step(rank: int, groups: dict, target: Any, args: tuple, kwargs: dict,
+               cots: list | None, data: tuple | None) -> tuple[list, dict]:  # fmt: skip
+    """One rank: its module's forward + backward of ``cots``, or (``cots`` None) its pipeline
+    share's step; under dp (``data``) in torch's engines.  Returns the output leaves and
+    {stage (None without pp): {parameter: this rank's gradient, ZeRO shards gathered}}."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autopar.runtime import DataAxis, DataParallelModule, PipelineRunner
+
+    collectives.bind(groups)  # dp too: global batch statistics (batch_mean over dp)
+    if data is not None:
+        zero, reduction, axes = data
+        name = "_".join(axes)  # the ZeRO group: dp, or the pool's flattened dp x cp
+        mesh = DeviceMesh.from_group(groups[name], "cpu", mesh_dim_names=(name,))
+    if cots is None:
+        axis = data and DataAxis(group=groups["dp"], mesh=mesh, zero=zero, reduction=reduction)
+        runner = PipelineRunner(target, groups["pp"], data=axis)
+        loss = runner.step(*args, **kwargs)
+        return [loss], {s: _grads(m) for s, m in runner.modules.items()}
+    target.zero_grad(set_to_none=True)
+    module = target if data is None else DataParallelModule(
+        target, group=groups["dp"], dp_mesh=mesh, zero=zero, reduction=reduction,
+        shard_group=groups[name])  # fmt: skip
     leaves = pytree.tree_leaves(module(*args, **kwargs))
     _seed_backward(leaves, cots)
-    grads = {n: p.grad.detach() for n, p in module.named_parameters() if p.grad is not None}
-    return [x.detach() for x in leaves], grads
+    return [x.detach() for x in leaves], {None: module.full_grads() if data else _grads(target)}
 
 
-def unstable_names(prog: Program, first: list, second: list) -> set[str]:
-    """Row names of the outputs and gradients that differ bitwise between two identical runs
-    on any rank (step 3)."""
-    names = set()
-    for (outs_a, grads_a), (outs_b, grads_b) in zip(first, second, strict=True):
-        names |= {_output_name(i, a) for i, (a, b) in enumerate(zip(outs_a, outs_b, strict=True))
-                  if not bitwise_equal(a, b)}  # fmt: skip
-        names |= {n for n in grads_a.keys() | grads_b.keys()
-                  if not bitwise_equal(grads_a.get(n), grads_b.get(n))}  # fmt: skip
-    return names
+def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.detach()
+            for n, p in module.named_parameters() if p.grad is not None}  # fmt: skip
+
+
+def replica(view: ProgramView, results: list, stage: int | None, prog: Program,
+            choice: tuple[int, ...]) -> list[tuple[list, dict]]:  # fmt: skip
+    """Per rank of ``prog`` in batch replica ``choice`` (step 4): its outputs, batched ones
+    concatenated over every replica, and its gradients, expert ones concatenated over ep."""
+    at = {}
+    for rank, (outs, grads) in enumerate(results):
+        c = view.top.mesh.coordinates(rank)
+        if stage in grads:
+            at[(tuple(c[a] for a, _ in view.batch), prog.mesh.rank_of(
+                {a: c.get(a, 0) for a, _ in prog.mesh.axes}))] = (outs, grads[stage])  # fmt: skip
+    peers = [b for b in view.replicas  # choice and its replicas over ep
+             if all(a == "ep" or x == y for (a, _), x, y in zip(view.batch, b, choice))]  # noqa: B905
+    out = []
+    for k in range(prog.mesh.world_size):
+        outs, grads = at[(choice, k)]
+        outs = [torch.cat([at[(b, k)][0][i] for b in view.replicas]) if _batched(x) else x
+                for i, x in enumerate(outs)]  # fmt: skip
+        held = {n: [at[(b, k)][1][n] for b in peers if n in at[(b, k)][1]] for n in view.experts}
+        out.append((outs, {**grads, **{n: torch.cat(gs) for n, gs in held.items() if gs}}))
+    return out
+
+
+def _rows(view: ProgramView, runs: list[list], ref_out: list, ref_grads: dict,
+          rtol: float) -> list[TensorCheck]:  # fmt: skip
+    """Step 4: every output and gradient, its candidates from every batch replica of the
+    first run; one differing bitwise between the two runs (step 3) fails."""
+    found: dict[str, list] = {}  # row name -> [kind, reference, candidates (None: missing), same]
+
+    def add(name: str, kind: str, ref: torch.Tensor, wholes: list | None, same: bool) -> None:
+        row = found.setdefault(name, [kind, ref, [], True])
+        row[2] = None if wholes is None or row[2] is None else row[2] + wholes
+        row[3] &= same
+
+    if view.pipeline:  # the loss over the whole batch (mean of micro-batch losses), every rank
+        ref_out = [next(x for x in ref_out if x.dim() == 0)]
+        add("loss", "output", ref_out[0], [outs[0] for outs, _ in runs[0]],
+            all(bitwise_equal(a[0][0], b[0][0]) for a, b in zip(*runs, strict=True)))  # fmt: skip
+    for choice, (stage, prog) in itertools.product(view.replicas, view.units):
+        first, second = (replica(view, run, stage, prog, choice) for run in runs)
+        pairs = list(zip(first, second, strict=True))
+        outputs = [] if view.pipeline else zip(output_layouts(prog), ref_out, strict=True)
+        for i, (lay, r) in enumerate(outputs):
+            if isinstance(r, torch.Tensor) and r.is_floating_point():
+                add(f"output[{i}] {tuple(r.shape)}", "output", r,
+                    _wholes([o[i] for o, _ in first], lay, prog.mesh),
+                    all(bitwise_equal(a[0][i], b[0][i]) for a, b in pairs))  # fmt: skip
+        layouts = {prog.traced.params[n.name]: meta.layout(n) for n in prog.graph_module.graph.nodes
+                   if n.op == "placeholder" and n.name in prog.traced.params}  # fmt: skip
+        order, groups = {n: i for i, (n, _) in enumerate(prog.plan.params)}, {}
+        pieces = prog.traced.pieces
+        for n in sorted(layouts, key=lambda n: order.get(n, len(order))):  # user FQN -> pieces
+            groups.setdefault(pieces[n].fqn if n in pieces else n, []).append(n)
+        for fqn, names in groups.items():
+            if fqn in ref_grads:
+                add(fqn + ("" if stage is None else f" (stage {stage})"), "grad", ref_grads[fqn],
+                    _grad_wholes(prog, fqn, names, layouts, [g for _, g in first]),
+                    all(bitwise_equal(a[1].get(n), b[1].get(n))
+                        for a, b in pairs for n in names))  # fmt: skip
+    scale = {"output": _scale(ref_out), "grad": _scale(list(ref_grads.values()))}
+    rows = [_failed(name, kind, "no gradient on some rank") if ours is None else
+            _check(name, kind, ours, None, ref, view.top.mesh, rtol, scale[kind])
+            for name, (kind, ref, ours, _) in found.items()]  # fmt: skip
+    note = "nondeterministic across identical runs"
+    return [r if found[r.name][3] else dataclasses.replace(
+        r, ok=False, note="; ".join(filter(None, [r.note, note]))) for r in rows]  # fmt: skip
 
 
 def bitwise_equal(a: Any, b: Any) -> bool:
@@ -270,117 +383,42 @@ def bitwise_equal(a: Any, b: Any) -> bool:
     return torch.equal(*as_bytes)
 
 
-def _mark_unstable(row: TensorCheck) -> TensorCheck:
-    note = "; ".join(filter(None, [row.note, "nondeterministic across identical runs"]))
-    return dataclasses.replace(row, ok=False, note=note)
-
-
-def _output_name(i: int, ref: Any) -> str:
-    return f"output[{i}] {tuple(ref.shape)}" if isinstance(ref, torch.Tensor) else f"output[{i}]"
-
-
 def _scale(tensors: list) -> float:
     """Largest finite magnitude among floating tensors (non-finite ones fail on their own)."""
-    mags = [
-        t.detach().abs().nan_to_num(nan=0.0, posinf=0.0).max().item()
-        for t in tensors
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
-    ]
-    return max(mags, default=0.0)
+    return max((t.detach().abs().nan_to_num(nan=0.0, posinf=0.0).max().item() for t in tensors
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()),
+               default=0.0)  # fmt: skip
 
 
-def _compare_outputs(prog: Program, ref: list, per_rank: list[list], rtol: float,
-                     scale: float) -> list:  # fmt: skip
-    rows = []
-    for i, (lay, r) in enumerate(zip(output_layouts(prog), ref, strict=True)):
-        if not isinstance(r, torch.Tensor) or not r.is_floating_point():
-            continue
-        ours = [outs[i] for outs in per_rank]
-        name = _output_name(i, r)
-        rows.append(_check(name, "output", ours, lay, r, prog.mesh, rtol, scale))
-    return rows
+def _wholes(shards: list[torch.Tensor], lay: Layout | None, mesh: Mesh) -> list[torch.Tensor]:
+    """Every rank's tensor (replicated: every replica is checked), or the split one
+    reassembled from all ranks."""
+    if lay is None or lay.is_replicated:
+        return shards
+    return [unshard_tensors(shards, lay, mesh, [mesh.coordinates(r) for r in range(len(shards))])]
 
 
-def _compare_grads(prog: Program, ref: dict, per_rank: list[dict], rtol: float,
-                   scale: float) -> list:  # fmt: skip
-    lays = {fqn: lay for fqn, lay in prog.plan.params}
-    layouts = {prog.traced.params[n.name]: meta.layout(n) for n in prog.graph_module.graph.nodes
-               if n.op == "placeholder" and n.name in prog.traced.params}  # fmt: skip
-    rows = []
-    groups = _param_groups(prog.traced.pieces, sorted(layouts, key=list(lays).index))
-    for fqn, names in groups.items():
-        tied = [
-            n
-            for n, g in ref.items()
-            if n == fqn or prog.traced.tensors.get(n) is prog.traced.tensors[fqn]
-        ]
-        if not tied:
-            continue
-        ours, lay = _rank_grads(prog.mesh, prog.traced.pieces, names, layouts, per_rank)
-        if ours is None or any(g is None for g in ours):
-            rows.append(_failed(fqn, "grad", "no gradient on some rank"))
-            continue
-        rows.append(_check(fqn, "grad", ours, lay, ref[fqn], prog.mesh, rtol, scale,
-                           prog.traced.padded.get(fqn)))  # fmt: skip
-    return rows
-
-
-def _stage_layouts(stage: Any) -> dict[str, Layout | None]:
-    """Parameter name -> layout in a compiled stage (or whole) program."""
-    return {stage.traced.params[n.name]: meta.layout(n) for n in stage.graph_module.graph.nodes
-            if n.op == "placeholder" and n.name in stage.traced.params}  # fmt: skip
-
-
-def _param_groups(pieces: dict, names: list[str]) -> dict[str, list[str]]:
-    """User parameter FQN -> the program's names for it: itself, or its pieces in order
-    (a fused projection cut per block, autopar/fused.py)."""
-    groups: dict[str, list[str]] = {}
-    for name in names:
-        groups.setdefault(pieces[name].fqn if name in pieces else name, []).append(name)
-    for group in groups.values():
-        group.sort(key=lambda n: pieces[n].start if n in pieces else 0)
-    return groups
-
-
-def _rank_grads(mesh: Mesh, pieces: dict, names: list[str], layouts: dict,
-                per_rank: list[dict]) -> tuple[list | None, Layout | None]:  # fmt: skip
-    """(each rank's gradient, its layout) of one user parameter held under ``names``: one
-    name as it is; pieces assembled per rank (layout None: every rank's whole is checked)."""
-    if len(names) == 1 and names[0] not in pieces:
-        return [grads.get(names[0]) for grads in per_rank], layouts[names[0]]
-    return _assembled(mesh, pieces, names, layouts, per_rank), None
-
-
-def _assembled(mesh: Mesh, pieces: dict, names: list[str], layouts: dict,
-               per_rank: list[dict]) -> list[torch.Tensor] | None:  # fmt: skip
-    """Per rank, the whole gradient of a parameter held as pieces: a replicated piece as
-    that rank holds it (every replica is checked), a split one reassembled from all ranks."""
-    coords = [mesh.coordinates(r) for r in range(mesh.world_size)]
-    columns = []
-    for name in names:
-        shards = [grads.get(name) for grads in per_rank]
-        if any(g is None for g in shards):
-            return None
-        lay = layouts[name]
-        if lay is not None and not lay.is_replicated:
-            shards = [unshard_tensors(shards, lay, mesh, coords)] * len(shards)
-        columns.append(shards)
-    dim = pieces[names[0]].dim
-    return [torch.cat([col[r] for col in columns], dim) for r in range(len(per_rank))]
+def _grad_wholes(prog: Program, fqn: str, names: list[str], layouts: dict,
+                 per_rank: list[dict]) -> list[torch.Tensor] | None:  # fmt: skip
+    """The whole gradients of parameter ``fqn`` held under ``names`` (pieces side by side per
+    rank; a padded vocabulary cut back to its size), None where a rank has none."""
+    pieces = prog.traced.pieces
+    names = sorted(names, key=lambda n: pieces[n].start if n in pieces else 0)
+    cols = [[grads.get(name) for grads in per_rank] for name in names]
+    if any(g is None for col in cols for g in col):
+        return None
+    cols = [_wholes(col, layouts[name], prog.mesh) for name, col in zip(names, cols, strict=True)]
+    whole = cols[0] if len(cols) == 1 else [  # a reassembled piece: the same on every rank
+        torch.cat([c[min(r, len(c) - 1)] for c in cols], pieces[names[0]].dim)
+        for r in range(max(map(len, cols)))]  # fmt: skip
+    rows = prog.traced.padded.get(fqn)
+    return whole if rows is None else [w[:rows] for w in whole]
 
 
 def _check(name: str, kind: str, ours: list[torch.Tensor], lay: Layout | None, ref: torch.Tensor,
-           mesh: Mesh, rtol: float, kind_scale: float,
-           rows: int | None = None) -> TensorCheck:  # fmt: skip
-    """Compare (every replica of, or the reassembled) ``ours`` with ``ref``; ``rows`` cuts a
-    padded vocabulary back to its size."""
-    coords = [mesh.coordinates(r) for r in range(mesh.world_size)]
-    if lay is None or lay.is_replicated:
-        candidates = ours  # every replica must match
-    else:
-        candidates = [unshard_tensors(ours, lay, mesh, coords)]
-    if rows is not None:
-        candidates = [c[:rows] for c in candidates]
+           mesh: Mesh, rtol: float, kind_scale: float) -> TensorCheck:  # fmt: skip
+    """Compare every replica of (``lay`` None or replicated), or the reassembled, ``ours``."""
+    candidates = _wholes(ours, lay, mesh)
     bad = [f"shape {tuple(c.shape)}, expected {tuple(ref.shape)}"
            for c in candidates if c.shape != ref.shape]  # fmt: skip
     if bad:
@@ -392,397 +430,10 @@ def _check(name: str, kind: str, ours: list[torch.Tensor], lay: Layout | None, r
     scale = max(_scale([ref]) + 1e-3 * kind_scale, 1e-30)
     worst = max((c.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
                 for c in candidates)  # fmt: skip
-    return TensorCheck(
-        name=name, kind=kind, max_abs=worst, max_rel=worst / scale, ok=worst / scale <= rtol
-    )
+    return TensorCheck(name=name, kind=kind, max_abs=worst, max_rel=worst / scale,
+                       ok=worst / scale <= rtol)  # fmt: skip
 
 
 def _failed(name: str, kind: str, note: str) -> TensorCheck:
     inf = float("inf")
     return TensorCheck(name=name, kind=kind, max_abs=inf, max_rel=inf, ok=False, note=note)
-
-
-def _verify_pipeline(prog: Any, model: nn.Module, args: Sequence[Any], kwargs: dict | None,
-                     loss_fn: Callable | None, rtol: float) -> VerifyReport:  # fmt: skip
-    """Pipelines: the loss over the whole batch (mean of micro-batch losses) and every gradient
-    (every copy of a tied weight) against one full-batch step on one device."""
-    ref_out, ref_grads, _ = _reference(model, args, kwargs, loss_fn, seed=0, unit_cotangent=True)
-    ref_loss = next(x for x in ref_out if x.dim() == 0)
-    world = prog.mesh.world_size
-    jobs = [(prog.share(r), tuple(args), dict(kwargs or {})) for r in range(world)]
-    results = get_pool(world).run(_pipeline_rank_step, prog.mesh.axes, jobs)
-    again = get_pool(world).run(_pipeline_rank_step, prog.mesh.axes, jobs)
-    rows = _pipeline_rows(prog, results, again, ref_loss, ref_grads, rtol)
-    return VerifyReport(mesh=str(prog.mesh), rtol=rtol, rows=tuple(rows))
-
-
-def _pipeline_rows(prog: Any, results: list, again: list, ref_loss: torch.Tensor,
-                   ref_grads: dict, rtol: float) -> list[TensorCheck]:  # fmt: skip
-    world = prog.mesh.world_size
-    unstable = _unstable_pipeline(results, again)
-    rows = [_check("loss", "output", [loss for loss, _ in results], None, ref_loss, prog.mesh, rtol,
-                   ref_loss.abs().item())]  # fmt: skip
-    scale = _scale(list(ref_grads.values()))
-    for stage_id, stage in enumerate(prog.stages):
-        layouts = _stage_layouts(stage)
-        ranks = [r for r in range(world) if stage_id in results[r][1]]
-        per_rank = [results[r][1][stage_id] for r in ranks]
-        for fqn, names in _param_groups(stage.traced.pieces, list(layouts)).items():
-            if fqn not in ref_grads:
-                continue
-            shards, lay = _rank_grads(stage.mesh, stage.traced.pieces, names, layouts, per_rank)
-            name = f"{fqn} (stage {stage_id})"
-            if shards is None or any(g is None for g in shards):
-                rows.append(_failed(name, "grad", "no gradient on some rank"))
-                continue
-            rows.append(_check(name, "grad", shards, lay, ref_grads[fqn], stage.mesh, rtol, scale))
-    return [_mark_unstable(r) if r.name in unstable else r for r in rows]
-
-
-def _unstable_pipeline(first: list, second: list) -> set[str]:
-    names = set()
-    for (loss_a, grads_a), (loss_b, grads_b) in zip(first, second, strict=True):
-        names |= set() if bitwise_equal(loss_a, loss_b) else {"loss"}
-        names |= {f"{fqn} (stage {s})" for s, grads in grads_a.items() for fqn, g in grads.items()
-                  if not bitwise_equal(g, grads_b.get(s, {}).get(fqn))}  # fmt: skip
-    return names
-
-
-def _pipeline_rank_step(rank: int, groups: dict, share: Any, args: tuple, kwargs: dict) -> tuple:
-    from autopar.runtime import PipelineRunner
-
-    collectives.bind(groups)
-    runner = PipelineRunner(share, groups["pp"])
-    loss = runner.step(*args, **kwargs)
-    grads = {s: {n: p.grad.detach() for n, p in m.named_parameters() if p.grad is not None}
-             for s, m in runner.modules.items()}  # fmt: skip
-    return loss, grads
-
-
-def _verify_data_parallel(prog: Any, model: nn.Module, args: Sequence[Any], kwargs: dict | None,
-                          loss_fn: Callable | None, rtol: float, seed: int) -> VerifyReport:  # fmt: skip
-    """Data axis: every rank runs its sub-mesh module on its batch slice under DDP / FSDP2;
-    batched outputs are concatenated along the batch, scalar ones (the loss, all-reduced) and
-    every gradient (after the dp reduction, ZeRO shards gathered) must match on each dp
-    replica.  A mean loss averages gradients over dp, so the cotangents of batched outputs
-    are scaled by dp to keep their single-device weight."""
-    if "pp" in prog.mesh.sizes and "ep" in prog.mesh.sizes:
-        return _verify_ep_pipeline(prog.inner, model, args, kwargs, loss_fn, rtol, outer=prog)
-    if "pp" in prog.mesh.sizes:
-        return _verify_dp_pipeline(prog, model, args, kwargs, loss_fn, rtol)
-    if "ep" in prog.mesh.sizes:
-        return _verify_dp_expert(prog, model, args, kwargs, loss_fn, rtol, seed)
-    return _verify_replicas(prog, model, args, kwargs, loss_fn, rtol, seed, "dp", _dp_job,
-                            _dp_rank_step, _dp_replica)  # fmt: skip
-
-
-def _verify_replicas(prog: Any, model: nn.Module, args: Sequence[Any], kwargs: dict | None,
-                     loss_fn: Callable | None, rtol: float, seed: int, axis: str, job: Callable,
-                     step: Callable, replica: Callable) -> VerifyReport:  # fmt: skip
-    """Run every rank twice on its ``job`` (a dp or ep slice) and compare every replica of the
-    inner program (``replica(prog, results, i)`` for each coordinate i of ``axis``) with the
-    reference; each row keeps its worst replica."""
-    ref_out, ref_grads, cots = _reference(model, args, kwargs, loss_fn, seed)
-    jobs = [job(prog, rank, args, kwargs, cots) for rank in range(prog.mesh.world_size)]
-    pool = get_pool(prog.mesh.world_size)
-    results = pool.run(step, prog.mesh.axes, jobs)
-    again = pool.run(step, prog.mesh.axes, jobs)
-    replicas = [replica(prog, results, i) for i in range(prog.mesh.size(axis))]
-    unstable = unstable_names(prog.inner, results, again)
-    out_scale, grad_scale = _scale(ref_out), _scale(list(ref_grads.values()))
-    worst: dict[str, TensorCheck] = {}
-    for per_inner in replicas:
-        rows = _compare_outputs(prog.inner, ref_out, [r[0] for r in per_inner], rtol, out_scale)
-        rows += _compare_grads(prog.inner, ref_grads, [r[1] for r in per_inner], rtol, grad_scale)
-        for row in rows:
-            if row.name not in worst or _worse(row, worst[row.name]):
-                worst[row.name] = row
-    rows = [_mark_unstable(r) if r.name in unstable else r for r in worst.values()]
-    return VerifyReport(mesh=str(prog.mesh), rtol=rtol, rows=tuple(rows))
-
-
-def _worse(a: TensorCheck, b: TensorCheck) -> bool:
-    return (not a.ok and b.ok) or a.max_rel > b.max_rel
-
-
-def _dp_job(prog: Any, rank: int, args: Sequence[Any], kwargs: dict | None, cots: list) -> tuple:
-    from autopar.data_parallel import batch_slices
-
-    dp, d = prog.mesh.size("dp"), prog.mesh.coordinates(rank)["dp"]
-    inner_coords = prog.inner_mesh.coordinates(prog.inner_rank(rank))
-    scale = dp if prog.plan.reduction == "mean" else 1
-
-    def mine(t: Any) -> Any:
-        return batch_slices(t, dp)[d] if isinstance(t, torch.Tensor) and t.dim() else t
-
-    local = []
-    for c, lay in zip(cots, output_layouts(prog.inner), strict=True):
-        if c is not None and c.dim():
-            c = mine(c) * scale
-            c = shard_tensor(c, lay, prog.inner_mesh, inner_coords) if lay is not None else c
-        local.append(c)
-    return (prog.module(rank), tuple(mine(a) for a in args),
-            {k: mine(v) for k, v in (kwargs or {}).items()}, local, prog.plan.zero,
-            prog.plan.reduction, prog.plan.zero_axes)  # fmt: skip
-
-
-def _dp_replica(prog: Any, results: list, d: int) -> list[tuple[list, dict]]:
-    """Per sub-mesh rank: outputs (batched ones concatenated over dp, scalars of replica d)
-    and the gradients of replica ``d``."""
-    ranks = {}
-    for rank in range(prog.mesh.world_size):
-        ranks[(prog.mesh.coordinates(rank)["dp"], prog.inner_rank(rank))] = rank
-    out = []
-    for r in range(prog.inner_mesh.world_size):
-        parts = [results[ranks[(e, r)]][0] for e in range(prog.mesh.size("dp"))]
-        mine = results[ranks[(d, r)]]
-        outs = [torch.cat([p[i] for p in parts]) if isinstance(x, torch.Tensor) and x.dim()
-                else x for i, x in enumerate(mine[0])]  # fmt: skip
-        out.append((outs, mine[1]))
-    return out
-
-
-def _dp_rank_step(rank: int, groups: dict, module: torch.fx.GraphModule, args: tuple,
-                  kwargs: dict, cots: list, zero: int, reduction: str,
-                  zero_axes: tuple[str, ...] = ("dp",)) -> tuple[list, dict]:  # fmt: skip
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from autopar.runtime import DataParallelModule
-
-    collectives.bind(groups)  # dp too: global batch statistics (batch_mean over dp)
-    name = "_".join(zero_axes)  # the ZeRO group: dp, or the pool's flattened dp x cp
-    zero_mesh = DeviceMesh.from_group(groups[name], "cpu", mesh_dim_names=(name,))
-    wrapped = DataParallelModule(module, group=groups["dp"], dp_mesh=zero_mesh, zero=zero,
-                                 reduction=reduction, shard_group=groups[name])  # fmt: skip
-    leaves = pytree.tree_leaves(wrapped(*args, **kwargs))
-    _seed_backward(leaves, cots)
-    return [x.detach() for x in leaves], wrapped.full_grads()
-
-
-def _verify_dp_pipeline(prog: Any, model: nn.Module, args: Sequence[Any], kwargs: dict | None,
-                        loss_fn: Callable | None, rtol: float) -> VerifyReport:  # fmt: skip
-    """dp x pp: every rank runs its pipeline share on its batch slice with its stages under
-    DDP / FSDP2; each dp replica's loss (all-reduced) and gradients match one device."""
-    from autopar.data_parallel import batch_slices
-
-    ref_out, ref_grads, _ = _reference(model, args, kwargs, loss_fn, seed=0, unit_cotangent=True)
-    ref_loss = next(x for x in ref_out if x.dim() == 0)
-    dp, jobs = prog.mesh.size("dp"), []
-    for rank in range(prog.mesh.world_size):
-        d = prog.mesh.coordinates(rank)["dp"]
-
-        def mine(t: Any, d: int = d) -> Any:
-            return batch_slices(t, dp)[d] if isinstance(t, torch.Tensor) and t.dim() else t
-
-        jobs.append((prog.share(rank), tuple(mine(a) for a in args),
-                     {k: mine(v) for k, v in (kwargs or {}).items()}, prog.plan.zero,
-                     prog.plan.reduction))  # fmt: skip
-    pool = get_pool(prog.mesh.world_size)
-    results = pool.run(_dp_pipeline_rank_step, prog.mesh.axes, jobs)
-    again = pool.run(_dp_pipeline_rank_step, prog.mesh.axes, jobs)
-    worst: dict[str, TensorCheck] = {}
-    for d in range(dp):
-        ranks = sorted((prog.inner_rank(r), r) for r in range(prog.mesh.world_size)
-                       if prog.mesh.coordinates(r)["dp"] == d)  # fmt: skip
-        rows = _pipeline_rows(prog.inner, [results[r] for _, r in ranks],
-                              [again[r] for _, r in ranks], ref_loss, ref_grads, rtol)  # fmt: skip
-        for row in rows:
-            if row.name not in worst or _worse(row, worst[row.name]):
-                worst[row.name] = row
-    return VerifyReport(mesh=str(prog.mesh), rtol=rtol, rows=tuple(worst.values()))
-
-
-def _dp_pipeline_rank_step(rank: int, groups: dict, share: Any, args: tuple, kwargs: dict,
-                           zero: int, reduction: str) -> tuple:  # fmt: skip
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from autopar.runtime import DataAxis, PipelineRunner
-
-    collectives.bind(groups)  # dp too: global batch statistics (batch_mean over dp)
-    dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
-    data = DataAxis(group=groups["dp"], mesh=dp_mesh, zero=zero, reduction=reduction)
-    runner = PipelineRunner(share, groups["pp"], data=data)
-    loss = runner.step(*args, **kwargs)
-    grads = {s: {n: _whole_grad(p.grad) for n, p in m.named_parameters() if p.grad is not None}
-             for s, m in runner.modules.items()}  # fmt: skip
-    return loss, grads
-
-
-def _whole_grad(g: torch.Tensor) -> torch.Tensor:
-    return g.full_tensor() if hasattr(g, "full_tensor") else g.detach()
-
-
-def _verify_expert_parallel(prog: Any, model: nn.Module, args: Sequence[Any],
-                            kwargs: dict | None, loss_fn: Callable | None, rtol: float,
-                            seed: int) -> VerifyReport:  # fmt: skip
-    """Expert axis: every rank runs its module on its batch slice (the loss is global in
-    forward, each rank's share in backward, so cotangents are not scaled); batched outputs
-    are concatenated over ep, expert gradients over ep on dim 0, and every ep replica's dense
-    gradients must match."""
-    if "pp" in prog.mesh.sizes:
-        return _verify_ep_pipeline(prog, model, args, kwargs, loss_fn, rtol)
-    return _verify_replicas(prog, model, args, kwargs, loss_fn, rtol, seed, "ep", _ep_job,
-                            _rank_step, _ep_replica)  # fmt: skip
-
-
-def _ep_job(prog: Any, rank: int, args: Sequence[Any], kwargs: dict | None, cots: list) -> tuple:
-    from autopar.data_parallel import batch_slices
-
-    ep, e = prog.mesh.size("ep"), prog.mesh.coordinates(rank)["ep"]
-    inner_coords = prog.inner_mesh.coordinates(prog.inner_rank(rank))
-
-    def mine(t: Any) -> Any:
-        return batch_slices(t, ep)[e] if isinstance(t, torch.Tensor) and t.dim() else t
-
-    local = []
-    for c, lay in zip(cots, output_layouts(prog.inner), strict=True):
-        if c is not None and c.dim():
-            c = mine(c)
-            c = shard_tensor(c, lay, prog.inner_mesh, inner_coords) if lay is not None else c
-        local.append(c)
-    return (prog.module(rank), tuple(mine(a) for a in args),
-            {k: mine(v) for k, v in (kwargs or {}).items()}, local)  # fmt: skip
-
-
-def _ep_replica(prog: Any, results: list, e: int) -> list[tuple[list, dict]]:
-    """Per sub-mesh rank: outputs (batched ones concatenated over ep, scalars of replica e),
-    expert gradients concatenated over ep, dense gradients of replica ``e``."""
-    ranks = {(prog.mesh.coordinates(r)["ep"], prog.inner_rank(r)): r
-             for r in range(prog.mesh.world_size)}  # fmt: skip
-    experts = {w for layer in prog.plan.layers for w in layer.weights}
-    out = []
-    for r in range(prog.inner_mesh.world_size):
-        parts = [results[ranks[(i, r)]] for i in range(prog.mesh.size("ep"))]
-        outs, grads = parts[e]
-        outs = [torch.cat([p[0][i] for p in parts]) if isinstance(x, torch.Tensor) and x.dim()
-                else x for i, x in enumerate(outs)]  # fmt: skip
-        names = dict.fromkeys(n for p in parts for n in p[1])  # a per-expert one: one rank
-        grads = {n: torch.cat([p[1][n] for p in parts if n in p[1]]) if n in experts
-                 else grads[n] for n in names}  # fmt: skip
-        out.append((outs, grads))
-    return out
-
-
-def _verify_dp_expert(prog: Any, model: nn.Module, args: Sequence[Any], kwargs: dict | None,
-                      loss_fn: Callable | None, rtol: float, seed: int) -> VerifyReport:  # fmt: skip
-    """dp x ep: each dp replica runs the expert-parallel program on its batch slice under
-    DDP / FSDP2 over dp; batched outputs are concatenated over dp (and ep), gradients of every
-    (dp, ep) replica must match."""
-    from autopar.data_parallel import batch_slices
-
-    ep_prog, dp = prog.inner, prog.mesh.size("dp")
-    ref_out, ref_grads, cots = _reference(model, args, kwargs, loss_fn, seed)
-    scale = dp if prog.plan.reduction == "mean" else 1
-
-    def mine(t: Any, d: int) -> Any:
-        return batch_slices(t, dp)[d] if isinstance(t, torch.Tensor) and t.dim() else t
-
-    jobs = []
-    for rank in range(prog.mesh.world_size):
-        d = prog.mesh.coordinates(rank)["dp"]
-        local = [mine(c, d) * scale if c is not None and c.dim() else c for c in cots]
-        job = _ep_job(ep_prog, prog.inner_rank(rank), tuple(mine(a, d) for a in args),
-                      {k: mine(v, d) for k, v in (kwargs or {}).items()}, local)  # fmt: skip
-        jobs.append((prog.module(rank), *job[1:], prog.plan.zero, prog.plan.reduction))
-    pool = get_pool(prog.mesh.world_size)
-    results = pool.run(_dp_rank_step, prog.mesh.axes, jobs)
-    again = pool.run(_dp_rank_step, prog.mesh.axes, jobs)
-    unstable = unstable_names(ep_prog.inner, results, again)
-    at = {(prog.mesh.coordinates(r)["dp"], prog.inner_rank(r)): r for r in range(len(results))}
-    per_dp = [[results[at[(d, i)]] for i in range(ep_prog.mesh.world_size)] for d in range(dp)]
-    out_scale, grad_scale = _scale(ref_out), _scale(list(ref_grads.values()))
-    worst: dict[str, TensorCheck] = {}
-    for d in range(dp):
-        for e in range(ep_prog.mesh.size("ep")):
-            reps = [_ep_replica(ep_prog, per_dp[x], e) for x in range(dp)]
-            per_inner = [([torch.cat([reps[x][r][0][i] for x in range(dp)])
-                           if isinstance(o, torch.Tensor) and o.dim() else o
-                           for i, o in enumerate(reps[d][r][0])], reps[d][r][1])
-                         for r in range(len(reps[d]))]  # fmt: skip
-            rows = _compare_outputs(ep_prog.inner, ref_out, [p[0] for p in per_inner], rtol,
-                                    out_scale)  # fmt: skip
-            rows += _compare_grads(ep_prog.inner, ref_grads, [p[1] for p in per_inner], rtol,
-                                   grad_scale)  # fmt: skip
-            for row in rows:
-                if row.name not in worst or _worse(row, worst[row.name]):
-                    worst[row.name] = row
-    rows = [_mark_unstable(r) if r.name in unstable else r for r in worst.values()]
-    return VerifyReport(mesh=str(prog.mesh), rtol=rtol, rows=tuple(rows))
-
-
-def _verify_ep_pipeline(prog: Any, model: nn.Module, args: Sequence[Any], kwargs: dict | None,
-                        loss_fn: Callable | None, rtol: float,
-                        outer: Any = None) -> VerifyReport:  # fmt: skip
-    """pp x ep (under dp when ``outer`` is the data-parallel program wrapping ``prog``): every
-    rank runs its pipeline share on its (dp, then ep) batch slice, its stages under DDP /
-    FSDP2 over dp; the loss on every rank and each stage's gradients (expert ones
-    concatenated over ep, dense ones on every (dp, ep) replica) against one full-batch step
-    on one device."""
-    from autopar.data_parallel import batch_slices
-
-    ref_out, ref_grads, _ = _reference(model, args, kwargs, loss_fn, seed=0, unit_cotangent=True)
-    ref_loss = next(x for x in ref_out if x.dim() == 0)
-    top = outer if outer is not None else prog
-    world, dp, ep = top.mesh.world_size, top.mesh.size("dp"), prog.mesh.size("ep")
-    coords = [top.mesh.coordinates(r) for r in range(world)]
-
-    def mine(t: Any, c: dict[str, int]) -> Any:
-        if not (isinstance(t, torch.Tensor) and t.dim()):
-            return t
-        return batch_slices(batch_slices(t, dp)[c.get("dp", 0)], ep)[c["ep"]]
-
-    jobs = []
-    for r in range(world):
-        share = outer.share(r) if outer is not None else prog.share(r)
-        job = (share, tuple(mine(a, coords[r]) for a in args),
-               {k: mine(v, coords[r]) for k, v in (kwargs or {}).items()})  # fmt: skip
-        jobs.append((*job, outer.plan.zero, outer.plan.reduction) if outer is not None else job)
-    step = _dp_pipeline_rank_step if outer is not None else _pipeline_rank_step
-    results = get_pool(world).run(step, top.mesh.axes, jobs)
-    again = get_pool(world).run(step, top.mesh.axes, jobs)
-    unstable = _unstable_pipeline(results, again)
-    worst: dict[str, TensorCheck] = {}
-    for d in range(dp):
-        ranks = [r for r in range(world) if coords[r].get("dp", 0) == d]
-        rows = _ep_pipeline_rows(prog, [results[r] for r in ranks],
-                                 [coords[r]["ep"] for r in ranks], ref_loss, ref_grads, rtol)  # fmt: skip
-        for row in rows:
-            if row.name not in worst or _worse(row, worst[row.name]):
-                worst[row.name] = row
-    rows = [_mark_unstable(r) if r.name in unstable else r for r in worst.values()]
-    return VerifyReport(mesh=str(top.mesh), rtol=rtol, rows=tuple(rows))
-
-
-def _ep_pipeline_rows(prog: Any, results: list, eps: list[int], ref_loss: torch.Tensor,
-                      ref_grads: dict, rtol: float) -> list[TensorCheck]:  # fmt: skip
-    """One data replica of a pp x ep run (``results`` of its ranks, ``eps`` their ep
-    coordinates): the loss and each stage's gradients."""
-    rows = [_check("loss", "output", [loss for loss, _ in results], None, ref_loss, prog.mesh,
-                   rtol, ref_loss.abs().item())]  # fmt: skip
-    scale = _scale(list(ref_grads.values()))
-    experts = {w for layer in prog.plan.layers for w in layer.weights}
-    for stage_id, stage in enumerate(prog.inner.stages):
-        layouts = _stage_layouts(stage)
-        by_ep = [[res[1][stage_id] for res, e_ in zip(results, eps, strict=True)
-                  if e_ == e and stage_id in res[1]]
-                 for e in range(prog.mesh.size("ep"))]  # fmt: skip
-        for fqn, names in _param_groups(stage.traced.pieces, list(layouts)).items():
-            if fqn not in ref_grads:
-                continue
-            got = [_rank_grads(stage.mesh, stage.traced.pieces, names, layouts, gs)
-                   for gs in by_ep]  # fmt: skip
-            per_ep, lay = [[None] if gs is None else gs for gs, _ in got], got[0][1]
-            name = f"{fqn} (stage {stage_id})"
-            held = [gs for gs in per_ep if gs and None not in gs]
-            others = [g for gs in per_ep for g in gs if not held or gs is not held[0]]
-            if fqn in experts and len(held) == 1 and all(g is None for g in others):
-                per_ep = held  # a per-expert parameter (autopar.moe_loop): its ep rank's
-            elif any(g is None for gs in per_ep for g in gs):
-                rows.append(_failed(name, "grad", "no gradient on some rank"))
-                continue
-            elif fqn in experts:
-                per_ep = [[torch.cat(parts) for parts in zip(*per_ep, strict=True)]]
-            checks = [_check(name, "grad", shards, lay, ref_grads[fqn], stage.mesh, rtol, scale)
-                      for shards in per_ep]  # fmt: skip
-            rows.append(max(checks, key=lambda c: (not c.ok, c.max_rel)))
-    return rows

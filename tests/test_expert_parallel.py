@@ -24,7 +24,7 @@ from autopar.errors import InputError, ShardingRuleError
 from autopar.expert_parallel import ExpertParallelProgram, expert_load
 from autopar.pool import get_pool
 from autopar.testing import MoEConfig, build_moe, lm_loss, tokens
-from autopar.verify import _ep_job, _ep_replica, _rank_step, _reference, verify
+from autopar.verify import _rank_step, _reference, program_view, rank_jobs, replica, verify
 
 pytest.importorskip("transformers")
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -203,23 +203,23 @@ def test_capacity_drops_like_the_one_device_rule():
     assert sorted(fwd) == ["all_gather", "all_to_all", "all_to_all", "all_to_all"]  # + counts
     args = _ids(c)
     ref_out, ref_grads, cots = _reference(reference, args, None, lm_loss, 0)
-    jobs = [_ep_job(prog, r, args, None, cots) for r in range(2)]
-    results = get_pool(2).run(_with_load, prog.mesh.axes, jobs)
+    view = program_view(prog)
+    results = get_pool(2).run(_with_load, prog.mesh.axes, rank_jobs(view, args, None, cots))
     dropped = sum(load.dropped for r in results for load in r[2])
     assert dropped == _one_device_dropped(reference, args[0], capacity) > 0
     took = [n for r in results for load in r[2] for n in load.tokens]  # every expert, once
     assert len(took) == c.experts and max(took) <= capacity
     assert sum(took) + dropped == c.batch * c.seq * c.top_k
     assert all(load.imbalance >= 1.0 for r in results for load in r[2])
-    outs, grads = _ep_replica(prog, [r[:2] for r in results], 0)[0]
+    outs, grads = replica(view, [r[:2] for r in results], None, prog.inner, (0,))[0]
     torch.testing.assert_close(outs[0], ref_out[0], rtol=1e-5, atol=1e-7)
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def _with_load(rank, groups, module, args, kwargs, cots):
+def _with_load(rank, groups, *job):
     expert_load()
-    outs, grads = _rank_step(rank, groups, module, args, kwargs, cots)
+    outs, grads = _rank_step(rank, groups, *job)
     return outs, grads, expert_load()
 
 

@@ -1,6 +1,7 @@
-"""verify() itself: garbage (NaN/inf, run-to-run differences) fails by name; it works from a
-script without a main guard and from exec()-ed notebook code; workers load the modules that
-register custom operators; a value written in place is re-laid out after the writes."""
+"""verify() itself: garbage (NaN/inf, run-to-run differences, a corrupted shard on every kind
+of program) fails by name; it works from a script without a main guard and from exec()-ed
+notebook code; workers load the modules that register custom operators; a value written in
+place is re-laid out after the writes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pickle
 import subprocess
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -316,3 +318,32 @@ def test_float64_reference_casts_float_inputs():
     report = verify(model, Mesh(tp=2), (x,), reference_dtype=torch.float64, rtol=1e-5)
     assert report.ok, str(report)
     assert next(model.parameters()).dtype == torch.float32  # the user's model is untouched
+
+
+@pytest.mark.parametrize("axes", [dict(dp=2, ep=2), dict(pp=2), dict(dp=2, pp=2),
+                                  dict(pp=2, ep=2)])  # fmt: skip
+def test_a_corrupted_shard_fails_on_every_kind_of_program(axes, monkeypatch):
+    """The last rank's copy of ``blocks.1.gate_up`` (its experts under ep) scaled by 1.01
+    after compiling: verify's one path fails it on data-parallel, pipelined and
+    expert-parallel programs and their products, not only on the tp program above."""
+    from autopar.testing import MoEConfig, build_moe, lm_loss, tokens
+
+    V = sys.modules["autopar.verify"]  # the module (autopar.verify is the function)
+    compile_ = V.autoparallelize
+
+    def corrupted(*args, **kwargs):
+        prog = compile_(*args, **kwargs)
+        rank = prog.mesh.world_size - 1
+        module = (next(iter(prog.share(rank).modules.values())) if "pp" in prog.mesh.sizes
+                  else prog.module(rank))  # fmt: skip
+        with torch.no_grad():
+            module.get_parameter("blocks.1.gate_up").mul_(1.01)
+        return prog
+
+    monkeypatch.setattr(V, "autoparallelize", corrupted)
+    c = MoEConfig(batch=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = V._verify(build_moe(c), Mesh(**axes), tokens(c), lm_loss, rtol=1e-5)
+    bad = {r.name.split(" (stage")[0] for r in report.rows if not r.ok}
+    assert not report.ok and "blocks.1.gate_up" in bad, str(report)
