@@ -14,12 +14,15 @@ from autopar.errors import (
     ShardingRuleError,
     TraceError,
 )
-from autopar.estimate import Cluster, ModelShape, ParallelConfig, estimate
-from autopar.layout import Layout, Partial, Replicate, Shard
+from autopar.ir.layout import Layout, Partial, Replicate, Shard
 from autopar.mesh import Mesh
 from autopar.plan import Collective, Plan
 from autopar.program import Program
 from autopar.verify import VerifyReport, verify
+from cost.config import ParallelConfig
+from cost.estimate import estimate
+from cost.hardware import Cluster
+from cost.model import ModelShape
 
 __all__ = [
     "AutoparError",

@@ -3,7 +3,7 @@
 Algorithm:
 1. Validate the options once into a frozen record (autopar.options).
 2. ``Mesh.auto(cluster)``: the whole-cluster search chooses the mesh and compiles it
-   (autopar.search); a torch DeviceMesh becomes a virtual :class:`Mesh` (the axes it names,
+   (autopar.planner.auto); a torch DeviceMesh becomes a virtual :class:`Mesh` (the axes it names,
    the cluster it is priced on).
 3. A reloaded ``plan=`` must be for this mesh; the driver takes each axis's decisions from
    it (given options must agree) and checks the program carries them.
@@ -78,11 +78,11 @@ def autoparallelize(
     its own, e.g. ``Mesh(Cluster.preset("dgx-a100", nodes=2), pp=2, tp=8)``).
 
     A mesh with an ``ep`` axis places each MoE layer's experts across ep ranks (the dense part
-    data-parallel over ep; autopar.expert_parallel); ``capacity_factor`` caps the tokens per
+    data-parallel over ep; autopar.axes.expert_parallel); ``capacity_factor`` caps the tokens per
     expert (default: dropless).
 
     A mesh with a ``dp`` axis splits the batch (dim 0 of the inputs) over dp and runs the
-    program of the other axes on each slice (autopar.data_parallel): ``zero`` forces a ZeRO
+    program of the other axes on each slice (autopar.axes.data_parallel): ``zero`` forces a ZeRO
     stage (default: the lowest whose per-rank memory fits ``memory_limit`` or the GPU);
     ``param_dtype=torch.bfloat16`` computes in bf16 (autocast) with fp32 master weights and
     optimizer state, gradients reduced in ``reduce_dtype`` (fp32), and prices the model state,
@@ -93,13 +93,13 @@ def autoparallelize(
     ``Mesh.auto(cluster)`` searches the degrees on the traced model (``global_batch``
     sequences per step, default the example batch) and compiles the best configuration, every
     axis of it, on every GPU of the cluster (or, if the compiler's memory count refuses it,
-    the best it accepts, saying so); ``prog.search`` holds the ranked plan (autopar.search).
+    the best it accepts, saying so); ``prog.search`` holds the ranked plan (autopar.planner.auto).
 
-    A mesh with a ``cp`` axis splits the sequence (autopar.context_parallel); attention runs
+    A mesh with a ``cp`` axis splits the sequence (autopar.axes.context_parallel); attention runs
     as ring or all-to-all attention, chosen by cost unless ``cp_attention`` forces one.
 
     ``recompute`` ("none", "selective", "full") trades backward time for activation memory in
-    every rank program (autopar.recompute): "full" keeps only each repeated block's inputs and
+    every rank program (autopar.axes.recompute): "full" keeps only each repeated block's inputs and
     re-runs the block in backward (``checkpoint(layers_0, ...)`` in the code), "selective" re-runs
     only the unfused attention core (the [.., s, s] score ops; nothing under a fused SDPA).
     Default "none"; under ``Mesh.auto`` the search chooses unless ``recompute`` is given.
@@ -113,7 +113,7 @@ def autoparallelize(
     )  # fmt: skip
     example = example_of(example_inputs, example_kwargs)
     if isinstance(mesh, AutoMesh):
-        from autopar.search import compile_auto
+        from autopar.planner.auto import compile_auto
 
         return compile_auto(model, mesh, example, loss_fn, options.replace(plan=plan))
     device_mesh = None if isinstance(mesh, Mesh) else mesh

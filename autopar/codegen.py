@@ -27,11 +27,11 @@ import torch.nn as nn
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 
-from autopar import meta
-from autopar.layout import Layout
+from autopar.frontend.trace import Traced
+from autopar.ir import meta
+from autopar.ir.layout import Layout
 from autopar.mesh import Mesh
-from autopar.serialize import RankModule, owner_module
-from autopar.trace import Traced
+from autopar.runtime.serialize import RankModule, owner_module
 
 
 def shard_tensor(
@@ -106,7 +106,7 @@ def build_module(gm: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> f
 def shard_specs(graph: fx.Graph, traced: Traced, mesh: Mesh) -> dict[str, tuple]:
     """Per parameter (and persistent buffer) FQN: (global shape before vocab padding, padded
     shape, layout, axis sizes)
-    -- what :mod:`autopar.checkpoint` needs to describe a local shard as part of the whole."""
+    -- what :mod:`autopar.runtime.checkpoints` needs to describe a local shard as part of the whole."""
     out, params = {}, set(traced.params.values()) | set(traced.persistent)
     for node in graph.nodes:
         if node.op == "get_attr" and node.target in params:

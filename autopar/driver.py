@@ -4,17 +4,17 @@ Algorithm (:func:`compile_model`):
 1. Slice the example batch for the batch axes, once: B/dp per data rank (the batch must
    divide by dp, times the micro-batch count when one is given), B/(dp·ep) per expert rank,
    and under pp one micro-batch of that (the schedule and micro-batch count are settled
-   first, :func:`autopar.pipeline.pipeline_config`).
-2. Trace the slice once (torch.export, autopar.trace); a trace the caller already holds at
+   first, :func:`autopar.axes.pipeline.pipeline_config`).
+2. Trace the slice once (torch.export, autopar.frontend.trace); a trace the caller already holds at
    that slice (the whole-cluster search's) is reused.  Every program below is built from
    copies of this one graph: nothing re-traces, nothing calls the front door.
 3. Build the program of the mesh without the batch axes (:func:`_core`): pp cuts stages and
    compiles each (tp, or cp x tp); else cp splits the sequence of the tp program; else the
-   tp compile.  Then the recompute mode (autopar.recompute).
-4. ep places the experts of that program across ep ranks (autopar.expert_parallel).
+   tp compile.  Then the recompute mode (autopar.axes.recompute).
+4. ep places the experts of that program across ep ranks (autopar.axes.expert_parallel).
 5. dp chooses the ZeRO stage for the per-rank memory of that program; under a memory limit
    it re-solves the sub-mesh (steps 3-4 on a fresh copy of the trace) for a stage whose
-   fastest plan does not fit (autopar.data_parallel).
+   fastest plan does not fit (autopar.axes.data_parallel).
 6. A reloaded plan is honoured at every level: each axis's section decides that axis, and
    the compiled program must carry the saved decisions (else a PlanError names them).
 """
@@ -33,11 +33,11 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.errors import PlanError
+from autopar.frontend.trace import Traced, trace
 from autopar.mesh import Mesh
 from autopar.options import Options
 from autopar.plan import Plan, check_attention, check_split_points, honoured, section, settle
-from autopar.planner import PlanOptions
-from autopar.trace import Traced, trace
+from autopar.planner.tp import PlanOptions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +97,7 @@ def compile_model(model: nn.Module, mesh: Mesh, example: Example,
     capture = _capture(model, sliced, loss_fn, log, traces)
     if "dp" not in mesh.sizes:
         return _experts(capture, mesh, options, plan, config, example.batch)
-    from autopar.data_parallel import compile_data_parallel
+    from autopar.axes.data_parallel import compile_data_parallel
 
     sub, sub_plan = mesh.without("dp"), plan.without("dp") if plan else None
     refits = iter(range(1 << 30))
@@ -142,7 +142,7 @@ def _settled(options: Options, mesh: Mesh, plan: Plan | None) -> Options:
 def _slice(mesh: Mesh, example: Example, options: Options) -> tuple[Example, Any]:
     """Step 1: rank 0's slice of the batch for dp and ep, and under pp its first micro-batch
     (with the pipeline's config)."""
-    from autopar.data_parallel import split_batch
+    from autopar.axes.data_parallel import split_batch
 
     args, kwargs = example.args, example.kwargs
     if "dp" in mesh.sizes:
@@ -151,7 +151,7 @@ def _slice(mesh: Mesh, example: Example, options: Options) -> tuple[Example, Any
         args, kwargs = split_batch(args, kwargs, mesh.size("ep"))
     if "pp" not in mesh.sizes:
         return Example(args=args, kwargs=kwargs), None
-    from autopar.pipeline import batch_size, microbatch, pipeline_config
+    from autopar.axes.pipeline import batch_size, microbatch, pipeline_config
 
     config = pipeline_config(mesh, batch_size(args, kwargs), options.n_microbatches,
                              options.schedule, options.virtual_stages, options.param_dtype)  # fmt: skip
@@ -181,8 +181,8 @@ def _experts(capture: Capture, mesh: Mesh, options: Options, plan: Plan | None, 
     """Step 4 (and 3 below it) on the mesh without dp."""
     if "ep" not in mesh.sizes:
         return _core(capture, mesh, options, plan, config)
-    from autopar.expert_parallel import compile_expert_parallel
-    from autopar.recompute import attach
+    from autopar.axes.expert_parallel import compile_expert_parallel
+    from autopar.axes.recompute import attach
 
     sub = mesh.without("ep")
     sub_plan = dataclasses.replace(plan.without("ep"), recompute="none") if plan else None
@@ -203,7 +203,7 @@ def _core(capture: Capture, mesh: Mesh, options: Options, plan: Plan | None,
           config: Any) -> Any:  # fmt: skip
     """Step 3: the program of the mesh without the batch axes (pp / cp / tp), with its
     recompute mode."""
-    from autopar.recompute import attach
+    from autopar.axes.recompute import attach
 
     solver = PlanOptions(memory_limit=options.memory_limit, memory_weight=options.memory_weight,
                          strict=options.strict, fixed=plan.choice if plan else (),
@@ -211,17 +211,17 @@ def _core(capture: Capture, mesh: Mesh, options: Options, plan: Plan | None,
     check_attention(options.cp_attention, plan)
     traced, log = capture.traced, capture.log
     if "pp" in mesh.sizes:
-        from autopar.pipeline import compile_pipeline
+        from autopar.axes.pipeline import compile_pipeline
 
         prog = compile_pipeline(traced, mesh, config, solver, options.split_points, log,
                                 options.cp_attention, plan=plan)  # fmt: skip
     elif "cp" in mesh.sizes:
-        from autopar.context_parallel import check_cp_mesh, compile_traced_cp
+        from autopar.axes.context_parallel import check_cp_mesh, compile_traced_cp
 
         check_cp_mesh(mesh)
         prog = compile_traced_cp(traced, mesh, options.cp_attention, solver, section(plan, "cp"))
     else:
-        from autopar.compile import compile_traced
+        from autopar.axes.tensor_parallel import compile_traced
 
         prog = compile_traced(traced, mesh, solver, log)
     mode = "none" if options.recompute is None else options.recompute

@@ -5,7 +5,7 @@ canonically outermost first (dp, pp, cp, ep, tp, whatever order they are written
 last axis holds contiguous ranks (tp inside a node when it fits, dp across nodes).  A torch
 ``DeviceMesh`` with ``mesh_dim_names`` converts with :func:`Mesh.from_device_mesh`, keeping the
 DeviceMesh's own order (its ranks are laid out that way).  ``Mesh.auto(cluster)`` leaves the
-degrees to the whole-cluster search (:mod:`autopar.search`), run when the model is compiled.
+degrees to the whole-cluster search (:mod:`autopar.planner.auto`), run when the model is compiled.
 """
 
 from __future__ import annotations

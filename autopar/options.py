@@ -51,7 +51,7 @@ class Options:
 
 def make_options(*, split_points: Sequence[str] = (), **given: Any) -> Options:
     """Steps 1-2."""
-    from autopar.recompute import check_mode
+    from autopar.axes.recompute import check_mode
 
     if given.get("recompute") is not None:
         check_mode(given["recompute"])

@@ -14,12 +14,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopar import collectives as C
-from autopar import meta, parallel_ops
 from autopar.codegen import build_module, render
+from autopar.frontend.trace import Traced
+from autopar.ir import meta
 from autopar.mesh import Mesh
+from autopar.ops import collectives as C
+from autopar.ops import parallel_ops
 from autopar.plan import Collective, Plan
-from autopar.trace import Traced
 from passes import PassRecord
 
 
@@ -34,14 +35,14 @@ class Program:
         self.traced = traced
         self.history = history
         self._modules: dict[int, fx.GraphModule] = {}
-        self.recompute = "none"  # activation recomputation (autopar.recompute.attach)
+        self.recompute = "none"  # activation recomputation (autopar.axes.recompute.attach)
 
     def module(self, rank: int) -> fx.GraphModule:
         """The GraphModule of ``rank``, holding only that rank's parameter shards."""
         if rank not in self._modules:
             module = build_module(self.graph_module, self.traced, self.mesh, rank)
             if self.recompute != "none":
-                from autopar.recompute import apply_recompute
+                from autopar.axes.recompute import apply_recompute
 
                 module = apply_recompute(module, self.recompute, self.traced.model_name)
             self._modules[rank] = module
@@ -87,9 +88,9 @@ class Program:
         return [*written, d / "plan.txt", d / "plan.json"]
 
     def report(self, path: str | Path, **options: Any) -> Path:
-        """The plan drawn in one self-contained HTML file (`autopar.report.write_report`:
+        """The plan drawn in one self-contained HTML file (`autopar.tools.report.write_report`:
         ``png_dir=`` also writes each chart as PNG, ``measured=`` a measured schedule)."""
-        from autopar.report import write_report
+        from autopar.tools.report import write_report
 
         return write_report(self, path, **options)
 

@@ -41,16 +41,17 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from autopar import collectives, meta
 from autopar.api import autoparallelize
+from autopar.axes.data_parallel import DataParallelProgram, batch_slices
+from autopar.axes.expert_parallel import ExpertParallelProgram
+from autopar.axes.pipeline import PipelineProgram
 from autopar.codegen import shard_tensor, unshard_tensors
-from autopar.data_parallel import DataParallelProgram, batch_slices
-from autopar.expert_parallel import ExpertParallelProgram
-from autopar.layout import Layout
+from autopar.ir import meta
+from autopar.ir.layout import Layout
 from autopar.mesh import Mesh
-from autopar.pipeline import PipelineProgram
-from autopar.pool import get_pool
+from autopar.ops import collectives
 from autopar.program import Program
+from autopar.runtime.pool import get_pool
 
 
 @dataclass(frozen=True, kw_only=True)

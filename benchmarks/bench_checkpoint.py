@@ -23,9 +23,9 @@ import torch
 import torch.multiprocessing as mp
 
 from autopar import autoparallelize
-from autopar.checkpoint import Checkpointer
-from autopar.pool import free_port, gloo_rank
-from autopar.testing import Config, build, lm_loss, tokens
+from autopar.runtime.checkpoints import Checkpointer
+from autopar.runtime.pool import free_port, gloo_rank
+from autopar.tools.testing import Config, build, lm_loss, tokens
 
 WORLD = 2
 

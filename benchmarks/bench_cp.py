@@ -27,9 +27,10 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from autopar import Mesh, autoparallelize, collectives, cp_ops
-from autopar.pool import free_port, gloo_rank
-from autopar.testing import Config, build, lm_loss, tokens
+from autopar import Mesh, autoparallelize
+from autopar.ops import collectives, cp_ops
+from autopar.runtime.pool import free_port, gloo_rank
+from autopar.tools.testing import Config, build, lm_loss, tokens
 
 REPEATS = 5
 

@@ -6,7 +6,7 @@ Run from the repository root (after `pip install -e .`, or with `PYTHONPATH=.`):
 
 Algorithm:
 1. Spawn WORLD Gloo ranks forming one data-parallel mesh, one compute thread each.
-2. For each size, every rank builds the same autopar.testing Llama (fp32, seed 0) and from it
+2. For each size, every rank builds the same autopar.tools.testing Llama (fp32, seed 0) and from it
    a. autopar ZeRO-0: ``autoparallelize(model, device_mesh, (x, y), loss_fn=lm_loss, zero=0)``
       (the traced program under torch DDP, gradients averaged, the loss all-reduced);
    b. torch DDP on the eager model, ``lm_loss`` applied outside;
@@ -49,8 +49,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from autopar import autoparallelize
-from autopar.pool import free_port, gloo_rank
-from autopar.testing import Config, build, lm_loss, optimizer_step, tokens
+from autopar.runtime.pool import free_port, gloo_rank
+from autopar.tools.testing import Config, build, lm_loss, optimizer_step, tokens
 
 WORLD, WARMUP, ITERS = 2, 4, 16
 SIZES = ((128, 64), (256, 64), (512, 64))  # (hidden, seq)

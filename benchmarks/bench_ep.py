@@ -6,7 +6,7 @@ Run from the repository root (after `pip install -e .`, or with `PYTHONPATH=.`):
 
 Algorithm:
 1. For WORLD in (2, 4) spawn WORLD Gloo ranks, one compute thread each; every rank builds the
-   same autopar.testing MoE language model (fp32, seed 0) and from it
+   same autopar.tools.testing MoE language model (fp32, seed 0) and from it
    a. autopar ep: ``autoparallelize(model, mesh_ep, (x, y), lm_loss)`` (each rank E/WORLD
       experts; tokens dispatched and combined with all-to-alls, dense gradients all-reduced);
    b. the same with the dense gradients all-reduced one parameter at a time (``BUCKET_BYTES
@@ -41,10 +41,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from autopar import autoparallelize, collectives
-from autopar import expert_parallel as ep_module
-from autopar.pool import free_port, gloo_rank
-from autopar.testing import (
+from autopar import autoparallelize
+from autopar.axes import expert_parallel as ep_module
+from autopar.ops import collectives
+from autopar.runtime.pool import free_port, gloo_rank
+from autopar.tools.testing import (
     MoEConfig,
     build_moe,
     grouped_mm,

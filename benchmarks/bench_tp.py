@@ -7,7 +7,7 @@ Run from the repository root (after `pip install -e .`, or with `PYTHONPATH=.`):
 
 Algorithm:
 1. Spawn WORLD Gloo ranks forming one tensor-parallel mesh, one compute thread each.
-2. For each size, every rank builds the same autopar.testing Llama (fp32, seed 0) and from it
+2. For each size, every rank builds the same autopar.tools.testing Llama (fp32, seed 0) and from it
    a. autopar: ``autoparallelize(model, device_mesh, (x, y), loss_fn=lm_loss)``;
    b. DTensor: the same weights in blocks that view heads as -1 (a rank's local heads),
       parallelised by hand with torch.distributed.tensor.parallel: ColwiseParallel on
@@ -43,8 +43,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from autopar import Cluster, autoparallelize
-from autopar.pool import free_port, gloo_rank
-from autopar.testing import Config, LlamaBlock, build, lm_loss, rope, tokens
+from autopar.runtime.pool import free_port, gloo_rank
+from autopar.tools.testing import Config, LlamaBlock, build, lm_loss, rope, tokens
 
 WORLD, WARMUP, ITERS = 2, 3, 10
 SIZES = ((256, 128), (512, 128), (1024, 128))  # (hidden, seq)
@@ -57,7 +57,7 @@ def config(hidden: int, seq: int) -> Config:
 
 
 class LocalHeadsBlock(LlamaBlock):
-    """autopar.testing's LlamaBlock with ``view(b, s, -1, d)``: runs on a rank's local heads."""
+    """autopar.tools.testing's LlamaBlock with ``view(b, s, -1, d)``: runs on a rank's local heads."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape

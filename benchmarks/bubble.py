@@ -5,7 +5,7 @@ Run from the repository root (after `pip install -e .`, or with `PYTHONPATH=.`):
     python benchmarks/bubble.py
 
 Algorithm:
-1. For each schedule (GPipe, 1F1B) and micro-batch count m, compile the autopar.testing Llama
+1. For each schedule (GPipe, 1F1B) and micro-batch count m, compile the autopar.tools.testing Llama
    (LAYERS equal blocks, loss_fn=lm_loss, a fixed micro-batch of MICRO sequences, so the batch
    is m * MICRO) for a virtual Mesh(pp=WORLD) and keep its stage cuts and simulated bubble
    (``prog.timeline().bubble``); the formula is REFERENCE.md's (p-1)/(m+p-1) of the step.
@@ -41,9 +41,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar import Mesh, autoparallelize
-from autopar.pool import free_port, gloo_rank
-from autopar.schedule import formula_bubble
-from autopar.testing import Config, build, lm_loss, tokens
+from autopar.axes.schedule import formula_bubble
+from autopar.runtime.pool import free_port, gloo_rank
+from autopar.tools.testing import Config, build, lm_loss, tokens
 
 WORLD, LAYERS, MICRO, WARMUP, ITERS = 4, 8, 2, 2, 7
 SCHEDULES, MICROBATCHES = ("gpipe", "1f1b"), (4, 8)

@@ -26,7 +26,7 @@ import torch
 import transformers
 
 from autopar import Mesh, Program, autoparallelize
-from autopar.testing import hf_tiny_llama
+from autopar.tools.testing import hf_tiny_llama
 
 SEQ = 2048
 SHAPES = {

@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from autopar.checkpoint import Checkpointer
-from autopar.testing import Config, build, lm_loss, tokens
+from autopar.runtime.checkpoints import Checkpointer
+from autopar.tools.testing import Config, build, lm_loss, tokens
 
 STEPS = 6
 DEV = os.environ.get("AUTOPAR_DEVICE", "cuda")  # 'cpu' for a dry run of the script

@@ -6,7 +6,7 @@ and that the cost model's predicted MFU is near the measured one.  Without CUDA 
 exits 0 (``--device cpu`` runs the same steps on CPU over Gloo, to check the script itself).
 
 Algorithm:
-1. Build a Llama-style model (autopar.testing) in bf16 on the device; one NCCL (Gloo on CPU)
+1. Build a Llama-style model (autopar.tools.testing) in bf16 on the device; one NCCL (Gloo on CPU)
    rank with a DeviceMesh named ``tp`` of size 1.
 2. Compile it with ``autoparallelize(model, device_mesh, ...)``; move the rank's module to the
    device.  Plan it on the meta device in bf16 for the predicted step time.
@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from autopar import Mesh, autoparallelize
-from autopar.pool import free_port
-from autopar.testing import Config, build, lm_loss, tokens
+from autopar.runtime.pool import free_port
+from autopar.tools.testing import Config, build, lm_loss, tokens
 from cost.hardware import Cluster
 
 WARMUP, STEPS = 3, 10
@@ -108,7 +108,7 @@ def _run(c: Config, device: torch.device, dtype: torch.dtype, args: argparse.Nam
 
 
 def _model(kind: str, c: Config) -> tuple[torch.nn.Module, Callable]:
-    """autopar.testing's Llama, or transformers' LlamaForCausalLM of the same shape."""
+    """autopar.tools.testing's Llama, or transformers' LlamaForCausalLM of the same shape."""
     if kind == "llama":
         return build("llama", c), lm_loss
     import transformers
@@ -181,7 +181,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--cluster", default="dgx-h100", help="cost-model preset for the prediction")
     p.add_argument("--model", default="llama", choices=("llama", "hf-llama"),
-                   help="autopar.testing's Llama or transformers' LlamaForCausalLM")
+                   help="autopar.tools.testing's Llama or transformers' LlamaForCausalLM")
     p.add_argument("--shapes", default="8x2048x2048x4",
                    help="comma-separated layers x hidden x seq x batch")
     return p.parse_args()

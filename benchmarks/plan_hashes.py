@@ -15,7 +15,7 @@ import warnings
 from typing import Any
 
 from autopar import Mesh, autoparallelize
-from autopar.testing import Config, MoEConfig, build, build_moe, lm_loss, tokens
+from autopar.tools.testing import Config, MoEConfig, build, build_moe, lm_loss, tokens
 
 CASES: list[tuple[str, Mesh, dict[str, Any]]] = [
     ("tp2", Mesh(tp=2), {}),

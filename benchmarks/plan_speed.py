@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from autopar.search import plan_shape
+from autopar.planner.auto import plan_shape
 from cost.config import ParallelConfig
 from cost.hardware import Cluster
 from cost.model import ModelShape

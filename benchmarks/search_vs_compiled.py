@@ -30,8 +30,8 @@ import warnings
 import torch
 
 from autopar import Mesh, autoparallelize
-from autopar.precision import annotate_autocast, mark_run_dtypes
-from autopar.trace import trace
+from autopar.frontend.precision import annotate_autocast, mark_run_dtypes
+from autopar.frontend.trace import trace
 from cost.config import ParallelConfig
 from cost.estimate import estimate
 from cost.graph import GraphModel

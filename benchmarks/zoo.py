@@ -1,8 +1,8 @@
 """The model zoo table: every registered HF causal-LM family under tensor parallelism.
 
 Algorithm:
-1. For each family of ``autopar.zoo.families()`` (or those named with ``--only``), run
-   ``autopar.zoo.check(family, tp)``: verify of the tiny config on the Gloo worker pool, and
+1. For each family of ``autopar.tools.zoo.families()`` (or those named with ``--only``), run
+   ``autopar.tools.zoo.check(family, tp)``: verify of the tiny config on the Gloo worker pool, and
    the realistic config (hidden 2048, seq 2048, vocab 32000) compiled on the meta device
    and priced in bf16 (`param_dtype=torch.bfloat16`).
 2. Print one row per family as it finishes (traced?, max relative error, forward collectives
@@ -23,7 +23,7 @@ import argparse
 import logging
 import warnings
 
-from autopar import zoo
+from autopar.tools import zoo
 
 
 def main() -> None:

@@ -35,13 +35,13 @@ WORLD, STEPS, SAVE_EVERY, CRASH_AT, LR, TOLERANCE = 2, 12, 4, 10, 3e-3, 1e-5
 
 
 def config():
-    from autopar.testing import Config
+    from autopar.tools.testing import Config
 
     return Config(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=96, seq=16, batch=4)
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from autopar.testing import tokens
+    from autopar.tools.testing import tokens
 
     return tokens(config(), seed=step)
 
@@ -52,9 +52,9 @@ def train_rank(root: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar import autoparallelize
-    from autopar.checkpoint import Checkpointer
-    from autopar.resilience import Watchdog, enable_flight_recorder
-    from autopar.testing import build, lm_loss
+    from autopar.runtime.checkpoints import Checkpointer
+    from autopar.runtime.resilience import Watchdog, enable_flight_recorder
+    from autopar.tools.testing import build, lm_loss
 
     enable_flight_recorder()
     torch.set_num_threads(1)
@@ -108,7 +108,7 @@ def init_attempt_group() -> None:
 
 
 def single_device() -> list[float]:
-    from autopar.testing import build, lm_loss
+    from autopar.tools.testing import build, lm_loss
 
     model = build("llama", config())
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
@@ -126,7 +126,7 @@ def single_device() -> list[float]:
 def report(root: Path) -> int:
     """Step 3: the resumed curve against one device, and the redone steps against their first
     run."""
-    from autopar.testing import compare_losses
+    from autopar.tools.testing import compare_losses
 
     rows = [json.loads(line) for line in (root / "losses.jsonl").read_text().splitlines()]
     last = {r["step"]: r["loss"] for r in rows}
@@ -144,7 +144,7 @@ def main() -> int:
     if "LOCAL_RANK" in os.environ:  # a torchrun worker
         train_rank(Path(os.environ["AUTOPAR_RESUME_DIR"]))
         return 0
-    from autopar.pool import free_port
+    from autopar.runtime.pool import free_port
 
     root = Path(tempfile.mkdtemp(prefix="autopar-resume-"))
     env = {**os.environ, "AUTOPAR_RESUME_DIR": str(root), "OMP_NUM_THREADS": "1",

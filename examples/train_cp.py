@@ -30,8 +30,14 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from autopar import Mesh, autoparallelize
-from autopar.pool import gloo_rank
-from autopar.testing import compare_losses, hf_tiny_llama, spawn_ranks, token_batch, train_loop
+from autopar.runtime.pool import gloo_rank
+from autopar.tools.testing import (
+    compare_losses,
+    hf_tiny_llama,
+    spawn_ranks,
+    token_batch,
+    train_loop,
+)
 
 CP, BATCH, SEQ, VOCAB = 2, 2, 64, 128
 STEPS, LR, WEIGHT_DECAY, TOLERANCE = 20, 3e-3, 0.01, 1e-4

@@ -30,8 +30,14 @@ import torch
 import torch.multiprocessing as mp
 
 from autopar import Mesh, autoparallelize
-from autopar.pool import gloo_rank
-from autopar.testing import compare_losses, hf_tiny_llama, spawn_ranks, token_batch, train_hf_single
+from autopar.runtime.pool import gloo_rank
+from autopar.tools.testing import (
+    compare_losses,
+    hf_tiny_llama,
+    spawn_ranks,
+    token_batch,
+    train_hf_single,
+)
 
 DP, PP, ZERO, BATCH, SEQ, VOCAB, MICROBATCHES, SCHEDULE = 2, 2, 1, 8, 16, 128, 2, "1f1b"
 WORLD, STEPS, LR, WEIGHT_DECAY, TOLERANCE = DP * PP, 20, 3e-3, 0.01, 1e-4

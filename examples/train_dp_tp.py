@@ -28,8 +28,14 @@ import torch
 import torch.multiprocessing as mp
 
 from autopar import Mesh, autoparallelize
-from autopar.pool import gloo_rank
-from autopar.testing import compare_losses, hf_tiny_llama, spawn_ranks, token_batch, train_hf_single
+from autopar.runtime.pool import gloo_rank
+from autopar.tools.testing import (
+    compare_losses,
+    hf_tiny_llama,
+    spawn_ranks,
+    token_batch,
+    train_hf_single,
+)
 
 DP, TP, ZERO, BATCH, SEQ, VOCAB = 2, 2, 3, 4, 16, 128
 WORLD, STEPS, LR, WEIGHT_DECAY, TOLERANCE = DP * TP, 20, 3e-3, 0.01, 1e-4

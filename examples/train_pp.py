@@ -29,8 +29,8 @@ import torch
 import torch.multiprocessing as mp
 
 from autopar import Mesh, autoparallelize
-from autopar.pool import free_port, gloo_rank
-from autopar.testing import compare_losses, hf_tiny_llama, token_batch, train_hf_single
+from autopar.runtime.pool import free_port, gloo_rank
+from autopar.tools.testing import compare_losses, hf_tiny_llama, token_batch, train_hf_single
 
 PP, TP, BATCH, SEQ, VOCAB, MICROBATCHES, SCHEDULE = 2, 2, 8, 16, 128, 4, "1f1b"
 WORLD, STEPS, LR, WEIGHT_DECAY, TOLERANCE = PP * TP, 20, 3e-3, 0.01, 1e-4

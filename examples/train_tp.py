@@ -23,8 +23,8 @@ import torch
 import torch.multiprocessing as mp
 
 from autopar import Mesh, autoparallelize
-from autopar.pool import free_port, gloo_rank
-from autopar.testing import Config, build, compare_losses, lm_loss, tokens, train_loop
+from autopar.runtime.pool import free_port, gloo_rank
+from autopar.tools.testing import Config, build, compare_losses, lm_loss, tokens, train_loop
 
 CONFIG = Config(layers=2, hidden=128, heads=8, kv_heads=4, ffn=256, vocab=256, seq=32, batch=4)
 WORLD, STEPS, LR, WEIGHT_DECAY, TOLERANCE = 4, 20, 3e-3, 0.01, 1e-4

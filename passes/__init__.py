@@ -14,11 +14,11 @@ from typing import Any
 
 import torch.fx as fx
 
-from autopar.ir import format_graph
+from autopar.frontend.trace import Traced
+from autopar.ir.meta import source
+from autopar.ir.printing import format_graph
 from autopar.mesh import Mesh
-from autopar.meta import source
 from autopar.rules import Strategy
-from autopar.trace import Traced
 
 
 @dataclass(frozen=True, kw_only=True)

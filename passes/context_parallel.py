@@ -2,11 +2,11 @@
 
 Runs on the graph the tp passes lowered (or the traced graph without tp), with the sequence
 layout and attention choices the cp planner part decided (``ctx.sections["cp"]``,
-autopar.context_parallel.CpDecisions).
+autopar.axes.context_parallel.CpDecisions).
 
 Algorithm:
 1. Set the tp layouts aside, so the walk sees the cp axis alone.
-2. Walk the graph (autopar.context_parallel's ``_SplitSequence``): inputs' sequence chunks
+2. Walk the graph (autopar.axes.context_parallel's ``_SplitSequence``): inputs' sequence chunks
    are localized, ops run split by their sharding rules on the cp axis, replicated operands
    get their gradient reduced, attention becomes ring or all-to-all attention, a mean loss
    over the sequence becomes a sum and a count all-reduced, split outputs are gathered.
@@ -25,6 +25,6 @@ from passes import PassContext
 
 def context_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Steps 1-4."""
-    from autopar.context_parallel import split_sequence
+    from autopar.axes.context_parallel import split_sequence
 
     return split_sequence(gm, ctx)

@@ -6,7 +6,7 @@ Algorithm:
 2. Ops that carry sizes as arguments get their local sizes: view / reshape / expand /
    broadcast_to take the local output shape (no -1 left); split and split_with_sizes on a split
    dim divide the piece sizes by the axis size.  A ``view`` stays a ``view``: every collective
-   returns a fresh row-major tensor (``autopar.collectives``), so a view valid on the global
+   returns a fresh row-major tensor (``autopar.ops.collectives``), so a view valid on the global
    tensor's strides is valid on the local one.
 3. Anything else whose size argument would change is an error naming the node, never a
    silently wrong shape.
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autopar import meta
-from autopar.layout import Layout
+from autopar.ir import meta
+from autopar.ir.layout import Layout
 from passes import NodeError, PassContext
 
 aten = torch.ops.aten

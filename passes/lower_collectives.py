@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from autopar import collectives as C
-from autopar import meta
-from autopar.layout import Layout, Partial, Placement, Replicate, Shard, parse_placement
-from autopar.trace import tensor_args
+from autopar.frontend.trace import tensor_args
+from autopar.ir import meta
+from autopar.ir.layout import Layout, Partial, Placement, Replicate, Shard, parse_placement
+from autopar.ops import collectives as C
 from passes import NodeError, PassContext
 
 

@@ -23,8 +23,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar.analysis import find_blocks
-from autopar.trace import Traced, is_tensor
+from autopar.frontend.trace import Traced, is_tensor
+from autopar.ir.analysis import find_blocks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +59,7 @@ def cuttable_units(traced: Traced) -> list[Unit]:
 
 
 def _block_name(block: list[fx.Node], i: int) -> str:
-    from autopar.meta import module_path
+    from autopar.ir.meta import module_path
 
     paths = [module_path(n) for n in block if n.op == "call_function" and module_path(n)]
     return min(paths, key=len) if paths else f"block.{i}"
@@ -80,7 +80,7 @@ def split_stages(traced: Traced, units: Sequence[Unit], cuts: Sequence[int],
                  loss: fx.Node) -> list[StageGraph]:  # fmt: skip
     """Steps 2-3: one StageGraph per stage; ``cuts`` are the unit indices where stages start.
     Boundary inputs that depend on a weight carry a gradient back to the stage before."""
-    from autopar.analysis import needs_grad
+    from autopar.ir.analysis import needs_grad
 
     grad = frozenset(n.name for n in needs_grad(traced))
     bounds = [0, *cuts, len(units)]

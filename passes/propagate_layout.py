@@ -26,11 +26,11 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar import meta
-from autopar.collectives import redistribute
-from autopar.layout import Layout, Partial, Placement, R, Replicate, Shard
+from autopar.frontend.trace import is_getitem, is_tensor
+from autopar.ir import meta
+from autopar.ir.layout import Layout, Partial, Placement, R, Replicate, Shard
+from autopar.ops.collectives import redistribute
 from autopar.rules import Strategy
-from autopar.trace import is_getitem, is_tensor
 from passes import PassContext
 
 

@@ -28,8 +28,9 @@ import math
 import torch
 import torch.fx as fx
 
-from autopar import collectives, meta, parallel_ops
-from autopar.layout import PARTIAL, Layout, Placement, R
+from autopar.ir import meta
+from autopar.ir.layout import PARTIAL, Layout, Placement, R
+from autopar.ops import collectives, parallel_ops
 from autopar.rules.reductions import moment_args
 from passes import NodeError, PassContext
 

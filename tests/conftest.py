@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from autopar.testing import MLP
+from autopar.tools.testing import MLP
 
 settings.register_profile(
     "ci",

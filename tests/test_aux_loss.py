@@ -1,4 +1,4 @@
-"""Batch statistics made global (autopar/batch_stats.py): a model's own MoE load-balancing loss
+"""Batch statistics made global (autopar/axes/batch_stats.py): a model's own MoE load-balancing loss
 is a product of means over ALL tokens, so under ep and dp each rank's statistics over its
 slice are all-reduced where they are computed (``batch_mean``).  Loss and every gradient
 equal one device at relative 1e-5 (fp32).
@@ -18,10 +18,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autopar import Mesh, autoparallelize, zoo
-from autopar import expert_parallel as ep_module
-from autopar.batch_stats import boundaries
+from autopar import Mesh, autoparallelize
+from autopar.axes import expert_parallel as ep_module
+from autopar.axes.batch_stats import boundaries
 from autopar.errors import InputError
+from autopar.tools import zoo
 from autopar.verify import _verify, verify
 
 pytest.importorskip("transformers")
@@ -130,7 +131,7 @@ def test_a_product_of_batch_means_is_global(mesh):
 
 
 def test_without_the_fix_dp_fails(monkeypatch):
-    import autopar.batch_stats as bs
+    import autopar.axes.batch_stats as bs
 
     monkeypatch.setattr(bs, "boundaries", lambda graph: [])
     report = _check(_StatLoss(), Mesh(dp=2), _xy(), run=_verify)
@@ -160,7 +161,7 @@ def test_mixtral_load_balancing_loss_composes(mesh):
 def _aux_lm_loss(out, labels):
     """A pipeline needs one scalar: the token cross-entropy plus the weighted aux loss (what
     HF's ``loss`` adds up when labels are given)."""
-    from autopar.testing import lm_loss
+    from autopar.tools.testing import lm_loss
 
     return lm_loss(out.logits, labels) + 0.5 * out.aux_loss
 

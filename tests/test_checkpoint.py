@@ -15,7 +15,10 @@ import pytest
 import torch
 
 from autopar import Mesh, autoparallelize
-from autopar.checkpoint import (
+from autopar.codegen import shard_tensor
+from autopar.ir.layout import Layout
+from autopar.runtime.checkpoint_format import SafetensorsWriter
+from autopar.runtime.checkpoints import (
     Checkpointer,
     ShardSpec,
     committed_steps,
@@ -24,11 +27,8 @@ from autopar.checkpoint import (
     read_manifest,
     step_dir,
 )
-from autopar.checkpoint_format import SafetensorsWriter
-from autopar.codegen import shard_tensor
-from autopar.layout import Layout
-from autopar.pool import get_pool
-from autopar.testing import Config, build, lm_loss, run_rank_scripts, tokens, train_loop
+from autopar.runtime.pool import get_pool
+from autopar.tools.testing import Config, build, lm_loss, run_rank_scripts, tokens, train_loop
 
 GPT = Config(layers=1, vocab=90, fused_qkv=True, batch=4)  # 90 rows: padded to 92 at tp=4
 LLAMA = Config(layers=2, hidden=32, heads=4, ffn=64, vocab=48, seq=8, batch=4, bias=False)
@@ -84,7 +84,7 @@ def _backward(loss: torch.Tensor) -> torch.Tensor:
 
 
 def _tp_rank(rank, groups, module, root, n, resume):
-    from autopar import collectives
+    from autopar.ops import collectives
 
     collectives.bind(groups)
     x, y = tokens(GPT)
@@ -133,7 +133,7 @@ def test_saved_under_tp2_resumes_under_tp4_and_one_device(tmp_path):
 def _dp_rank(rank, groups, module, root, zero):
     from torch.distributed.device_mesh import DeviceMesh
 
-    from autopar import collectives
+    from autopar.ops import collectives
     from autopar.runtime import DataParallelModule
 
     collectives.bind({a: g for a, g in groups.items() if a != "dp"})
@@ -147,7 +147,7 @@ def _dp_rank(rank, groups, module, root, zero):
 
 
 def _pp_rank(rank, groups, share, root):
-    from autopar import collectives
+    from autopar.ops import collectives
     from autopar.runtime import PipelineRunner
 
     collectives.bind(groups)
@@ -250,7 +250,7 @@ def _killed_save_main(rank: int, port: int, root: str) -> None:
 
 
 def _resume_rank(rank, groups, module, root):
-    from autopar import collectives
+    from autopar.ops import collectives
 
     collectives.bind(groups)
     x, y = tokens(GPT)
@@ -293,7 +293,7 @@ class _Gained(torch.nn.Module):
 
 
 def _save_rank(rank, groups, module, root):
-    from autopar import collectives
+    from autopar.ops import collectives
 
     collectives.bind(groups)
     Checkpointer(root, module, group=_ckpt_group(2)).save(1, blocking=True)
@@ -301,7 +301,7 @@ def _save_rank(rank, groups, module, root):
 
 
 def _load_rank(rank, groups, module, root):
-    from autopar import collectives
+    from autopar.ops import collectives
 
     collectives.bind(groups)
     Checkpointer(root, module, group=_ckpt_group(2)).load()
@@ -331,7 +331,7 @@ def test_persistent_buffers_are_saved_and_resharded(tmp_path):
 def _dp_pp_rank(rank, groups, share, root, zero, reduction):
     from torch.distributed.device_mesh import DeviceMesh
 
-    from autopar import collectives
+    from autopar.ops import collectives
     from autopar.runtime import DataAxis, PipelineRunner
 
     collectives.bind({a: g for a, g in groups.items() if a != "dp"})

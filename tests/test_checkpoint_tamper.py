@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from autopar import Mesh, autoparallelize
-from autopar.checkpoint import Checkpointer, CheckpointError, export_state_dict, step_dir
-from autopar.pool import get_pool
-from autopar.testing import Config, build, lm_loss, tokens
+from autopar.runtime.checkpoints import Checkpointer, CheckpointError, export_state_dict, step_dir
+from autopar.runtime.pool import get_pool
+from autopar.tools.testing import Config, build, lm_loss, tokens
 
 GPT = Config(layers=1, vocab=90, fused_qkv=True, batch=4)
 _GROUP: dict[int, object] = {}  # the checkpoint's own Gloo group of ranks 0, 1 (pool worker)
@@ -41,7 +41,7 @@ def _make_group(rank, groups):
 
 
 def _save_rank(rank, groups, module, root):
-    from autopar import collectives
+    from autopar.ops import collectives
 
     collectives.bind(groups)
     x, y = tokens(GPT)
@@ -52,7 +52,7 @@ def _save_rank(rank, groups, module, root):
 
 
 def _load_rank(rank, groups, module, root):
-    from autopar import collectives
+    from autopar.ops import collectives
 
     collectives.bind(groups)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)

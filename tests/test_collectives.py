@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar import collectives as C
-from autopar.pool import get_pool
+from autopar.ops import collectives as C
+from autopar.runtime.pool import get_pool
 
 SHAPE = (4, 8, 12)  # every dim divides by 2 ranks x 2 blocks
 

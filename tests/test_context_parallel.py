@@ -26,10 +26,11 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar import InputError, Mesh, autoparallelize, cp_ops, verify
-from autopar.context_parallel import ContextParallelError
-from autopar.pool import get_pool
-from autopar.testing import Config, build, lm_loss, tokens
+from autopar import InputError, Mesh, autoparallelize, verify
+from autopar.axes.context_parallel import ContextParallelError
+from autopar.ops import cp_ops
+from autopar.runtime.pool import get_pool
+from autopar.tools.testing import Config, build, lm_loss, tokens
 
 MESHES = [{"cp": 2}, {"cp": 4}, {"dp": 2, "cp": 2}, {"cp": 2, "tp": 2}]
 
@@ -227,7 +228,7 @@ def test_masks_that_are_not_causal_stay_masks(kind, monkeypatch):
 def _ring_without_mask_evaluation(kind, monkeypatch):
     """The cp=2 ring program of a ``BuiltMask(kind)`` model and its verify report, with the
     evaluation of masks switched off (only their structure can be read)."""
-    from autopar import canonical
+    from autopar.frontend import canonical
 
     monkeypatch.setattr(canonical, "MASK_LIMIT", 0)
     x = torch.randint(0, 32, (2, 16))
@@ -259,7 +260,7 @@ def test_hf_mask_at_32k_tokens_gives_balanced_chunks():
 
 
 def _forward_exchanges(rank: int, groups: dict, module, x, y) -> dict:
-    from autopar import collectives
+    from autopar.ops import collectives
 
     collectives.bind(groups)
     cp_ops.reset_exchanges()
@@ -276,11 +277,11 @@ def test_ring_exchanges_kv_cp_minus_one_times_per_attention(cp):
     x, y = tokens(c)
     prog = autoparallelize(model, Mesh(cp=cp), (x, y), lm_loss, cp_attention="ring")
     code = prog.code(0)
-    assert code.count("autopar_cp_ops_ring_attention_out(") == c.layers
-    sends = re.findall(r"autopar_cp_ops_ring_send\(.*# p2p: send ([\d.]+) KiB", code)
+    assert code.count("autopar_ops_cp_ops_ring_attention_out(") == c.layers
+    sends = re.findall(r"autopar_ops_cp_ops_ring_send\(.*# p2p: send ([\d.]+) KiB", code)
     kv_kib = 2 * c.batch * c.kv_heads * (c.seq // cp) * (c.hidden // c.heads) * 4 / 2**10
     assert [float(k) for k in sends] == [kv_kib] * (c.layers * (cp - 1))  # one node per step
-    assert code.count("autopar_cp_ops_ring_recv(") == c.layers * (cp - 1)
+    assert code.count("autopar_ops_cp_ops_ring_recv(") == c.layers * (cp - 1)
     sends = [col for col in prog.collectives() if col.kind == "send_recv"]
     assert len([s for s in sends if s.direction == "fwd"]) == c.layers * (cp - 1)
     kv = sends[0]
@@ -292,7 +293,7 @@ def test_ring_exchanges_kv_cp_minus_one_times_per_attention(cp):
 
 
 def _ring_saved_bytes(rank: int, groups: dict, cp: int) -> tuple[int, int]:
-    from autopar import collectives
+    from autopar.ops import collectives
 
     collectives.bind(groups)
     b, h, s, d = 1, 4, 64, 8
@@ -330,7 +331,7 @@ def test_all_to_all_attention_is_four_all_to_alls_forward():
                            cp_attention="all_to_all")  # fmt: skip
     fwd = [col for col in prog.collectives() if col.kind == "all_to_all" and col.direction == "fwd"]
     assert len(fwd) == 4 * c.layers
-    assert prog.code(0).count("autopar_collectives_all_to_all(") == 4 * c.layers
+    assert prog.code(0).count("autopar_ops_collectives_all_to_all(") == 4 * c.layers
     assert "send_recv" not in {col.kind for col in prog.collectives()}
 
 
@@ -533,8 +534,8 @@ def test_train_cp_example_matches_single_device() -> None:
 def test_llama3_8b_at_128k_tokens_fits_one_dgx_node_and_says_why():
     from dataclasses import replace
 
-    from autopar.context_parallel import fit_sequence
-    from autopar.estimate import Cluster, ModelShape
+    from autopar import Cluster, ModelShape
+    from autopar.axes.context_parallel import fit_sequence
 
     node = Cluster.preset("dgx-h100")
     fit = fit_sequence(replace(ModelShape.preset("llama3-8b"), seq=131072), node)

@@ -14,9 +14,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar import Mesh, autoparallelize, cp_ops, verify
-from autopar.context_parallel import ContextParallelError
-from autopar.testing import Config, MoEConfig, build, build_moe, lm_loss, tokens
+from autopar import Mesh, autoparallelize, verify
+from autopar.axes.context_parallel import ContextParallelError
+from autopar.ops import cp_ops
+from autopar.tools.testing import Config, MoEConfig, build, build_moe, lm_loss, tokens
 
 SP_WEIGHT = 1e-9  # memory_weight at which the tp planner picks sequence parallelism here
 
@@ -100,11 +101,11 @@ def test_tp_split_of_a_whole_input_is_recomputed_from_cp_chunks():
     temp = torch.rand(2, 32, generator=torch.Generator().manual_seed(2)) + 0.5
     kw = dict(memory_weight=SP_WEIGHT, cp_attention="ring")
     tp = autoparallelize(Tempered(), Mesh(tp=2), (ids, temp), memory_weight=SP_WEIGHT)
-    assert "autopar_collectives_split(temp, 'tp', 1, 1)" in tp.code(0)
+    assert "autopar_ops_collectives_split(temp, 'tp', 1, 1)" in tp.code(0)
     prog = autoparallelize(Tempered(), Mesh(cp=2, tp=2), (ids, temp), **kw)
     code = prog.code(0)
-    assert "autopar_collectives_split(temp" not in code  # split after cp's chunks, not before
-    assert "autopar_cp_ops_cp_localize(temp, 'cp', 1, 1, True)" in code
+    assert "autopar_ops_collectives_split(temp" not in code  # split after cp's chunks, not before
+    assert "autopar_ops_cp_ops_cp_localize(temp, 'cp', 1, 1, True)" in code
     report = verify(Tempered(), Mesh(cp=2, tp=2), (ids, temp), rtol=1e-5,
                     reference_dtype=torch.float64, **kw)  # fmt: skip
     assert report.ok, report

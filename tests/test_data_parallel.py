@@ -13,12 +13,13 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar import InputError, Mesh, MeshError, PlanError, autoparallelize, meta, verify
+from autopar import InputError, Mesh, MeshError, PlanError, autoparallelize, verify
+from autopar.axes.data_parallel import loss_reduction, saved_activations, wire_bytes
 from autopar.codegen import shard_tensor
-from autopar.data_parallel import loss_reduction, saved_activations, wire_bytes
-from autopar.pool import get_pool
-from autopar.testing import Config, build, lm_loss, tokens, train_loop
-from autopar.trace import trace
+from autopar.frontend.trace import trace
+from autopar.ir import meta
+from autopar.runtime.pool import get_pool
+from autopar.tools.testing import Config, build, lm_loss, tokens, train_loop
 
 MESHES = [{"dp": 2}, {"dp": 4}, {"dp": 2, "tp": 2}]
 # fp32.  With tp, a key bias's gradient is zero in exact arithmetic and the tp program alone
@@ -82,7 +83,7 @@ def test_save_writes_the_sub_mesh_programs_and_the_dp_plan(tmp_path):
 
 
 def test_state_bytes_per_parameter_follow_reference():
-    from autopar.data_parallel import StateBytes, zero_memory
+    from autopar.axes.data_parallel import StateBytes, zero_memory
 
     bf16 = StateBytes.for_dtype(torch.bfloat16)
     psi, d = 7e9, 64
@@ -138,7 +139,7 @@ def _count_ddp_reduction(rank, groups, module, x, y):
     """Run one step under the DDP wrapper with a hook that records what each bucket reduces."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from autopar import collectives
+    from autopar.ops import collectives
     from autopar.runtime import DataParallelModule
 
     collectives.bind({a: g for a, g in groups.items() if a != "dp"})
@@ -170,7 +171,7 @@ def test_ddp_reduces_every_gradient_exactly_once():
 def _train_rank(rank, groups, module, x, y, zero, steps):
     from torch.distributed.device_mesh import DeviceMesh
 
-    from autopar import collectives
+    from autopar.ops import collectives
     from autopar.runtime import DataParallelModule
 
     collectives.bind({a: g for a, g in groups.items() if a != "dp"})
@@ -272,7 +273,7 @@ def _measure_step(rank, groups, module, x, y, zero):
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    from autopar import collectives
+    from autopar.ops import collectives
     from autopar.runtime import DataParallelModule
 
     class Log(TorchDispatchMode):
@@ -468,7 +469,7 @@ def _train_pp_bf16(rank, groups, share, x, y, zero, steps):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from autopar import collectives
+    from autopar.ops import collectives
     from autopar.runtime import DataAxis, PipelineRunner
 
     class Matmuls(TorchDispatchMode):
@@ -545,7 +546,7 @@ def _log_step_traffic(rank, groups, module, x, y):
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    from autopar import collectives
+    from autopar.ops import collectives
     from autopar.runtime import DataParallelModule
 
     kinds = {"c10d.allreduce_": "all_reduce", "c10d._allgather_base_": "all_gather",
@@ -658,10 +659,10 @@ def test_planner_prices_matrix_products_in_the_autocast_dtype():
     """Under ``param_dtype=bf16`` a matmul of the fp32-traced graph computes in bf16: the
     planner prices it at the bf16 peak and bf16 bytes (an fp32 price would favour trading
     collectives for compute the bf16 run does not do), and other nodes keep theirs."""
-    from autopar import meta
-    from autopar.planner import run_node_time
-    from autopar.precision import annotate_autocast
-    from autopar.trace import trace
+    from autopar.frontend.precision import annotate_autocast
+    from autopar.frontend.trace import trace
+    from autopar.ir import meta
+    from autopar.planner.tp import run_node_time
     from cost.compute import node_time
     from cost.hardware import GPU
 
@@ -684,7 +685,7 @@ def _pp_state_bytes(rank, groups, share, x, y, zero):
     the step), gradients and optimizer state (local shards)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from autopar import collectives
+    from autopar.ops import collectives
     from autopar.runtime import DataAxis, PipelineRunner
 
     def local_bytes(ts):

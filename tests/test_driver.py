@@ -14,7 +14,7 @@ import torch
 import autopar
 from autopar import Mesh, autoparallelize
 from autopar.errors import PlanError
-from autopar.testing import Config, MoEConfig, build, build_moe, lm_loss, tokens
+from autopar.tools.testing import Config, MoEConfig, build, build_moe, lm_loss, tokens
 from cost.hardware import Cluster
 
 LLAMA = Config(batch=8)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar import Mesh
-from autopar.testing import Config, build, lm_loss, tokens
+from autopar.tools.testing import Config, build, lm_loss, tokens
 from autopar.verify import verify
 
 

@@ -1,8 +1,8 @@
-"""Expert parallelism (autopar/expert_parallel.py): MoE layers recognised in the ATen graph,
+"""Expert parallelism (autopar/axes/expert_parallel.py): MoE layers recognised in the ATen graph,
 experts placed across ep ranks, tokens dispatched and combined with all-to-alls.
 
 Every equivalence test compares the loss and every parameter gradient with one device at
-relative 1e-5 (fp32, dropless); the reference MoE block (autopar.testing.MoEModel) is drawn by
+relative 1e-5 (fp32, dropless); the reference MoE block (autopar.tools.testing.MoEModel) is drawn by
 hypothesis over experts, top-k, hidden sizes, routing and shared experts.
 """
 
@@ -17,13 +17,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar import Mesh, autoparallelize, zoo
-from autopar import collectives as C
+from autopar import Mesh, autoparallelize
+from autopar.axes.expert_parallel import ExpertParallelProgram, expert_load
 from autopar.codegen import _param_block
 from autopar.errors import InputError, ShardingRuleError
-from autopar.expert_parallel import ExpertParallelProgram, expert_load
-from autopar.pool import get_pool
-from autopar.testing import MoEConfig, build_moe, lm_loss, tokens
+from autopar.ops import collectives as C
+from autopar.runtime.pool import get_pool
+from autopar.tools import zoo
+from autopar.tools.testing import MoEConfig, build_moe, lm_loss, tokens
 from autopar.verify import _rank_step, _reference, program_view, rank_jobs, replica, verify
 
 pytest.importorskip("transformers")
@@ -167,7 +168,7 @@ def test_collectives_per_moe_layer():
     assert not [x for x in prog.collectives() if x.kind == "all_gather"]
     graph = prog.module(0).graph
     ops = [n.target.__name__ for n in graph.nodes if n.op == "call_function"
-           and n.target.__module__ == "autopar.collectives"]  # fmt: skip
+           and n.target.__module__ == "autopar.ops.collectives"]  # fmt: skip
     assert ops.count("expert_dispatch") == ops.count("expert_combine") == c.layers
     assert "all_gather" not in ops
 
@@ -257,7 +258,7 @@ class _LeakyBlock(torch.nn.Module):
         self.inner = build_moe(MoEConfig(layers=1))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from autopar.testing import grouped_mm
+        from autopar.tools.testing import grouped_mm
 
         m = self.inner
         block = m.blocks[0]
@@ -367,7 +368,7 @@ def test_dense_gradients_are_bucketed(cap, monkeypatch):
     """Dense gradients are all-reduced over ep in buckets of at most BUCKET_BYTES (one dtype,
     in reverse order of first use); the plan lists exactly the program's buckets, and the
     loss and every gradient still match one device."""
-    from autopar import expert_parallel as ep_module
+    from autopar.axes import expert_parallel as ep_module
 
     if cap is not None:
         monkeypatch.setattr(ep_module, "BUCKET_BYTES", cap)
@@ -423,7 +424,7 @@ def test_all_to_all_priced_on_the_link_ep_rides():
 def test_estimate_prices_a_deepseek_v3_like_shape(capsys):
     """DeepSeek-V3-like: 61 layers, hidden 7168, 256 experts of FFN 2048, top-8 (no MLA,
     no shared expert) on 32 DGX H100 nodes, ep=32 across 4 nodes."""
-    from autopar.cli import main
+    from autopar.tools.cli import main
 
     argv = ["estimate", "--model", "llama", "--layers", "61", "--hidden", "7168", "--heads",
             "128", "--kv-heads", "128", "--ffn", "2048", "--experts", "256", "--top-k", "8",

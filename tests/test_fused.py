@@ -1,4 +1,4 @@
-"""Fused projections of unequal blocks are cut per block (autopar/fused.py).
+"""Fused projections of unequal blocks are cut per block (autopar/frontend/fused.py).
 
 A fused [q | k | v] weight whose blocks differ in width (multi-query: one KV head; GQA: g < a
 KV heads) gets one projection per block on a piece of the weight, so the q rows split by
@@ -15,8 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar import Mesh, autoparallelize, verify
-from autopar.fused import split_fused_projections
-from autopar.trace import _run_as_slice, trace
+from autopar.frontend.fused import split_fused_projections
+from autopar.frontend.trace import _run_as_slice, trace
 
 
 class FusedAttention(nn.Module):
@@ -178,8 +178,8 @@ def _make_ckpt_group(rank, groups):
 
 
 def _ckpt_rank(rank, groups, module, root, resume):
-    from autopar import collectives
-    from autopar.checkpoint import Checkpointer
+    from autopar.ops import collectives
+    from autopar.runtime.checkpoints import Checkpointer
 
     collectives.bind(groups)
     x, y = _inputs(32)
@@ -192,8 +192,8 @@ def _ckpt_rank(rank, groups, module, root, resume):
 
 
 def test_checkpoint_of_pieces_resumes_under_tp2_and_on_one_device(tmp_path):
-    from autopar.checkpoint import Checkpointer, export_state_dict, step_dir
-    from autopar.pool import get_pool
+    from autopar.runtime.checkpoints import Checkpointer, export_state_dict, step_dir
+    from autopar.runtime.pool import get_pool
 
     x, y = _inputs(32)
     ref_model = _fused_model(0)
@@ -225,7 +225,7 @@ def test_pipeline_and_data_parallel_meshes_check_the_fused_gradients(mesh):
     their reassembled gradients with the fused weight's (none is skipped)."""
     import logging
 
-    from autopar import zoo
+    from autopar.tools import zoo
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     model, args, kwargs, loss_fn = zoo.build(zoo.family("gpt_bigcode"), "tiny")

@@ -1,4 +1,4 @@
-"""In-place writes into views of split activations (``autopar.inplace``).
+"""In-place writes into views of split activations (``autopar.frontend.inplace``).
 
 1. A family of attention blocks (random sizes, meshes tp=2 / tp=4) that write into a slice of
    the head-split q and k (``copy_``, slice assignment of a broadcast value or a scalar,
@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from autopar import Mesh, autoparallelize
 from autopar.errors import TraceError
-from autopar.trace import trace
+from autopar.frontend.trace import trace
 from autopar.verify import verify
 
 MEMORY = 1e-8  # s/byte: with memory priced, toy sizes keep activations split as large ones do

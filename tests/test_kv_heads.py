@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar import Mesh, autoparallelize, zoo
-from autopar import collectives as C
-from autopar.checkpoint import ShardSpec, global_pieces
+from autopar import Mesh, autoparallelize
 from autopar.codegen import shard_tensor, unshard_tensors
-from autopar.layout import Layout, Shard, parse_placement
-from autopar.testing import Config, build, lm_loss, tokens
-from autopar.trace import trace
+from autopar.frontend.trace import trace
+from autopar.ir.layout import Layout, Shard, parse_placement
+from autopar.ops import collectives as C
+from autopar.runtime.checkpoints import ShardSpec, global_pieces
+from autopar.tools import zoo
+from autopar.tools.testing import Config, build, lm_loss, tokens
 from autopar.verify import verify
 
 aten = torch.ops.aten

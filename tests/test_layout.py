@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.layout import PARTIAL, Layout, R, Shard, parse_placement
+from autopar.ir.layout import PARTIAL, Layout, R, Shard, parse_placement
 from autopar.rules import map_view
 
 

@@ -1,4 +1,4 @@
-"""Per-expert nn.ModuleList MoE loops (autopar/moe_loop.py): stacked at trace into grouped
+"""Per-expert nn.ModuleList MoE loops (autopar/frontend/moe_loop.py): stacked at trace into grouped
 matmuls over the user's per-expert parameters, then placed across ep ranks like stacked experts.
 
 Every equivalence test compares the loss and every parameter gradient (by the user's
@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from autopar import Mesh, autoparallelize
 from autopar.errors import ShardingRuleError, TraceError
-from autopar.testing import MoEModel, RMSNorm, build_moe, lm_loss
-from autopar.trace import trace
+from autopar.frontend.trace import trace
+from autopar.tools.testing import MoEModel, RMSNorm, build_moe, lm_loss
 from autopar.verify import verify
 
 pytest.importorskip("transformers")
@@ -282,7 +282,7 @@ def test_a_dense_loop_is_an_error_under_strict():
 
 def test_stacked_decoder_layers_are_not_an_expert_loop():
     """A ModuleList of identical layers run one after another is not a per-expert loop."""
-    from autopar.moe_loop import find_expert_loops
+    from autopar.frontend.moe_loop import find_expert_loops
 
     c = LoopConfig(layers=3)
     prog = autoparallelize(_model(c), Mesh(ep=2), _inputs(c), lm_loss)
@@ -347,7 +347,7 @@ def test_loop_moe_under_tp_only():
 def test_hf_eager_experts_loop_is_refused_with_its_source_line():
     """HF transformers 5's eager experts loop iterates over a data-dependent list of experts
     (``for expert_idx in expert_hit``): torch.export cannot unroll it; the error says where."""
-    from autopar import zoo
+    from autopar.tools import zoo
 
     model, args, kwargs, _ = zoo.build(zoo.family("mixtral"))
     for module in model.modules():

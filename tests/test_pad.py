@@ -1,4 +1,4 @@
-"""A vocabulary the tp degree does not divide is padded, masked, and cut back (autopar/pad.py)."""
+"""A vocabulary the tp degree does not divide is padded, masked, and cut back (autopar/frontend/pad.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from autopar import Mesh, autoparallelize, verify
-from autopar.testing import Config, build, lm_loss, tokens
+from autopar.tools.testing import Config, build, lm_loss, tokens
 
 ODD = dict(layers=1, hidden=32, heads=2, kv_heads=2, ffn=64, vocab=101, seq=8, batch=2)
 

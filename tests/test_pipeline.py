@@ -9,10 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar import InputError, Mesh, PlanError, autoparallelize, meta, verify
-from autopar.pipeline import balanced_cuts, sent_placements, unit_costs
-from autopar.testing import Config, build, lm_loss, tokens
-from autopar.trace import trace
+from autopar import InputError, Mesh, PlanError, autoparallelize, verify
+from autopar.axes.pipeline import balanced_cuts, sent_placements, unit_costs
+from autopar.frontend.trace import trace
+from autopar.ir import meta
+from autopar.tools.testing import Config, build, lm_loss, tokens
 from passes.pipeline_split import cuttable_units
 
 
@@ -176,7 +177,7 @@ def test_stage_prices_follow_the_autocast_dtype():
     """Under param_dtype=bf16 a unit's price is that of its nodes in the dtype they run in
     (matrix products at the bf16 peak), so the cut and its printed ms/micro-batch describe the
     bf16 run, not the fp32 trace: the slowest stage is several times cheaper than in fp32."""
-    from autopar.precision import annotate_autocast
+    from autopar.frontend.precision import annotate_autocast
 
     c = Config(layers=4, hidden=1024, heads=8, kv_heads=8, ffn=4096, vocab=8192, seq=512, batch=4)
     with torch.device("meta"):

@@ -12,9 +12,9 @@ import torch
 
 from autopar.errors import MeshError
 from autopar.mesh import Mesh
-from autopar.placement import HOST_ENV, fixing_order, host_id, misplaced
 from autopar.plan import Collective
-from autopar.pool import get_pool
+from autopar.runtime.placement import HOST_ENV, fixing_order, host_id, misplaced
+from autopar.runtime.pool import get_pool
 from cost.comm import collective_time
 from cost.hardware import Cluster
 from cost.topology import Topology, nccl_advice
@@ -98,7 +98,7 @@ def test_the_host_is_the_hostname_unless_injected(monkeypatch):
 
 
 def test_what_to_change_when_no_order_fits():
-    from autopar.placement import _fix
+    from autopar.runtime.placement import _fix
 
     assert _fix(Mesh(tp=4), TWO_HOSTS).startswith("tp=4 cannot fit on a host of 2 ranks: lower "
                                                   "it to at most 2")  # fmt: skip
@@ -127,7 +127,7 @@ def test_nccl_advice_follows_the_topology():
 def test_the_plan_prints_the_nccl_advice():
     from autopar import autoparallelize
     from autopar.plan import Plan
-    from autopar.testing import MLP
+    from autopar.tools.testing import MLP
 
     prog = autoparallelize(MLP(), Mesh(tp=4), (torch.randn(8, 16),))
     assert "advice (launch environment; autopar sets none of it): NCCL_NVLS_ENABLE=1: tp's " \
@@ -139,7 +139,7 @@ def test_a_data_parallel_plan_prints_the_advice_of_its_whole_mesh():
     """The dp axis crosses nodes: its plan advises the rail settings the fabric is priced on
     (the sub-mesh's tp plan alone knows only NVLink)."""
     from autopar import autoparallelize
-    from autopar.testing import MLP
+    from autopar.tools.testing import MLP
 
     mesh = Mesh(Cluster.preset("dgx-h100", nodes=2), dp=2, tp=8)
     prog = autoparallelize(MLP(), mesh, (torch.randn(16, 16),))

@@ -18,7 +18,7 @@ import pytest
 from autopar import Mesh, autoparallelize
 from autopar.errors import MeshError, PlanError
 from autopar.plan import Plan, as_plan
-from autopar.testing import Config, MoEConfig, build, build_moe, lm_loss, tokens
+from autopar.tools.testing import Config, MoEConfig, build, build_moe, lm_loss, tokens
 
 pytest.importorskip("transformers")
 logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from autopar import Mesh, MeshError, PlanError, autoparallelize
-from autopar.analysis import find_blocks
-from autopar.planner import PlanOptions, solve_axis
-from autopar.testing import Config, build, lm_loss, tokens
-from autopar.trace import trace
+from autopar.frontend.trace import trace
+from autopar.ir.analysis import find_blocks
+from autopar.planner.tp import PlanOptions, solve_axis
+from autopar.tools.testing import Config, build, lm_loss, tokens
 
 # Large enough that splitting pays on the default cluster (one DGX H100 node).
 BIG = dict(layers=2, hidden=1024, heads=16, ffn=4096, vocab=8192, seq=1024, batch=2, bias=False)
@@ -174,7 +174,7 @@ def test_split_gemm_is_priced_at_its_local_shape():
     column split still reads whole on every rank: per rank it runs no faster than whole; a
     wide one (compute-bound) runs twice as fast; a row (K) split of the narrow one halves the
     input read but still writes the whole partial output."""
-    from autopar.planner import _local_gemm_time
+    from autopar.planner.tp import _local_gemm_time
     from autopar.rules import RuleContext, strategies
     from cost.compute import node_time
     from cost.hardware import GPU

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from autopar import Mesh, planner
-from autopar.planner import PlanOptions, solve_axis
-from autopar.testing import Config, build, hf_tiny_llama, lm_loss, token_batch, tokens
-from autopar.trace import Traced, trace
+from autopar import Mesh
+from autopar.frontend.trace import Traced, trace
+from autopar.planner import tp as planner
+from autopar.planner.tp import PlanOptions, solve_axis
+from autopar.tools.testing import Config, build, hf_tiny_llama, lm_loss, token_batch, tokens
 
 DEPTHS = (2, 3, 4)
 

@@ -7,11 +7,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from autopar import Mesh, autoparallelize, meta
-from autopar.analysis import batch_dims, splits_batch
-from autopar.layout import Shard
-from autopar.testing import Config, build, lm_loss, tokens
-from autopar.trace import trace
+from autopar import Mesh, autoparallelize
+from autopar.frontend.trace import trace
+from autopar.ir import meta
+from autopar.ir.analysis import batch_dims, splits_batch
+from autopar.ir.layout import Shard
+from autopar.tools.testing import Config, build, lm_loss, tokens
 
 REAL = dict(layers=2, hidden=2048, heads=16, kv_heads=16, ffn=5632, vocab=32000, seq=2048,
             batch=4, bias=False)  # fmt: skip

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from autopar import Mesh, MeshError, Plan, autoparallelize
-from autopar.pool import get_pool
-from autopar.testing import Config, build, lm_loss, tokens
+from autopar.runtime.pool import get_pool
+from autopar.tools.testing import Config, build, lm_loss, tokens
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_hf_module_follows_to_device_inside_autocast_bodies():
     nested graph whose ``_assert_tensor_metadata`` checks name the tracing device (seen on an
     H200: "Tensor device mismatch! Expected: cpu").  HF's mask code reads values (``.item``),
     so meta cannot stand in for cuda here: no graph may name a device, and it still runs."""
-    from autopar.testing import hf_tiny_llama
+    from autopar.tools.testing import hf_tiny_llama
 
     x, y = torch.randint(0, 128, (2, 8)), torch.randint(0, 128, (2, 8))
     model = hf_tiny_llama(1)

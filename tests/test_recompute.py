@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from autopar import Mesh, autoparallelize
-from autopar.codegen import outline_blocks
-from autopar.recompute import (
+from autopar.axes.recompute import (
     RecomputeError,
     block_targets,
     blocks_outlined,
     core_regions,
     measure_saved,
 )
-from autopar.testing import MLP, Config, MoEConfig, build, build_moe, lm_loss, tokens
+from autopar.codegen import outline_blocks
+from autopar.tools.testing import MLP, Config, MoEConfig, build, build_moe, lm_loss, tokens
 from autopar.verify import verify
 from cost.hardware import Cluster
 
@@ -65,7 +65,7 @@ def test_recomputing_programs_equal_single_device(kind, axes, options, mode):
     if c.attention == "sdpa" and mode == "selective":  # nothing recomputed, and it says so
         assert "checkpoint(" not in code and "nothing to recompute" in plan
     else:  # the program runs it, and the plan prices it
-        assert "autopar_recompute_checkpoint(" in code
+        assert "autopar_axes_recompute_checkpoint(" in code
         assert f"recompute {mode}: re-runs" in plan and "ms per step" in plan
 
 
@@ -75,7 +75,7 @@ def test_expert_parallel_recomputes_after_placing_experts():
     assert report.ok, str(report)
     prog = autoparallelize(build_moe(c), Mesh(ep=2), tokens(c), lm_loss, recompute="full")
     assert len(prog.plan.layers) == c.layers  # MoE layers recognised before outlining
-    assert "autopar_recompute_checkpoint(blocks_0," in prog.code(0)
+    assert "autopar_axes_recompute_checkpoint(blocks_0," in prog.code(0)
     assert "recompute full: re-runs the forward of each of 2 blocks" in str(prog.plan)
 
 
@@ -85,7 +85,7 @@ def test_full_checkpoints_every_block_and_prints_where():
     prog = autoparallelize(build("gpt", c), Mesh(tp=2), (x, y), lm_loss, recompute="full")
     code = prog.code(0)
     for i in range(3):
-        assert f"autopar_recompute_checkpoint(blocks_{i}," in code
+        assert f"autopar_axes_recompute_checkpoint(blocks_{i}," in code
     calls = [n for n in prog.module(0).graph.nodes if n.op == "call_function"
              and n.target.__name__ == "checkpoint"]  # fmt: skip
     assert [n.args[0].target for n in calls] == ["blocks.0", "blocks.1", "blocks.2"]
@@ -160,7 +160,7 @@ def test_mesh_auto_on_a_tight_cluster_compiles_recompute():
     chosen = prog.search.compiled.config.recompute
     assert chosen in ("selective", "full") and f"recompute={chosen}" in str(prog.search)
     assert f"recompute {chosen}: re-runs" in str(prog.plan)
-    assert "autopar_recompute_checkpoint(" in prog.code(0)
+    assert "autopar_axes_recompute_checkpoint(" in prog.code(0)
     report = verify(build("gpt", c), Mesh.auto(cluster), (x, y), lm_loss, rtol=1e-5)
     assert report.ok, str(report)
     roomy = dataclasses.replace(base, gpus_per_node=2)  # the search's own choice: no recompute

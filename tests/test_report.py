@@ -1,4 +1,4 @@
-"""The HTML report (autopar.report): its numbers are the plan's own, it is self-contained and
+"""The HTML report (autopar.tools.report): its numbers are the plan's own, it is self-contained and
 well-formed, it renders in a real browser, and the command line writes it.
 
 Every number the page shows is in a `data-value` attribute of its table cell; the tests read
@@ -20,9 +20,9 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from autopar import Mesh, autoparallelize  # noqa: E402
-from autopar.report import CHARTS  # noqa: E402
-from autopar.report_facts import facts_of  # noqa: E402
-from autopar.report_program import core_plans, position_rows, unwrap  # noqa: E402
+from autopar.tools.report import CHARTS  # noqa: E402
+from autopar.tools.report_facts import facts_of  # noqa: E402
+from autopar.tools.report_program import core_plans, position_rows, unwrap  # noqa: E402
 
 PP_TP_CHARTS = ("chart-mesh", "chart-comm", "chart-memory", "chart-schedule")
 
@@ -68,7 +68,7 @@ def tables(path: Path) -> dict[str, list[list[tuple[str, float | None]]]]:
 @pytest.fixture(scope="module")
 def llama_dp_pp_tp(tmp_path_factory: pytest.TempPathFactory):
     """A traced HF Llama on Mesh(dp=2, pp=2, tp=2) and its report (with PNGs)."""
-    from autopar.testing import hf_tiny_llama, token_batch
+    from autopar.tools.testing import hf_tiny_llama, token_batch
 
     ids, labels = token_batch(8, 16, 128)
     prog = autoparallelize(hf_tiny_llama(2), Mesh(dp=2, pp=2, tp=2), (ids,),
@@ -139,13 +139,13 @@ def test_schedule_and_code_are_the_programs_own(llama_dp_pp_tp) -> None:
 
 
 def test_search_report_numbers_are_the_plans_own(tmp_path: Path) -> None:
-    from autopar.search import parse_degrees, plan_shape
+    from autopar.planner.auto import parse_degrees, plan_shape
     from cost.hardware import Cluster
     from cost.model import ModelShape
 
     plan = plan_shape(ModelShape.preset("llama3-8b"), Cluster.preset("dgx-h100", nodes=2), 64,
                       compare=parse_degrees("tp=4,pp=2,dp=2"))  # fmt: skip
-    from autopar.report import write_report
+    from autopar.tools.report import write_report
 
     t = tables(write_report(plan, tmp_path / "plan.html"))
     best = plan.best
@@ -215,7 +215,7 @@ def test_measured_schedule_is_drawn_under_the_simulated_one(llama_dp_pp_tp,
 
 def _timed_step(rank: int, groups: dict, share, x, y) -> list:
     """One pipeline step on a pool rank; every pipeline rank's recorded events."""
-    from autopar import collectives
+    from autopar.ops import collectives
     from autopar.runtime import PipelineRunner
 
     collectives.bind(groups)
@@ -229,9 +229,9 @@ def test_a_pipeline_step_records_the_schedule_it_ran(schedule: str, tmp_path: Pa
     """The runner times each forward / backward chunk as torch's schedule runs it: per
     pipeline rank the order is the one autopar simulates and prices, every chunk once, and the
     events draw as the report's measured timeline."""
-    from autopar.pool import get_pool
-    from autopar.schedule import actions
-    from autopar.testing import Config, build, lm_loss, tokens
+    from autopar.axes.schedule import actions
+    from autopar.runtime.pool import get_pool
+    from autopar.tools.testing import Config, build, lm_loss, tokens
 
     c = Config(layers=4, batch=4)
     x, y = tokens(c)
@@ -254,7 +254,7 @@ def test_unknown_objects_are_refused_with_what_to_give() -> None:
 
 
 def test_cli_plan_and_estimate_write_the_report(tmp_path: Path) -> None:
-    from autopar.cli import main
+    from autopar.tools.cli import main
 
     args = ["--model", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "64",
             "--global-batch", "1024"]  # fmt: skip

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopar.pool import get_pool
-from autopar.resilience import (
+from autopar.runtime.pool import get_pool
+from autopar.runtime.resilience import (
     EXIT_CODE,
     Heartbeat,
     LossScaler,
@@ -25,7 +25,7 @@ from autopar.resilience import (
     find_stragglers,
     where,
 )
-from autopar.testing import run_rank_scripts
+from autopar.tools.testing import run_rank_scripts
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD, TIMEOUT = 4, 4.0
@@ -41,8 +41,8 @@ def _rank_main(rank: int, port: int, mode: str, victim: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar import autoparallelize
-    from autopar.resilience import Watchdog, enable_flight_recorder
-    from autopar.testing import MLP
+    from autopar.runtime.resilience import Watchdog, enable_flight_recorder
+    from autopar.tools.testing import MLP
 
     enable_flight_recorder()
     torch.set_num_threads(1)
@@ -192,7 +192,7 @@ def test_a_slowed_rank_is_named_within_20_steps_and_nobody_over_50_normal_steps(
 
 
 def _expert_rank(rank, groups):
-    from autopar import collectives
+    from autopar.ops import collectives
 
     collectives._LOAD.append(([999, 999], 0))  # a dispatch before the monitor: not counted
     monitor = StragglerMonitor(every=4, group=_GROUP["all"], expert_load=True)
@@ -242,8 +242,8 @@ def test_spike_guard_skips_spikes_and_non_finite_values():
 def test_rollback_to_the_checkpoint_and_skipping_the_batch_equals_never_seeing_it(tmp_path):
     """A poisoned batch at step 6 spikes the loss; the guard rolls back to step 5's checkpoint
     and skips the batch: the run equals one that never had the batch."""
-    from autopar.checkpoint import Checkpointer
-    from autopar.testing import Config, build, lm_loss, tokens
+    from autopar.runtime.checkpoints import Checkpointer
+    from autopar.tools.testing import Config, build, lm_loss, tokens
 
     c = Config(layers=1, vocab=32, batch=2)
     good = [tokens(c, seed=1)] * 10  # memorised quickly: the loss falls steadily

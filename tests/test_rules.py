@@ -7,9 +7,9 @@ import torch
 import torch.nn as nn
 
 from autopar import Mesh, ShardingRuleError, autoparallelize
+from autopar.frontend.trace import trace
 from autopar.rules import has_rule
-from autopar.testing import Config, build, lm_loss, tokens
-from autopar.trace import trace
+from autopar.tools.testing import Config, build, lm_loss, tokens
 
 CONFIGS = {
     "gpt": Config(layers=1, hidden=32, heads=4, kv_heads=4, ffn=64, vocab=64, seq=8, tied=True),

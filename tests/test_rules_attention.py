@@ -12,8 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar import Mesh, autoparallelize
+from autopar.frontend.trace import trace
 from autopar.rules import RuleContext, strategies, view_block_counts
-from autopar.trace import trace
 from autopar.verify import verify
 
 transformers = pytest.importorskip("transformers")

@@ -20,10 +20,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar import Mesh, autoparallelize, meta, zoo
-from autopar.layout import Partial, Replicate, Shard
+from autopar import Mesh, autoparallelize
+from autopar.frontend.trace import tensor_args, trace
+from autopar.ir import meta
+from autopar.ir.layout import Partial, Replicate, Shard
 from autopar.rules import RuleContext, strategies
-from autopar.trace import tensor_args, trace
+from autopar.tools import zoo
 from autopar.verify import verify
 
 # ---------------------------------------------------------------------------------------------

@@ -17,9 +17,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar import Mesh, autoparallelize
-from autopar.layout import Partial, Replicate
+from autopar.frontend.trace import tensor_args, trace
+from autopar.ir.layout import Partial, Replicate
 from autopar.rules import RuleContext, Strategy, strategies
-from autopar.trace import tensor_args, trace
 from autopar.verify import verify
 
 T = 2  # ranks simulated / run

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autopar import Mesh, autoparallelize, zoo
+from autopar import Mesh, autoparallelize
+from autopar.tools import zoo
 from autopar.verify import verify
 
 MEMORY = 1e-8  # s/byte: with memory priced, toy sizes keep activations split as large ones do

@@ -5,8 +5,8 @@ import torch
 import torch.nn as nn
 
 from autopar import InputError, Mesh, TraceError, autoparallelize, verify
-from autopar.testing import Config, build, lm_loss, tokens
-from autopar.trace import trace
+from autopar.frontend.trace import trace
+from autopar.tools.testing import Config, build, lm_loss, tokens
 
 
 def test_trace_records_params_inputs_and_splits_biases(mlp):
@@ -151,7 +151,7 @@ def test_constant_causal_mask_becomes_is_causal():
 
 
 def test_hf_llama_mask_becomes_is_causal():
-    from autopar.testing import hf_tiny_llama
+    from autopar.tools.testing import hf_tiny_llama
 
     ids = torch.randint(0, 128, (2, 8))
     sdpa = _sdpa(trace(hf_tiny_llama(1), (ids,)))

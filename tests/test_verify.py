@@ -21,8 +21,8 @@ from verify_ops_fixture import ScaledMLP
 
 import autopar
 from autopar import Mesh, autoparallelize
-from autopar.pool import dumps
-from autopar.serialize import op_providers
+from autopar.runtime.pool import dumps
+from autopar.runtime.serialize import op_providers
 from autopar.verify import _check, bitwise_equal, verify
 
 REPO = Path(autopar.__file__).resolve().parents[1]
@@ -326,7 +326,7 @@ def test_a_corrupted_shard_fails_on_every_kind_of_program(axes, monkeypatch):
     """The last rank's copy of ``blocks.1.gate_up`` (its experts under ep) scaled by 1.01
     after compiling: verify's one path fails it on data-parallel, pipelined and
     expert-parallel programs and their products, not only on the tp program above."""
-    from autopar.testing import MoEConfig, build_moe, lm_loss, tokens
+    from autopar.tools.testing import MoEConfig, build_moe, lm_loss, tokens
 
     V = sys.modules["autopar.verify"]  # the module (autopar.verify is the function)
     compile_ = V.autoparallelize

@@ -13,8 +13,8 @@ import torch
 
 from autopar import Mesh, autoparallelize
 from autopar.codegen import outline_blocks
-from autopar.pool import get_pool
-from autopar.testing import Config, build, lm_loss, tokens
+from autopar.runtime.pool import get_pool
+from autopar.tools.testing import Config, build, lm_loss, tokens
 
 C = Config(layers=4, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=96, seq=16, batch=4,
            bias=False)  # fmt: skip
@@ -117,7 +117,7 @@ def _llama_dp_tp_zero3(layers: int, hidden: int, heads: int, kv_heads: int, ffn:
 def _check_blocks(prog, names: list[str], layers: int) -> None:
     """Every block outlined with its own parameters; the root and the last block are the
     parameters kept gathered into backward (the rest resharded after forward)."""
-    from autopar.data_parallel import kept_gathered
+    from autopar.axes.data_parallel import kept_gathered
 
     module = prog.inner.module(0)
     outlined = outline_blocks(module)

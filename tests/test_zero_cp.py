@@ -16,10 +16,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar import Mesh, autoparallelize, verify
-from autopar.collectives import grad_all_reduce, grad_partial
-from autopar.cp_ops import cp_localize
-from autopar.pool import get_pool
-from autopar.testing import Config, build, lm_loss, run_rank_scripts, tokens
+from autopar.ops.collectives import grad_all_reduce, grad_partial
+from autopar.ops.cp_ops import cp_localize
+from autopar.runtime.pool import get_pool
+from autopar.tools.testing import Config, build, lm_loss, run_rank_scripts, tokens
 
 C = Config(layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=48, seq=16, batch=4)
 
@@ -85,7 +85,7 @@ def _state_bytes(rank, groups, module, x, y, zero):
     and optimizer state (local shards)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from autopar import collectives
+    from autopar.ops import collectives
     from autopar.runtime import DataParallelModule
 
     def local_bytes(ts):

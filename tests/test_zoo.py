@@ -1,4 +1,4 @@
-"""The model zoo (autopar/zoo.py): every registered HF causal-LM family under tp=2.
+"""The model zoo (autopar/tools/zoo.py): every registered HF causal-LM family under tp=2.
 
 Per family (one ``zoo.check`` per family, shared by its four tests): it traces; verify of the
 tiny config matches the single-device model (loss, logits, every gradient; rtol 1e-4, fp32
@@ -17,7 +17,7 @@ import logging
 
 import pytest
 
-from autopar import zoo
+from autopar.tools import zoo
 
 pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""More HF causal-LM families (autopar.zoo.MORE), each from one generic tiny config: it
+"""More HF causal-LM families (autopar.tools.zoo.MORE), each from one generic tiny config: it
 traces, and verify at Mesh(tp=2) matches the single-device model (loss, logits, every
 gradient).  Found by trying every causal LM of transformers 5.23 a user may bring; families
 whose export fails for a reason autopar reports clearly are checked for that error."""
@@ -9,7 +9,8 @@ import logging
 
 import pytest
 
-from autopar import Mesh, TraceError, autoparallelize, verify, zoo
+from autopar import Mesh, TraceError, autoparallelize, verify
+from autopar.tools import zoo
 
 pytest.importorskip("transformers")
 

@@ -34,9 +34,9 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import ShardingRuleError
-from autopar.layout import Partial, Placement, R, Replicate, Shard
-from autopar.meta import source
-from autopar.trace import tensor_args
+from autopar.frontend.trace import tensor_args
+from autopar.ir.layout import Partial, Placement, R, Replicate, Shard
+from autopar.ir.meta import source
 
 aten = torch.ops.aten
 Out = Placement | tuple[Placement, ...]

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autopar.layout import PARTIAL, Placement, R, Shard
+from autopar.frontend.trace import tensor_args
+from autopar.ir.layout import PARTIAL, Placement, R, Shard
 from autopar.rules.core import RuleContext, Strategy, _shape, aten, rule
 from autopar.rules.pointwise import _broadcast_placement
-from autopar.trace import tensor_args
 
 
 @rule(aten.linear.default)

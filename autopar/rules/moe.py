@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autopar.layout import PARTIAL, R, Shard
+from autopar.frontend.trace import tensor_args
+from autopar.ir.layout import PARTIAL, R, Shard
 from autopar.rules.core import NAMED_RULES, RULES, RuleContext, Strategy, _dim, _shape, aten, rule
 from autopar.rules.pointwise import _broadcast_placement, pointwise
-from autopar.trace import tensor_args
 
 #
 # Tensor parallelism inside every expert (no expert axis): a grouped matmul x[S, k] @ w[E, k, n]

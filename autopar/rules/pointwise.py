@@ -1,6 +1,6 @@
 """Pointwise ops with broadcasting: any split of the output maps to its inputs' dims; linear
 ops (add, neg, casts, ``copy_``) also pass partial sums through.  An in-place op here writes
-a whole value (``autopar.inplace`` turned writes through views into dataflow), so writing it
+a whole value (``autopar.frontend.inplace`` turned writes through views into dataflow), so writing it
 where it lies, in its own layout, is a local op."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 import torch.fx as fx
 
-from autopar.layout import PARTIAL, Placement, R, Shard
+from autopar.frontend.trace import tensor_args
+from autopar.ir.layout import PARTIAL, Placement, R, Shard
 from autopar.rules.core import RuleContext, Strategy, _shape, aten, rule
-from autopar.trace import tensor_args
 
 _POINTWISE = [
     "add.Tensor", "add.Scalar", "sub.Tensor", "sub.Scalar", "mul.Tensor", "mul.Scalar",

@@ -9,10 +9,10 @@ import math
 import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 
-from autopar.layout import PARTIAL, R, Shard
+from autopar.frontend.trace import tensor_args
+from autopar.ir.layout import PARTIAL, R, Shard
 from autopar.rules.core import RuleContext, Strategy, _dim, _shape, aten, rule
 from autopar.rules.pointwise import _broadcast_placement
-from autopar.trace import tensor_args
 
 
 def _reduced_dims(node: fx.Node) -> tuple[list[int], bool]:

@@ -8,10 +8,10 @@ from collections.abc import Callable, Sequence
 
 import torch.fx as fx
 
-from autopar.layout import PARTIAL, Placement, R, Shard
+from autopar.frontend.trace import tensor_args
+from autopar.ir.layout import PARTIAL, Placement, R, Shard
 from autopar.rules.core import Out, RuleContext, Strategy, _dim, _shape, aten, rule
 from autopar.rules.pointwise import _broadcast_placement
-from autopar.trace import tensor_args
 
 
 def _view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int], list[int]]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autopar.cli import main
+from autopar.tools.cli import main
 
 
 def test_estimate_prints_the_table(capsys):

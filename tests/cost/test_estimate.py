@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from autopar.estimate import Cluster, CostInputError, ModelShape, ParallelConfig, estimate
+from autopar import Cluster, ModelShape, ParallelConfig, estimate
+from cost.errors import CostInputError
 
 PROPERTY = settings(max_examples=25, deadline=None)
 ROOT = Path(__file__).resolve().parents[2]

@@ -104,7 +104,7 @@ def test_reference_zero_table_for_7b_on_64_gpus(zero, gb):
 
 
 def test_cli_grad_dtype_changes_the_gradient_bytes(capsys):
-    from autopar.cli import main
+    from autopar.tools.cli import main
 
     shape = ["estimate", "--model", "llama", "--layers", "32", "--hidden", "4096", "--heads", "32",
              "--kv-heads", "32", "--ffn", "11008", "--vocab", "32000", "--seq", "2048",

@@ -10,7 +10,7 @@ import torch
 
 from autopar import Mesh, autoparallelize
 from autopar.errors import PlanError
-from autopar.testing import Config, build, lm_loss, tokens
+from autopar.tools.testing import Config, build, lm_loss, tokens
 from cost.hardware import Cluster
 
 

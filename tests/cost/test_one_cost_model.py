@@ -29,8 +29,8 @@ CONFIGS = [({"dp": 16}, 3, "none"), ({"dp": 16}, 3, "full"), ({"dp": 8, "pp": 2}
 def setup():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from autopar.precision import annotate_autocast, mark_run_dtypes
-    from autopar.trace import trace
+    from autopar.frontend.precision import annotate_autocast, mark_run_dtypes
+    from autopar.frontend.trace import trace
 
     cfg = LlamaConfig(num_hidden_layers=2, hidden_size=1024, num_attention_heads=8,
                       num_key_value_heads=4, intermediate_size=2816, vocab_size=VOCAB,

@@ -9,9 +9,9 @@ import itertools
 import pytest
 
 from autopar import Mesh, autoparallelize, verify
-from autopar.cli import main
-from autopar.search import parse_degrees, plan_shape
-from autopar.testing import Config, build, lm_loss, tokens
+from autopar.planner.auto import parse_degrees, plan_shape
+from autopar.tools.cli import main
+from autopar.tools.testing import Config, build, lm_loss, tokens
 from cost.config import RECOMPUTE, ParallelConfig, validate
 from cost.errors import CostInputError
 from cost.estimate import as_priced, price
@@ -320,7 +320,7 @@ def test_plan_cli_traces_a_model_built_on_the_meta_device(tmp_path, capsys):
     source = tmp_path / "model.py"
     source.write_text(
         "import torch\n"
-        "from autopar.testing import Config, build, lm_loss, tokens\n\n"
+        "from autopar.tools.testing import Config, build, lm_loss, tokens\n\n"
         "def make():\n"
         "    c = Config(layers=4, hidden=256, heads=8, kv_heads=2, ffn=512, vocab=512, seq=128,\n"
         "               batch=4)\n"

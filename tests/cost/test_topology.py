@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.search import plan_shape
+from autopar.planner.auto import plan_shape
 from cost.comm import collective_time
 from cost.hardware import Cluster
 from cost.topology import Topology

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from autopar import Mesh, autoparallelize
-from autopar.testing import MLP
+from autopar.tools.testing import MLP
 
 sys.path.insert(0, str(Path(__file__).parent))
 

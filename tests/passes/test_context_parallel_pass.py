@@ -6,7 +6,7 @@ from __future__ import annotations
 from golden import assert_golden
 
 from autopar import Mesh, autoparallelize, verify
-from autopar.testing import Config, build, lm_loss, tokens
+from autopar.tools.testing import Config, build, lm_loss, tokens
 
 SMALL = Config(layers=1, hidden=32, heads=2, kv_heads=2, ffn=64, vocab=32, seq=8, batch=2)
 

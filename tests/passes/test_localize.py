@@ -4,7 +4,7 @@ import torch
 from golden import assert_golden
 
 from autopar import Mesh, autoparallelize
-from autopar.testing import Config, build, lm_loss, tokens
+from autopar.tools.testing import Config, build, lm_loss, tokens
 
 
 def test_printed_graph(mlp_prog):

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from golden import assert_golden
 
-from autopar import collectives as C
+from autopar.ops import collectives as C
 
 
 def test_printed_graph(mlp_prog):
@@ -29,7 +29,7 @@ def test_replicated_kv_projection_reduces_only_its_weight_gradients():
     import torch
 
     from autopar import Mesh, autoparallelize
-    from autopar.testing import Config, build, lm_loss, tokens
+    from autopar.tools.testing import Config, build, lm_loss, tokens
     from autopar.verify import verify
 
     c = Config(kv_heads=1, heads=8, bias=False)
@@ -64,7 +64,8 @@ def test_multi_query_gemma_backward_is_megatron_sp_plus_kv_weight_reductions():
     import torch
 
     pytest.importorskip("transformers")
-    from autopar import Mesh, autoparallelize, zoo
+    from autopar import Mesh, autoparallelize
+    from autopar.tools import zoo
 
     entry = zoo.family("gemma")
     d = zoo.dims(entry, "realistic")

@@ -5,9 +5,9 @@ import copy
 import torch
 from golden import assert_golden
 
-from autopar import meta
-from autopar.analysis import needs_grad
-from autopar.collectives import redistribute
+from autopar.ir import meta
+from autopar.ir.analysis import needs_grad
+from autopar.ops.collectives import redistribute
 from passes import PassContext
 from passes.propagate_layout import propagate_layout
 
@@ -38,7 +38,7 @@ def test_idempotent_and_lint_clean(mlp_prog):
 
 
 def _choice(prog):
-    from autopar.planner import PlanOptions, solve_axis
+    from autopar.planner.tp import PlanOptions, solve_axis
 
     mesh = prog.mesh
     sol = solve_axis(prog.traced, "tp", 2, mesh.cluster.axis_link(mesh.axes, "tp"),

@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import torch
 
-from autopar import Mesh, autoparallelize, collectives, parallel_ops
-from autopar.testing import Config, build, lm_loss, tokens
+from autopar import Mesh, autoparallelize
+from autopar.ops import collectives, parallel_ops
+from autopar.tools.testing import Config, build, lm_loss, tokens
 
 
 def lowered_targets(kind: str, memory_weight: float = 0.0, **cfg) -> set:

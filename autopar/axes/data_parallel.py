@@ -1,0 +1,745 @@
+"""The data axis: each dp rank runs the program of the mesh without dp on its slice of the batch.
+
+Algorithm (:func:`compile_data_parallel`):
+1. Split the global batch (the driver, :func:`split_batch`): dim 0 of every tensor input (and
+   keyword input) must divide by dp (times the micro-batch count under pp); the example
+   inputs are sliced to B/dp and traced once.
+2. Compile the sub-mesh program (tp, cp, ep and/or pp) from that trace; every dp rank runs
+   it.  Under cp the cp ranks join the data axis's gradient reduction (torchtitan's FSDP
+   over ``dp_shard_cp``): the cp program leaves its dense parameters' gradients partial
+   (``context_parallel.leave_grads_to_data_axis``) and ZeRO shards and reduces over the
+   flattened dp x cp group, once; the loss stays a mean (or sum) over the global tokens.
+3. Read the loss's meaning off the traced graph's final reduction (a cross-entropy's reduction
+   argument, a mean or a sum): a mean over the global batch stays a mean (gradients averaged
+   over dp), a sum stays a sum (gradients summed).
+4. Price model state per rank for each ZeRO stage (weights, gradients, optimizer state
+   divided over the ZeRO group: dp, or dp x cp; with the saved activations of the sub-mesh
+   plan) and pick the lowest stage that fits the memory
+   limit (the GPU's memory unless ``memory_limit`` is given); a forced stage that does not fit
+   is an error naming the stage that would.  A given ``memory_limit`` also reaches the
+   sub-mesh (tp) solver: a stage whose fastest sub-mesh plan does not fit re-solves that plan
+   under the limit, with the model state counted as the stage holds it (``_fit_sub_mesh``).
+5. List the data-axis traffic per step as torch's engines run it: ZeRO-0 one all-reduce per
+   gradient; ZeRO-1 the same plus the updated shards gathered after the optimizer step
+   (ZeroRedundancyOptimizer broadcasts them); ZeRO-2 a forward all-gather of the parameters
+   and a reduce-scatter of the gradients (= one all-reduce); ZeRO-3 also re-gathers the
+   parameters in backward (1.5x DDP).  ZeRO-2/3 gather and reduce one repeated block at a
+   time (runtime.shard_per_block); with ``param_dtype`` 16-bit the gathers move 16-bit.
+6. Statistics over the batch that feed a non-linear loss term (an MoE load-balancing loss)
+   become global over dp where they are computed (autopar.axes.batch_stats).
+7. Predict the step time (:func:`predict_step`) with the whole-cluster search's functions
+   (`cost.step`): the sub-mesh plan's micro-batches and pipeline bubble, the exposed
+   gradient traffic over the ZeRO group and the optimizer step, on the program's local work.
+The runtime (autopar.runtime.DataParallelModule) reuses torch's engines for the reduction.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autopar.errors import FitError, InputError, PlanError
+from autopar.mesh import Mesh
+from autopar.plan import Collective, DpSection, Plan, _fmt_bytes, _pattern, as_plan
+from cost.memory import model_state
+from cost.topology import Topology, nccl_advice
+
+ZERO_STAGES = (0, 1, 2, 3)
+_MEAN, _SUM = 1, 2  # aten's reduction enum
+_LOSSES = {"cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d_forward",
+           "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+           "binary_cross_entropy_with_logits", "kl_div"}  # fmt: skip
+_PASS_THROUGH = {"div", "mul", "neg", "clone", "alias", "view", "reshape", "squeeze", "to",
+                 "_to_copy", "add", "sub", "contiguous", "detach"}  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateBytes:
+    """Bytes per parameter of each part of the model state (Adam)."""
+
+    weights: float
+    grads: float
+    optimizer: float
+
+    @staticmethod
+    def for_dtype(param_dtype: torch.dtype) -> StateBytes:
+        """fp32: weight, gradient, two moments (4+4+8).  16-bit: 2-byte weights, fp32 gradients
+        and fp32 master + two moments (2+4+12 = REFERENCE.md's 18 bytes)."""
+        if param_dtype == torch.float32:
+            return StateBytes(weights=4, grads=4, optimizer=8)
+        return StateBytes(weights=2, grads=4, optimizer=12)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroMemory:
+    """Per-rank bytes under one ZeRO stage."""
+
+    stage: int
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+    def __str__(self) -> str:
+        parts = (f"weights {_fmt_bytes(self.weights)}, gradients {_fmt_bytes(self.grads)}, "
+                 f"optimizer {_fmt_bytes(self.optimizer)}, activations "
+                 f"{_fmt_bytes(self.activations)}")  # fmt: skip
+        return f"ZeRO-{self.stage}: {_fmt_bytes(self.total):>10} per rank ({parts})"
+
+
+def zero_memory(params: int, dp: int, stage: int, per: StateBytes,
+                activations: float, kept: int = 0) -> ZeroMemory:  # fmt: skip
+    """Step 4: stage 1 shards the optimizer state over dp, 2 also gradients, 3 also weights
+    (the cost model's ``model_state``, with this plan's element sizes); at stage 3 the
+    ``kept`` parameters (:func:`kept_gathered`: the root group and the last block) are held
+    whole between forward and backward."""
+    weights, grads, optimizer = model_state(params, 0.0, stage, dp, dp, grad_bytes=per.grads,
+                                            weight_bytes=per.weights, optim_bytes=per.optimizer,
+                                            kept=kept)  # fmt: skip
+    return ZeroMemory(stage=stage, weights=weights, grads=grads, optimizer=optimizer,
+                      activations=activations)  # fmt: skip
+
+
+def choose_zero(table: Sequence[ZeroMemory], limit: float, forced: int | None,
+                where: str) -> tuple[int, str]:  # fmt: skip
+    """Step 4: the lowest stage that fits ``limit``, or the forced one (checked); and why."""
+    fitting = [m.stage for m in table if m.total <= limit]
+    if forced is not None:
+        if forced not in ZERO_STAGES:
+            raise PlanError(f"zero={forced!r}: ZeRO stages are 0 (DDP), 1, 2 and 3")
+        if table[forced].total > limit:
+            fix = (f"zero={fitting[0]} fits" if fitting
+                   else "no ZeRO stage fits; add ranks or tensor/pipeline parallelism")  # fmt: skip
+            raise FitError(
+                f"zero={forced} does not fit {where}: {table[forced]} > limit "
+                f"{_fmt_bytes(limit)}; {fix}"
+            )
+        return forced, f"ZeRO-{forced} as asked ({_fmt_bytes(table[forced].total)} per rank)"
+    if not fitting:
+        raise FitError(
+            f"no ZeRO stage fits {where} in {_fmt_bytes(limit)} per rank; the smallest is "
+            f"{table[-1]}; add ranks or tensor/pipeline parallelism"
+        )
+    stage = fitting[0]
+    why = f"ZeRO-{stage}: the lowest stage whose {_fmt_bytes(table[stage].total)} per rank fits "
+    why += f"{_fmt_bytes(limit)}"
+    if stage:
+        why += f" (ZeRO-{stage - 1} needs {_fmt_bytes(table[stage - 1].total)})"
+    return stage, why
+
+
+def split_batch(example_inputs: Sequence[Any], example_kwargs: dict | None, dp: int,
+                micro: int = 1) -> tuple[tuple, dict]:  # fmt: skip
+    """Step 1: the first of ``dp`` slices of every tensor input along dim 0."""
+
+    def first(t: Any, name: str) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        if t.shape[0] % (dp * micro):
+            times = f" x {micro} micro-batches" if micro > 1 else ""
+            raise InputError(
+                f"the global batch of {name} (shape {tuple(t.shape)}, batch = dim 0) does not "
+                f"divide by dp={dp}{times}; use a batch that is a multiple of {dp * micro}"
+            )
+        return t[: t.shape[0] // dp]
+
+    args = tuple(first(t, f"example_inputs[{i}]") for i, t in enumerate(example_inputs))
+    return args, {k: first(v, f"example_kwargs[{k!r}]") for k, v in (example_kwargs or {}).items()}
+
+
+def batch_slices(t: torch.Tensor, dp: int) -> list[torch.Tensor]:
+    """Every dp rank's slice of a batched tensor (dim 0)."""
+    return list(t.chunk(dp, dim=0)) if t.dim() else [t] * dp
+
+
+def loss_reduction(gm: fx.GraphModule, model_name: str = "the model") -> str:
+    """Step 3: 'mean' or 'sum' for a graph whose only output is a scalar loss reduced over the
+    batch; 'sum' for any other output (the gradient of a sum over batch elements adds up)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves = [a for a in torch.utils._pytree.tree_leaves(out.args[0]) if isinstance(a, fx.Node)]
+    scalars = [a for a in leaves if _is_scalar(a)]
+    if not scalars:
+        return "sum"
+    found = {_reduction_of(s) for s in scalars}
+    if None in found or len(found) > 1:
+        warnings.warn(
+            f"autopar could not tell whether the scalar output of {model_name} is a "
+            "mean or a sum over the batch (its last op is not a loss, mean or sum); treating it "
+            "as a mean: gradients are averaged over dp",
+            stacklevel=3,
+        )
+        return "mean"
+    return found.pop()
+
+
+def _is_scalar(n: fx.Node) -> bool:
+    v = n.meta.get("val")
+    return isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point()
+
+
+def _reduction_of(node: fx.Node) -> str | None:
+    for _ in range(16):
+        if node.op != "call_function":
+            return None
+        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        if name in _LOSSES:
+            value = node.kwargs.get("reduction", _reduction_arg(node))
+            return {_MEAN: "mean", _SUM: "sum"}.get(value)
+        if name in ("mean", "sum"):
+            return name
+        args = [a for a in node.args if isinstance(a, fx.Node) and _is_scalar(a)]
+        if name not in _PASS_THROUGH or len(args) != 1:
+            return None
+        node = args[0]
+    return None
+
+
+def _reduction_arg(node: fx.Node) -> int:
+    schema = node.target._schema  # type: ignore[union-attr]
+    names = [a.name for a in schema.arguments]
+    i = names.index("reduction")
+    return node.args[i] if len(node.args) > i else schema.arguments[i].default_value
+
+
+def _precision_line(param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> str:
+    if param_dtype == torch.float32:
+        return "precision: fp32 throughout"
+    name = str(param_dtype).replace("torch.", "")
+    return (f"mixed precision: {name} compute (weights cast per step, gathered in {name}), "
+            f"fp32 master weights and optimizer state, gradients reduced in "
+            f"{str(reduce_dtype).replace('torch.', '')}")  # fmt: skip
+
+
+def dp_collectives(grads: dict[str, tuple[tuple[int, ...], torch.dtype]], stage: int,
+                   param_dtype: torch.dtype = torch.float32,
+                   reduce_dtype: torch.dtype = torch.float32,
+                   kept: frozenset[str] = frozenset(),
+                   group: str = "dp") -> list[Collective]:  # fmt: skip
+    """Step 5: the scalar loss all-reduce (over dp), then per parameter needing a gradient
+    (local shape on its tp/pp coordinate) over the ZeRO ``group`` (``dp`` or ``dp_cp``);
+    direction 'step' is after the optimizer step.  Parameter
+    all-gathers move ``param_dtype``, gradient reductions ``reduce_dtype``, and ZeRO-1's
+    post-step gather the fp32 master weights.  ZeRO-3 re-gathers in backward every parameter
+    but those ``kept`` gathered from the end of forward into backward
+    (:func:`kept_gathered`)."""
+    kinds = {0: [("bwd", "all_reduce")],
+             1: [("bwd", "all_reduce"), ("step", "all_gather")],
+             2: [("fwd", "all_gather"), ("bwd", "reduce_scatter")],
+             3: [("fwd", "all_gather"), ("bwd", "all_gather"), ("bwd", "reduce_scatter")]}[stage]  # fmt: skip
+    loss = Collective(kind="all_reduce", axis="dp", shape=(), dtype="float32", bytes=4,
+                      direction="fwd", where="loss")  # every rank returns the global loss
+    out = [loss]
+    for fqn, (shape, master) in grads.items():
+        for direction, kind in kinds:
+            if stage == 3 and fqn in kept and (direction, kind) == ("bwd", "all_gather"):
+                continue
+            dtype = (master if direction == "step" else
+                     reduce_dtype if kind != "all_gather" else param_dtype)  # fmt: skip
+            dtype = master if dtype == torch.float32 else dtype
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            out.append(Collective(kind=kind, axis=group, shape=tuple(shape),
+                                  dtype=str(dtype).replace("torch.", ""), bytes=nbytes,
+                                  direction=direction, where=fqn.rsplit(".", 1)[0]))  # fmt: skip
+    return out
+
+
+def wire_bytes(c: Collective, size: int) -> float:
+    """Bytes one rank sends for ``c`` on a ring of ``size`` ranks (REFERENCE.md)."""
+    factor = 2 if c.kind == "all_reduce" else 1
+    return factor * (size - 1) / size * c.bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataParallelPlan:
+    """The sub-mesh plan plus the data axis: ZeRO stage, reduction, memory per stage, why."""
+
+    inner: Any  # Plan or PipelinePlan of the mesh without dp
+    mesh: tuple[tuple[str, int], ...]
+    links: tuple[str, ...]  # per axis: "dp=2 over ib", ...
+    zero: int
+    reduction: str
+    batch: int  # global batch
+    memory: tuple[ZeroMemory, ...]
+    memory_limit: float
+    collectives: tuple[Collective, ...]  # the dp gradient reduction
+    notes: tuple[str, ...]
+    param_dtype: torch.dtype = torch.float32  # compute (and ZeRO-3 all-gather) dtype
+    reduce_dtype: torch.dtype = torch.float32  # gradient reduction dtype
+    advice: tuple[str, ...] = ()  # NCCL settings the whole mesh's topology calls for
+    zero_axes: tuple[str, ...] = ("dp",)  # the ZeRO group: gradients reduced once over these
+    step: PlanStep | None = None  # predicted step time, the search's functions (step 7)
+
+    @property
+    def dp(self) -> int:
+        return dict(self.mesh)["dp"]
+
+    @property
+    def zero_size(self) -> int:
+        """Ranks of the ZeRO group (dp, or dp x cp)."""
+        return math.prod(dict(self.mesh)[a] for a in self.zero_axes)
+
+    @property
+    def zero_group(self) -> str:
+        """The ZeRO group's name in the plan's collectives: ``dp`` or ``dp_cp``."""
+        return "_".join(self.zero_axes)
+
+    @property
+    def hash(self) -> str:
+        group = "".join(f"{a}{dict(self.mesh)[a]}" for a in self.zero_axes)
+        return f"{self.inner.hash}-{group}z{self.zero}"
+
+    def to_plan(self) -> Plan:
+        """The one Plan (what plan.json holds): the sub-mesh's, on the whole mesh, with the dp
+        section and the data-axis traffic."""
+        inner = as_plan(self.inner)
+        return dataclasses.replace(inner, mesh=self.mesh, dp=DpSection(zero=self.zero),
+                                   collectives=(*inner.collectives, *self.collectives),
+                                   notes=(*inner.notes, *self.notes),
+                                   advice=self.advice or inner.advice)  # fmt: skip
+
+    def __str__(self) -> str:
+        mesh = ", ".join(f"{a}={s}" for a, s in self.mesh)
+        out = [f"autopar data-parallel plan {self.hash} on Mesh({mesh})",
+               "mesh axes (outermost first): " + "; ".join(self.links),
+               f"data axis: dp={self.dp}, global batch {self.batch} -> {self.batch // self.dp} "
+               f"per rank; loss is a {self.reduction} over the batch: gradients "
+               f"{'averaged' if self.reduction == 'mean' else 'summed'} over dp",
+               _precision_line(self.param_dtype, self.reduce_dtype),
+               f"ZeRO group {' x '.join(self.zero_axes)} = {self.zero_size} ranks"
+               + (" (the cp ranks join the gradient reduction: no separate cp all-reduce)"
+                  if "cp" in self.zero_axes else ""),
+               *([str(self.step)] if self.step else []),
+               f"ZeRO stage {self.zero}; per-rank memory by stage "
+               f"(limit {_fmt_bytes(self.memory_limit)}):"]  # fmt: skip
+        out += [f"  {'*' if m.stage == self.zero else ' '} {m}" for m in self.memory]
+        out.append("data-axis traffic of one training step (message = local shard):")
+        groups: dict[tuple[str, str], list[int]] = {}
+        for c in self.collectives:
+            groups.setdefault((str(c), _pattern(c.where + ".").rstrip(".")), []).append(c.bytes)
+        for (text, where), sizes in groups.items():
+            out.append(f"  {text:<44} {_fmt_bytes(sizes[0]):>10}  x{len(sizes):<3} {where}")
+        wire = sum(wire_bytes(c, self.dp if c.axis == "dp" else self.zero_size)
+                   for c in self.collectives)  # fmt: skip
+        out.append(f"  total {_fmt_bytes(wire)} sent per rank per step (ring)")
+        out += [f"why: {n}" for n in self.notes]
+        out += [f"advice (launch environment; autopar sets none of it): {a}" for a in self.advice]
+        out.append("sub-mesh program (every dp rank runs it on its batch slice):")
+        out.append(str(self.inner))
+        return "\n".join(out)
+
+
+class DataParallelProgram:
+    """What :func:`autopar.autoparallelize` returns for a mesh with a ``dp`` axis."""
+
+    def __init__(self, *, inner: Any, mesh: Mesh, plan: DataParallelPlan) -> None:
+        self.inner, self.mesh, self.plan = inner, mesh, plan
+        self.inner_mesh = inner.mesh
+        self._modules: dict[int, Any] = {}
+        self._shares: dict[int, Any] = {}
+
+    @property
+    def history(self) -> list[Any]:
+        """The passes that built the sub-mesh program (this axis rewrites rank modules)."""
+        return self.inner.history
+
+    def inner_rank(self, rank: int) -> int:
+        """The sub-mesh rank that global ``rank`` plays (its non-dp coordinates)."""
+        coords = self.mesh.coordinates(rank)
+        return self.inner_mesh.rank_of({a: coords.get(a, 0) for a, _ in self.inner_mesh.axes})
+
+    def module(self, rank: int) -> Any:
+        """The rank's sub-mesh module (every dp replica runs the same one), its statistics
+        over the batch that feed a non-linear loss term made global over dp (batch_stats)."""
+        from autopar.axes.batch_stats import boundaries, globalize_batch_statistics
+
+        inner = self.inner_rank(rank)
+        if inner not in self._modules:
+            module = self.inner.module(inner)
+            if isinstance(module, fx.GraphModule) and boundaries(module.graph):
+                module = copy.deepcopy(module)
+                globalize_batch_statistics(module, "dp", self.plan.reduction,
+                                           _model_name(self.inner))  # fmt: skip
+            self._modules[inner] = module
+        return self._modules[inner]
+
+    def share(self, rank: int) -> Any:
+        """Under pp: the rank's pipeline share, each stage module's statistics over the batch
+        that feed a non-linear loss term made global over dp (within each micro-batch)."""
+        from autopar.axes.batch_stats import boundaries, globalize_batch_statistics
+
+        inner = self.inner_rank(rank)
+        if inner not in self._shares:
+            share = self.inner.share(inner)
+            modules = {}
+            for s, module in share.modules.items():
+                if isinstance(module, fx.GraphModule) and boundaries(module.graph):
+                    module = copy.deepcopy(module)
+                    globalize_batch_statistics(module, "dp", self.plan.reduction,
+                                               _model_name(self.inner))  # fmt: skip
+                modules[s] = module
+            self._shares[inner] = dataclasses.replace(share, modules=modules)
+        return self._shares[inner]
+
+    def code(self, rank: int = 0) -> str:
+        coords = ", ".join(f"{a}={c}" for a, c in self.mesh.coordinates(rank).items())
+        head = (f"# data-parallel rank {rank} of {self.mesh.world_size} ({coords}): the "
+                f"program below on batch slice dp={self.mesh.coordinates(rank)['dp']}, "
+                f"gradients reduced over {' x '.join(self.plan.zero_axes)} with "
+                f"ZeRO-{self.plan.zero}\n")  # fmt: skip
+        return head + self.inner.code(self.inner_rank(rank))
+
+    def collectives(self) -> list[Collective]:
+        """The sub-mesh program's collectives plus the dp gradient reduction."""
+        return [*self.inner.collectives(), *self.plan.collectives]
+
+    def save(self, directory: str | Path) -> list[Path]:
+        """The sub-mesh program's files, plan_dp.txt, and plan.json: the whole mesh's plan."""
+        written = self.inner.save(directory)
+        path, whole = Path(directory) / "plan_dp.txt", Path(directory) / "plan.json"
+        path.write_text(str(self.plan) + "\n")
+        whole.write_text(self.plan.to_plan().to_json())
+        return [*dict.fromkeys([*written, path, whole])]
+
+    def report(self, path: str | Path, **options: Any) -> Path:
+        """The plan drawn in one self-contained HTML file (`autopar.tools.report.write_report`:
+        ``png_dir=`` also writes each chart as PNG, ``measured=`` a measured schedule)."""
+        from autopar.tools.report import write_report
+
+        return write_report(self, path, **options)
+
+    def __repr__(self) -> str:
+        return f"<autopar.DataParallelProgram on {self.mesh}, ZeRO-{self.plan.zero}>"
+
+
+def compile_data_parallel(mesh: Mesh, batch: int,
+                          compile_inner: Callable[[float | None], Any], *,
+                          zero: int | None, memory_limit: float | None,
+                          param_dtype: torch.dtype = torch.float32,
+                          reduce_dtype: torch.dtype = torch.float32,
+                          refit: bool = True) -> DataParallelProgram:  # fmt: skip
+    """Steps 2-6 (see the module docstring) for a global batch of ``batch`` rows; the driver
+    sliced and traced it (step 1) and ``compile_inner(limit)`` builds the program of the mesh
+    without dp from that one trace (``limit``: the sub-mesh solver's memory limit, None for
+    none).  ``refit=False`` (a reloaded plan) keeps the sub-mesh plan as compiled (no
+    re-solve under ``memory_limit``)."""
+    inner, axes = join_cp(compile_inner(None))
+    shard = math.prod(mesh.size(a) for a in axes)
+    per = StateBytes.for_dtype(param_dtype)
+    table = memory_table(inner, shard, per)
+    limit = memory_limit if memory_limit is not None else mesh.cluster.gpu.hbm_bytes
+    where = f"{_model_name(inner)} on {mesh}"
+    resolved = None
+    if memory_limit is not None and refit:
+        inner, table, resolved = _fit_sub_mesh(inner, table, limit, zero, (shard, per), (
+            lambda sub_limit: join_cp(compile_inner(sub_limit))[0]))  # fmt: skip
+    stage, why = choose_zero(table, limit, zero, where)
+    grads = _grad_shapes(inner)
+    plan = DataParallelPlan(
+        inner=inner.plan, mesh=mesh.axes, links=tuple(mesh.describe()), zero=stage,
+        reduction=loss_reduction(_graph(inner), _model_name(inner)), batch=batch, memory=table, memory_limit=limit,
+        collectives=tuple(dp_collectives(grads, stage, param_dtype, reduce_dtype,
+                                         kept_gathered(inner), "_".join(axes))),
+        notes=(why, *([resolved] if resolved else []), *_engine_note(stage, axes)),
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        advice=nccl_advice(Topology(cluster=mesh.cluster), mesh.axes), zero_axes=axes,
+        step=predict_step(inner, mesh, stage, axes, param_dtype),
+    )  # fmt: skip
+    return DataParallelProgram(inner=inner, mesh=mesh, plan=plan)
+
+
+def join_cp(inner: Any) -> tuple[Any, tuple[str, ...]]:
+    """Step 2: a cp program (without pp) whose dense gradients the data axis can take, and
+    the ZeRO group ``("dp", "cp")``; any other sub-mesh program as it is, over ``("dp",)``."""
+    from autopar.axes.context_parallel import leave_grads_to_data_axis
+    from autopar.program import Program
+
+    if not isinstance(inner, Program) or inner.mesh.size("cp") == 1:
+        return inner, ("dp",)
+    joined = leave_grads_to_data_axis(inner)
+    return (inner, ("dp",)) if joined is None else (joined, ("dp", "cp"))
+
+
+def memory_table(inner: Any, dp: int, per: StateBytes) -> tuple[ZeroMemory, ...]:
+    """Step 4: per-rank bytes at each ZeRO stage of sub-mesh program ``inner``: per rank
+    position (one per pipeline rank, holding its stages; one without pp) its parameters and
+    saved activations (:func:`saved_activations`; under pp times the micro-batches the stage
+    holds at its peak), and at each stage the position that needs the most."""
+    rows = []
+    for modules, programs in _rank_positions(inner):
+        shapes = _grad_shapes_of(modules)
+        params = sum(torch.Size(s).numel() for s, _ in shapes.values())
+        kept = sum(torch.Size(shapes[n][0]).numel() for n in _kept_in(modules) if n in shapes)
+        activations = sum(held * saved_activations(program) for program, held in programs)
+        rows.append([zero_memory(params, dp, s, per, activations, kept) for s in ZERO_STAGES])
+    return tuple(max((r[s] for r in rows), key=lambda m: m.total) for s in ZERO_STAGES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanStep:
+    """The compiled plan's predicted seconds of one training step, by the search's functions
+    (`cost.step`): the sub-mesh program's micro-batches (compute + tp/cp/pp communication,
+    under pp the slowest stage's m micro-batches plus the bubble), the exposed data-axis
+    gradient traffic and the optimizer step."""
+
+    sub_mesh: float
+    bubble: float
+    dp: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.sub_mesh + self.bubble + self.dp + self.optimizer
+
+    def __str__(self) -> str:
+        return (f"predicted step {self.total * 1e3:.3f} ms = sub-mesh forward+backward "
+                f"{self.sub_mesh * 1e3:.3f} ms + pipeline bubble {self.bubble * 1e3:.3f} ms + "
+                f"exposed data-axis traffic {self.dp * 1e3:.3f} ms + optimizer step "
+                f"{self.optimizer * 1e3:.3f} ms")  # fmt: skip
+
+
+def predict_step(inner: Any, mesh: Mesh, stage: int, axes: tuple[str, ...],
+                 param_dtype: torch.dtype = torch.float32) -> PlanStep:  # fmt: skip
+    """Step 7: the plan's step time.  Per rank position (`_rank_positions`) its micro-batch
+    seconds (the plan's compute + communication, plus the boundary sends under pp), its
+    local work (`local_work`: layers, parameters, per-layer seconds at its local shapes) for
+    `cost.step.data_parallel_time` over the ZeRO group, and `cost.step.optimizer_time` over
+    its parameters; the slowest position sets the step."""
+    from cost.step import bubble_time, data_parallel_time, optimizer_time
+
+    pp = mesh.size("pp")
+    m = inner.config.n_microbatches if pp > 1 else 1
+    v = max(inner.config.virtual_stages, 1) if pp > 1 else 1
+    cfg = _step_config(mesh, stage, m)
+    spans = _mesh_spans(mesh, axes)
+    best: PlanStep | None = None
+    for _, programs in _rank_positions(inner):
+        works = [local_work(p, param_dtype) for p, _ in programs]
+        per_mb = sum(_micro_batch_s(inner, p, mesh) for p, _ in programs)
+        dp = sum(data_parallel_time(w, cfg, mesh.cluster, micro_batches=m,
+                                    recompute=getattr(p, "recompute", "none"),
+                                    per_stage=w.layers, spans=spans)
+                 for w, (p, _) in zip(works, programs, strict=True))  # fmt: skip
+        params = sum(w.layers * w.layer_dense_params + w.edge_params for w in works)
+        shard = math.prod(mesh.size(a) for a in axes) if stage >= 1 else 1
+        step = PlanStep(sub_mesh=m * per_mb, bubble=bubble_time(per_mb, pp, v), dp=dp,
+                        optimizer=optimizer_time(params, shard, mesh.cluster.gpu))  # fmt: skip
+        best = step if best is None or step.total > best.total else best
+    return best
+
+
+def _step_config(mesh: Mesh, stage: int, micro_batches: int) -> Any:
+    from cost.config import ParallelConfig
+
+    sizes = {a: mesh.size(a) for a in ("tp", "pp", "dp", "cp")}
+    return ParallelConfig(**sizes, zero=stage, global_batch=sizes["dp"] * micro_batches,
+                          micro_batch=1)  # fmt: skip
+
+
+def _mesh_spans(mesh: Mesh, axes: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """(stride, size) in global rank order of each axis's group on ``mesh`` (`cost.step`'s
+    spans), the data axis's being the ZeRO group ``axes`` (dp, or dp x cp: adjacent)."""
+    names = [a for a, _ in mesh.axes]
+    stride = {a: math.prod(mesh.size(b) for b in names[i + 1:]) for i, a in enumerate(names)}
+    out = {a: (stride.get(a, 1), mesh.size(a)) for a in ("tp", "cp", "pp")}
+    inner_most = min(axes, key=lambda a: stride[a])
+    out["dp"] = (stride[inner_most], math.prod(mesh.size(a) for a in axes))
+    return {**out, "ep": (1, 1), "dp_expert": (1, 1)}
+
+
+def _micro_batch_s(inner: Any, program: Any, mesh: Mesh) -> float:
+    """Seconds of one micro-batch of ``program``: its plan's compute and communication, plus
+    under pp the send and receive of what its stage passes on (`cost.step`'s pp term)."""
+    from cost.comm import collective_time
+
+    own = program.plan.compute_s + program.plan.comm_s
+    if not hasattr(inner, "cut"):
+        return own
+    s = inner.stages.index(program)
+    sent = inner.cut.boundary_bytes[s] or (inner.cut.boundary_bytes[s - 1] if s else 0.0)
+    link = mesh.cluster.axis_link(mesh.axes, "pp")
+    return own + 2 * collective_time("send_recv", sent, 2, link)
+
+
+def local_work(program: Any, param_dtype: torch.dtype = torch.float32) -> Any:
+    """The cost model's `Workload` of one micro-batch of ``program``'s rank program
+    (``cost.graph`` on sub-mesh rank 0's graph at its local shapes, each value in its run-time
+    dtype: the functions the search prices a traced model by); a cp program's ring
+    attentions, which ``cost.graph`` does not know, are added as the cp pricing prices them.
+    None for a graph the cost model cannot price (float64)."""
+    from autopar.axes.context_parallel import ring_work
+    from autopar.codegen import build_module
+    from autopar.frontend.precision import mark_run_dtypes
+    from cost.config import ParallelConfig
+    from cost.errors import CostInputError
+    from cost.graph import GraphModel
+
+    local = mark_run_dtypes(build_module(program.graph_module, program.traced, program.mesh, 0))
+    try:
+        model = GraphModel.from_traced(local)
+    except CostInputError:
+        return None
+    gpu = program.mesh.cluster.gpu
+    work = model.workload(ParallelConfig(global_batch=model.batch), model.batch, gpu)
+    return ring_work(local, work, gpu, param_dtype)
+
+
+def saved_activations(program: Any) -> float:
+    """Bytes autograd keeps for one micro-batch of ``program``'s rank program: the cost
+    model's saved-tensor count (``cost.graph``, the count the whole-cluster search prices) on
+    sub-mesh rank 0's graph at its local shapes (so every split the plan chose, sequence
+    parallelism included, counts) and in each value's run-time dtype, its blocks under its recompute mode plus what lies after
+    them (head, loss); a graph the cost model cannot price (float64) falls back to its plan's
+    memory less the fp32 model state its solver counts."""
+    mode = getattr(program, "recompute", "none")
+    work = local_work(program)
+    if work is None:
+        from autopar.codegen import build_module
+
+        local = build_module(program.graph_module, program.traced, program.mesh, 0)
+        state = 16.0 * sum(p.numel() for p in local.parameters() if p.requires_grad)
+        return max(0.0, getattr(program.plan, "memory_bytes", 0.0) - state)
+    working = work.act_bytes["none"] if mode == "full" else 0.0
+    return work.layers * work.act_bytes[mode] + working + work.post_act_bytes
+
+
+def _rank_positions(inner: Any) -> list[tuple[list[Any], list[tuple[Any, int]]]]:
+    """Per rank position (each pipeline rank, or the one without pp): the modules sub-mesh
+    rank 0 there runs (its stages'; an ep program's hold this rank's experts) and per stage
+    program the micro-batches it holds at the peak."""
+    if not hasattr(inner, "stages"):
+        core = getattr(inner, "inner", inner)  # an ep program's dense part is its sub-mesh's
+        if getattr(inner, "recompute", None) is not None and core is not inner:
+            core = _with_recompute(core, inner.recompute)
+        return [([inner.module(0)], [(core, 1)])]
+    config = inner.config if hasattr(inner, "config") else inner.inner.config
+    n, out = len(inner.stages), []
+    for r in range(inner.mesh.size("pp")):
+        rank = inner.mesh.rank_of({a: r if a == "pp" else 0 for a, _ in inner.mesh.axes})
+        stages = inner.stages_of(r)
+        out.append(([inner.module(rank, s) for s in stages],
+                    [(inner.stages[s], config.in_flight(s, n)) for s in stages]))  # fmt: skip
+    return out
+
+
+def _with_recompute(program: Any, mode: str) -> Any:
+    """A view of ``program`` whose recompute mode is ``mode`` (an ep program applies its mode
+    to the modules it derives from its sub-mesh program's)."""
+    view = copy.copy(program)
+    view.recompute = mode
+    return view
+
+
+def _fit_sub_mesh(inner: Any, table: tuple[ZeroMemory, ...], limit: float, zero: int | None,
+                  shape: tuple[int, StateBytes], solve: Callable[[float], Any],
+                  ) -> tuple[Any, tuple[ZeroMemory, ...], str | None]:  # fmt: skip
+    """Step 4 under ``memory_limit``: for each ZeRO stage, lowest first (or the forced one),
+    keep the sub-mesh plan if it fits; else re-solve the sub-mesh (tp) plan under the limit,
+    its model state counted as this stage holds it: the solver's memory M (fp32 state
+    unsharded + activations) must stay below limit + M - total(stage).  The first stage whose
+    plan fits wins.  Sub-meshes of one rank and pipelines keep their plan."""
+    stages = ZERO_STAGES if zero is None or zero not in ZERO_STAGES else (zero,)
+    if not hasattr(inner.plan, "memory_bytes") or inner.mesh.world_size == 1:
+        return inner, table, None
+    for stage in stages:
+        if table[stage].total <= limit:
+            return inner, table, None
+        sub_limit = limit + inner.plan.memory_bytes - table[stage].total
+        try:
+            lean = solve(sub_limit)
+        except PlanError:
+            continue
+        lean_table = memory_table(lean, *shape)
+        if lean_table[stage].total <= limit:
+            why = (f"the sub-mesh plan was re-solved under {_fmt_bytes(sub_limit)} per rank "
+                   f"(its state at ZeRO-{stage}); its fastest plan needs "
+                   f"{_fmt_bytes(table[stage].total)} there")  # fmt: skip
+            return lean, lean_table, why
+    return inner, table, None
+
+
+def _engine_note(stage: int, axes: tuple[str, ...] = ("dp",)) -> list[str]:
+    group = " x ".join(axes)
+    engine = {0: "torch DDP (bucketed all-reduce overlapped with backward)",
+              1: f"torch DDP + ZeroRedundancyOptimizer (optimizer state sharded over {group})",
+              2: "torch FSDP2 fully_shard(reshard_after_forward=False) per block: gradients "
+                 "reduce-scattered, parameters kept whole between forward and backward",
+              3: "torch FSDP2 fully_shard(reshard_after_forward=True) per block (each "
+                 "repeated block one group, the rest of the program another): a block's "
+                 "parameters gathered just before it runs in forward and again in backward "
+                 "(the next block's prefetched), freed after; gradients reduce-scattered "
+                 "per block; the rest (as torch's root) and the last block, whose "
+                 "backward comes first, stay gathered from the end of forward into "
+                 "backward"}  # fmt: skip
+    over = f" over the flattened {group} group" if len(axes) > 1 else ""
+    return [f"runs on {engine[stage]}{over}"]
+
+
+def _graph(inner: Any) -> fx.GraphModule:
+    if hasattr(inner, "traced"):
+        return inner.traced.gm
+    return inner.stages[-1].traced.gm
+
+
+def _model_name(inner: Any) -> str:
+    return inner.traced.model_name if hasattr(inner, "traced") else inner.model_name
+
+
+def kept_gathered(inner: Any) -> frozenset[str]:
+    """Parameters per-block FSDP2 (``runtime.shard_per_block``) keeps gathered from the end of
+    forward into backward in a rank program that has blocks: the root group (outside the
+    outlined blocks; torch does so for a root) and the last block of each stage module (its
+    backward starts as soon as the head's ends, so resharding it would only gather it again
+    at once: torchtitan does the same).  None when the program has no blocks: then it is one
+    group, resharded as any ZeRO-3 group."""
+    return _kept_in(_rank_modules(inner))
+
+
+def _kept_in(modules: list[Any]) -> frozenset[str]:
+    from autopar.axes.recompute import block_targets, blocks_outlined
+    from autopar.codegen import outline_blocks
+
+    out: set[str] = set()
+    for module in modules:
+        if not isinstance(module, fx.GraphModule):
+            continue
+        outlined = module if blocks_outlined(module) else outline_blocks(module)
+        if outlined is None:
+            continue
+        targets = tuple(f"{t}." for t in block_targets(outlined))
+        out |= {n for n, _ in outlined.named_parameters()
+                if not n.startswith(targets) or n.startswith(targets[-1])}  # fmt: skip
+    return frozenset(out)
+
+
+def _rank_modules(inner: Any) -> list[Any]:
+    """Sub-mesh rank 0's modules (one per pipeline stage)."""
+    return ([inner.module(0, s) for s in range(len(inner.stages))]  # an ep program's: its
+            if hasattr(inner, "stages") else [inner.module(0)])  # experts' share  # fmt: skip
+
+
+def _grad_shapes(inner: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Local shape and dtype of each trainable parameter on sub-mesh rank 0 (every stage)."""
+    return _grad_shapes_of(_rank_modules(inner))
+
+
+def _grad_shapes_of(modules: list[Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for module in modules:
+        for name, p in module.named_parameters():
+            if p.requires_grad:
+                out.setdefault(name, (tuple(p.shape), p.dtype))
+    return out
+

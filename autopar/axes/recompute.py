@@ -1,0 +1,393 @@
+"""Activation recomputation of a rank program: ``autoparallelize(..., recompute=...)``.
+
+The modes are the cost model's (cost/config.py RECOMPUTE): "none" keeps every activation
+autograd saves; "full" keeps only each repeated block's inputs and re-runs the block's forward
+in backward; "selective" (Megatron's) does not keep the unfused attention core -- the
+score-shaped [.., s, s] ops between QKᵀ and ·V (cost/graph.py ``attention_core``) -- and
+re-runs it.
+
+Algorithm (:func:`apply_recompute`, on one rank's GraphModule, before it is pickled or wrapped):
+1. "full": outline the repeated blocks (:func:`autopar.codegen.outline_blocks`: each block
+   one submodule holding its parameters under their own names, ops on parameters alone such
+   as a replicated weight's ``grad_all_reduce`` moved into their block) and turn each block
+   call into ``checkpoint(layers_0, ...)`` (``torch.utils.checkpoint``, non-reentrant).  A
+   program without separable blocks is an error naming the model.
+2. "selective": group the attention-core nodes into connected regions; each region whose values
+   are used only after its last node becomes a submodule (``layers.0.attention_core``) called as
+   ``checkpoint(...)``.  A fused SDPA has no core (it never keeps the scores): nothing to do.
+3. The plan is priced (:func:`annotate`): the cost model's saved bytes and re-run forward time
+   per block (cost.graph on the program's traced graph, split as its mesh splits it: the
+   search's own numbers) give the memory saved and the time added; the plan's ``compute_s`` /
+   ``memory_bytes`` and notes say so.
+
+Collectives inside a checkpointed region run again during backward.  That is safe: every rank
+of a group runs the same program, and autograd runs one rank's backward in an order fixed by
+the graph (topological, ties by creation order), so each rank re-issues a block's forward
+collectives at the same point of its backward collective sequence; a block boundary never
+splits a collective from its pair (each is one node inside one region).  Collectives on other
+groups (DDP's dp buckets, FSDP2's gathers, pipeline sends) keep their own per-group order.
+Under FSDP2 a block's parameters are gathered by its pre-backward hook before the recompute
+reads them (FSDP2 skips its forward hooks while in backward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils.checkpoint
+
+from autopar.codegen import _block_container, _owning_block, outline_blocks, segment_graph
+from autopar.errors import PlanError
+from cost.config import RECOMPUTE as MODES
+from cost.errors import CostInputError
+
+
+class RecomputeError(PlanError):
+    """The recompute mode cannot be applied to this model's program."""
+
+
+def checkpoint(region: torch.nn.Module, *args: Any) -> Any:
+    """What a recomputing program calls: ``region(*args)``, its activations not kept but
+    re-run in backward (non-reentrant ``torch.utils.checkpoint``)."""
+    return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=False)
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise RecomputeError(f"recompute={mode!r}: use one of {', '.join(map(repr, MODES))}")
+    return mode
+
+
+# ---------------------------------------------------------------- the program (steps 1-2)
+
+
+def apply_recompute(gm: fx.GraphModule, mode: str, model: str = "the model") -> fx.GraphModule:
+    """Steps 1-2: ``gm`` with its recomputed regions under ``checkpoint`` (``gm`` itself for
+    "none", or "selective" without an unfused attention core)."""
+    if check_mode(mode) == "none":
+        return gm
+    if mode == "full":
+        return _checkpoint_blocks(gm, model)
+    return _checkpoint_cores(gm)
+
+
+def block_targets(gm: fx.GraphModule) -> list[str]:
+    """The submodules a program calls as blocks: ``call_module`` targets and the regions of
+    its top-level ``checkpoint`` calls, in call order."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            out.append(n.target)
+        elif n.op == "call_function" and n.target is checkpoint and n.args[0].op == "get_attr":
+            out.append(n.args[0].target)
+    return out
+
+
+def blocks_outlined(gm: torch.nn.Module) -> bool:
+    """Whether ``gm`` is a "full" recompute program: its blocks already outlined, each
+    called under ``checkpoint`` (:func:`block_targets`)."""
+    return isinstance(gm, fx.GraphModule) and getattr(gm, "meta", {}).get("recompute") == "full"
+
+
+def _checkpoint_blocks(gm: fx.GraphModule, model: str) -> fx.GraphModule:
+    """Step 1."""
+    outlined = outline_blocks(gm)
+    if outlined is None:
+        raise RecomputeError(_no_blocks(model))
+    graph = outlined.graph
+    for node in [n for n in graph.nodes if n.op == "call_module"]:
+        with graph.inserting_before(node):
+            call = graph.call_function(checkpoint, node.args)
+        call.meta.update(node.meta)
+        node.replace_all_uses_with(call)
+        name = node.name
+        graph.erase_node(node)
+        used = getattr(graph._graph_namespace, "_used_names", set())
+        used.discard(name)  # the freed name: the block's read prints as layers_0
+        with graph.inserting_before(call):
+            region = graph.get_attr(node.target)
+        call.args = (region, *call.args)
+    outlined.recompile()
+    outlined.meta = {**outlined.meta, "recompute": "full"}
+    return outlined
+
+
+def _no_blocks(model: str) -> str:
+    return (f"recompute='full' re-runs each repeated block in backward, but no repeated blocks "
+            f"were found in {model}: it needs an indexed list of layers (nn.ModuleList / "
+            "nn.Sequential, parameters named like layers.0.*, layers.1.*) whose blocks run one "
+            "after another and read only their own parameters; use recompute='none', or "
+            "'selective' for an unfused attention core")  # fmt: skip
+
+
+def _checkpoint_cores(gm: fx.GraphModule) -> fx.GraphModule:
+    """Step 2."""
+    if not core_regions(gm):
+        return gm
+    container = _block_container(list(gm.graph.nodes))
+    for k, region in enumerate(core_regions(gm)):
+        block = _owning_block(region[-1], container) if container is not None else None
+        prefix = "" if block is None else (f"{container}.{block}." if container else f"{block}.")
+        name = f"{prefix}attention_core" if block is not None else f"attention_core_{k}"
+        if _has(gm, name):
+            name = f"{name}_{k}"
+        _outline_region(gm, region, name)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def core_regions(gm: fx.GraphModule) -> list[list[fx.Node]]:
+    """Connected runs of attention-core nodes (graph order) whose values are used only after
+    their last node: the regions selective recompute re-runs."""
+    from cost.graph import attention_core
+
+    seq = _seq(gm)
+    if seq is None:
+        return []
+    params = {n.name for n in gm.graph.nodes if n.op == "get_attr"}
+    core = {n for n in attention_core(gm.graph, params, seq)  # a local [s, s]-shaped
+            if not any(a.op == "get_attr" for a in n.all_input_nodes)}  # projection is no core
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    out = []
+    for comp in _components(core):
+        region = sorted(comp, key=pos.__getitem__)
+        last = pos[region[-1]]
+        late = all(pos[u] > last for n in region for u in n.users if u not in comp)
+        if late and _between_matmuls(region, seq):
+            out.append(region)
+    return out
+
+
+def _between_matmuls(region: list[fx.Node], seq: int) -> bool:
+    """A region holds an attention core when a matmul in it makes the scores (QKᵀ) and another
+    consumes them (·V); a lone projection that only looks [s, s]-shaped (hidden == seq) is none."""
+    def scores(n: fx.Node) -> bool:
+        val = n.meta.get("val")
+        return isinstance(val, torch.Tensor) and tuple(val.shape[-2:]) == (seq, seq)
+
+    matmuls = [n for n in region if _is_matmul(n)]
+    makes = any(scores(n) for n in matmuls)
+    uses = any(not scores(n) and any(scores(a) for a in n.all_input_nodes) for n in matmuls)
+    return makes and uses
+
+
+def _seq(gm: fx.GraphModule) -> int | None:
+    """The sequence length: dim 1 of the first tensor input."""
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() >= 2:
+            return int(val.shape[1])
+    return None
+
+
+def _components(core: set[fx.Node]) -> list[set[fx.Node]]:
+    seen: set[fx.Node] = set()
+    out = []
+    for start in core:
+        if start in seen:
+            continue
+        comp, todo = set(), [start]
+        while todo:
+            n = todo.pop()
+            if n in comp:
+                continue
+            comp.add(n)
+            todo += [m for m in (*n.all_input_nodes, *n.users) if m in core and m not in comp]
+        seen |= comp
+        out.append(comp)
+    return out
+
+
+def _is_matmul(n: fx.Node) -> bool:
+    from cost.compute import MATMUL_OPS, op_name
+
+    return op_name(n) in MATMUL_OPS
+
+
+def _outline_region(gm: fx.GraphModule, region: list[fx.Node], name: str) -> None:
+    """Replace ``region`` by ``checkpoint(<name>, inputs...)`` and getitems of its outputs."""
+    members = set(region)
+    sub, inputs, outputs = segment_graph(region)
+    gm.add_submodule(name, fx.GraphModule(gm, sub, class_name="AttentionCore"))
+    graph = gm.graph
+    first = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))
+    with graph.inserting_before(first):  # with the parameter reads (outline_blocks wants so)
+        attr = graph.get_attr(name)
+    with graph.inserting_after(region[-1]):
+        call = graph.call_function(checkpoint, (attr, *inputs))
+    call.meta.update({k: v for k, v in region[-1].meta.items() if k != "val"})
+    call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+    prev = call
+    for i, o in enumerate(outputs):
+        with graph.inserting_after(prev):
+            got = graph.call_function(operator.getitem, (call, i))
+        got.meta.update(o.meta)
+        o.replace_all_uses_with(got, delete_user_cb=lambda u: u not in members)
+        prev = got
+    for n in reversed(region):
+        graph.erase_node(n)
+
+
+def _has(gm: torch.nn.Module, name: str) -> bool:
+    try:
+        gm.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- the plan (step 3)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecomputeEffect:
+    """The cost model's view of one rank program's recompute mode (per micro-batch)."""
+
+    mode: str
+    blocks: int
+    regions: int  # checkpointed regions (blocks, or attention cores)
+    extra_s: float  # forward re-run in backward
+    saved_none: float  # bytes of saved activations without recompute
+    saved: float  # bytes of saved activations kept under the mode
+    working: float  # bytes a re-run block holds while its backward runs ("full")
+
+    def __str__(self) -> str:
+        if self.mode == "none":
+            return "recompute none: every saved activation is kept"
+        if self.regions == 0 and self.mode == "full":
+            return "recompute full: no repeated block here: nothing to recompute"
+        if self.regions == 0:
+            return ("recompute selective: nothing to recompute -- attention is a fused kernel "
+                    "(SDPA keeps no [s, s] scores, it recomputes them itself), so the plan's "
+                    "time and memory are unchanged")  # fmt: skip
+        blocks = f"{self.regions} blocks" if self.regions > 1 else "its one block"
+        what = (f"re-runs the forward of each of {blocks} in backward"
+                if self.mode == "full" else
+                f"re-runs the unfused attention core ({self.regions} regions) in backward")  # fmt: skip
+        return (f"recompute {self.mode}: {what}: +{self.extra_s * 1e3:.3f} ms per step; saved "
+                f"activations {_mib(self.saved_none)} -> {_mib(self.saved + self.working)} per "
+                "rank and micro-batch" + (f" (incl. {_mib(self.working)} of one re-run block)"
+                          if self.working else ""))  # fmt: skip
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def predict(traced_gm: fx.GraphModule, sizes: dict[str, int], mode: str, regions: int,
+            gpu: Any) -> RecomputeEffect:
+    """Step 3: the cost model's per-block saved bytes and re-run time (cost.graph, the search's
+    own pricing) on the traced graph of a program, split as its mesh splits it (tp, cp)."""
+    from cost.config import ParallelConfig
+    from cost.graph import GraphModel
+
+    model = GraphModel.from_traced(traced_gm)
+    cfg = ParallelConfig(tp=sizes.get("tp", 1), cp=sizes.get("cp", 1), global_batch=model.batch,
+                         sequence_parallel=False)  # fmt: skip
+    work = model.workload(cfg, model.batch, gpu)
+    layers = work.layers
+    key = mode if regions else "none"
+    return RecomputeEffect(
+        mode=mode, blocks=layers, regions=regions, extra_s=layers * work.recompute_s[key],
+        saved_none=layers * work.act_bytes["none"], saved=layers * work.act_bytes[key],
+        working=work.act_bytes["none"] if key == "full" else 0.0)  # fmt: skip
+
+
+def annotate(plan: Any, effect: RecomputeEffect) -> Any:
+    """The plan priced with the recompute mode: time added, memory saved, a note."""
+    if not hasattr(plan, "compute_s"):
+        return plan
+    saved = effect.saved_none - effect.saved - effect.working
+    return dataclasses.replace(
+        plan, compute_s=plan.compute_s + effect.extra_s,
+        memory_bytes=max(plan.memory_bytes - saved, 0.0),
+        notes=(*plan.notes, str(effect)))  # fmt: skip
+
+
+def attach(prog: Any, mode: str, apply: bool = True) -> Any:
+    """Compile ``prog`` (a Program, or a PipelineProgram's stages) to recompute ``mode``:
+    every rank module it builds runs it, and its plan says so.  Returns ``prog``.  With
+    ``apply=False`` only the plan is priced: a wrapper (expert parallelism) applies the mode
+    to the modules it derives from ``prog``'s."""
+    if check_mode(mode) == "none":
+        return prog
+    stages = getattr(prog, "stages", None)
+    programs = list(stages) if stages is not None else [prog]
+    found = 0
+    for p in programs:
+        found += _attach_one(p, mode, whole=stages is None, apply=apply)
+    if found == 0 and mode == "full":
+        raise RecomputeError(_no_blocks(programs[0].traced.model_name))
+    return prog
+
+
+def _attach_one(prog: Any, mode: str, whole: bool, apply: bool) -> int:
+    """One Program: check the mode applies (rank 0's module), price it, set it; returns the
+    number of regions it recomputes."""
+    name = prog.traced.model_name
+    sample = prog.module(0)
+    if mode == "full":
+        outlined = outline_blocks(sample)
+        if outlined is None and whole:
+            raise RecomputeError(_no_blocks(name))
+        regions = len(block_targets(outlined)) if outlined is not None else 0
+    else:
+        regions = len(core_regions(sample))
+    if apply:
+        prog.recompute = mode if regions else "none"
+        prog._modules.clear()
+    try:
+        effect = predict(prog.traced.gm, prog.mesh.sizes, mode, regions, prog.mesh.cluster.gpu)
+        prog.plan = annotate(prog.plan, effect)
+    except CostInputError as exc:  # e.g. a float64 model: the cost model prices fp32/16/8
+        effect = None
+        prog.plan = dataclasses.replace(prog.plan, notes=(
+            *prog.plan.notes, f"recompute {mode} ({regions} regions), not priced: {exc}"))  # fmt: skip
+    prog.plan = dataclasses.replace(prog.plan, recompute=mode)  # the mode asked (reloadable)
+    prog.recompute_effect = effect
+    return regions
+
+
+# ---------------------------------------------------------------- measuring it
+
+
+def saved_bytes(run: Any, exclude: set[int] = frozenset()) -> int:
+    """Bytes of the distinct storages autograd saves for backward during ``run()`` (a
+    checkpointed region saves only its inputs), less the storages in ``exclude``
+    (parameters: a weight saved by a matmul is no activation)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in exclude:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    del out
+    return sum(seen.values())
+
+
+def measure_saved(prog: Any, args: tuple, kwargs: dict | None = None) -> list[int]:
+    """Per rank of program ``prog`` (tp / cp), the activation bytes its forward saves,
+    measured on the worker pool (:func:`saved_bytes`)."""
+    from autopar.runtime.pool import get_pool
+
+    world = prog.mesh.world_size
+    jobs = [(prog.module(r), tuple(args), dict(kwargs or {})) for r in range(world)]
+    return get_pool(world).run(_measure_rank, prog.mesh.axes, jobs)
+
+
+def _measure_rank(rank: int, groups: dict, module: torch.nn.Module, args: tuple,
+                  kwargs: dict) -> int:  # fmt: skip
+    from autopar.ops import collectives
+
+    collectives.bind(groups)
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    return saved_bytes(lambda: module(*args, **kwargs), params)

@@ -1,0 +1,145 @@
+"""The tensor-parallel compile of one traced graph: solve the tp axis, run the passes, package
+a :class:`Program`.  ``autopar.driver`` (whole models), ``autopar.axes.pipeline`` (one stage at a
+time) and ``autopar.axes.context_parallel`` (the tp program it splits) call it.
+
+Algorithm (:func:`compile_traced`):
+1. Pad vocabularies the degree does not divide (autopar.frontend.pad); cut fused projections of
+   unequal blocks into one projection per block (autopar.frontend.fused); under mixed precision,
+   annotate each value's autocast dtype (autopar.frontend.precision) so memory and collectives are
+   priced in it.
+2. Solve the tp axis with the cost model (autopar.planner.tp); a whole model must split some
+   layer weight.
+3. Run the pass pipeline (passes.run_pipeline): layouts, lowerings, collectives, local shapes.
+4. Build the :class:`Plan`: parameter layouts, one step's collectives, predicted cost, and the
+   "why" lines (what the cost model says beyond the choice).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+
+from autopar.errors import PlanError
+from autopar.frontend.fused import split_fused_projections
+from autopar.frontend.pad import pad_vocab
+from autopar.frontend.precision import annotate_autocast
+from autopar.frontend.trace import Traced
+from autopar.ir import meta
+from autopar.ir.analysis import block_of, needs_grad
+from autopar.mesh import Mesh
+from autopar.plan import Plan
+from autopar.planner.tp import AxisSolution, PlanOptions, describe_tp_dims, solve_axis
+from autopar.program import Program, collectives_of
+from cost.comm import collective_time
+from cost.topology import Topology, nccl_advice
+from passes import PassContext, run_pipeline
+
+
+def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
+                   log: Callable[[str], None] = print, whole_model: bool = True) -> Program:  # fmt: skip
+    """Steps 2-4 for an already traced graph: the whole model, or one pipeline stage (which
+    may hold nothing worth splitting, e.g. only an embedding)."""
+    axis = "tp"
+    traced = pad_vocab(traced, mesh.size(axis))
+    if mesh.size(axis) > 1:
+        traced = split_fused_projections(traced)
+    annotate_autocast(traced.gm, options.param_dtype)  # values priced in their runtime dtype
+    _check_fixed(traced, options.fixed)
+    solution = solve_axis(traced, axis, mesh.size(axis), mesh.cluster.axis_link(mesh.axes, axis),
+                          mesh.cluster.gpu, options)  # fmt: skip
+    log(f"solved {axis}={mesh.size(axis)}: {solution.variables} variables, "
+        f"{solution.tied_nodes} nodes tied to an identical block")  # fmt: skip
+    if whole_model:
+        _check_split(traced, solution, mesh, axis)
+    grad = frozenset(n.name for n in needs_grad(traced))
+    ctx = PassContext(mesh=mesh, axis=axis, choice=solution.choice, grad=grad, traced=traced,
+                      replicate_outputs=options.replicate_outputs)  # fmt: skip
+    gm, history = run_pipeline(torch.fx.GraphModule(traced.gm, copy.deepcopy(traced.gm.graph)), ctx)
+    for rec in history:
+        log(str(rec))
+    plan = _plan(traced, gm, mesh, solution, axis)
+    return Program(plan=plan, mesh=mesh, graph_module=gm, traced=traced, history=history)
+
+
+def _check_fixed(traced: Traced, fixed: tuple[tuple[str, str], ...], shown: int = 5) -> None:
+    """A reloaded plan's tp strategies must name nodes of this graph; names it lacks mean the
+    plan was saved for another model (or another version of this one)."""
+    names = {n.name for n in traced.gm.graph.nodes}
+    unknown = [n for n, _ in fixed if n not in names]
+    if unknown:
+        more = f" and {len(unknown) - shown} more" if len(unknown) > shown else ""
+        raise PlanError(
+            f"the plan does not fit {traced.model_name}: it decides nodes the model does not "
+            f"have ({', '.join(repr(n) for n in unknown[:shown])}{more}); was it saved for "
+            "another model? re-plan without plan="
+        )
+
+
+def _check_split(traced: Traced, solution: AxisSolution, mesh: Mesh, axis: str) -> None:
+    """A tp degree must split some layer weight (any weight, in a model without layers);
+    splitting only a padded vocabulary is not tensor parallelism."""
+    size = mesh.size(axis)
+    layered = [p for p, fqn in traced.params.items() if block_of(fqn)]
+    params = layered or list(traced.params)
+    if size > 1 and params and all(str(solution.choice[p].output) == "R" for p in params):
+        what = "layer weight" if layered else "parameter"
+        raise PlanError(
+            f"no valid plan: no {what} of {traced.model_name} splits across {size} ranks "
+            f"of {mesh}; its sizes are {describe_tp_dims(traced)}; choose a tensor-parallel "
+            "degree that divides the heads, hidden or ffn size"
+        )
+
+
+def _plan(traced: Traced, gm: torch.fx.GraphModule, mesh: Mesh, sol: AxisSolution,
+          axis: str) -> Plan:  # fmt: skip
+    names = {**traced.params, **traced.buffers}
+    params = tuple(
+        (names[n.name], str(meta.layout(n)))
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and n.name in traced.params
+    )
+    grad = {n.name for n in needs_grad(traced, gm)}
+    notes = (
+        f"solved {axis} exactly (HiGHS) over {sol.variables} variables; "
+        f"{sol.tied_nodes} nodes share the decisions of an identical block",
+        *_why(sol, mesh, axis),
+    )
+    return Plan(
+        model=traced.model_name,
+        mesh=mesh.axes,
+        hardware=f"{mesh.cluster.gpu.name} ×{mesh.cluster.gpus_per_node}/node",
+        params=params,
+        collectives=tuple(collectives_of(gm, grad, mesh.sizes, names)),
+        choice=tuple((k, str(v)) for k, v in sol.choice.items()),
+        compute_s=sol.compute_s,
+        comm_s=sol.comm_s,
+        memory_bytes=sol.memory_bytes,
+        notes=notes,
+        advice=nccl_advice(Topology(cluster=mesh.cluster), mesh.axes),
+    )
+
+
+def _why(sol: AxisSolution, mesh: Mesh, axis: str) -> list[str]:
+    """What the cost model says about this axis beyond the chosen plan."""
+    size, out = mesh.size(axis), []
+    if axis == "tp" and size > 1:
+        out.append(f"{axis} splits the weights (never the batch): rank 0 holds "
+                   f"{sol.memory_bytes / 2**30:.2f} GiB of priced memory")  # fmt: skip
+        link = mesh.cluster.axis_link(mesh.axes, axis)
+        dp = sol.single_s / size + collective_time("all_reduce", sol.param_bytes, size, link)
+        tp = sol.compute_s + sol.comm_s
+        if dp < tp:
+            out.append(
+                f"the cost model predicts Mesh(dp={size}) (data parallelism: the batch split, "
+                f"gradients all-reduced) at {dp * 1e3:.3g} ms per step vs {tp * 1e3:.3g} ms for "
+                f"this plan ({tp / dp:.2f}x faster); split as asked"
+            )
+    if sol.unsplit:
+        out.append(f"stay whole (no even split on {size} ranks): {', '.join(sol.unsplit)}")
+    cap = mesh.cluster.gpu.hbm_bytes
+    if sol.memory_bytes > cap:
+        out.append(f"does not fit: {sol.memory_bytes / 2**30:.1f} GiB per rank > "
+                   f"{cap / 2**30:.0f} GiB on {mesh.cluster.gpu.name}")  # fmt: skip
+    return out

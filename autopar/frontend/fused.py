@@ -1,0 +1,312 @@
+"""Fused projections whose blocks need different layouts become one projection per block.
+
+A fused weight ``W[n, k]`` whose output features are read back as contiguous blocks of
+unequal widths -- multi-query attention's ``[q (a*d) | k (d) | v (d)]`` (GPT-BigCode, Falcon),
+GQA's ``[q (a*d) | k (g*d) | v (g*d)]`` (Phi-3) -- cannot be laid out with one placement per
+tensor dim: REFERENCE.md splits q's heads and replicates a single KV head (or splits the g KV
+heads), and a blocked split ``S(0:b)`` only cuts b equal blocks.  Equal blocks keep their
+blocked split; unequal ones are cut here, before planning, into one projection per block on a
+*piece* of the weight (and of its bias), so the solver gives each piece its own layout.
+
+Algorithm (:func:`split_fused_projections`):
+1. Projections: ``linear(x, W)``, ``matmul(x, W.T)`` (W's features on dim 0) or
+   ``mm/matmul(x, W)`` (dim 1), W a 2-D parameter read only there, optionally followed by
+   ``add(., b)`` with a 1-D parameter bias read only there.
+2. Follow the output through single-user reshapes (view, reshape, unsqueeze) that keep the
+   features a suffix of the shape whose sizes multiply to n (the feature group).
+3. Every reader of the last value must take a contiguous range of whole rows of the group's
+   first dim: ``slice`` (step 1) or ``split`` / ``split_with_sizes`` (each part read).
+   Falcon's ``qkv[..., [-2], :]`` is a slice too: trace.py records a list index of
+   consecutive ints as a copied slice.
+   The ranges must tile ``[0, n)`` with at least two different widths; otherwise the
+   projection is left as it is.
+4. Rewrite, per range: a parameter placeholder for its rows (and bias entries), the
+   projection on it, the reshapes replayed at the narrower width; each reader's value is
+   replaced by its range's result; the old nodes are erased.
+5. Record each piece (``Traced.pieces``: ``<fqn>.<i>`` -> user parameter, dim, range); its
+   tensor is a view of the user's parameter, so a rank program holds ``c_attn.weight.0``,
+   ``.1``, ... and verify / checkpoints map the pieces back to ``c_attn.weight``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autopar.frontend.trace import Piece, Traced
+
+aten = torch.ops.aten
+_TRANSPOSES = (aten.t.default, aten.numpy_T.default)
+_MATMULS = (aten.matmul.default, aten.mm.default)
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+             aten.unsqueeze.default)  # fmt: skip
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
+
+
+@dataclass(frozen=True)
+class _Fused:
+    """One fused projection found by steps 1-3."""
+
+    weight: fx.Node
+    dim: int  # the weight's feature dim
+    ops: tuple[fx.Node, ...]  # [transpose,] projection [, bias add]: weight -> head
+    bias: fx.Node | None
+    chain: tuple[fx.Node, ...]  # reshapes after the head
+    ranges: tuple[tuple[int, int], ...]  # feature ranges, in order, tiling [0, n)
+    readers: tuple[tuple[fx.Node, ...], ...]  # per range: the values its result replaces
+    dead: tuple[fx.Node, ...]  # split nodes read only by the readers
+
+
+def split_fused_projections(traced: Traced) -> Traced:
+    """``traced`` with every fused projection of unequal blocks cut per block (steps 1-5)."""
+    if not _find(traced.gm.graph, traced):
+        return traced
+    gm = fx.GraphModule(traced.gm, copy.deepcopy(traced.gm.graph))
+    params, tensors = dict(traced.params), dict(traced.tensors)
+    pieces, trainable = dict(traced.pieces), set(traced.trainable)
+    for fused in _find(gm.graph, traced):
+        made = _rewrite(gm.graph, fused)
+        for ph, old, dim, (start, stop), i in made:
+            fqn = traced.params[old]
+            name = f"{fqn}.{i}"
+            params[ph.name] = name
+            tensors[name] = tensors[fqn].detach().narrow(dim, start, stop - start)
+            pieces[name] = Piece(fqn=fqn, dim=dim, start=start, stop=stop)
+            if fqn in traced.trainable:
+                trainable.add(name)
+        for ph in (fused.weight, fused.bias):
+            if ph is not None:
+                params.pop(ph.name)
+    gm.graph.lint()
+    gm.recompile()
+    return dataclasses.replace(traced, gm=gm, params=params, tensors=tensors, pieces=pieces,
+                               trainable=frozenset(trainable))  # fmt: skip
+
+
+# ---------------------------------------------------------------- steps 1-3: find
+
+
+def _find(graph: fx.Graph, traced: Traced) -> list[_Fused]:
+    found = []
+    for w in graph.nodes:
+        if w.op == "placeholder" and w.name in traced.params:
+            fused = _fused(w, traced)
+            if fused is not None:
+                found.append(fused)
+    return found
+
+
+def _fused(w: fx.Node, traced: Traced) -> _Fused | None:
+    proj = _projection(w)
+    if proj is None:
+        return None
+    ops, dim = proj
+    n = w.meta["val"].shape[dim]
+    bias = _bias(ops[-1], n, traced)
+    if bias is not None:
+        ops = (*ops, next(iter(ops[-1].users)))
+    chain, last = _chain(ops[-1], n)
+    read = _ranges(last, n)
+    if read is None:
+        return None
+    ranges, readers, dead = read
+    values = (ops[-1], *chain)
+    whole_rows = all(_piece_shape(_shape(v), n, b - a) is not None
+                     for v in values for a, b in ranges)  # fmt: skip
+    fits = whole_rows and all(_shape(r) == _piece_shape(_shape(last), n, b - a)
+                              for (a, b), rs in zip(ranges, readers, strict=True) for r in rs)  # fmt: skip
+    if len({b - a for a, b in ranges}) < 2 or not fits:
+        return None
+    return _Fused(weight=w, dim=dim, ops=ops, bias=bias, chain=chain, ranges=ranges,
+                  readers=readers, dead=dead)  # fmt: skip
+
+
+def _projection(w: fx.Node) -> tuple[tuple[fx.Node, ...], int] | None:
+    """Step 1: the ops from the weight to the projection, and the weight's feature dim."""
+    if w.meta["val"].dim() != 2 or len(w.users) != 1:
+        return None
+    user = next(iter(w.users))
+    if user.target is aten.linear.default and len(user.args) == 2 and user.args[1] is w:
+        return ((user,), 0) if user.args[0] is not w else None
+    if user.target in _TRANSPOSES and len(user.users) == 1:
+        mm = next(iter(user.users))
+        if mm.target in _MATMULS and mm.args[1] is user and mm.args[0] is not user:
+            return (user, mm), 0
+        return None
+    if user.target in _MATMULS and user.args[1] is w and user.args[0] is not w:
+        return (user,), 1
+    return None
+
+
+def _bias(proj: fx.Node, n: int, traced: Traced) -> fx.Node | None:
+    """Step 1: the 1-D parameter added to the projection's output and read nowhere else."""
+    if len(proj.users) != 1:
+        return None
+    add = next(iter(proj.users))
+    if add.target is not aten.add.Tensor or len(add.args) != 2 or add.args[0] is not proj:
+        return None
+    b = add.args[1]
+    ok = (isinstance(b, fx.Node) and b.op == "placeholder" and b.name in traced.params
+          and len(b.users) == 1 and tuple(_shape(b)) == (n,))  # fmt: skip
+    return b if ok else None
+
+
+def _chain(head: fx.Node, n: int) -> tuple[tuple[fx.Node, ...], fx.Node]:
+    """Step 2: single-user reshapes after ``head`` that keep a feature group; the last value."""
+    chain, last = [], head
+    while len(last.users) == 1:
+        user = next(iter(last.users))
+        if user.target not in _RESHAPES or user.args[0] is not last:
+            break
+        if _suffix(_shape(user), n) is None:
+            break
+        chain.append(user)
+        last = user
+    return tuple(chain), last
+
+
+def _suffix(shape: Sequence[int], n: int) -> int | None:
+    """The first dim of the shortest suffix of ``shape`` whose sizes multiply to ``n``."""
+    p = 1
+    for j in range(len(shape) - 1, -1, -1):
+        p *= shape[j]
+        if p == n:
+            return j
+        if p > n:
+            return None
+    return None
+
+
+def _ranges(last: fx.Node, n: int) -> tuple | None:
+    """Step 3: (ranges in order, readers per range, dead nodes), or None."""
+    shape = _shape(last)
+    fd = _suffix(shape, n)
+    inner = math.prod(shape[fd + 1 :])
+    by_range: dict[tuple[int, int], list[fx.Node]] = {}
+    dead: list[fx.Node] = []
+    for user in last.users:
+        got = _read(user, last, fd, shape[fd])
+        if got is None:
+            return None
+        parts, extra = got
+        for (a, b), node in parts:
+            by_range.setdefault((a * inner, b * inner), []).append(node)
+        dead += extra
+    ranges = sorted(by_range)
+    if len(ranges) < 2 or ranges[0][0] != 0 or ranges[-1][1] != n:
+        return None
+    if any(r[1] != s[0] for r, s in zip(ranges, ranges[1:], strict=False)):
+        return None  # overlapping or with a gap
+    return tuple(ranges), tuple(tuple(by_range[r]) for r in ranges), tuple(dead)
+
+
+def _read(user: fx.Node, src: fx.Node, fd: int, width: int) -> tuple | None:
+    """Step 3 for one reader: ([((start, stop) rows of dim fd, value node)], dead nodes)."""
+    nd = len(_shape(src))
+    if user.target is aten.slice.Tensor and user.args[0] is src:
+        dim, start, end, step = (list(user.args[1:]) + [0, None, None, 1][len(user.args) - 1 :])
+        if _norm(dim, nd) != fd or step != 1:
+            return None
+        a, b, _ = slice(start, end).indices(width)
+        return ([((a, b), user)], []) if b > a else None
+    if user.target in _SPLITS and user.args[0] is src:
+        dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
+        if _norm(dim, nd) != fd:
+            return None
+        bounds = [0]
+        for v in user.meta["val"]:
+            bounds.append(bounds[-1] + v.shape[fd])
+        parts = []
+        for get in user.users:
+            if get.target is not operator.getitem or not isinstance(get.args[1], int):
+                return None
+            i = get.args[1]
+            parts.append(((bounds[i], bounds[i + 1]), get))
+        if {g.args[1] for _, g in parts} != set(range(len(bounds) - 1)):
+            return None
+        return parts, [user]
+    return None
+
+
+def _piece_shape(shape: Sequence[int], n: int, width: int) -> torch.Size | None:
+    """``shape`` with the first dim of its feature group narrowed to ``width`` of the ``n``
+    features (None: the piece is not whole rows of that dim)."""
+    fd = _suffix(shape, n)
+    if fd is None or shape[fd] * width % n:
+        return None
+    return torch.Size([*shape[:fd], shape[fd] * width // n, *shape[fd + 1 :]])
+
+
+def _norm(dim: int, nd: int) -> int:
+    return dim + nd if dim < 0 else dim
+
+
+def _shape(node: fx.Node) -> torch.Size:
+    return node.meta["val"].shape
+
+
+# ---------------------------------------------------------------- step 4: rewrite
+
+
+def _rewrite(graph: fx.Graph, f: _Fused) -> list[tuple]:
+    """Step 4; returns (new placeholder, old placeholder name, dim, range, index) per piece."""
+    n = _shape(f.weight)[f.dim]
+    made = []
+    old_nodes = [*f.ops, *f.chain]
+    anchor = f.chain[-1].next if f.chain else f.ops[-1].next
+    for i, (a, b) in enumerate(f.ranges):
+        w_i = _piece_placeholder(graph, f.weight, f.dim, a, b, i)
+        made.append((w_i, f.weight.name, f.dim, (a, b), i))
+        env = {f.weight: w_i}
+        if f.bias is not None:
+            b_i = _piece_placeholder(graph, f.bias, 0, a, b, i)
+            made.append((b_i, f.bias.name, 0, (a, b), i))
+            env[f.bias] = b_i
+        with graph.inserting_before(anchor):
+            for old in old_nodes:
+                env[old] = _replay(graph, old, env, n, b - a, i)
+        for reader in f.readers[i]:
+            reader.replace_all_uses_with(env[old_nodes[-1]])
+    erase = [r for rs in f.readers for r in rs] + list(f.dead) + old_nodes[::-1]
+    erase += [f.weight] + ([f.bias] if f.bias is not None else [])
+    for node in erase:
+        if not node.users:
+            graph.erase_node(node)
+    return made
+
+
+def _piece_placeholder(graph: fx.Graph, ph: fx.Node, dim: int, a: int, b: int,
+                       i: int) -> fx.Node:  # fmt: skip
+    with graph.inserting_before(ph):
+        new = graph.placeholder(f"{ph.name}_{i}")
+    new.meta.update({k: v for k, v in ph.meta.items() if k not in ("autopar", "tensor_meta")})
+    new.meta["val"] = _narrowed(ph.meta["val"], dim, b - a)
+    return new
+
+
+def _replay(graph: fx.Graph, old: fx.Node, env: dict, n: int, width: int,
+            index: int) -> fx.Node:  # fmt: skip
+    """``old`` on its inputs' pieces: the first dim of its feature group (sizes multiplying
+    to ``n``) narrowed to the piece's ``width`` features."""
+    shape = list(_piece_shape(_shape(old), n, width))
+    args = fx.node.map_arg(old.args, lambda a: env.get(a, a))
+    if old.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        args = (args[0], shape, *args[2:])
+    new = graph.create_node("call_function", old.target, args, dict(old.kwargs),
+                            name=f"{old.name}_block{index}")  # fmt: skip
+    new.meta.update({k: v for k, v in old.meta.items() if k not in ("autopar", "tensor_meta")})
+    new.meta["val"] = torch.empty(shape, dtype=old.meta["val"].dtype, device="meta")
+    return new
+
+
+def _narrowed(val: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    shape = list(val.shape)
+    shape[dim] = size
+    return torch.empty(shape, dtype=val.dtype, device="meta")

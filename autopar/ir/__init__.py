@@ -1,0 +1,1 @@
+"""The IR around the torch.export graph: N-D layouts, the one metadata key, shared analyses."""
