@@ -25,7 +25,15 @@ from passes import PassRecord
 
 
 class Program:
-    """What :func:`autopar.autoparallelize` returns on a virtual mesh."""
+    """What :func:`autopar.autoparallelize` returns on a virtual mesh without dp, ep or pp.
+
+    Every program kind answers the same questions: ``model_name``, ``core`` (the program of
+    the mesh without the batch axes: a Program or a PipelineProgram), ``pipeline`` (the
+    PipelineProgram inside, or None), ``inner`` (the program a batch axis wraps, or None) and
+    ``loss_graph`` (the traced graph whose output is the loss)."""
+
+    inner = None  # no batch axis wraps anything here
+    pipeline = None
 
     def __init__(self, *, plan: Plan, mesh: Mesh, graph_module: fx.GraphModule,
                  traced: Traced, history: list[PassRecord]) -> None:  # fmt: skip
@@ -36,6 +44,18 @@ class Program:
         self.history = history
         self._modules: dict[int, fx.GraphModule] = {}
         self.recompute = "none"  # activation recomputation (autopar.axes.recompute.attach)
+
+    @property
+    def model_name(self) -> str:
+        return self.traced.model_name
+
+    @property
+    def core(self) -> Program:
+        return self
+
+    @property
+    def loss_graph(self) -> fx.GraphModule:
+        return self.traced.gm
 
     def module(self, rank: int) -> fx.GraphModule:
         """The GraphModule of ``rank``, holding only that rank's parameter shards."""

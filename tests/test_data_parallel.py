@@ -516,7 +516,7 @@ def test_bf16_pipeline_matches_single_device_autocast(axes, zero):
                            n_microbatches=2, param_dtype=torch.bfloat16, **kw)  # fmt: skip
     fp32 = autoparallelize(build("llama", c), Mesh(**axes), (x, y), loss_fn=lm_loss,
                            n_microbatches=2, **kw)  # fmt: skip
-    pipe, pipe32 = (getattr(p, "inner", p) for p in (prog, fp32))
+    pipe, pipe32 = prog.pipeline, fp32.pipeline
     assert "activations and their gradients cross stage boundaries in bfloat16" in str(prog.plan)
     # the residual stream (the only boundary value with a gradient) is priced in bf16
     hidden = (c.batch // axes.get("dp", 1) // 2) * c.seq * c.hidden

@@ -86,10 +86,7 @@ def test_mesh_auto_traces_the_example_batch_and_each_slice_once(exports):
     mesh, batch = prog.search.mesh, inputs[0].shape[0]
     rows = batch // mesh.size("dp") // mesh.size("ep")
     if "pp" in mesh.sizes:
-        pipeline = prog
-        while not hasattr(pipeline, "config"):  # the pipeline inside the batch axes' programs
-            pipeline = pipeline.inner
-        rows //= pipeline.config.n_microbatches
+        rows //= prog.pipeline.config.n_microbatches
     assert [shapes[0][0] for shapes in exports] == [batch] + ([rows] if rows != batch else [])
 
 

@@ -342,13 +342,32 @@ class DataParallelPlan:
 
 
 class DataParallelProgram:
-    """What :func:`autopar.autoparallelize` returns for a mesh with a ``dp`` axis."""
+    """What :func:`autopar.autoparallelize` returns for a mesh with a ``dp`` axis.
+
+    Like every program kind: ``model_name``, ``core``, ``pipeline``, ``inner`` and
+    ``loss_graph`` (see :class:`autopar.program.Program`)."""
 
     def __init__(self, *, inner: Any, mesh: Mesh, plan: DataParallelPlan) -> None:
         self.inner, self.mesh, self.plan = inner, mesh, plan
         self.inner_mesh = inner.mesh
         self._modules: dict[int, Any] = {}
         self._shares: dict[int, Any] = {}
+
+    @property
+    def model_name(self) -> str:
+        return self.inner.model_name
+
+    @property
+    def core(self) -> Any:
+        return self.inner.core
+
+    @property
+    def pipeline(self) -> Any:
+        return self.inner.pipeline
+
+    @property
+    def loss_graph(self) -> fx.GraphModule:
+        return self.inner.loss_graph
 
     @property
     def history(self) -> list[Any]:
@@ -520,8 +539,8 @@ def predict_step(inner: Any, mesh: Mesh, stage: int, axes: tuple[str, ...],
     from cost.step import bubble_time, data_parallel_time, optimizer_time
 
     pp = mesh.size("pp")
-    m = inner.config.n_microbatches if pp > 1 else 1
-    v = max(inner.config.virtual_stages, 1) if pp > 1 else 1
+    m = inner.pipeline.config.n_microbatches if pp > 1 else 1
+    v = max(inner.pipeline.config.virtual_stages, 1) if pp > 1 else 1
     cfg = _step_config(mesh, stage, m)
     spans = _mesh_spans(mesh, axes)
     best: PlanStep | None = None
@@ -565,10 +584,11 @@ def _micro_batch_s(inner: Any, program: Any, mesh: Mesh) -> float:
     from cost.comm import collective_time
 
     own = program.plan.compute_s + program.plan.comm_s
-    if not hasattr(inner, "cut"):
+    pipe = inner.pipeline
+    if pipe is None:
         return own
-    s = inner.stages.index(program)
-    sent = inner.cut.boundary_bytes[s] or (inner.cut.boundary_bytes[s - 1] if s else 0.0)
+    s = pipe.stages.index(program)
+    sent = pipe.cut.boundary_bytes[s] or (pipe.cut.boundary_bytes[s - 1] if s else 0.0)
     link = mesh.cluster.axis_link(mesh.axes, "pp")
     return own + 2 * collective_time("send_recv", sent, 2, link)
 
@@ -619,12 +639,12 @@ def _rank_positions(inner: Any) -> list[tuple[list[Any], list[tuple[Any, int]]]]
     """Per rank position (each pipeline rank, or the one without pp): the modules sub-mesh
     rank 0 there runs (its stages'; an ep program's hold this rank's experts) and per stage
     program the micro-batches it holds at the peak."""
-    if not hasattr(inner, "stages"):
-        core = getattr(inner, "inner", inner)  # an ep program's dense part is its sub-mesh's
-        if getattr(inner, "recompute", None) is not None and core is not inner:
+    if inner.pipeline is None:
+        core = inner.core  # an ep program's dense part is its sub-mesh's, in the ep's mode
+        if core is not inner:
             core = _with_recompute(core, inner.recompute)
         return [([inner.module(0)], [(core, 1)])]
-    config = inner.config if hasattr(inner, "config") else inner.inner.config
+    config = inner.pipeline.config
     n, out = len(inner.stages), []
     for r in range(inner.mesh.size("pp")):
         rank = inner.mesh.rank_of({a: r if a == "pp" else 0 for a, _ in inner.mesh.axes})
@@ -651,7 +671,7 @@ def _fit_sub_mesh(inner: Any, table: tuple[ZeroMemory, ...], limit: float, zero:
     unsharded + activations) must stay below limit + M - total(stage).  The first stage whose
     plan fits wins.  Sub-meshes of one rank and pipelines keep their plan."""
     stages = ZERO_STAGES if zero is None or zero not in ZERO_STAGES else (zero,)
-    if not hasattr(inner.plan, "memory_bytes") or inner.mesh.world_size == 1:
+    if not isinstance(inner.plan, Plan) or inner.mesh.world_size == 1:  # a pipeline, ep
         return inner, table, None
     for stage in stages:
         if table[stage].total <= limit:
@@ -688,13 +708,11 @@ def _engine_note(stage: int, axes: tuple[str, ...] = ("dp",)) -> list[str]:
 
 
 def _graph(inner: Any) -> fx.GraphModule:
-    if hasattr(inner, "traced"):
-        return inner.traced.gm
-    return inner.stages[-1].traced.gm
+    return inner.loss_graph
 
 
 def _model_name(inner: Any) -> str:
-    return inner.traced.model_name if hasattr(inner, "traced") else inner.model_name
+    return inner.model_name
 
 
 def kept_gathered(inner: Any) -> frozenset[str]:
@@ -726,8 +744,8 @@ def _kept_in(modules: list[Any]) -> frozenset[str]:
 
 def _rank_modules(inner: Any) -> list[Any]:
     """Sub-mesh rank 0's modules (one per pipeline stage)."""
-    return ([inner.module(0, s) for s in range(len(inner.stages))]  # an ep program's: its
-            if hasattr(inner, "stages") else [inner.module(0)])  # experts' share  # fmt: skip
+    pipe = inner.pipeline  # an ep program's modules hold its experts' share
+    return [inner.module(0, s) for s in range(len(pipe.stages))] if pipe else [inner.module(0)]
 
 
 def _grad_shapes(inner: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -561,14 +561,17 @@ class ExpertParallelPlan:
 
 
 class ExpertParallelProgram:
-    """What :func:`autopar.autoparallelize` returns for a mesh with an ``ep`` axis."""
+    """What :func:`autopar.autoparallelize` returns for a mesh with an ``ep`` axis.
+
+    Like every program kind: ``model_name``, ``core``, ``pipeline``, ``inner`` and
+    ``loss_graph`` (see :class:`autopar.program.Program`)."""
 
     def __init__(self, *, inner: Any, mesh: Mesh, plan: ExpertParallelPlan, capacity: float,
                  bucket_bytes: int = BUCKET_BYTES) -> None:  # fmt: skip
         self.inner, self.mesh, self.plan, self.capacity = inner, mesh, plan, capacity
         self.bucket_bytes = bucket_bytes
         self.inner_mesh = inner.mesh
-        if hasattr(inner, "traced"):
+        if inner.pipeline is None:
             self.traced = inner.traced
         self._modules: dict[tuple[int, int], fx.GraphModule] = {}
 
@@ -586,6 +589,18 @@ class ExpertParallelProgram:
         return self.inner.stages_of(pp_rank)
 
     @property
+    def core(self) -> Any:
+        return self.inner.core
+
+    @property
+    def pipeline(self) -> Any:
+        return self.inner.pipeline
+
+    @property
+    def loss_graph(self) -> fx.GraphModule:
+        return self.inner.loss_graph
+
+    @property
     def history(self) -> list[Any]:
         """The passes that built the sub-mesh program (this axis rewrites rank modules)."""
         return self.inner.history
@@ -598,7 +613,7 @@ class ExpertParallelProgram:
         """The rank's module (of ``stage`` under pp, default its first): its sub-mesh program
         with this rank's experts and the dispatch / combine all-to-alls."""
         inner = self.inner_rank(rank)
-        if hasattr(self.inner, "stages"):
+        if self.inner.pipeline is not None:
             stage = self.inner.stages_of(self.mesh.coordinates(rank)["pp"])[0] if stage is None \
                 else stage
             local = self.inner.module(inner, stage)
@@ -615,7 +630,8 @@ class ExpertParallelProgram:
         return self._modules[(rank, stage)]
 
     def _micro(self) -> int:
-        return self.inner.config.n_microbatches if hasattr(self.inner, "config") else 1
+        pipe = self.inner.pipeline
+        return pipe.config.n_microbatches if pipe else 1
 
     def share(self, rank: int) -> Any:
         """Under pp: what ``rank`` runs, its stages' modules with this rank's experts."""
@@ -669,7 +685,7 @@ def compile_expert_parallel(mesh: Mesh, batch: int, compile_inner: Callable[[], 
     mesh without ep from that one trace."""
     ep = mesh.size("ep")
     inner = compile_inner()
-    samples = ([st.module(0) for st in inner.stages] if hasattr(inner, "stages")
+    samples = ([st.module(0) for st in inner.pipeline.stages] if inner.pipeline
                else [inner.module(0)])  # fmt: skip
     found_layers = [find_moe_layers(m) for m in samples]
     layers = [layer for ls, _ in found_layers for layer in ls]
@@ -709,7 +725,7 @@ def compile_expert_parallel(mesh: Mesh, batch: int, compile_inner: Callable[[], 
 def _micro_batch_note(inner: Any, samples: list[fx.GraphModule]) -> list[str]:
     """Under pp: torch's schedule computes the loss once per micro-batch, so statistics over
     the batch (a load-balancing loss) are global over ep within each micro-batch only."""
-    micro = inner.config.n_microbatches if hasattr(inner, "config") else 1
+    micro = inner.pipeline.config.n_microbatches if inner.pipeline else 1
     found = sum(len(boundaries(m.graph)) for m in samples)
     if micro <= 1 or not found:
         return []

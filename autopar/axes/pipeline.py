@@ -370,7 +370,10 @@ def _formula(config: PipelineConfig, p: int) -> float:
 
 
 class PipelineProgram:
-    """What :func:`autopar.autoparallelize` returns for a mesh with a ``pp`` axis."""
+    """What :func:`autopar.autoparallelize` returns for a mesh with a ``pp`` axis.
+
+    Like every program kind: ``model_name``, ``core``, ``pipeline``, ``inner`` and
+    ``loss_graph`` (see :class:`autopar.program.Program`)."""
 
     def __init__(self, *, mesh: Mesh, stages: list[Program], graphs: list[StageGraph],
                  cut: StageCut, config: PipelineConfig, model_name: str,
@@ -384,6 +387,7 @@ class PipelineProgram:
         )
         self.grad_names = grad_names
         self.model_name = model_name
+        self.inner = None  # no batch axis wraps anything here
         self.plan = PipelinePlan(self)
         uses: dict[str, list[int]] = {}
         for i, st in enumerate(stages):
@@ -391,6 +395,18 @@ class PipelineProgram:
                 uses.setdefault(fqn, []).append(i)
         self.tied = {fqn: ix for fqn, ix in uses.items() if len(ix) > 1}
         self.split = split
+
+    @property
+    def core(self) -> PipelineProgram:
+        return self
+
+    @property
+    def pipeline(self) -> PipelineProgram:
+        return self
+
+    @property
+    def loss_graph(self) -> fx.GraphModule:
+        return self.stages[-1].traced.gm
 
     @property
     def history(self) -> list[PassRecord]:

@@ -300,7 +300,9 @@ def predict(traced_gm: fx.GraphModule, sizes: dict[str, int], mode: str, regions
 
 def annotate(plan: Any, effect: RecomputeEffect) -> Any:
     """The plan priced with the recompute mode: time added, memory saved, a note."""
-    if not hasattr(plan, "compute_s"):
+    from autopar.plan import Plan
+
+    if not isinstance(plan, Plan):
         return plan
     saved = effect.saved_none - effect.saved - effect.working
     return dataclasses.replace(
@@ -316,7 +318,7 @@ def attach(prog: Any, mode: str, apply: bool = True) -> Any:
     to the modules it derives from ``prog``'s."""
     if check_mode(mode) == "none":
         return prog
-    stages = getattr(prog, "stages", None)
+    stages = prog.stages if prog.pipeline is not None else None
     programs = list(stages) if stages is not None else [prog]
     found = 0
     for p in programs:

@@ -50,7 +50,7 @@ def program_facts(prog: Any, measured: Any = None) -> Facts:
 def unwrap(prog: Any) -> tuple[list[Any], Any]:
     """Step 1: (wrapper programs outermost first, the core program)."""
     wrappers = []
-    while hasattr(prog, "inner") and hasattr(prog.plan, "inner"):
+    while prog.inner is not None:
         wrappers.append(prog)
         prog = prog.inner
     return wrappers, prog
@@ -58,7 +58,7 @@ def unwrap(prog: Any) -> tuple[list[Any], Any]:
 
 def core_plans(core: Any) -> list[Any]:
     """The `Plan` record of each pipeline stage (one without a pipeline)."""
-    return [s.plan for s in core.stages] if hasattr(core, "stages") else [core.plan]
+    return [s.plan for s in core.stages] if core.pipeline else [core.plan]
 
 
 def _has(plan: Any, name: str) -> bool:
@@ -130,8 +130,7 @@ def _bar(label: str, m: Any, chosen: bool) -> MemoryBar:
 
 def _param_dtype(prog: Any) -> torch.dtype:
     wrappers, core = unwrap(prog)
-    config = getattr(core, "config", None)
-    return getattr(config, "param_dtype", torch.float32)
+    return core.pipeline.config.param_dtype if core.pipeline else torch.float32
 
 
 def position_rows(inner: Any, dp: int, stage: int, param_dtype: torch.dtype) -> list[Any]:
@@ -164,7 +163,7 @@ def _pipeline_memory(prog: Any, wrappers: list[Any], dp: Any) -> tuple[MemoryBar
 
 def _schedule(core: Any, measured: Any) -> Schedule | None:
     """Step 5: the simulated timeline, with measured (rank, F|B, mb, t0, t1) events."""
-    if not hasattr(core, "timeline"):
+    if core.pipeline is None:
         return None
     c, p = core.config, core.mesh.size("pp")
     sim = simulated(c.order, p, c.n_microbatches, c.virtual_stages,
@@ -199,7 +198,7 @@ def _code(prog: Any) -> tuple[tuple[str, str], ...]:
 def _summary(prog: Any, core: Any, plans: list[Any], dp: Any) -> tuple[tuple[str, str], ...]:
     out = [("mesh", "; ".join(prog.mesh.describe())), ("plan", prog.plan.hash),
            ("priced on", plans[0].hardware)]  # fmt: skip
-    if hasattr(core, "config"):
+    if core.pipeline is not None:
         c = core.config
         out.append(("pipeline", f"{len(core.stages)} stages, {c.schedule}, "
                                 f"{c.n_microbatches} micro-batches"))  # fmt: skip
