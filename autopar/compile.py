@@ -16,7 +16,6 @@ Algorithm (:func:`compile_traced`):
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,6 +27,7 @@ from autopar import meta
 from autopar.analysis import block_of, needs_grad
 from autopar.errors import PlanError
 from autopar.fused import split_fused_projections
+from autopar.ir import copy_module
 from autopar.mesh import Mesh
 from autopar.pad import pad_vocab
 from autopar.plan import Plan
@@ -69,7 +69,7 @@ def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
     grad = frozenset(n.name for n in needs_grad(traced))
     ctx = PassContext(mesh=mesh, axis=axis, choice=solution.choice, grad=grad, traced=traced,
                       replicate_outputs=options.replicate_outputs)  # fmt: skip
-    gm, history = run_pipeline(torch.fx.GraphModule(traced.gm, copy.deepcopy(traced.gm.graph)), ctx)
+    gm, history = run_pipeline(copy_module(traced.gm), ctx)
     for rec in history:
         log(str(rec))
     plan = _plan(traced, gm, mesh, solution, axis)

@@ -8,7 +8,9 @@ Algorithm:
 3. ``torch.export.export(..., strict=False)`` (training IR: linear, layer_norm, sdpa and
    cross_entropy stay whole ops).  On failure, run the model eagerly to tell "the inputs do not
    fit the model" from "torch.export cannot trace it", and raise one error quoting the reason and
-   the user's source line.  While tracing, ``x[..., [i, i+1, ...], :]`` (a list of consecutive
+   the user's source line.  Export runs with lazy graph modules: its own passes (set_grad and
+   autocast regions as higher-order ops, placeholder naming ...) call ``recompile()`` on the
+   whole graph a dozen times, and only the last code is ever read.  While tracing, ``x[..., [i, i+1, ...], :]`` (a list of consecutive
    ints, the only advanced index) is recorded as ``x[..., i:i+n, :]`` copied: the same fresh
    tensor, but a range the planner can read (a list index becomes a constant tensor whose
    values are lost on the meta device; Falcon's fused QKV reads K and V that way).
@@ -37,11 +39,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from autopar.canonical import canonicalize
 from autopar.errors import InputError, TraceError
+from autopar.ir import lazy_module
 from autopar.meta import source
 from autopar.moe_loop import LoopProblem, stack_expert_loops
 
@@ -105,7 +109,7 @@ def trace(
     if any(p.is_meta for p in model.parameters()):
         args, kwargs = pytree.tree_map_only(torch.Tensor, _to_meta, (args, kwargs))
     try:
-        with _quiet_fake_tensor_log(), _RunIndexAsSlice():
+        with _quiet_fake_tensor_log(), _RunIndexAsSlice(), _use_lazy_graph_module(True):
             ep = torch.export.export(root, args, kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001 - re-raised as a clear error below
         raise _explain_failure(model, root, args, kwargs, exc) from None
@@ -169,7 +173,7 @@ def _to_meta(t: torch.Tensor) -> torch.Tensor:
 
 def _collect(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str,
              loops: list[LoopProblem] | None = None) -> Traced:  # fmt: skip
-    gm = ep.graph_module
+    gm = lazy_module(ep.graph_module)  # the rewrites below recompile it: code made on demand
     lifted = {**ep.graph_signature.inputs_to_parameters, **ep.graph_signature.inputs_to_buffers}
     for node in list(gm.graph.nodes):
         if node.op == "placeholder" and node.name in lifted and not node.users:
