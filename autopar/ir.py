@@ -62,10 +62,13 @@ def op_name(target: object) -> str:
     return getattr(target, "__name__", str(target))
 
 
+_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
+           torch.int64: "i64", torch.bool: "b8", torch.int32: "i32"}  # fmt: skip
+
+
 def _type(val: object) -> str:
     if isinstance(val, torch.Tensor):
-        dtype = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
-                 torch.int64: "i64", torch.bool: "b8", torch.int32: "i32"}.get(val.dtype, str(val.dtype))  # fmt: skip
+        dtype = _DTYPES.get(val.dtype) or str(val.dtype)
         return f"{dtype}[{','.join(map(str, val.shape))}]"
     if isinstance(val, (tuple, list)):
         return "(" + ", ".join(_type(v) for v in val) + ")"

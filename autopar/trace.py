@@ -352,8 +352,23 @@ def _source_line(path: str, lineno: int) -> str:
 
 def tensor_args(node: fx.Node) -> list[fx.Node]:
     """The node's tensor-valued inputs, in argument order, duplicates kept."""
-    leaves = pytree.tree_leaves((node.args, node.kwargs))
-    return [a for a in leaves if isinstance(a, fx.Node) and is_tensor(a)]
+    found: list[fx.Node] = []
+    _tensor_leaves((node.args, node.kwargs), found)
+    return found
+
+
+def _tensor_leaves(a: object, found: list[fx.Node]) -> None:
+    """``pytree.tree_leaves`` order over fx arguments, whose containers are only tuples
+    (named or not), lists and dicts (fx stores them so; a slice is a leaf), without pytree's
+    per-leaf type dispatch: the planner and the passes ask this for every node."""
+    if isinstance(a, (tuple, list)):
+        for x in a:
+            _tensor_leaves(x, found)
+    elif isinstance(a, dict):
+        for x in a.values():
+            _tensor_leaves(x, found)
+    elif isinstance(a, fx.Node) and is_tensor(a):
+        found.append(a)
 
 
 def is_tensor(node: fx.Node) -> bool:

@@ -60,6 +60,11 @@ class Strategy:
         return all(isinstance(p, Replicate) for p in (*self.inputs, *outs))
 
     def __str__(self) -> str:
+        return self._text
+
+    @functools.cached_property
+    def _text(self) -> str:
+        """``str(self)``, made once: the nodes of tied blocks share their strategies."""
         ins = ",".join(map(str, self.inputs))
         outs = self.output if isinstance(self.output, tuple) else (self.output,)
         low = f" [{self.lowering}]" if self.lowering else ""
