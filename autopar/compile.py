@@ -34,7 +34,7 @@ from autopar.plan import Plan
 from autopar.planner import AxisSolution, PlanOptions, describe_tp_dims, solve_axis
 from autopar.precision import annotate_autocast
 from autopar.program import Program, collectives_of
-from autopar.trace import Traced, trace
+from autopar.trace import Traced, gc_paused, trace
 from cost.comm import collective_time
 from cost.topology import Topology, nccl_advice
 from passes import PassContext, run_pipeline
@@ -45,9 +45,10 @@ def compile_program(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
                     options: PlanOptions, verbose: bool = False) -> Program:  # fmt: skip
     """Steps 1-4 on a virtual mesh."""
     log = Progress(verbose)
-    traced = trace(model, example_inputs, example_kwargs, loss_fn)
-    log(f"traced {traced.model_name}: {len(traced.gm.graph.nodes)} nodes")
-    return compile_traced(traced, mesh, options, log)
+    with gc_paused():  # what the compile allocates mostly outlives it (autopar.trace)
+        traced = trace(model, example_inputs, example_kwargs, loss_fn)
+        log(f"traced {traced.model_name}: {len(traced.gm.graph.nodes)} nodes")
+        return compile_traced(traced, mesh, options, log)
 
 
 def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,

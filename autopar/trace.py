@@ -10,7 +10,8 @@ Algorithm:
    fit the model" from "torch.export cannot trace it", and raise one error quoting the reason and
    the user's source line.  Export runs with lazy graph modules: its own passes (set_grad and
    autocast regions as higher-order ops, placeholder naming ...) call ``recompile()`` on the
-   whole graph a dozen times, and only the last code is ever read.  While tracing, ``x[..., [i, i+1, ...], :]`` (a list of consecutive
+   whole graph a dozen times, and only the last code is ever read; and without automatic
+   garbage collection (its objects mostly outlive it: collecting would only rescan them).  While tracing, ``x[..., [i, i+1, ...], :]`` (a list of consecutive
    ints, the only advanced index) is recorded as ``x[..., i:i+n, :]`` copied: the same fresh
    tensor, but a range the planner can read (a list index becomes a constant tensor whose
    values are lost on the meta device; Falcon's fused QKV reads K and V that way).
@@ -29,6 +30,7 @@ Algorithm:
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import operator
 import traceback
@@ -109,7 +111,12 @@ def trace(
     if any(p.is_meta for p in model.parameters()):
         args, kwargs = pytree.tree_map_only(torch.Tensor, _to_meta, (args, kwargs))
     try:
-        with _quiet_fake_tensor_log(), _RunIndexAsSlice(), _use_lazy_graph_module(True):
+        with (
+            _quiet_fake_tensor_log(),
+            _RunIndexAsSlice(),
+            _use_lazy_graph_module(True),
+            gc_paused(),
+        ):
             ep = torch.export.export(root, args, kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001 - re-raised as a clear error below
         raise _explain_failure(model, root, args, kwargs, exc) from None
@@ -130,6 +137,21 @@ def _quiet_fake_tensor_log() -> Iterator[None]:
         yield
     finally:
         log.setLevel(level)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No automatic garbage collection inside: export (and the compile around it) allocates a
+    few hundred thousand objects that mostly outlive it, and each collection would only scan
+    them again, a full one the ~400K objects torch and transformers hold as well (~0.2 s).
+    Collection resumes, with its own thresholds, afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _RunIndexAsSlice(TorchFunctionMode):
