@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from autopar.driver import compile_model, example_of
 from autopar.errors import MeshError
+from autopar.frontend.trace import gc_paused
 from autopar.mesh import AutoMesh, Mesh
 from autopar.options import make_options
 from autopar.plan import Plan, as_plan
@@ -123,7 +124,8 @@ def autoparallelize(
         from autopar.runtime import check_world
 
         check_world(virtual)  # before compiling: a wrong world would hang in the first collective
-    prog = compile_model(model, virtual, example, loss_fn, options)
+    with gc_paused():  # what the compile allocates mostly outlives it (autopar.frontend.trace)
+        prog = compile_model(model, virtual, example, loss_fn, options)
     if device_mesh is None:
         return prog
     from autopar.runtime import bind

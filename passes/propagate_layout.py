@@ -26,9 +26,16 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar.frontend.trace import is_getitem, is_tensor
+from autopar.frontend.trace import is_getitem, is_tensor, tensor_args
 from autopar.ir import meta
-from autopar.ir.layout import Layout, Partial, Placement, R, Replicate, Shard
+from autopar.ir.layout import (
+    Layout,
+    Partial,
+    Placement,
+    R,
+    Replicate,
+    Shard,
+)
 from autopar.ops.collectives import redistribute
 from autopar.rules import Strategy
 from passes import PassContext
@@ -88,7 +95,7 @@ def _layout(val: torch.Tensor, p: Placement, ctx: PassContext) -> Layout:
 
 def _requirements(node: fx.Node, ctx: PassContext, have: dict) -> list:
     """(producer, wanted placement, partial_grad) per tensor-argument slot of ``node``."""
-    args = _tensor_slots(node)
+    args = tensor_args(node)
     if node.op == "output":
         whole = lambda p: isinstance(p, Partial) or (ctx.replicate_outputs and isinstance(p, Shard))  # noqa: E731
         return [(a, R if whole(have[a]) else have[a], False) if a in have else (None, None, False)
@@ -108,11 +115,6 @@ def _requirements(node: fx.Node, ctx: PassContext, have: dict) -> list:
 
 def _shared(p: Placement) -> bool:
     return isinstance(p, Shard) and p.rep > 1
-
-
-def _tensor_slots(node: fx.Node) -> list[fx.Node]:
-    leaves = pytree.tree_leaves((node.args, node.kwargs))
-    return [a for a in leaves if isinstance(a, fx.Node) and is_tensor(a)]
 
 
 def _writes(x: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node]:

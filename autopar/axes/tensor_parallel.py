@@ -16,7 +16,6 @@ Algorithm (:func:`compile_traced`):
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import torch
@@ -28,6 +27,7 @@ from autopar.frontend.precision import annotate_autocast
 from autopar.frontend.trace import Traced
 from autopar.ir import meta
 from autopar.ir.analysis import block_of, needs_grad
+from autopar.ir.printing import copy_module
 from autopar.mesh import Mesh
 from autopar.plan import Plan
 from autopar.planner.tp import AxisSolution, PlanOptions, describe_tp_dims, solve_axis
@@ -56,7 +56,7 @@ def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
     grad = frozenset(n.name for n in needs_grad(traced))
     ctx = PassContext(mesh=mesh, axis=axis, choice=solution.choice, grad=grad, traced=traced,
                       replicate_outputs=options.replicate_outputs)  # fmt: skip
-    gm, history = run_pipeline(torch.fx.GraphModule(traced.gm, copy.deepcopy(traced.gm.graph)), ctx)
+    gm, history = run_pipeline(copy_module(traced.gm), ctx)
     for rec in history:
         log(str(rec))
     plan = _plan(traced, gm, mesh, solution, axis)

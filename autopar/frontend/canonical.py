@@ -29,6 +29,7 @@ Algorithm:
    size (autopar.frontend.mask_structure: positions compared, never materialised); one it does not
    recognise is evaluated when no value on its way is over ``MASK_LIMIT`` elements, on the
    CPU whatever device the model was traced on (every device argument becomes the CPU).
+   A mask the layers share is judged once.
 5. A tensor split into equal pieces along a dim, each piece normalised by its own
    ``layer_norm`` (same normalised shape and eps, parameters of equal shapes) and the
    results concatenated back in order along that dim (StableLM's per-head q/k norms), is one
@@ -73,14 +74,19 @@ def canonicalize(graph: fx.Graph) -> None:
     for node in list(graph.nodes):
         if _is_add(node) and not _is_inner(node):
             _sum_matmuls_first(graph, node)
+    causal: dict[fx.Node, bool] = {}  # mask -> step 4's verdict (the layers share one mask)
     for node in list(graph.nodes):
         mask = _mask_arg(node) if node.target is _SDPA else None
-        if isinstance(mask, fx.Node) and constant_causal(mask):
-            dead = _ancestors(mask, limit=None) or []
+        if not isinstance(mask, fx.Node):
+            continue
+        if mask not in causal:
+            causal[mask] = constant_causal(mask)
+        if causal[mask]:
             _make_causal(node)
-            for old in reversed(dead):  # the mask's computation, now unread
-                if not old.users:
-                    graph.erase_node(old)
+            if not mask.users:  # the mask's computation, now unread
+                for old in reversed(_ancestors(mask, limit=None) or []):
+                    if not old.users:
+                        graph.erase_node(old)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _SPLITS:
             pieces = _normed_pieces(node)

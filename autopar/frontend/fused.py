@@ -30,7 +30,6 @@ Algorithm (:func:`split_fused_projections`):
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import operator
@@ -41,6 +40,7 @@ import torch
 import torch.fx as fx
 
 from autopar.frontend.trace import Piece, Traced
+from autopar.ir.printing import copy_module
 
 aten = torch.ops.aten
 _TRANSPOSES = (aten.t.default, aten.numpy_T.default)
@@ -68,7 +68,7 @@ def split_fused_projections(traced: Traced) -> Traced:
     """``traced`` with every fused projection of unequal blocks cut per block (steps 1-5)."""
     if not _find(traced.gm.graph, traced):
         return traced
-    gm = fx.GraphModule(traced.gm, copy.deepcopy(traced.gm.graph))
+    gm = copy_module(traced.gm)
     params, tensors = dict(traced.params), dict(traced.tensors)
     pieces, trainable = dict(traced.pieces), set(traced.trainable)
     for fused in _find(gm.graph, traced):

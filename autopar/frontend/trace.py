@@ -8,7 +8,10 @@ Algorithm:
 3. ``torch.export.export(..., strict=False)`` (training IR: linear, layer_norm, sdpa and
    cross_entropy stay whole ops).  On failure, run the model eagerly to tell "the inputs do not
    fit the model" from "torch.export cannot trace it", and raise one error quoting the reason and
-   the user's source line.  While tracing, ``x[..., [i, i+1, ...], :]`` (a list of consecutive
+   the user's source line.  Export runs with lazy graph modules: its own passes (set_grad and
+   autocast regions as higher-order ops, placeholder naming ...) call ``recompile()`` on the
+   whole graph a dozen times, and only the last code is ever read; and without automatic
+   garbage collection (its objects mostly outlive it: collecting would only rescan them).  While tracing, ``x[..., [i, i+1, ...], :]`` (a list of consecutive
    ints, the only advanced index) is recorded as ``x[..., i:i+n, :]`` copied: the same fresh
    tensor, but a range the planner can read (a list index becomes a constant tensor whose
    values are lost on the meta device; Falcon's fused QKV reads K and V that way).
@@ -27,6 +30,7 @@ Algorithm:
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import operator
 import traceback
@@ -37,6 +41,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
@@ -44,6 +49,7 @@ from autopar.errors import InputError, TraceError
 from autopar.frontend.canonical import canonicalize
 from autopar.frontend.moe_loop import LoopProblem, stack_expert_loops
 from autopar.ir.meta import source
+from autopar.ir.printing import lazy_module
 
 _ASSERT_OPS = (torch.ops.aten._assert_tensor_metadata.default,)
 
@@ -105,7 +111,12 @@ def trace(
     if any(p.is_meta for p in model.parameters()):
         args, kwargs = pytree.tree_map_only(torch.Tensor, _to_meta, (args, kwargs))
     try:
-        with _quiet_fake_tensor_log(), _RunIndexAsSlice():
+        with (
+            _quiet_fake_tensor_log(),
+            _RunIndexAsSlice(),
+            _use_lazy_graph_module(True),
+            gc_paused(),
+        ):
             ep = torch.export.export(root, args, kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001 - re-raised as a clear error below
         raise _explain_failure(model, root, args, kwargs, exc) from None
@@ -126,6 +137,21 @@ def _quiet_fake_tensor_log() -> Iterator[None]:
         yield
     finally:
         log.setLevel(level)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No automatic garbage collection inside: export (and the compile around it) allocates a
+    few hundred thousand objects that mostly outlive it, and each collection would only scan
+    them again, a full one the ~400K objects torch and transformers hold as well (~0.2 s).
+    Collection resumes, with its own thresholds, afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _RunIndexAsSlice(TorchFunctionMode):
@@ -169,7 +195,7 @@ def _to_meta(t: torch.Tensor) -> torch.Tensor:
 
 def _collect(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str,
              loops: list[LoopProblem] | None = None) -> Traced:  # fmt: skip
-    gm = ep.graph_module
+    gm = lazy_module(ep.graph_module)  # the rewrites below recompile it: code made on demand
     lifted = {**ep.graph_signature.inputs_to_parameters, **ep.graph_signature.inputs_to_buffers}
     for node in list(gm.graph.nodes):
         if node.op == "placeholder" and node.name in lifted and not node.users:
@@ -348,8 +374,23 @@ def _source_line(path: str, lineno: int) -> str:
 
 def tensor_args(node: fx.Node) -> list[fx.Node]:
     """The node's tensor-valued inputs, in argument order, duplicates kept."""
-    leaves = pytree.tree_leaves((node.args, node.kwargs))
-    return [a for a in leaves if isinstance(a, fx.Node) and is_tensor(a)]
+    found: list[fx.Node] = []
+    _tensor_leaves((node.args, node.kwargs), found)
+    return found
+
+
+def _tensor_leaves(a: object, found: list[fx.Node]) -> None:
+    """``pytree.tree_leaves`` order over fx arguments, whose containers are only tuples
+    (named or not), lists and dicts (fx stores them so; a slice is a leaf), without pytree's
+    per-leaf type dispatch: the planner and the passes ask this for every node."""
+    if isinstance(a, (tuple, list)):
+        for x in a:
+            _tensor_leaves(x, found)
+    elif isinstance(a, dict):
+        for x in a.values():
+            _tensor_leaves(x, found)
+    elif isinstance(a, fx.Node) and is_tensor(a):
+        found.append(a)
 
 
 def is_tensor(node: fx.Node) -> bool:

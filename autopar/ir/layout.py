@@ -22,6 +22,7 @@ per-axis view of a layout):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -119,6 +120,11 @@ class Layout:
         return not self.partial and all(not a for a in self.dims)
 
     def __str__(self) -> str:
+        return self._text
+
+    @functools.cached_property
+    def _text(self) -> str:
+        """``str(self)``, made once: pass histories and plans print every node's layout."""
         parts = []
         for axes, b in zip(self.dims, self.blocks, strict=True):
             if not axes:

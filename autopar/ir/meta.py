@@ -36,9 +36,12 @@ class NodeInfo:
     dtype: torch.dtype | None = None
 
 
+_EMPTY = NodeInfo()  # frozen: one shared record for every node without one
+
+
 def info(node: fx.Node) -> NodeInfo:
     """The record of ``node`` (an empty one if none was written)."""
-    return node.meta.get(KEY) or NodeInfo()
+    return node.meta.get(KEY) or _EMPTY
 
 
 def update(node: fx.Node, **fields: Any) -> NodeInfo:

@@ -2,14 +2,33 @@
 
 This is what golden tests compare and what pass histories keep: no file paths, no memory
 addresses, ops by short name (``aten.linear``, ``all_reduce``).
+
+:func:`copy_module` is the one way a rewrite takes its own copy of a graph module: a deep copy
+of the graph in a lazy GraphModule, whose Python code is generated when first needed (its
+``forward`` is called or ``.code`` read) rather than at every ``recompile()``.  Generating the
+code of a 2000-node graph costs ~50 ms, and the rewrites between trace and program recompile
+half a dozen times a code nothing reads until the per-rank programs are built.
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from autopar.ir import meta
+
+
+def copy_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A lazy GraphModule over a deep copy of ``gm``'s graph (submodules shared with ``gm``)."""
+    return _LazyGraphModule(gm, copy.deepcopy(gm.graph))
+
+
+def lazy_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` itself when lazy, else a lazy GraphModule over the same graph."""
+    return _LazyGraphModule.from_graphmodule(gm)
 
 
 def format_graph(gm: fx.GraphModule | fx.Graph) -> str:
@@ -43,10 +62,13 @@ def op_name(target: object) -> str:
     return getattr(target, "__name__", str(target))
 
 
+_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
+           torch.int64: "i64", torch.bool: "b8", torch.int32: "i32"}  # fmt: skip
+
+
 def _type(val: object) -> str:
     if isinstance(val, torch.Tensor):
-        dtype = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
-                 torch.int64: "i64", torch.bool: "b8", torch.int32: "i32"}.get(val.dtype, str(val.dtype))  # fmt: skip
+        dtype = _DTYPES.get(val.dtype) or str(val.dtype)
         return f"{dtype}[{','.join(map(str, val.shape))}]"
     if isinstance(val, (tuple, list)):
         return "(" + ", ".join(_type(v) for v in val) + ")"

@@ -446,10 +446,16 @@ class _Pricer:
     size: int
     link: Link
     fixed_params: frozenset[str] = frozenset()  # split weights (and views) are never moved
+    # (kind, bytes) -> seconds: a deep model prices the same few sizes on every edge
+    _times: dict[tuple[str, float], float] = field(default_factory=dict, compare=False,
+                                                   repr=False)  # fmt: skip
 
     def t(self, kind: str, nbytes: float) -> float:
-        best = collective_time(kind, nbytes, self.size, self.link, algorithm="best")
-        return COLLECTIVE_OVERHEAD_S + best
+        found = self._times.get((kind, nbytes))
+        if found is None:
+            best = collective_time(kind, nbytes, self.size, self.link, algorithm="best")
+            found = self._times[(kind, nbytes)] = COLLECTIVE_OVERHEAD_S + best
+        return found
 
     def relayout(self, have: Placement, want: Placement, nbytes: float, grad: bool) -> float | None:
         """Forward + backward seconds of a re-layout; None when impossible."""

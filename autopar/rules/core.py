@@ -26,6 +26,7 @@ Algorithm of :func:`strategies`:
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,13 +52,19 @@ class Strategy:
     lowering: str | None = None  # name of the tensor_parallel lowering, if any
     comm: tuple[tuple[str, int], ...] = ()  # collectives inside the lowering: (kind, bytes)
 
-    @property
+    @functools.cached_property
     def redundant(self) -> bool:
-        """Every rank computes the whole op (all inputs and outputs replicated)."""
+        """Every rank computes the whole op (all inputs and outputs replicated); asked per
+        edge pair by the planner, so computed once."""
         outs = self.output if isinstance(self.output, tuple) else (self.output,)
         return all(isinstance(p, Replicate) for p in (*self.inputs, *outs))
 
     def __str__(self) -> str:
+        return self._text
+
+    @functools.cached_property
+    def _text(self) -> str:
+        """``str(self)``, made once: the nodes of tied blocks share their strategies."""
         ins = ",".join(map(str, self.inputs))
         outs = self.output if isinstance(self.output, tuple) else (self.output,)
         low = f" [{self.lowering}]" if self.lowering else ""
