@@ -7,8 +7,11 @@ Algorithm:
 2. Stage s holds the nodes between its cuts.  Its inputs are the values live across the cut
    before it (for stage 0: the model inputs); its outputs the values live across the cut after
    it, so a value needed two stages later passes through the stage between (residual streams,
-   RoPE tables, masks, the loss target).  Parameters go to every stage that reads them (a tied
-   weight to two).  The last stage returns the scalar loss.
+   masks built from the inputs, the loss target).  A value computed from buffers and
+   constants alone, off the gradient path (:func:`recomputable`: RoPE cos/sin tables from
+   ``arange`` and ``inv_freq``, a constant causal mask), is never sent: each stage that reads
+   it recomputes it (as Megatron's stages do).  Parameters go to every stage that reads them
+   (a tied weight to two).  The last stage returns the scalar loss.
 3. Each stage becomes a stand-alone graph with lifted parameters, ready for the tensor-parallel
    planner and passes.
 """
@@ -83,6 +86,7 @@ def split_stages(traced: Traced, units: Sequence[Unit], cuts: Sequence[int],
     from autopar.ir.analysis import needs_grad
 
     grad = frozenset(n.name for n in needs_grad(traced))
+    free = recomputable(traced, grad)
     bounds = [0, *cuts, len(units)]
     groups = [
         [n for u in units[a:b] for n in u.nodes] for a, b in zip(bounds, bounds[1:], strict=False)
@@ -98,11 +102,26 @@ def split_stages(traced: Traced, units: Sequence[Unit], cuts: Sequence[int],
         else:
             later = {a for g in groups[i + 1 :] for n in g for a in n.all_input_nodes}
             outs = [n for n in _ordered(set(nodes) | set(live_in), traced)
-                    if n in later and stage_of.get(n, -1) <= i]  # fmt: skip
+                    if n in later and stage_of.get(n, -1) <= i and n not in free]  # fmt: skip
         names = [u.name for u in units[bounds[i] : bounds[i + 1]]]
-        stages.append(_stage_graph(i, traced, nodes, live_in, outs, names, grad))
+        stages.append(_stage_graph(i, traced, nodes, live_in, outs, names, grad, free))
         live_in = outs
     return stages
+
+
+def recomputable(traced: Traced, grad: frozenset[str]) -> frozenset[fx.Node]:
+    """Step 2: call nodes computed from buffers, constants and each other alone, off the
+    gradient path: what a stage can recompute instead of receiving."""
+    lifted = set(traced.buffers)
+    free: set[fx.Node] = set()
+    for n in traced.gm.graph.nodes:
+        if n.op != "call_function" or n.name in grad:
+            continue
+        sources = n.all_input_nodes
+        if all(a in free or a.op == "get_attr" or (a.op == "placeholder" and a.name in lifted)
+               for a in sources):  # fmt: skip
+            free.add(n)
+    return frozenset(free)
 
 
 def _order(traced: Traced):
@@ -115,19 +134,26 @@ def _ordered(nodes: set[fx.Node], traced: Traced) -> list[fx.Node]:
 
 
 def _stage_graph(index: int, traced: Traced, nodes: list[fx.Node], ins: list[fx.Node],
-                 outs: list[fx.Node], units: list[str], grad: frozenset[str]) -> StageGraph:  # fmt: skip
+                 outs: list[fx.Node], units: list[str], grad: frozenset[str],
+                 free: frozenset[fx.Node] = frozenset()) -> StageGraph:  # fmt: skip
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     lifted = {**traced.params, **traced.buffers}
     for n in ins:
         env[n] = _placeholder(graph, n)
-    for n in nodes:
+
+    def copy_in(n: fx.Node) -> None:
         for a in n.all_input_nodes:
             if a not in env and a.op == "placeholder" and a.name in lifted:
                 env[a] = _placeholder(graph, a)
             elif a not in env and a.op == "get_attr":
                 env[a] = graph.node_copy(a)
+            elif a not in env and a in free:  # made by an earlier stage: recomputed here
+                copy_in(a)
         env[n] = graph.node_copy(n, lambda a: env[a])
+
+    for n in nodes:
+        copy_in(n)
     graph.output(tuple(_contiguous(graph, env[n]) for n in outs))
     gm = fx.GraphModule(traced.gm, graph)
     names = {n.name for n in graph.nodes if n.op == "placeholder"}
@@ -183,11 +209,12 @@ def boundary_bytes(traced: Traced, units: Sequence[Unit], *,
     each in its :func:`boundary_dtype` (``grad``: names of the values that carry a gradient)."""
     unit_of = {n: i for i, u in enumerate(units) for n in u.nodes}
     later = len(units)  # the graph output reads after every unit
+    free = recomputable(traced, grad)  # recomputed by each stage, never sent
     uses: dict[fx.Node, int] = {}
     for n in traced.gm.graph.nodes:
         at = unit_of.get(n, later)
         for a in n.all_input_nodes:
-            if is_tensor(a) and (a in unit_of or a.name in traced.user_inputs):
+            if is_tensor(a) and a not in free and (a in unit_of or a.name in traced.user_inputs):
                 uses[a] = max(uses.get(a, -1), at)
 
     def nbytes(a: fx.Node) -> float:
