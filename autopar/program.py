@@ -210,3 +210,40 @@ def _ce_collectives(node: fx.Node) -> list[Collective]:
     axis = node.args[2]
     stats = [torch.empty(rows, device="meta"), torch.empty(rows, 2, device="meta")]
     return [_record("all_reduce", axis, s, "fwd", meta.module_path(node)) for s in stats]
+
+
+class BatchAxisProgram:
+    """What a batch axis (dp, ep) returns: a program over ``inner``, the program of the mesh
+    without that axis, run on every rank's slice of the batch.  Answers the questions every
+    program kind answers from ``inner`` (see :class:`Program`)."""
+
+    inner: Any
+    mesh: Mesh
+    inner_mesh: Mesh
+
+    @property
+    def model_name(self) -> str:
+        return self.inner.model_name
+
+    @property
+    def core(self) -> Any:
+        return self.inner.core
+
+    @property
+    def pipeline(self) -> Any:
+        return self.inner.pipeline
+
+    @property
+    def loss_graph(self) -> fx.GraphModule:
+        return self.inner.loss_graph
+
+    @property
+    def history(self) -> list[PassRecord]:
+        """The passes that built the sub-mesh program (the axis rewrites its rank modules)."""
+        return self.inner.history
+
+    def inner_rank(self, rank: int) -> int:
+        """The sub-mesh rank that global ``rank`` plays (its coordinates off this axis)."""
+        coords = self.mesh.coordinates(rank)
+        return self.inner_mesh.rank_of({a: coords.get(a, 0) for a, _ in self.inner_mesh.axes})
+

@@ -50,6 +50,7 @@ import torch.fx as fx
 from autopar.errors import FitError, InputError, PlanError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, DpSection, Plan, _fmt_bytes, _pattern, as_plan
+from autopar.program import BatchAxisProgram
 from cost.memory import model_state
 from cost.topology import Topology, nccl_advice
 
@@ -341,43 +342,15 @@ class DataParallelPlan:
         return "\n".join(out)
 
 
-class DataParallelProgram:
-    """What :func:`autopar.autoparallelize` returns for a mesh with a ``dp`` axis.
-
-    Like every program kind: ``model_name``, ``core``, ``pipeline``, ``inner`` and
-    ``loss_graph`` (see :class:`autopar.program.Program`)."""
+class DataParallelProgram(BatchAxisProgram):
+    """What :func:`autopar.autoparallelize` returns for a mesh with a ``dp`` axis.  ``inner`` is the
+    program of the mesh without dp (:class:`autopar.program.BatchAxisProgram`)."""
 
     def __init__(self, *, inner: Any, mesh: Mesh, plan: DataParallelPlan) -> None:
         self.inner, self.mesh, self.plan = inner, mesh, plan
         self.inner_mesh = inner.mesh
         self._modules: dict[int, Any] = {}
         self._shares: dict[int, Any] = {}
-
-    @property
-    def model_name(self) -> str:
-        return self.inner.model_name
-
-    @property
-    def core(self) -> Any:
-        return self.inner.core
-
-    @property
-    def pipeline(self) -> Any:
-        return self.inner.pipeline
-
-    @property
-    def loss_graph(self) -> fx.GraphModule:
-        return self.inner.loss_graph
-
-    @property
-    def history(self) -> list[Any]:
-        """The passes that built the sub-mesh program (this axis rewrites rank modules)."""
-        return self.inner.history
-
-    def inner_rank(self, rank: int) -> int:
-        """The sub-mesh rank that global ``rank`` plays (its non-dp coordinates)."""
-        coords = self.mesh.coordinates(rank)
-        return self.inner_mesh.rank_of({a: coords.get(a, 0) for a, _ in self.inner_mesh.axes})
 
     def module(self, rank: int) -> Any:
         """The rank's sub-mesh module (every dp replica runs the same one), its statistics

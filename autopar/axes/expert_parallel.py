@@ -61,6 +61,7 @@ from autopar.ir import meta
 from autopar.mesh import Mesh
 from autopar.ops import collectives as C
 from autopar.plan import Collective, EpSection, Plan, _fmt_bytes, as_plan
+from autopar.program import BatchAxisProgram
 from cost.comm import collective_time
 
 _ROWWISE = {"silu", "gelu", "relu", "sigmoid", "tanh", "mul", "add", "sub", "div", "neg",
@@ -560,11 +561,9 @@ class ExpertParallelPlan:
         return "\n".join(out)
 
 
-class ExpertParallelProgram:
-    """What :func:`autopar.autoparallelize` returns for a mesh with an ``ep`` axis.
-
-    Like every program kind: ``model_name``, ``core``, ``pipeline``, ``inner`` and
-    ``loss_graph`` (see :class:`autopar.program.Program`)."""
+class ExpertParallelProgram(BatchAxisProgram):
+    """What :func:`autopar.autoparallelize` returns for a mesh with an ``ep`` axis.  ``inner`` is the
+    program of the mesh without ep (:class:`autopar.program.BatchAxisProgram`)."""
 
     def __init__(self, *, inner: Any, mesh: Mesh, plan: ExpertParallelPlan, capacity: float,
                  bucket_bytes: int = BUCKET_BYTES) -> None:  # fmt: skip
@@ -576,10 +575,6 @@ class ExpertParallelProgram:
         self._modules: dict[tuple[int, int], fx.GraphModule] = {}
 
     @property
-    def model_name(self) -> str:
-        return _model_name(self.inner)
-
-    @property
     def stages(self) -> list[Any]:
         """Under pp: the sub-mesh pipeline's stage programs (their modules hold every expert;
         :meth:`module` gives a rank's with its share)."""
@@ -587,27 +582,6 @@ class ExpertParallelProgram:
 
     def stages_of(self, pp_rank: int) -> list[int]:
         return self.inner.stages_of(pp_rank)
-
-    @property
-    def core(self) -> Any:
-        return self.inner.core
-
-    @property
-    def pipeline(self) -> Any:
-        return self.inner.pipeline
-
-    @property
-    def loss_graph(self) -> fx.GraphModule:
-        return self.inner.loss_graph
-
-    @property
-    def history(self) -> list[Any]:
-        """The passes that built the sub-mesh program (this axis rewrites rank modules)."""
-        return self.inner.history
-
-    def inner_rank(self, rank: int) -> int:
-        coords = self.mesh.coordinates(rank)
-        return self.inner_mesh.rank_of({a: coords.get(a, 0) for a, _ in self.inner_mesh.axes})
 
     def module(self, rank: int, stage: int | None = None) -> fx.GraphModule:
         """The rank's module (of ``stage`` under pp, default its first): its sub-mesh program
