@@ -343,8 +343,9 @@ class DataParallelPlan:
 
 
 class DataParallelProgram(BatchAxisProgram):
-    """What :func:`autopar.autoparallelize` returns for a mesh with a ``dp`` axis.  ``inner`` is the
-    program of the mesh without dp (:class:`autopar.program.BatchAxisProgram`)."""
+    """What :func:`autopar.autoparallelize` returns for a mesh with a ``dp`` axis.
+
+    ``inner`` is the program of the mesh without dp (:class:`autopar.program.BatchAxisProgram`)."""
 
     def __init__(self, *, inner: Any, mesh: Mesh, plan: DataParallelPlan) -> None:
         self.inner, self.mesh, self.plan = inner, mesh, plan

@@ -562,8 +562,9 @@ class ExpertParallelPlan:
 
 
 class ExpertParallelProgram(BatchAxisProgram):
-    """What :func:`autopar.autoparallelize` returns for a mesh with an ``ep`` axis.  ``inner`` is the
-    program of the mesh without ep (:class:`autopar.program.BatchAxisProgram`)."""
+    """What :func:`autopar.autoparallelize` returns for a mesh with an ``ep`` axis.
+
+    ``inner`` is the program of the mesh without ep (:class:`autopar.program.BatchAxisProgram`)."""
 
     def __init__(self, *, inner: Any, mesh: Mesh, plan: ExpertParallelPlan, capacity: float,
                  bucket_bytes: int = BUCKET_BYTES) -> None:  # fmt: skip
