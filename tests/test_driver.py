@@ -137,3 +137,20 @@ def test_a_4d_compile_records_every_graph_pass_it_ran():
     assert [r.name for r in prog.history] == ["pipeline_split"] + [
         f"{name} [stage {s}]" for s in range(2) for name in per_stage]
     assert all(r.graph for r in prog.history)
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    ({"n_microbatches": 0}, r"n_microbatches=0: give a positive integer"),
+    ({"virtual_stages": 1.5}, r"virtual_stages=1.5: give a positive integer"),
+    ({"split_points": "layers.1"}, r"split_points='layers.1': give a list of module paths"),
+    ({"capacity_factor": 0}, r"capacity_factor=0: the capacity factor must be > 0"),
+    ({"cp_attention": "flash"}, r"cp_attention='flash': use 'ring', 'all_to_all' or None"),
+    ({"recompute": "some"}, r"recompute"),
+])  # fmt: skip
+def test_options_are_checked_once_before_anything_is_traced(option, message, exports):
+    from autopar.errors import AutoparError
+
+    model, inputs = build("llama", LLAMA), tokens(LLAMA)
+    with pytest.raises(AutoparError, match=message):
+        autoparallelize(model, Mesh(pp=2, tp=2), inputs, lm_loss, **option)
+    assert exports == []
