@@ -21,19 +21,19 @@ Algorithm (:func:`compile_model`):
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.fx as fx
 import torch.nn as nn
 
 from autopar.errors import PlanError
 from autopar.frontend.trace import Traced, trace
+from autopar.ir.printing import copy_module
 from autopar.mesh import Mesh
 from autopar.options import Options
 from autopar.plan import Plan, check_attention, check_split_points, honoured, section, settle
@@ -68,7 +68,7 @@ class Capture:
     def fresh(self) -> Traced:
         """A copy of the trace that passes may rewrite (vocab padding edits in place)."""
         t = self.traced
-        return dataclasses.replace(t, gm=fx.GraphModule(t.gm, copy.deepcopy(t.gm.graph)))
+        return dataclasses.replace(t, gm=copy_module(t.gm))
 
 
 class Progress:
@@ -100,10 +100,10 @@ def compile_model(model: nn.Module, mesh: Mesh, example: Example,
     from autopar.axes.data_parallel import compile_data_parallel
 
     sub, sub_plan = mesh.without("dp"), plan.without("dp") if plan else None
-    refits = iter(range(1 << 30))
+    calls = itertools.count()  # the first build takes the trace itself, re-solves a copy
 
     def inner(limit: float | None) -> Any:
-        take = capture if next(refits) == 0 else dataclasses.replace(capture, traced=capture.fresh())
+        take = capture if next(calls) == 0 else dataclasses.replace(capture, traced=capture.fresh())
         return _experts(take, sub, options.replace(memory_limit=limit, plan=sub_plan), sub_plan,
                         config, example.batch // mesh.size("dp"))  # fmt: skip
 

@@ -81,7 +81,6 @@ from passes import PassContext
 
 aten = torch.ops.aten
 AXIS = "cp"
-STRATEGIES = ("ring", "all_to_all")
 _SDPA = aten.scaled_dot_product_attention.default
 _SDPA_NAME = "scaled_dot_product_attention"  # its cost.compute name (ring attention prices)
 _AND = (aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default)
@@ -134,8 +133,6 @@ def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = Non
     """Steps 1-5 for an already traced graph (a whole model or one pipeline stage, whose
     sequence-split boundary values arrive and leave whole).  ``saved`` (a reloaded plan's cp
     section) fixes each attention's choice; ``options.fixed`` the tp program's."""
-    if cp_attention not in (None, *STRATEGIES):
-        raise InputError(f"cp_attention={cp_attention!r}: use 'ring', 'all_to_all' or None")
     lay = _seq_layout(traced, mesh.size(AXIS))
     _refuse_moe(traced)
     base, tp_notes, tp_choice, tp_history = traced.gm, (), (), []
