@@ -59,10 +59,9 @@ class Example:
 
 @dataclass(frozen=True, kw_only=True)
 class Capture:
-    """The one traced graph of a compile (step 2) and how it was sliced."""
+    """The one traced graph of a compile (step 2) and where progress lines go."""
 
     traced: Traced
-    rows: int  # batch rows of the traced slice
     log: Callable[[str], None]
 
     def fresh(self) -> Traced:
@@ -170,9 +169,9 @@ def _capture(model: nn.Module, sliced: Example, loss_fn: Callable | None,
         log(f"traced {traced.model_name} on {rows or 'unbatched'} rows: "
             f"{len(traced.gm.graph.nodes)} nodes")  # fmt: skip
         if traces is None:
-            return Capture(traced=traced, rows=rows, log=log)
+            return Capture(traced=traced, log=log)
         traces[rows] = traced
-    capture = Capture(traced=traces[rows], rows=rows, log=log)
+    capture = Capture(traced=traces[rows], log=log)
     return dataclasses.replace(capture, traced=capture.fresh())
 
 
