@@ -6,6 +6,7 @@ readable program per rank.  ``verify`` checks it against the single-device model
 """
 
 from autopar.api import autoparallelize
+from autopar.compare import VerifyReport
 from autopar.errors import (
     AutoparError,
     InputError,
@@ -18,7 +19,7 @@ from autopar.ir.layout import Layout, Partial, Replicate, Shard
 from autopar.mesh import Mesh
 from autopar.plan import Collective, Plan
 from autopar.program import Program
-from autopar.verify import VerifyReport, verify
+from autopar.verify import verify
 from cost.config import ParallelConfig
 from cost.estimate import estimate
 from cost.hardware import Cluster

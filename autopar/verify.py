@@ -15,11 +15,8 @@ Algorithm:
    bitwise identical across the runs fails as nondeterministic (a race, uninitialised memory).
 4. Per batch replica and program: batched outputs concatenated over the replicas, expert
    gradients over ep; split tensors reassembled by their layouts, every replica of a
-   replicated one compared, each row at its worst.  A NaN or infinity fails as non-finite.
-   Relative error = max |ours - ref| / (max |ref| + 1e-3 * S), S the largest finite
-   reference magnitude among tensors of the same kind: a tensor whose exact value is zero
-   (a key bias's gradient: softmax ignores a constant shift) is judged against rounding
-   noise of its neighbours, not divided by its own noise.
+   replicated one compared, each row at its worst (autopar.compare: the relative error and
+   the non-finite and shape checks).
 5. An fp32 run that fails on tolerance alone runs again on float64 copies of the model and
    inputs.  A relu whose input lies within fp32 rounding of zero takes a different branch in
    two summation orders and moves a gradient by a whole unit (seen on OPT: one of 98k
@@ -45,69 +42,22 @@ from autopar.api import autoparallelize
 from autopar.axes.data_parallel import DataParallelProgram, batch_slices
 from autopar.axes.expert_parallel import ExpertParallelProgram
 from autopar.axes.pipeline import PipelineProgram
-from autopar.codegen import shard_tensor, unshard_tensors
+from autopar.codegen import shard_tensor
+from autopar.compare import (
+    TensorCheck,
+    VerifyReport,
+    bitwise_equal,
+    check,
+    failed,
+    scale_of,
+    wholes,
+)
 from autopar.ir import meta
 from autopar.ir.layout import Layout
 from autopar.mesh import Mesh
 from autopar.ops import collectives
 from autopar.program import Program
 from autopar.runtime.pool import get_pool
-
-
-@dataclass(frozen=True, kw_only=True)
-class TensorCheck:
-    """One compared tensor."""
-
-    name: str
-    kind: str  # 'output' or 'grad'
-    max_abs: float
-    max_rel: float
-    ok: bool
-    note: str = ""  # why it failed beyond the error: non-finite, nondeterministic, shape
-
-    def __str__(self) -> str:
-        mark = "ok " if self.ok else "BAD"
-        row = f"{mark} {self.kind:<6} {self.name:<52} abs {self.max_abs:9.2e}  rel {self.max_rel:9.2e}"
-        return f"{row}  {self.note}" if self.note else row
-
-
-@dataclass(frozen=True, kw_only=True)
-class VerifyReport:
-    """Per-tensor comparison of the parallel program against the single-device model."""
-
-    mesh: str
-    rtol: float
-    rows: tuple[TensorCheck, ...]
-    recheck: VerifyReport | None = None  # the float64 re-run of a failed fp32 one (step 5)
-    recheck_error: str = ""  # why that re-run could not run (an op with no float64 kernel)
-
-    @property
-    def ok(self) -> bool:
-        return all(r.ok for r in self.rows) or (self.recheck is not None and self.recheck.ok)
-
-    @property
-    def max_rel_error(self) -> float:
-        return max((r.max_rel for r in self.rows), default=0.0)
-
-    def __str__(self) -> str:
-        head = (f"verify on {self.mesh}: {'OK' if self.ok else 'MISMATCH'} · "
-                f"{len(self.rows)} tensors · max relative error {self.max_rel_error:.2e} "
-                f"(tolerance {self.rtol:.0e})")  # fmt: skip
-        lines = [head, *map(str, self.rows)]
-        if self.recheck is not None:
-            bad = sum(not r.ok for r in self.rows)
-            verdict = ("the fp32 mismatch is rounding amplified by a non-smooth op (a relu or "
-                       "max whose input is within rounding of its kink), not the program"
-                       if self.recheck.ok else "the program is wrong in float64 too")  # fmt: skip
-            lines += [f"fp32: {bad} tensor(s) over tolerance; re-run in float64: "
-                      f"{'OK' if self.recheck.ok else 'MISMATCH'}, max relative error "
-                      f"{self.recheck.max_rel_error:.2e}: {verdict}"]  # fmt: skip
-            if not self.recheck.ok:
-                lines += ["float64 run:", *map(str, self.recheck.rows)]
-        if self.recheck_error:
-            lines += [f"re-run in float64 not possible ({self.recheck_error}): the fp32 verdict "
-                      "stands"]  # fmt: skip
-        return "\n".join(lines)
 
 
 def verify(model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any],
@@ -351,7 +301,7 @@ def _rows(view: ProgramView, runs: list[list], ref_out: list, ref_grads: dict,
         for i, (lay, r) in enumerate(outputs):
             if isinstance(r, torch.Tensor) and r.is_floating_point():
                 add(f"output[{i}] {tuple(r.shape)}", "output", r,
-                    _wholes([o[i] for o, _ in first], lay, prog.mesh),
+                    wholes([o[i] for o, _ in first], lay, prog.mesh),
                     all(bitwise_equal(a[0][i], b[0][i]) for a, b in pairs))  # fmt: skip
         layouts = {prog.traced.params[n.name]: meta.layout(n) for n in prog.graph_module.graph.nodes
                    if n.op == "placeholder" and n.name in prog.traced.params}  # fmt: skip
@@ -365,38 +315,13 @@ def _rows(view: ProgramView, runs: list[list], ref_out: list, ref_grads: dict,
                     _grad_wholes(prog, fqn, names, layouts, [g for _, g in first]),
                     all(bitwise_equal(a[1].get(n), b[1].get(n))
                         for a, b in pairs for n in names))  # fmt: skip
-    scale = {"output": _scale(ref_out), "grad": _scale(list(ref_grads.values()))}
-    rows = [_failed(name, kind, "no gradient on some rank") if ours is None else
-            _check(name, kind, ours, None, ref, view.top.mesh, rtol, scale[kind])
+    scale = {"output": scale_of(ref_out), "grad": scale_of(list(ref_grads.values()))}
+    rows = [failed(name, kind, "no gradient on some rank") if ours is None else
+            check(name, kind, ours, None, ref, view.top.mesh, rtol, scale[kind])
             for name, (kind, ref, ours, _) in found.items()]  # fmt: skip
     note = "nondeterministic across identical runs"
     return [r if found[r.name][3] else dataclasses.replace(
         r, ok=False, note="; ".join(filter(None, [r.note, note]))) for r in rows]  # fmt: skip
-
-
-def bitwise_equal(a: Any, b: Any) -> bool:
-    """Same dtype, shape and bytes (NaN payloads included); non-tensors by ``==``."""
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        return a is b or (type(a) is type(b) and a == b)
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    as_bytes = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
-    return torch.equal(*as_bytes)
-
-
-def _scale(tensors: list) -> float:
-    """Largest finite magnitude among floating tensors (non-finite ones fail on their own)."""
-    return max((t.detach().abs().nan_to_num(nan=0.0, posinf=0.0).max().item() for t in tensors
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()),
-               default=0.0)  # fmt: skip
-
-
-def _wholes(shards: list[torch.Tensor], lay: Layout | None, mesh: Mesh) -> list[torch.Tensor]:
-    """Every rank's tensor (replicated: every replica is checked), or the split one
-    reassembled from all ranks."""
-    if lay is None or lay.is_replicated:
-        return shards
-    return [unshard_tensors(shards, lay, mesh, [mesh.coordinates(r) for r in range(len(shards))])]
 
 
 def _grad_wholes(prog: Program, fqn: str, names: list[str], layouts: dict,
@@ -408,33 +333,9 @@ def _grad_wholes(prog: Program, fqn: str, names: list[str], layouts: dict,
     cols = [[grads.get(name) for grads in per_rank] for name in names]
     if any(g is None for col in cols for g in col):
         return None
-    cols = [_wholes(col, layouts[name], prog.mesh) for name, col in zip(names, cols, strict=True)]
+    cols = [wholes(col, layouts[name], prog.mesh) for name, col in zip(names, cols, strict=True)]
     whole = cols[0] if len(cols) == 1 else [  # a reassembled piece: the same on every rank
         torch.cat([c[min(r, len(c) - 1)] for c in cols], pieces[names[0]].dim)
         for r in range(max(map(len, cols)))]  # fmt: skip
     rows = prog.traced.padded.get(fqn)
     return whole if rows is None else [w[:rows] for w in whole]
-
-
-def _check(name: str, kind: str, ours: list[torch.Tensor], lay: Layout | None, ref: torch.Tensor,
-           mesh: Mesh, rtol: float, kind_scale: float) -> TensorCheck:  # fmt: skip
-    """Compare every replica of (``lay`` None or replicated), or the reassembled, ``ours``."""
-    candidates = _wholes(ours, lay, mesh)
-    bad = [f"shape {tuple(c.shape)}, expected {tuple(ref.shape)}"
-           for c in candidates if c.shape != ref.shape]  # fmt: skip
-    if bad:
-        return _failed(name, kind, bad[0])
-    where = [w for w, ts in (("ours", candidates), ("reference", [ref]))
-             if not all(torch.isfinite(t).all() for t in ts)]  # fmt: skip
-    if where:
-        return _failed(name, kind, f"non-finite (NaN/inf) in {' and '.join(where)}")
-    scale = max(_scale([ref]) + 1e-3 * kind_scale, 1e-30)
-    worst = max((c.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
-                for c in candidates)  # fmt: skip
-    return TensorCheck(name=name, kind=kind, max_abs=worst, max_rel=worst / scale,
-                       ok=worst / scale <= rtol)  # fmt: skip
-
-
-def _failed(name: str, kind: str, note: str) -> TensorCheck:
-    inf = float("inf")
-    return TensorCheck(name=name, kind=kind, max_abs=inf, max_rel=inf, ok=False, note=note)

@@ -21,9 +21,10 @@ from verify_ops_fixture import ScaledMLP
 
 import autopar
 from autopar import Mesh, autoparallelize
+from autopar.compare import bitwise_equal, check
 from autopar.runtime.pool import dumps
 from autopar.runtime.serialize import op_providers
-from autopar.verify import _check, bitwise_equal, verify
+from autopar.verify import verify
 
 REPO = Path(autopar.__file__).resolve().parents[1]
 
@@ -143,7 +144,7 @@ def test_nan_in_output_fails_as_non_finite():
     ],
 )
 def test_check_names_where_the_non_finite_value_is(ours, ref, where):
-    row = _check("t", "output", ours, None, ref, Mesh(tp=2), 1e-4, 1.0)
+    row = check("t", "output", ours, None, ref, Mesh(tp=2), 1e-4, 1.0)
     assert not row.ok
     assert row.note == f"non-finite (NaN/inf) in {where}"
     assert "BAD" in str(row) and "non-finite" in str(row)
