@@ -22,22 +22,34 @@ from autopar.rules import Strategy
 
 
 @dataclass(frozen=True, kw_only=True)
-class PassContext:
-    """What every pass may read: the mesh, the axis a shape-local pass acts on, the tp
-    strategies, and each other axis's decisions (``sections``: e.g. ``sections["cp"]``, the
-    sequence layout and attention choices context parallelism applies)."""
+class TpDecisions:
+    """What the tensor-parallel passes apply (``PassContext.sections["tp"]``): the mesh axis
+    the integer program solved and each node's chosen strategy on it."""
 
-    mesh: Mesh
     axis: str
     choice: Mapping[str, Strategy]  # node name -> chosen strategy on ``axis``
+
+
+@dataclass(frozen=True, kw_only=True)
+class PassContext:
+    """What every pass may read: the whole mesh, the traced model, the values that need a
+    gradient, and the plan's decisions, one section per axis (``sections["tp"]``:
+    :class:`TpDecisions`; ``sections["cp"]``: the sequence layout and attention choices
+    context parallelism applies).  A pass reads its own axis's section."""
+
+    mesh: Mesh
     grad: frozenset[str]  # names of values that need a gradient
     traced: Traced
     replicate_outputs: bool = False  # graph outputs must be whole (pipeline stage boundaries)
     sections: Mapping[str, Any] = field(default_factory=dict)  # axis -> its decisions
 
-    @property
-    def size(self) -> int:
-        return self.mesh.size(self.axis)
+    def section(self, axis: str) -> Any:
+        """The ``axis`` section; a pass run without its axis's decisions is a bug."""
+        if axis not in self.sections:
+            raise PassError(f"the pass context has no {axis!r} section (sections: "
+                            f"{', '.join(self.sections) or 'none'}): run the {axis} planner "
+                            "part before its passes")  # fmt: skip
+        return self.sections[axis]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -69,7 +69,7 @@ def _split_sizes(node: fx.Node, ctx: PassContext) -> None:
     dim = dim + val.dim() if dim < 0 else dim
     if not isinstance(src_lay, Layout) or not src_lay.dims[dim]:
         return
-    t = ctx.size
+    t = ctx.mesh.size(ctx.section("tp").axis)
     pieces = node.args[1]
     new = [p // t for p in pieces] if isinstance(pieces, (list, tuple)) else pieces // t
     node.args = (src, new, *node.args[2:])

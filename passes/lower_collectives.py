@@ -251,7 +251,7 @@ def _replicated_region(y: fx.Node, g: fx.Node, ctx: PassContext) -> set[fx.Node]
 
 
 def _repeated(n: fx.Node, ctx: PassContext) -> bool:
-    strat = ctx.choice.get(n.name)
+    strat = ctx.section("tp").choice.get(n.name)
     schema = getattr(n.target, "_schema", None)
     return (n.op == "call_function" and strat is not None and strat.redundant
             and schema is not None and not schema.is_mutable)  # fmt: skip
@@ -290,7 +290,7 @@ def _fold_gather_reductions(graph: fx.Graph) -> None:
 
 def _hoistable_input(y: fx.Node, g: fx.Node, ctx: PassContext) -> fx.Node | None:
     """The one input of replicated ``y`` a reduction of ``y``'s gradient may move to."""
-    strat = ctx.choice.get(y.name)
+    strat = ctx.section("tp").choice.get(y.name)
     schema = getattr(y.target, "_schema", None)
     if y.op != "call_function" or strat is None or not strat.redundant or list(y.users) != [g]:
         return None
@@ -305,4 +305,5 @@ def _hoistable_input(y: fx.Node, g: fx.Node, ctx: PassContext) -> fx.Node | None
 def _may_need_grad(a: fx.Node, ctx: PassContext) -> bool:
     """Floating values the plan says need a gradient, and every value the plan does not know
     (collectives written by this pass carry their input's gradient)."""
-    return a.meta["val"].is_floating_point() and (a.name in ctx.grad or a.name not in ctx.choice)
+    known = a.name in ctx.section("tp").choice
+    return a.meta["val"].is_floating_point() and (a.name in ctx.grad or not known)

@@ -68,16 +68,16 @@ def propagate_layout(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 def _annotate(node: fx.Node, ctx: PassContext, have: dict) -> None:
     if node.target is redistribute:
-        have[node] = meta.layout(node).placement(ctx.axis)
+        have[node] = meta.layout(node).placement(ctx.section("tp").axis)
         return
     if is_getitem(node):
         parent = meta.layout(node.args[0])
         if isinstance(parent, tuple):
             lay = parent[node.args[1]]
             meta.update(node, layout=lay)
-            have[node] = lay.placement(ctx.axis)
+            have[node] = lay.placement(ctx.section("tp").axis)
         return
-    strat = ctx.choice.get(node.name)
+    strat = ctx.section("tp").choice.get(node.name)
     if strat is None:
         return
     val = node.meta.get("val")
@@ -90,7 +90,7 @@ def _annotate(node: fx.Node, ctx: PassContext, have: dict) -> None:
 
 
 def _layout(val: torch.Tensor, p: Placement, ctx: PassContext) -> Layout:
-    return Layout.from_placements(val.dim(), {ctx.axis: p})
+    return Layout.from_placements(val.dim(), {ctx.section("tp").axis: p})
 
 
 def _requirements(node: fx.Node, ctx: PassContext, have: dict) -> list:
@@ -100,7 +100,7 @@ def _requirements(node: fx.Node, ctx: PassContext, have: dict) -> list:
         whole = lambda p: isinstance(p, Partial) or (ctx.replicate_outputs and isinstance(p, Shard))  # noqa: E731
         return [(a, R if whole(have[a]) else have[a], False) if a in have else (None, None, False)
                 for a in args]  # fmt: skip
-    strat: Strategy | None = ctx.choice.get(node.name)
+    strat: Strategy | None = ctx.section("tp").choice.get(node.name)
     if strat is None:
         return [(None, None, False)] * len(args)
     out = []
@@ -179,7 +179,8 @@ def _insert(graph: fx.Graph, arg: fx.Node, src: Placement, groups: dict, ctx: Pa
 def _new(graph: fx.Graph, x: fx.Node, src: Placement, dst: Placement, pg: bool,
          ctx: PassContext, written: fx.Node | None = None) -> fx.Node:  # fmt: skip
     with graph.inserting_after(written or _after(x)):
-        node = graph.call_function(redistribute, (x, ctx.axis, str(src), str(dst), pg))
+        axis = ctx.section("tp").axis
+        node = graph.call_function(redistribute, (x, axis, str(src), str(dst), pg))
     node.meta["val"] = x.meta["val"]
     for key in ("nn_module_stack", "stack_trace"):
         if key in x.meta:

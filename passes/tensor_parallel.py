@@ -40,13 +40,13 @@ aten = torch.ops.aten
 def tensor_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Replace nodes whose strategy names a lowering (steps 1-6)."""
     for node in list(gm.graph.nodes):
-        strat = ctx.choice.get(node.name)
+        strat = ctx.section("tp").choice.get(node.name)
         if strat is None or strat.lowering is None:
             continue
         lower = _LOWERINGS.get(strat.lowering)
         if lower is None:
             raise NodeError(node, f"unknown lowering {strat.lowering!r}")
-        lower(gm.graph, node, ctx.axis)
+        lower(gm.graph, node, ctx.section("tp").axis)
         meta.update(node, origin="tensor_parallel")
     gm.graph.lint()
     gm.recompile()

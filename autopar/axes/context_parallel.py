@@ -147,8 +147,7 @@ def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = Non
     gm = fx.GraphModule(base, copy.deepcopy(base.graph))
     grad = frozenset(n.name for n in needs_grad(traced, gm))
     decided = CpDecisions(layout=lay, attention=cp_attention, saved=saved)
-    ctx = PassContext(mesh=mesh, axis=AXIS, choice={}, grad=grad, traced=traced,
-                      sections={"cp": decided})  # fmt: skip
+    ctx = PassContext(mesh=mesh, grad=grad, traced=traced, sections={AXIS: decided})
     gm, history = run_pipeline(gm, ctx, [context_parallel])
     prices = gm.meta["cp_prices"]
     if saved is not None:

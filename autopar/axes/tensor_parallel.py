@@ -34,7 +34,7 @@ from autopar.planner.tp import AxisSolution, PlanOptions, describe_tp_dims, solv
 from autopar.program import Program, collectives_of
 from cost.comm import collective_time
 from cost.topology import Topology, nccl_advice
-from passes import PassContext, run_pipeline
+from passes import PassContext, TpDecisions, run_pipeline
 
 
 def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
@@ -54,8 +54,9 @@ def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
     if whole_model:
         _check_split(traced, solution, mesh, axis)
     grad = frozenset(n.name for n in needs_grad(traced))
-    ctx = PassContext(mesh=mesh, axis=axis, choice=solution.choice, grad=grad, traced=traced,
-                      replicate_outputs=options.replicate_outputs)  # fmt: skip
+    ctx = PassContext(mesh=mesh, grad=grad, traced=traced,
+                      replicate_outputs=options.replicate_outputs,
+                      sections={axis: TpDecisions(axis=axis, choice=solution.choice)})  # fmt: skip
     gm, history = run_pipeline(copy_module(traced.gm), ctx)
     for rec in history:
         log(str(rec))

@@ -8,7 +8,7 @@ from golden import assert_golden
 from autopar.ir import meta
 from autopar.ir.analysis import needs_grad
 from autopar.ops.collectives import redistribute
-from passes import PassContext
+from passes import PassContext, TpDecisions
 from passes.propagate_layout import propagate_layout
 
 
@@ -28,8 +28,9 @@ def test_idempotent_and_lint_clean(mlp_prog):
     prog, _ = mlp_prog
     traced = prog.traced
     gm = torch.fx.GraphModule(traced.gm, copy.deepcopy(traced.gm.graph))
-    ctx = PassContext(mesh=prog.mesh, axis="tp", choice=_choice(prog), traced=traced,
-                      grad=frozenset(n.name for n in needs_grad(traced)))  # fmt: skip
+    ctx = PassContext(mesh=prog.mesh, traced=traced,
+                      grad=frozenset(n.name for n in needs_grad(traced)),
+                      sections={"tp": TpDecisions(axis="tp", choice=_choice(prog))})  # fmt: skip
     once = propagate_layout(gm, ctx)
     count = sum(1 for n in once.graph.nodes if n.target is redistribute)
     twice = propagate_layout(once, ctx)
