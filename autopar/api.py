@@ -22,11 +22,11 @@ import torch
 import torch.nn as nn
 
 from autopar.driver import compile_model, example_of
-from autopar.errors import MeshError
+from autopar.errors import InputError, MeshError
 from autopar.frontend.trace import gc_paused
 from autopar.mesh import AutoMesh, Mesh
 from autopar.options import make_options
-from autopar.plan import Plan, as_plan
+from autopar.plan import Plan
 from cost.hardware import Cluster
 
 
@@ -133,12 +133,13 @@ def autoparallelize(
     return bind(prog, device_mesh, virtual, param_dtype)
 
 
-def _reused(plan: Plan | Any | None, mesh: Mesh) -> Plan | None:
-    """The one Plan of a reloaded plan (a program's wrapper plan builds it), if it is for
-    ``mesh``."""
+def _reused(plan: Plan | None, mesh: Mesh) -> Plan | None:
+    """A reloaded plan, if it is for ``mesh``."""
     if plan is None:
         return None
-    plan = as_plan(plan)
+    if not isinstance(plan, Plan):
+        raise InputError(f"plan= takes an autopar Plan (prog.plan or Plan.load(path)), not "
+                         f"{type(plan).__name__}")  # fmt: skip
     if plan.mesh != mesh.axes:
         raise MeshError(f"the plan was made for Mesh{dict(plan.mesh)} but the mesh is {mesh}")
     return plan

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,28 +48,122 @@ class Collective:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ZeroMemory:
+    """Per-rank bytes under one ZeRO stage."""
+
+    stage: int
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+    def __str__(self) -> str:
+        parts = (f"weights {_fmt_bytes(self.weights)}, gradients {_fmt_bytes(self.grads)}, "
+                 f"optimizer {_fmt_bytes(self.optimizer)}, activations "
+                 f"{_fmt_bytes(self.activations)}")  # fmt: skip
+        return f"ZeRO-{self.stage}: {_fmt_bytes(self.total):>10} per rank ({parts})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanStep:
+    """The compiled plan's predicted seconds of one training step, by the search's functions
+    (`cost.step`): the sub-mesh program's micro-batches (compute + tp/cp/pp communication,
+    under pp the slowest stage's m micro-batches plus the bubble), the exposed data-axis
+    gradient traffic and the optimizer step."""
+
+    sub_mesh: float
+    bubble: float
+    dp: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.sub_mesh + self.bubble + self.dp + self.optimizer
+
+    def __str__(self) -> str:
+        return (f"predicted step {self.total * 1e3:.3f} ms = sub-mesh forward+backward "
+                f"{self.sub_mesh * 1e3:.3f} ms + pipeline bubble {self.bubble * 1e3:.3f} ms + "
+                f"exposed data-axis traffic {self.dp * 1e3:.3f} ms + optimizer step "
+                f"{self.optimizer * 1e3:.3f} ms")  # fmt: skip
+
+
+def fact(default: Any = None) -> Any:
+    """A section field that records what the axis found (printed, saved), not a decision:
+    the plan's hash and :meth:`Plan.differences` compare decisions only."""
+    return field(default=default, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
 class DpSection:
-    """The data axis's decision."""
+    """The data axis: the ZeRO stage (the decision) and what chose it."""
 
     zero: int  # ZeRO stage
+    reduction: str = fact("mean")  # the loss over the batch: gradients averaged or summed
+    batch: int = fact(0)  # global batch
+    zero_axes: tuple[str, ...] = fact(("dp",))  # the ZeRO group: gradients reduced once over these
+    memory: tuple[ZeroMemory, ...] = fact(())  # per-rank bytes at each ZeRO stage
+    memory_limit: float = fact(0.0)
+    links: tuple[str, ...] = fact(())  # per mesh axis: "dp=2 over ib", ...
+    param_dtype: str = fact("float32")  # compute (and ZeRO-3 all-gather) dtype
+    reduce_dtype: str = fact("float32")  # gradient reduction dtype
+    step: PlanStep | None = fact()  # predicted step time, the search's functions
+    notes: tuple[str, ...] = fact(())  # why this stage (and engine)
+
+    @staticmethod
+    def revive(d: dict[str, Any]) -> DpSection:
+        """From plan.json (lists back to tuples, the memory rows and step to records)."""
+        d = {**d, "memory": tuple(ZeroMemory(**m) for m in d.get("memory", ())),
+             "step": PlanStep(**d["step"]) if d.get("step") else None}  # fmt: skip
+        return DpSection(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
 @dataclass(frozen=True, kw_only=True)
 class EpSection:
-    """The expert axis's decisions: E/ep contiguous experts of each layer per ep rank."""
+    """The expert axis: E/ep contiguous experts of each layer per ep rank (the decisions: the
+    capacity factor and the layers placed) and the traffic that follows."""
 
     capacity_factor: float | None  # None: dropless
     layers: tuple[tuple[str, int], ...]  # (module path, experts) of each MoE layer placed
+    reduction: str = fact("mean")
+    batch: int = fact(0)  # global batch
+    links: tuple[str, ...] = fact(())
+    link: str = fact("")  # the link the ep groups ride
+    layer_s: float = fact(0.0)  # predicted all-to-all seconds per MoE layer (fwd + bwd)
+    comm_s: float = fact(0.0)  # predicted ep seconds of one step (all-to-alls, loss, dense grads)
+    param_bytes: tuple[int, int] = fact((0, 0))  # per rank: dense parameters, this rank's experts
+    described: tuple[str, ...] = fact(())  # one line per MoE layer (its grouped matmuls)
+    bucket_bytes: int = fact(0)  # the dense-gradient bucket cap
+    notes: tuple[str, ...] = fact(())
+
+    @staticmethod
+    def revive(d: dict[str, Any]) -> EpSection:
+        return EpSection(**{k: (_pairs(v) if k == "layers" else tuple(v))
+                            if isinstance(v, list) else v for k, v in d.items()})  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
 class PpSection:
-    """The pipeline axis's decisions."""
+    """The pipeline axis: the cuts, schedule and micro-batches (the decisions) and the
+    predicted bubble."""
 
     stage_starts: tuple[str, ...]  # the cuttable unit each stage after the first starts at
     schedule: str
     n_microbatches: int
     virtual_stages: int
+    cuts: tuple[str, ...] = fact(())  # one line per stage: units, time, bytes sent
+    bubble: float = fact(0.0)  # of the simulated schedule
+    formula_bubble: float = fact(0.0)
+    slowest_s: float = fact(0.0)  # seconds per micro-batch of the slowest stage
+    tied: tuple[str, ...] = fact(())  # parameters held by several stages (gradients summed)
+    precision: tuple[str, ...] = fact(())
+
+    @staticmethod
+    def revive(d: dict[str, Any]) -> PpSection:
+        return PpSection(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +171,10 @@ class CpSection:
     """The context axis's decision per attention node."""
 
     attention: tuple[tuple[str, str], ...]  # (node, 'ring' | 'all_to_all')
+
+    @staticmethod
+    def revive(d: dict[str, Any]) -> CpSection:
+        return CpSection(attention=_pairs(d["attention"]))
 
 
 SECTIONS = {"dp": DpSection, "ep": EpSection, "pp": PpSection, "cp": CpSection}
@@ -113,7 +212,7 @@ class Plan:
 
     def _decisions(self) -> dict[str, Any]:
         """The decisions beyond tp that are set (sections, recompute, stage plans' hashes)."""
-        out: dict[str, Any] = {a: asdict(getattr(self, a)) for a in SECTIONS if getattr(self, a)}
+        out: dict[str, Any] = {a: decisions(getattr(self, a)) for a in SECTIONS if getattr(self, a)}
         if self.recompute != "none":
             out["recompute"] = self.recompute
         if self.stages:
@@ -146,7 +245,7 @@ class Plan:
         )
         for axis, cls in SECTIONS.items():
             if d.get(axis) is not None:
-                d[axis] = _section(cls, d[axis])
+                d[axis] = cls.revive(d[axis])
         d["stages"] = tuple(Plan.from_dict(s) for s in d.get("stages", ()))
         return Plan(**d)
 
@@ -156,9 +255,9 @@ class Plan:
 
     def without(self, axis: str) -> Plan:
         """The plan of the sub-mesh without ``axis`` (as :meth:`Mesh.without`): its section
-        and its collectives dropped."""
+        and its collectives (also those of a group it is part of: ``dp_cp``) dropped."""
         mesh = tuple(a for a in self.mesh if a[0] != axis) or (("tp", 1),)
-        kept = tuple(c for c in self.collectives if c.axis != axis)
+        kept = tuple(c for c in self.collectives if axis not in c.axis.split("_"))
         return replace(self, mesh=mesh, collectives=kept, **{axis: None})
 
     def differences(self, other: Plan) -> list[str]:
@@ -175,7 +274,30 @@ class Plan:
             out += [f"stage {i}: {d}" for d in a.differences(b)]
         return out
 
+    @property
+    def label(self) -> str:
+        """The plan's printed name: a tp (or cp) plan's hash; under pp the stages' hashes
+        (``e8e4-81f0``); with a batch axis the sub-mesh plan's label and the axis
+        (``…-ep2``, ``…-dp2z1``: dp degree and ZeRO stage)."""
+        sizes = dict(self.mesh)
+        if self.dp:
+            group = "".join(f"{a}{sizes[a]}" for a in self.dp.zero_axes)
+            return f"{self.without('dp').label}-{group}z{self.dp.zero}"
+        if self.ep:
+            return f"{self.without('ep').label}-ep{sizes['ep']}"
+        if self.pp:
+            return "-".join(s.hash[:4] for s in self.stages)
+        return self.hash
+
     def __str__(self) -> str:
+        """The outermost axis's paragraph, then the plan of the mesh without it: dp, then ep,
+        then pp (each stage's plan), then the tp / cp plan's layouts and collectives."""
+        if self.dp:
+            return "\n".join(_dp_lines(self))
+        if self.ep:
+            return "\n".join(_ep_lines(self))
+        if self.pp:
+            return "\n".join(_pp_lines(self))
         mesh = ", ".join(f"{a}={s}" for a, s in self.mesh)
         out = [
             f"autopar plan {self.hash} · {self.model} on Mesh({mesh}) · priced on {self.hardware}"
@@ -210,23 +332,110 @@ class Plan:
         return "\n".join(out)
 
 
-def as_plan(plan: Any) -> Plan:
-    """The one Plan of any program's plan (a wrapper axis's plan builds it: ``to_plan``)."""
-    return plan if isinstance(plan, Plan) else plan.to_plan()
+def wire_bytes(c: Collective, size: int) -> float:
+    """Bytes one rank sends for ``c`` on a ring of ``size`` ranks (REFERENCE.md)."""
+    factor = 2 if c.kind == "all_reduce" else 1
+    return factor * (size - 1) / size * c.bytes
+
+
+def _precision_line(param_dtype: str, reduce_dtype: str) -> str:
+    if param_dtype == "float32":
+        return "precision: fp32 throughout"
+    return (f"mixed precision: {param_dtype} compute (weights cast per step, gathered in "
+            f"{param_dtype}), fp32 master weights and optimizer state, gradients reduced in "
+            f"{reduce_dtype}")  # fmt: skip
+
+
+def _dp_lines(plan: Plan) -> list[str]:
+    """The data axis's paragraph (degree, ZeRO group, memory per stage, traffic, why), then
+    the sub-mesh plan."""
+    dp, sizes = plan.dp, dict(plan.mesh)
+    n, group = sizes["dp"], math.prod(sizes[a] for a in plan.dp.zero_axes)
+    mesh = ", ".join(f"{a}={s}" for a, s in plan.mesh)
+    out = [f"autopar data-parallel plan {plan.label} on Mesh({mesh})",
+           "mesh axes (outermost first): " + "; ".join(dp.links),
+           f"data axis: dp={n}, global batch {dp.batch} -> {dp.batch // n} per rank; loss is "
+           f"a {dp.reduction} over the batch: gradients "
+           f"{'averaged' if dp.reduction == 'mean' else 'summed'} over dp",
+           _precision_line(dp.param_dtype, dp.reduce_dtype),
+           f"ZeRO group {' x '.join(dp.zero_axes)} = {group} ranks"
+           + (" (the cp ranks join the gradient reduction: no separate cp all-reduce)"
+              if "cp" in dp.zero_axes else ""),
+           *([str(dp.step)] if dp.step else []),
+           f"ZeRO stage {dp.zero}; per-rank memory by stage "
+           f"(limit {_fmt_bytes(dp.memory_limit)}):"]  # fmt: skip
+    out += [f"  {'*' if m.stage == dp.zero else ' '} {m}" for m in dp.memory]
+    out.append("data-axis traffic of one training step (message = local shard):")
+    mine = [c for c in plan.collectives if "dp" in c.axis.split("_")]
+    groups: dict[tuple[str, str], list[int]] = {}
+    for c in mine:
+        groups.setdefault((str(c), _pattern(c.where + ".").rstrip(".")), []).append(c.bytes)
+    for (text, where), nbytes in groups.items():
+        out.append(f"  {text:<44} {_fmt_bytes(nbytes[0]):>10}  x{len(nbytes):<3} {where}")
+    wire = sum(wire_bytes(c, n if c.axis == "dp" else group) for c in mine)
+    out.append(f"  total {_fmt_bytes(wire)} sent per rank per step (ring)")
+    out += [f"why: {note}" for note in dp.notes]
+    out += [f"advice (launch environment; autopar sets none of it): {a}" for a in plan.advice]
+    out.append("sub-mesh program (every dp rank runs it on its batch slice):")
+    return [*out, str(replace(plan.without("dp"), advice=()))]
+
+
+def _ep_lines(plan: Plan) -> list[str]:
+    """The expert axis's paragraph (experts per rank, traffic, why), then the sub-mesh plan."""
+    ep, n = plan.ep, dict(plan.mesh)["ep"]
+    mesh = ", ".join(f"{a}={s}" for a, s in plan.mesh)
+    cap = (f"capacity factor {ep.capacity_factor} (rows over capacity dropped, counted)"
+           if ep.capacity_factor else "dropless")  # fmt: skip
+    dense_b, expert_b = ep.param_bytes
+    out = [f"autopar expert-parallel plan {plan.label} on Mesh({mesh})",
+           "mesh axes (outermost first): " + "; ".join(ep.links),
+           f"expert axis: ep={n}, global batch {ep.batch} -> {ep.batch // n} per rank (dense "
+           f"part data-parallel, loss a {ep.reduction}); {cap}",
+           f"{len(ep.layers)} MoE layers, each rank holds 1/{n} of their experts (parameters "
+           f"per rank: {_fmt_bytes(dense_b + expert_b)}, experts {_fmt_bytes(expert_b)} of "
+           f"{_fmt_bytes(expert_b * n)}):"]  # fmt: skip
+    out += [f"  {line}" for line in ep.described]
+    out.append(f"expert-axis traffic of one training step (predicted {ep.comm_s * 1e3:.3f} ms "
+               f"on {ep.link}; all-to-alls {ep.layer_s * 1e6:.1f} us per MoE layer):")  # fmt: skip
+    mine = [c for c in plan.collectives if c.axis == "ep"]
+    for c in mine:
+        if c.kind == "all_to_all" or c.where == "loss":
+            out.append(f"  {c!s:<44} {_fmt_bytes(c.bytes):>10}  {c.where}")
+    dense = [c for c in mine if c.kind == "all_reduce" and c.where != "loss"]
+    out.append(f"  bwd all_reduce ep x{len(dense)} dense-gradient buckets (at most "
+               f"{_fmt_bytes(ep.bucket_bytes)} each), {_fmt_bytes(sum(c.bytes for c in dense))}")  # fmt: skip
+    out += [f"why: {note}" for note in ep.notes]
+    out.append("sub-mesh program (every ep rank runs it on its batch slice):")
+    return [*out, str(plan.without("ep"))]
+
+
+def _pp_lines(plan: Plan) -> list[str]:
+    """The pipeline's paragraph (cuts, schedule, bubble), then each stage's plan."""
+    pp = plan.pp
+    mesh = ", ".join(f"{a}={s}" for a, s in plan.mesh)
+    out = [f"autopar pipeline plan {plan.label} · {plan.model} on Mesh({mesh}) · "
+           f"{len(plan.stages)} stages · schedule {pp.schedule} · {pp.n_microbatches} "
+           "micro-batches", *pp.precision, *plan.notes,
+           f"predicted bubble: {pp.bubble:.1%} (formula {pp.formula_bubble:.1%}); slowest "
+           f"stage {pp.slowest_s * 1e3:.3f} ms/micro-batch"]  # fmt: skip
+    if pp.tied:
+        out.append("tied across stages (gradients summed): " + ", ".join(pp.tied))
+    for i, stage in enumerate(plan.stages):
+        out += ["", f"--- stage {i} ---", str(stage)]
+    return out
 
 
 def _pairs(rows: list) -> tuple[tuple, ...]:
     return tuple(tuple(r) for r in rows)
 
 
-def _section(cls: type, d: dict[str, Any]) -> Any:
-    """A section of plan.json, its lists back to tuples."""
-    return cls(**{k: (_pairs(v) if v and isinstance(v[0], list) else tuple(v))
-                  if isinstance(v, list) else v for k, v in d.items()})  # fmt: skip
+def decisions(section: Any) -> dict[str, Any]:
+    """A section's decision fields (not its :func:`fact` fields), as plain data."""
+    return {f.name: asdict(section)[f.name] for f in fields(section) if f.compare}
 
 
 def _describe(section: Any) -> str:
-    return ", ".join(f"{f.name}={getattr(section, f.name)!r}" for f in fields(section))
+    return ", ".join(f"{k}={v!r}" for k, v in decisions(section).items())
 
 
 def _choice_differences(mine: dict[str, str], theirs: dict[str, str], shown: int = 5) -> list[str]:
@@ -315,7 +524,7 @@ def honoured(plan: Plan | None, prog: Any) -> Any:
     """``prog`` compiled from a reloaded ``plan`` must carry its decisions; returns ``prog``."""
     if plan is None:
         return prog
-    diffs = plan.differences(as_plan(prog.plan))
+    diffs = plan.differences(prog.plan)
     if diffs:
         raise PlanError(f"the plan does not fit this model on Mesh{dict(plan.mesh)} (saved vs "
                         f"compiled): {'; '.join(diffs)}; re-plan without plan=")  # fmt: skip

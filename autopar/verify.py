@@ -175,12 +175,12 @@ def program_view(prog: Any) -> ProgramView:
     if isinstance(prog, DataParallelProgram):
         dp, plan = prog.mesh.size("dp"), prog.plan
         batch.append(("dp", dp))
-        data = (plan.zero, plan.reduction, plan.zero_axes)
-        scale = dp if plan.reduction == "mean" else 1
+        data = (plan.dp.zero, plan.dp.reduction, plan.dp.zero_axes)
+        scale = dp if plan.dp.reduction == "mean" else 1
         prog = prog.inner
     if isinstance(prog, ExpertParallelProgram):
         batch.append(("ep", prog.mesh.size("ep")))
-        experts = frozenset(w for layer in prog.plan.layers for w in layer.weights)
+        experts = frozenset(w for layer in prog.layers for w in layer.weights)
         prog = prog.inner
     units = tuple(enumerate(prog.stages)) if isinstance(prog, PipelineProgram) else ((None, prog),)
     replicas = tuple(itertools.product(*(range(n) for _, n in batch)))

@@ -14,10 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar import InputError, Mesh, MeshError, PlanError, autoparallelize, verify
-from autopar.axes.data_parallel import loss_reduction, saved_activations, wire_bytes
+from autopar.axes.data_parallel import loss_reduction, saved_activations
 from autopar.codegen import shard_tensor
 from autopar.frontend.trace import trace
 from autopar.ir import meta
+from autopar.plan import wire_bytes
 from autopar.runtime.pool import get_pool
 from autopar.tools.testing import Config, build, lm_loss, tokens, train_loop
 
@@ -219,10 +220,10 @@ def test_forced_zero_stage_that_does_not_fit_names_the_one_that_would():
     c = Config(batch=4)
     model, inputs = build("gpt", c), tokens(c)
     ddp = autoparallelize(model, Mesh(dp=4), inputs, loss_fn=lm_loss)
-    need = {m.stage: m.total for m in ddp.plan.memory}
+    need = {m.stage: m.total for m in ddp.plan.dp.memory}
     limit = (need[2] + need[3]) / 2  # only ZeRO-3 fits
     chosen = autoparallelize(model, Mesh(dp=4), inputs, loss_fn=lm_loss, memory_limit=limit)
-    assert chosen.plan.zero == 3 and "ZeRO-2 needs" in str(chosen.plan)
+    assert chosen.plan.dp.zero == 3 and "ZeRO-2 needs" in str(chosen.plan)
     with pytest.raises(PlanError, match=r"zero=1 does not fit.*weights.*zero=3 fits"):
         autoparallelize(model, Mesh(dp=4), inputs, loss_fn=lm_loss, zero=1, memory_limit=limit)
     with pytest.raises(PlanError, match="no dp axis"):
@@ -315,7 +316,7 @@ def test_measured_traffic_and_state_bytes_equal_the_plan(zero):
     prog = autoparallelize(build("gpt", c), Mesh(dp=2), (x, y), loss_fn=lm_loss, zero=zero)
     jobs = [(prog.module(r), x.chunk(2)[r], y.chunk(2)[r], zero) for r in range(2)]
     results = get_pool(2).run(_measure_step, prog.mesh.axes, jobs)
-    predicted = prog.plan.memory[zero]
+    predicted = prog.plan.dp.memory[zero]
     for part, want in enumerate((predicted.weights, predicted.grads, predicted.optimizer)):
         # ZeroRedundancyOptimizer balances whole parameters: the average is exact
         assert sum(r[1][part] for r in results) == 2 * want, (part, [r[1] for r in results])
@@ -329,12 +330,12 @@ def test_memory_limit_under_dp_re_solves_the_tp_plan():
     c = Config(layers=2, hidden=64, heads=4, ffn=128, vocab=96, seq=64, batch=4)
     model, inputs = build("llama", c), tokens(c)
     fast = autoparallelize(model, Mesh(dp=2, tp=2), inputs, loss_fn=lm_loss, zero=0)
-    need = fast.plan.memory[0].total
+    need = fast.plan.dp.memory[0].total
     limit = 0.95 * need  # ZeRO-0 with the fastest tp plan does not fit; ZeRO-1 would
-    assert fast.plan.memory[1].total <= limit
+    assert fast.plan.dp.memory[1].total <= limit
     lean = autoparallelize(model, Mesh(dp=2, tp=2), inputs, loss_fn=lm_loss, memory_limit=limit)
-    assert lean.plan.zero == 0  # the lowest stage, with a tp plan that holds less
-    assert lean.plan.memory[0].total <= limit < need
+    assert lean.plan.dp.zero == 0  # the lowest stage, with a tp plan that holds less
+    assert lean.plan.dp.memory[0].total <= limit < need
     tp = [c for c in lean.collectives() if c.axis == "tp"]
     assert tp != [c for c in fast.collectives() if c.axis == "tp"]
     assert "re-solved" in str(lean.plan)
@@ -398,7 +399,7 @@ def test_bf16_mixed_precision_matches_single_device_autocast(zero):
                            param_dtype=torch.bfloat16)  # fmt: skip
     assert "bfloat16 compute" in str(prog.plan) and "reduced in float32" in str(prog.plan)
     params = sum(p.numel() for p in prog.module(0).parameters())
-    state = prog.plan.memory[0]  # REFERENCE.md: 18 B/param (2 weights, 4 grads, 12 Adam + master)
+    state = prog.plan.dp.memory[0]  # REFERENCE.md: 18 B/param (2 weights, 4 grads, 12 Adam + master)
     assert state.weights + state.grads + state.optimizer == 18 * params
     jobs = [(prog.module(r), x.chunk(2)[r], y.chunk(2)[r], zero, 3) for r in range(2)]
     results = get_pool(2).run(_train_bf16, prog.mesh.axes, jobs)
@@ -583,7 +584,7 @@ def test_bf16_prices_activations_and_collectives_in_their_autocast_dtype():
                            param_dtype=torch.bfloat16)  # fmt: skip
     # matrix products (and what only views them) hold bf16; norms, the residual stream and
     # the loss stay fp32 under autocast: the activations cost between half and all of fp32
-    ratio = prog.plan.memory[0].activations / fp32.plan.memory[0].activations
+    ratio = prog.plan.dp.memory[0].activations / fp32.plan.dp.memory[0].activations
     assert 0.5 < ratio < 0.8, ratio
     linears = [n for n in prog.inner.traced.gm.graph.nodes if n.op == "call_function"
                and n.target is torch.ops.aten.linear.default]  # fmt: skip
@@ -714,7 +715,7 @@ def test_dp_x_pp_memory_rows_are_per_pipeline_rank(zero):
     x, y = tokens(c)
     prog = autoparallelize(build("llama", c), Mesh(dp=2, pp=2), (x, y), loss_fn=lm_loss,
                            zero=zero, n_microbatches=2)  # fmt: skip
-    pipe, row = prog.inner, prog.plan.memory[zero]
+    pipe, row = prog.inner, prog.plan.dp.memory[zero]
     whole = sum(p.numel() for p in build("llama", c).parameters()) * 4
     jobs = [(pipe.share(prog.inner_rank(r)),
              *(t.chunk(2)[prog.mesh.coordinates(r)["dp"]] for t in (x, y)), zero)

@@ -51,7 +51,7 @@ def test_reference_moe_matches_single_device(experts, top_k, hidden, ffn, ep, si
     report = verify(model, Mesh(ep=ep), _ids(c, seed + 1), lm_loss, rtol=1e-5)
     assert report.ok, report
     prog = autoparallelize(model, Mesh(ep=ep), _ids(c, seed + 1), lm_loss)
-    assert len(prog.plan.layers) == c.layers  # recognised, not replicated
+    assert len(prog.layers) == c.layers  # recognised, not replicated
 
 
 def test_a_rank_whose_experts_get_no_tokens():
@@ -69,7 +69,7 @@ def test_recognised_layer_and_printed_program():
     c = MoEConfig()
     prog = autoparallelize(build_moe(c), Mesh(ep=2), _ids(c), lm_loss)
     assert isinstance(prog, ExpertParallelProgram)
-    layer = prog.plan.layers[0]
+    layer = prog.layers[0]
     assert layer.experts == 4 and layer.weights == ("blocks.0.gate_up", "blocks.0.down")
     assert [n.split("_fallback")[0] for n in layer.matmuls] == ["grouped_mm", "grouped_mm"]
     code = prog.code(1)
@@ -145,10 +145,10 @@ def test_hf_moe_family_at_ep2(name):
         warnings.simplefilter("ignore")
         prog = autoparallelize(model, Mesh(ep=2), args, example_kwargs=kwargs)
         report = verify(model, Mesh(ep=2), args, example_kwargs=kwargs, rtol=1e-5)
-    assert len(prog.plan.layers) == 2, prog.plan.notes
+    assert len(prog.layers) == 2, prog.plan.notes
     assert report.ok, report
     if name == "gpt_oss":
-        assert prog.plan.layers[0].weights[-1].endswith("gate_up_proj_bias")
+        assert prog.layers[0].weights[-1].endswith("gate_up_proj_bias")
 
 
 # ---------------------------------------------------------------- 3. collectives and memory
@@ -186,7 +186,7 @@ def test_each_rank_holds_its_share_of_the_experts():
         assert held == dense_bytes + expert_bytes // 4
         whole = model.blocks[0].gate_up.detach()
         torch.testing.assert_close(local["blocks.0.gate_up"], whole[2 * rank:2 * rank + 2])
-    assert prog.plan.param_bytes == (dense_bytes, expert_bytes // 4)
+    assert prog.plan.ep.param_bytes == (dense_bytes, expert_bytes // 4)
 
 
 # ---------------------------------------------------------------- capacity
@@ -279,7 +279,7 @@ def test_unrecognised_layout_warns_and_replicates_or_errors_under_strict():
     model, args = _LeakyBlock(), _ids(c)
     with pytest.warns(UserWarning, match=r"does not recognise.*node 'mul.*comes from outside"):
         prog = autoparallelize(model, Mesh(ep=2), args, lm_loss)
-    assert not prog.plan.layers
+    assert not prog.layers
     assert "experts replicated" in str(prog.plan)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -301,12 +301,12 @@ def test_composes_with_tp_and_dp(mesh):
         prog = autoparallelize(model, mesh, _ids(c), lm_loss)
     assert report.ok, report
     ep_prog = prog.inner if "dp" in mesh.sizes else prog
-    assert len(ep_prog.plan.layers) == c.layers
+    assert len(ep_prog.layers) == c.layers
     held = dict(prog.module(0).named_parameters())["blocks.0.gate_up"]
     tp = mesh.size("tp")
     assert held.shape == (c.experts // 2, 2 * c.expert_ffn // tp, c.hidden)
     if "pp" in mesh.sizes:  # each stage recognised its own layers
-        assert [len(ls) for ls in ep_prog.plan.stage_layers] == [1, 1]
+        assert [len(ls) for ls in ep_prog.stage_layers] == [1, 1]
 
 
 _WITH_EP = [Mesh(**{a: 2 for a in axes}) for axes in
@@ -331,7 +331,7 @@ def test_every_mesh_with_ep_compiles(mesh):
         held = dict(ep_prog.module(inner, stage if pp > 1 else None).named_parameters())
         assert held[f"blocks.{stage}.gate_up"].shape == (c.experts // 2,
                                                          2 * c.expert_ffn // tp, c.hidden)
-    assert [len(ls) for ls in ep_prog.plan.stage_layers] == ([1, 1] if pp > 1 else [2])
+    assert [len(ls) for ls in ep_prog.stage_layers] == ([1, 1] if pp > 1 else [2])
 
 
 def test_dp_pp_ep_on_eight_ranks():
@@ -447,4 +447,4 @@ def test_hf_mixtral_at_ep2_tp2():
         warnings.simplefilter("ignore")
         prog = autoparallelize(model, mesh, args, example_kwargs=kwargs)
         report = verify(model, mesh, args, example_kwargs=kwargs, rtol=1e-5)
-    assert len(prog.plan.layers) == 2 and report.ok, report
+    assert len(prog.layers) == 2 and report.ok, report

@@ -207,7 +207,7 @@ def test_loop_moe_matches_single_device(experts, top_k, ep, hidden, mask, seed):
     names = {r.name for r in report.rows}
     assert {f"blocks.1.experts.{e}.w2.weight" for e in range(experts)} <= names
     prog = autoparallelize(model, Mesh(ep=ep), _inputs(c, seed + 1), lm_loss)
-    assert len(prog.plan.layers) == c.layers  # recognised, not replicated
+    assert len(prog.layers) == c.layers  # recognised, not replicated
     _each_rank_holds_its_experts(prog, model, c, ep)
 
 
@@ -230,7 +230,7 @@ def _each_rank_holds_its_experts(prog, model: MoEModel, c: LoopConfig, ep: int) 
 def test_collectives_per_layer_as_the_stacked_form():
     c = LoopConfig()
     prog = autoparallelize(_model(c), Mesh(ep=2), _inputs(c), lm_loss)
-    for layer in prog.plan.layers:
+    for layer in prog.layers:
         mine = [x for x in prog.plan.collectives if x.where == layer.where]
         fwd = [x for x in mine if x.direction == "fwd"]
         bwd = [x for x in mine if x.direction == "bwd"]
@@ -252,7 +252,7 @@ def test_loop_moe_at_ep2_tp2():
     report = verify(model, Mesh(ep=2, tp=2), _inputs(c), lm_loss, rtol=1e-5)
     assert report.ok, report
     prog = autoparallelize(model, Mesh(ep=2, tp=2), _inputs(c), lm_loss)
-    assert len(prog.plan.layers) == c.layers
+    assert len(prog.layers) == c.layers
 
 
 # ---------------------------------------------------------------- 3. a loop not recognised
@@ -267,7 +267,7 @@ def test_a_dense_loop_warns_and_keeps_experts_replicated():
     text = " ".join(str(w.message) for w in seen if "does not recognise" in str(w.message))
     assert "blocks.0.experts.*" in text and "test_moe_loop.py" in text, text
     assert "self.w2(F.silu(self.w1(x)) * self.w3(x))" in text
-    assert not prog.plan.layers
+    assert not prog.layers
     params = dict(prog.module(1).named_parameters())
     assert all(f"blocks.0.experts.{e}.w1.weight" in params for e in range(c.experts))
     report = verify(model, Mesh(ep=2), _inputs(c), lm_loss, rtol=1e-5)
@@ -302,7 +302,7 @@ def test_a_loop_over_rows_of_stacked_parameters_at_ep2():
     report = verify(model, Mesh(ep=2), _inputs(c), lm_loss, rtol=1e-5)
     assert report.ok, report
     prog = autoparallelize(model, Mesh(ep=2), _inputs(c), lm_loss)
-    assert len(prog.plan.layers) == c.layers
+    assert len(prog.layers) == c.layers
     assert prog.module(1).get_parameter("blocks.0.w1").shape == (c.experts // 2, c.ffn, c.hidden)
 
 
@@ -316,7 +316,7 @@ def test_experts_with_biases(mesh):
     report = verify(model, mesh, _inputs(c), lm_loss, rtol=1e-5)
     assert report.ok, report
     prog = autoparallelize(model, mesh, _inputs(c), lm_loss)
-    assert len(prog.plan.layers) == c.layers
+    assert len(prog.layers) == c.layers
     ep = mesh.size("ep")
     last = next(r for r in range(mesh.world_size) if mesh.coordinates(r)["ep"] == ep - 1)
     params = dict(prog.module(last).named_parameters())

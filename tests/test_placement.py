@@ -145,4 +145,4 @@ def test_a_data_parallel_plan_prints_the_advice_of_its_whole_mesh():
     prog = autoparallelize(MLP(), mesh, (torch.randn(16, 16),))
     text = str(prog.plan)
     assert "autopar sets none of it): NCCL_CROSS_NIC=0: dp rings stay on their rail" in text
-    assert prog.plan.to_plan().advice == nccl_advice(Topology(cluster=mesh.cluster), mesh.axes)
+    assert prog.plan.advice == nccl_advice(Topology(cluster=mesh.cluster), mesh.axes)

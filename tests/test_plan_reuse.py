@@ -17,7 +17,7 @@ import pytest
 
 from autopar import Mesh, autoparallelize
 from autopar.errors import MeshError, PlanError
-from autopar.plan import Plan, as_plan
+from autopar.plan import Plan
 from autopar.tools.testing import Config, MoEConfig, build, build_moe, lm_loss, tokens
 
 pytest.importorskip("transformers")
@@ -61,8 +61,8 @@ def round_trip(kind: str, tmp_path_factory: pytest.TempPathFactory) -> RoundTrip
         prog.save(directory)
         saved = Plan.load(directory / "plan.json")
         again = autoparallelize(model(), mesh, tokens(config), lm_loss, plan=saved)
-        _TRIPS[kind] = RoundTrip(default=as_plan(default.plan), made=as_plan(prog.plan),
-                                 saved=saved, reloaded=as_plan(again.plan))  # fmt: skip
+        _TRIPS[kind] = RoundTrip(default=default.plan, made=prog.plan,
+                                 saved=saved, reloaded=again.plan)  # fmt: skip
     return _TRIPS[kind]
 
 
@@ -153,4 +153,4 @@ def test_a_wrapper_programs_plan_is_reused_directly(tmp_path_factory):
     mesh, model, config, options, _ = CASES["dp"]
     prog = autoparallelize(model(), mesh, tokens(config), lm_loss, zero=2)
     again = autoparallelize(model(), mesh, tokens(config), lm_loss, plan=prog.plan)
-    assert again.plan.zero == 2 and as_plan(again.plan) == as_plan(prog.plan)
+    assert again.plan.dp.zero == 2 and again.plan == prog.plan

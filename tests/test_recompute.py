@@ -74,7 +74,7 @@ def test_expert_parallel_recomputes_after_placing_experts():
     report = verify(build_moe(c), Mesh(ep=2), tokens(c), lm_loss, rtol=1e-5, recompute="full")
     assert report.ok, str(report)
     prog = autoparallelize(build_moe(c), Mesh(ep=2), tokens(c), lm_loss, recompute="full")
-    assert len(prog.plan.layers) == c.layers  # MoE layers recognised before outlining
+    assert len(prog.layers) == c.layers  # MoE layers recognised before outlining
     assert "autopar_axes_recompute_checkpoint(blocks_0," in prog.code(0)
     assert "recompute full: re-runs the forward of each of 2 blocks" in str(prog.plan)
 

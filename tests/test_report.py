@@ -2,7 +2,7 @@
 well-formed, it renders in a real browser, and the command line writes it.
 
 Every number the page shows is in a `data-value` attribute of its table cell; the tests read
-them back and compare with the records they come from (Plan, DataParallelPlan, a search's
+them back and compare with the records they come from (the Plan and its dp section, a search's
 Choice), never with constants.
 """
 
@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("matplotlib")
+
+import torch  # noqa: E402
 
 from autopar import Mesh, autoparallelize  # noqa: E402
 from autopar.tools.report import CHARTS  # noqa: E402
@@ -81,15 +83,16 @@ def llama_dp_pp_tp(tmp_path_factory: pytest.TempPathFactory):
 def test_memory_numbers_are_the_data_parallel_plans_own(llama_dp_pp_tp) -> None:
     prog, path = llama_dp_pp_tp
     rows = {r[0][0]: r for r in tables(path)["t-memory"][1:]}
-    for m in prog.plan.memory:
+    for m in prog.plan.dp.memory:
         row = rows[f"ZeRO-{m.stage}"]
         assert [c[1] for c in row[1:6]] == [m.weights, m.grads, m.optimizer, m.activations, 0.0]
         assert row[6][1] == m.total
-        assert (row[7][0] == "yes") == (m.stage == prog.plan.zero)
+        assert (row[7][0] == "yes") == (m.stage == prog.plan.dp.zero)
     per_rank = [rows[f"pp rank {r}"][6][1] for r in range(prog.mesh.size("pp"))]
-    assert max(per_rank) == prog.plan.memory[prog.plan.zero].total  # the max memory_table took
+    assert max(per_rank) == prog.plan.dp.memory[prog.plan.dp.zero].total  # the max memory_table took
     assert len(set(per_rank)) == len(per_rank)  # the stages hold different layers and heads
-    expected = position_rows(prog.inner, prog.plan.dp, prog.plan.zero, prog.plan.param_dtype)
+    expected = position_rows(prog.inner, prog.mesh.size("dp"), prog.plan.dp.zero,
+                             getattr(torch, prog.plan.dp.param_dtype))  # fmt: skip
     assert per_rank == [r.total for r in expected]
 
 
@@ -106,7 +109,7 @@ def test_step_comm_and_layouts_are_the_stage_plans_own(llama_dp_pp_tp) -> None:
     assert sum(r[4][1] for r in comm) == sum(c.bytes for c in prog.collectives())
     assert sum(r[3][1] for r in comm) == len(prog.collectives())
     dp_bytes = sum(r[4][1] for r in comm if r[0][0] == "dp")
-    assert dp_bytes == sum(c.bytes for c in prog.plan.collectives)
+    assert dp_bytes == sum(c.bytes for c in prog.plan.collectives if c.axis == "dp")
     layouts = {(r[0][0], r[1][0]): r[2][1] for r in t["t-layouts"][1:]}
     assert sum(layouts.values()) == sum(len(p.params) for p in plans)
     for plan in plans:

@@ -129,7 +129,7 @@ def _check_blocks(prog, names: list[str], layers: int) -> None:
     last = f"model.layers.{layers - 1}."
     assert kept_gathered(prog.inner) == {n for n in names
                                          if not n.startswith("model.layers.") or n.startswith(last)}  # fmt: skip
-    assert prog.plan.zero == 3
+    assert prog.plan.dp.zero == 3
 
 
 def test_dp_tp_zero3_compiles_with_eleven_blocks_on_meta():
@@ -144,7 +144,7 @@ def test_llama3_8b_dp_tp_zero3_compiles_on_meta():
     128256) at batch 8 x 8192: torchtitan's 2-D recipe compiles."""
     prog, names = _llama_dp_tp_zero3(32, 4096, 32, 8, 14336, 128256, batch=8, seq=8192)
     _check_blocks(prog, names, 32)
-    assert prog.plan.memory[3].total <= prog.plan.memory_limit
+    assert prog.plan.dp.memory[3].total <= prog.plan.dp.memory_limit
 
 
 def test_a_program_without_blocks_is_not_outlined():

@@ -112,7 +112,7 @@ def test_dp_x_cp_state_bytes_are_per_zero_group_rank(zero):
     x, y = tokens(C)
     prog = autoparallelize(build("llama", C), Mesh(dp=2, cp=2), (x, y), lm_loss, zero=zero)
     whole = sum(p.numel() for p in build("llama", C).parameters()) * 4
-    row = prog.plan.memory[zero]
+    row = prog.plan.dp.memory[zero]
     jobs = [(prog.module(r), *(t.chunk(2)[prog.mesh.coordinates(r)["dp"]] for t in (x, y)), zero)
             for r in range(4)]  # fmt: skip
     measured = get_pool(4).run(_state_bytes, prog.mesh.axes, jobs)
@@ -146,7 +146,7 @@ class _Regularised(nn.Module):
 def test_a_gradient_whole_over_cp_keeps_zero_over_dp():
     x, y = tokens(C)
     prog = autoparallelize(_Regularised(), Mesh(dp=2, cp=2), (x, y), zero=2)
-    assert prog.plan.zero_axes == ("dp",) and prog.plan.hash.endswith("-dp2z2")
+    assert prog.plan.dp.zero_axes == ("dp",) and prog.plan.label.endswith("-dp2z2")
     assert "ZeRO group dp = 2 ranks" in str(prog.plan)
     report = verify(_Regularised(), Mesh(dp=2, cp=2), (x, y), zero=2)
     assert report.ok, report

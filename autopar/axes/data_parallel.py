@@ -49,7 +49,7 @@ import torch.fx as fx
 
 from autopar.errors import FitError, InputError, PlanError
 from autopar.mesh import Mesh
-from autopar.plan import Collective, DpSection, Plan, _fmt_bytes, _pattern, as_plan
+from autopar.plan import Collective, DpSection, Plan, PlanStep, ZeroMemory, _fmt_bytes
 from autopar.program import BatchAxisProgram
 from cost.memory import model_state
 from cost.topology import Topology, nccl_advice
@@ -78,27 +78,6 @@ class StateBytes:
         if param_dtype == torch.float32:
             return StateBytes(weights=4, grads=4, optimizer=8)
         return StateBytes(weights=2, grads=4, optimizer=12)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ZeroMemory:
-    """Per-rank bytes under one ZeRO stage."""
-
-    stage: int
-    weights: float
-    grads: float
-    optimizer: float
-    activations: float
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations
-
-    def __str__(self) -> str:
-        parts = (f"weights {_fmt_bytes(self.weights)}, gradients {_fmt_bytes(self.grads)}, "
-                 f"optimizer {_fmt_bytes(self.optimizer)}, activations "
-                 f"{_fmt_bytes(self.activations)}")  # fmt: skip
-        return f"ZeRO-{self.stage}: {_fmt_bytes(self.total):>10} per rank ({parts})"
 
 
 def zero_memory(params: int, dp: int, stage: int, per: StateBytes,
@@ -215,15 +194,6 @@ def _reduction_arg(node: fx.Node) -> int:
     return node.args[i] if len(node.args) > i else schema.arguments[i].default_value
 
 
-def _precision_line(param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> str:
-    if param_dtype == torch.float32:
-        return "precision: fp32 throughout"
-    name = str(param_dtype).replace("torch.", "")
-    return (f"mixed precision: {name} compute (weights cast per step, gathered in {name}), "
-            f"fp32 master weights and optimizer state, gradients reduced in "
-            f"{str(reduce_dtype).replace('torch.', '')}")  # fmt: skip
-
-
 def dp_collectives(grads: dict[str, tuple[tuple[int, ...], torch.dtype]], stage: int,
                    param_dtype: torch.dtype = torch.float32,
                    reduce_dtype: torch.dtype = torch.float32,
@@ -257,97 +227,12 @@ def dp_collectives(grads: dict[str, tuple[tuple[int, ...], torch.dtype]], stage:
     return out
 
 
-def wire_bytes(c: Collective, size: int) -> float:
-    """Bytes one rank sends for ``c`` on a ring of ``size`` ranks (REFERENCE.md)."""
-    factor = 2 if c.kind == "all_reduce" else 1
-    return factor * (size - 1) / size * c.bytes
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataParallelPlan:
-    """The sub-mesh plan plus the data axis: ZeRO stage, reduction, memory per stage, why."""
-
-    inner: Any  # Plan or PipelinePlan of the mesh without dp
-    mesh: tuple[tuple[str, int], ...]
-    links: tuple[str, ...]  # per axis: "dp=2 over ib", ...
-    zero: int
-    reduction: str
-    batch: int  # global batch
-    memory: tuple[ZeroMemory, ...]
-    memory_limit: float
-    collectives: tuple[Collective, ...]  # the dp gradient reduction
-    notes: tuple[str, ...]
-    param_dtype: torch.dtype = torch.float32  # compute (and ZeRO-3 all-gather) dtype
-    reduce_dtype: torch.dtype = torch.float32  # gradient reduction dtype
-    advice: tuple[str, ...] = ()  # NCCL settings the whole mesh's topology calls for
-    zero_axes: tuple[str, ...] = ("dp",)  # the ZeRO group: gradients reduced once over these
-    step: PlanStep | None = None  # predicted step time, the search's functions (step 7)
-
-    @property
-    def dp(self) -> int:
-        return dict(self.mesh)["dp"]
-
-    @property
-    def zero_size(self) -> int:
-        """Ranks of the ZeRO group (dp, or dp x cp)."""
-        return math.prod(dict(self.mesh)[a] for a in self.zero_axes)
-
-    @property
-    def zero_group(self) -> str:
-        """The ZeRO group's name in the plan's collectives: ``dp`` or ``dp_cp``."""
-        return "_".join(self.zero_axes)
-
-    @property
-    def hash(self) -> str:
-        group = "".join(f"{a}{dict(self.mesh)[a]}" for a in self.zero_axes)
-        return f"{self.inner.hash}-{group}z{self.zero}"
-
-    def to_plan(self) -> Plan:
-        """The one Plan (what plan.json holds): the sub-mesh's, on the whole mesh, with the dp
-        section and the data-axis traffic."""
-        inner = as_plan(self.inner)
-        return dataclasses.replace(inner, mesh=self.mesh, dp=DpSection(zero=self.zero),
-                                   collectives=(*inner.collectives, *self.collectives),
-                                   notes=(*inner.notes, *self.notes),
-                                   advice=self.advice or inner.advice)  # fmt: skip
-
-    def __str__(self) -> str:
-        mesh = ", ".join(f"{a}={s}" for a, s in self.mesh)
-        out = [f"autopar data-parallel plan {self.hash} on Mesh({mesh})",
-               "mesh axes (outermost first): " + "; ".join(self.links),
-               f"data axis: dp={self.dp}, global batch {self.batch} -> {self.batch // self.dp} "
-               f"per rank; loss is a {self.reduction} over the batch: gradients "
-               f"{'averaged' if self.reduction == 'mean' else 'summed'} over dp",
-               _precision_line(self.param_dtype, self.reduce_dtype),
-               f"ZeRO group {' x '.join(self.zero_axes)} = {self.zero_size} ranks"
-               + (" (the cp ranks join the gradient reduction: no separate cp all-reduce)"
-                  if "cp" in self.zero_axes else ""),
-               *([str(self.step)] if self.step else []),
-               f"ZeRO stage {self.zero}; per-rank memory by stage "
-               f"(limit {_fmt_bytes(self.memory_limit)}):"]  # fmt: skip
-        out += [f"  {'*' if m.stage == self.zero else ' '} {m}" for m in self.memory]
-        out.append("data-axis traffic of one training step (message = local shard):")
-        groups: dict[tuple[str, str], list[int]] = {}
-        for c in self.collectives:
-            groups.setdefault((str(c), _pattern(c.where + ".").rstrip(".")), []).append(c.bytes)
-        for (text, where), sizes in groups.items():
-            out.append(f"  {text:<44} {_fmt_bytes(sizes[0]):>10}  x{len(sizes):<3} {where}")
-        wire = sum(wire_bytes(c, self.dp if c.axis == "dp" else self.zero_size)
-                   for c in self.collectives)  # fmt: skip
-        out.append(f"  total {_fmt_bytes(wire)} sent per rank per step (ring)")
-        out += [f"why: {n}" for n in self.notes]
-        out += [f"advice (launch environment; autopar sets none of it): {a}" for a in self.advice]
-        out.append("sub-mesh program (every dp rank runs it on its batch slice):")
-        out.append(str(self.inner))
-        return "\n".join(out)
-
-
 class DataParallelProgram(BatchAxisProgram):
     """What :func:`autopar.autoparallelize` returns for a mesh with a ``dp`` axis.
 
     ``inner`` is the program of the mesh without dp (:class:`autopar.program.BatchAxisProgram`)."""
 
-    def __init__(self, *, inner: Any, mesh: Mesh, plan: DataParallelPlan) -> None:
+    def __init__(self, *, inner: Any, mesh: Mesh, plan: Plan) -> None:
         self.inner, self.mesh, self.plan = inner, mesh, plan
         self.inner_mesh = inner.mesh
         self._modules: dict[int, Any] = {}
@@ -363,7 +248,7 @@ class DataParallelProgram(BatchAxisProgram):
             module = self.inner.module(inner)
             if isinstance(module, fx.GraphModule) and boundaries(module.graph):
                 module = copy.deepcopy(module)
-                globalize_batch_statistics(module, "dp", self.plan.reduction,
+                globalize_batch_statistics(module, "dp", self.plan.dp.reduction,
                                            _model_name(self.inner))  # fmt: skip
             self._modules[inner] = module
         return self._modules[inner]
@@ -380,7 +265,7 @@ class DataParallelProgram(BatchAxisProgram):
             for s, module in share.modules.items():
                 if isinstance(module, fx.GraphModule) and boundaries(module.graph):
                     module = copy.deepcopy(module)
-                    globalize_batch_statistics(module, "dp", self.plan.reduction,
+                    globalize_batch_statistics(module, "dp", self.plan.dp.reduction,
                                                _model_name(self.inner))  # fmt: skip
                 modules[s] = module
             self._shares[inner] = dataclasses.replace(share, modules=modules)
@@ -390,20 +275,21 @@ class DataParallelProgram(BatchAxisProgram):
         coords = ", ".join(f"{a}={c}" for a, c in self.mesh.coordinates(rank).items())
         head = (f"# data-parallel rank {rank} of {self.mesh.world_size} ({coords}): the "
                 f"program below on batch slice dp={self.mesh.coordinates(rank)['dp']}, "
-                f"gradients reduced over {' x '.join(self.plan.zero_axes)} with "
-                f"ZeRO-{self.plan.zero}\n")  # fmt: skip
+                f"gradients reduced over {' x '.join(self.plan.dp.zero_axes)} with "
+                f"ZeRO-{self.plan.dp.zero}\n")  # fmt: skip
         return head + self.inner.code(self.inner_rank(rank))
 
     def collectives(self) -> list[Collective]:
         """The sub-mesh program's collectives plus the dp gradient reduction."""
-        return [*self.inner.collectives(), *self.plan.collectives]
+        return [*self.inner.collectives(),
+                *(c for c in self.plan.collectives if "dp" in c.axis.split("_"))]
 
     def save(self, directory: str | Path) -> list[Path]:
         """The sub-mesh program's files, plan_dp.txt, and plan.json: the whole mesh's plan."""
         written = self.inner.save(directory)
         path, whole = Path(directory) / "plan_dp.txt", Path(directory) / "plan.json"
         path.write_text(str(self.plan) + "\n")
-        whole.write_text(self.plan.to_plan().to_json())
+        whole.write_text(self.plan.to_json())
         return [*dict.fromkeys([*written, path, whole])]
 
     def report(self, path: str | Path, **options: Any) -> Path:
@@ -414,7 +300,7 @@ class DataParallelProgram(BatchAxisProgram):
         return write_report(self, path, **options)
 
     def __repr__(self) -> str:
-        return f"<autopar.DataParallelProgram on {self.mesh}, ZeRO-{self.plan.zero}>"
+        return f"<autopar.DataParallelProgram on {self.mesh}, ZeRO-{self.plan.dp.zero}>"
 
 
 def compile_data_parallel(mesh: Mesh, batch: int,
@@ -439,18 +325,23 @@ def compile_data_parallel(mesh: Mesh, batch: int,
         inner, table, resolved = _fit_sub_mesh(inner, table, limit, zero, (shard, per), (
             lambda sub_limit: join_cp(compile_inner(sub_limit))[0]))  # fmt: skip
     stage, why = choose_zero(table, limit, zero, where)
-    grads = _grad_shapes(inner)
-    plan = DataParallelPlan(
-        inner=inner.plan, mesh=mesh.axes, links=tuple(mesh.describe()), zero=stage,
-        reduction=loss_reduction(_graph(inner), _model_name(inner)), batch=batch, memory=table, memory_limit=limit,
-        collectives=tuple(dp_collectives(grads, stage, param_dtype, reduce_dtype,
-                                         kept_gathered(inner), "_".join(axes))),
-        notes=(why, *([resolved] if resolved else []), *_engine_note(stage, axes)),
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-        advice=nccl_advice(Topology(cluster=mesh.cluster), mesh.axes), zero_axes=axes,
+    section = DpSection(
+        zero=stage, reduction=loss_reduction(_graph(inner), _model_name(inner)), batch=batch,
+        zero_axes=axes, memory=table, memory_limit=limit, links=tuple(mesh.describe()),
+        param_dtype=_dtype_name(param_dtype), reduce_dtype=_dtype_name(reduce_dtype),
         step=predict_step(inner, mesh, stage, axes, param_dtype),
+        notes=(why, *([resolved] if resolved else []), *_engine_note(stage, axes)),
     )  # fmt: skip
+    traffic = dp_collectives(_grad_shapes(inner), stage, param_dtype, reduce_dtype,
+                             kept_gathered(inner), "_".join(axes))  # fmt: skip
+    plan = dataclasses.replace(inner.plan, mesh=mesh.axes, dp=section,
+                               collectives=(*inner.plan.collectives, *traffic),
+                               advice=nccl_advice(Topology(cluster=mesh.cluster), mesh.axes))  # fmt: skip
     return DataParallelProgram(inner=inner, mesh=mesh, plan=plan)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def join_cp(inner: Any) -> tuple[Any, tuple[str, ...]]:
@@ -478,29 +369,6 @@ def memory_table(inner: Any, dp: int, per: StateBytes) -> tuple[ZeroMemory, ...]
         activations = sum(held * saved_activations(program) for program, held in programs)
         rows.append([zero_memory(params, dp, s, per, activations, kept) for s in ZERO_STAGES])
     return tuple(max((r[s] for r in rows), key=lambda m: m.total) for s in ZERO_STAGES)
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlanStep:
-    """The compiled plan's predicted seconds of one training step, by the search's functions
-    (`cost.step`): the sub-mesh program's micro-batches (compute + tp/cp/pp communication,
-    under pp the slowest stage's m micro-batches plus the bubble), the exposed data-axis
-    gradient traffic and the optimizer step."""
-
-    sub_mesh: float
-    bubble: float
-    dp: float
-    optimizer: float
-
-    @property
-    def total(self) -> float:
-        return self.sub_mesh + self.bubble + self.dp + self.optimizer
-
-    def __str__(self) -> str:
-        return (f"predicted step {self.total * 1e3:.3f} ms = sub-mesh forward+backward "
-                f"{self.sub_mesh * 1e3:.3f} ms + pipeline bubble {self.bubble * 1e3:.3f} ms + "
-                f"exposed data-axis traffic {self.dp * 1e3:.3f} ms + optimizer step "
-                f"{self.optimizer * 1e3:.3f} ms")  # fmt: skip
 
 
 def predict_step(inner: Any, mesh: Mesh, stage: int, axes: tuple[str, ...],
@@ -645,7 +513,7 @@ def _fit_sub_mesh(inner: Any, table: tuple[ZeroMemory, ...], limit: float, zero:
     unsharded + activations) must stay below limit + M - total(stage).  The first stage whose
     plan fits wins.  Sub-meshes of one rank and pipelines keep their plan."""
     stages = ZERO_STAGES if zero is None or zero not in ZERO_STAGES else (zero,)
-    if not isinstance(inner.plan, Plan) or inner.mesh.world_size == 1:  # a pipeline, ep
+    if inner.plan.pp or inner.plan.ep or inner.mesh.world_size == 1:
         return inner, table, None
     for stage in stages:
         if table[stage].total <= limit:

@@ -60,7 +60,7 @@ from autopar.frontend.moe_loop import find_expert_loops
 from autopar.ir import meta
 from autopar.mesh import Mesh
 from autopar.ops import collectives as C
-from autopar.plan import Collective, EpSection, Plan, _fmt_bytes, as_plan
+from autopar.plan import Collective, EpSection, Plan
 from autopar.program import BatchAxisProgram
 from cost.comm import collective_time
 
@@ -498,77 +498,19 @@ def expert_load(reset: bool = True) -> list[ExpertLoad]:
 # ---------------------------------------------------------------- plan, program, compile
 
 
-@dataclass(frozen=True, kw_only=True)
-class ExpertParallelPlan:
-    """The sub-mesh plan plus the expert axis: MoE layers, reduction, collectives, notes."""
-
-    inner: Any
-    mesh: tuple[tuple[str, int], ...]
-    links: tuple[str, ...]
-    layers: tuple[MoELayer, ...]
-    stage_layers: tuple[tuple[MoELayer, ...], ...]  # per pipeline stage (one entry without pp)
-    reduction: str
-    batch: int
-    capacity_factor: float | None
-    collectives: tuple[Collective, ...]
-    link: str  # the link the ep groups ride
-    layer_s: float  # predicted all-to-all seconds per MoE layer (forward + backward)
-    param_bytes: tuple[int, int]  # per rank: dense parameters, this rank's experts
-    comm_s: float  # predicted ep seconds of one step (all-to-alls, loss, dense gradients)
-    notes: tuple[str, ...]
-
-    @property
-    def ep(self) -> int:
-        return dict(self.mesh)["ep"]
-
-    @property
-    def hash(self) -> str:
-        return f"{self.inner.hash}-ep{self.ep}"
-
-    def to_plan(self) -> Plan:
-        """The one Plan (what plan.json holds): the sub-mesh's, on the whole mesh, with the ep
-        section (capacity factor, the MoE layers placed) and the expert-axis traffic."""
-        inner = as_plan(self.inner)
-        placed = tuple((layer.where, layer.experts) for layer in self.layers)
-        return dataclasses.replace(
-            inner, mesh=self.mesh, ep=EpSection(capacity_factor=self.capacity_factor, layers=placed),
-            collectives=(*inner.collectives, *self.collectives), notes=(*inner.notes, *self.notes))
-
-    def __str__(self) -> str:
-        mesh = ", ".join(f"{a}={s}" for a, s in self.mesh)
-        cap = (f"capacity factor {self.capacity_factor} (rows over capacity dropped, counted)"
-               if self.capacity_factor else "dropless")  # fmt: skip
-        out = [f"autopar expert-parallel plan {self.hash} on Mesh({mesh})",
-               "mesh axes (outermost first): " + "; ".join(self.links),
-               f"expert axis: ep={self.ep}, global batch {self.batch} -> "
-               f"{self.batch // self.ep} per rank (dense part data-parallel, loss a "
-               f"{self.reduction}); {cap}",
-               f"{len(self.layers)} MoE layers, each rank holds 1/{self.ep} of their experts "
-               f"(parameters per rank: {_fmt_bytes(sum(self.param_bytes))}, experts "
-               f"{_fmt_bytes(self.param_bytes[1])} of {_fmt_bytes(self.param_bytes[1] * self.ep)}):"]  # fmt: skip
-        out += [f"  {layer}" for layer in self.layers]
-        out.append(f"expert-axis traffic of one training step (predicted {self.comm_s * 1e3:.3f} "
-                   f"ms on {self.link}; all-to-alls {self.layer_s * 1e6:.1f} us per MoE layer):")  # fmt: skip
-        for c in self.collectives:
-            if c.kind == "all_to_all" or c.where == "loss":
-                out.append(f"  {c!s:<44} {_fmt_bytes(c.bytes):>10}  {c.where}")
-        dense = [c for c in self.collectives if c.kind == "all_reduce" and c.where != "loss"]
-        out.append(f"  bwd all_reduce ep x{len(dense)} dense-gradient buckets (at most "
-                   f"{_fmt_bytes(BUCKET_BYTES)} each), {_fmt_bytes(sum(c.bytes for c in dense))}")  # fmt: skip
-        out += [f"why: {n}" for n in self.notes]
-        out.append("sub-mesh program (every ep rank runs it on its batch slice):")
-        out.append(str(self.inner))
-        return "\n".join(out)
-
-
 class ExpertParallelProgram(BatchAxisProgram):
     """What :func:`autopar.autoparallelize` returns for a mesh with an ``ep`` axis.
 
-    ``inner`` is the program of the mesh without ep (:class:`autopar.program.BatchAxisProgram`)."""
+    ``inner`` is the program of the mesh without ep (:class:`autopar.program.BatchAxisProgram`);
+    ``layers`` the MoE layers recognised in it (``stage_layers``: per pipeline stage, one entry
+    without pp)."""
 
-    def __init__(self, *, inner: Any, mesh: Mesh, plan: ExpertParallelPlan, capacity: float,
+    def __init__(self, *, inner: Any, mesh: Mesh, plan: Plan,
+                 stage_layers: tuple[tuple[MoELayer, ...], ...], capacity: float,
                  bucket_bytes: int = BUCKET_BYTES) -> None:  # fmt: skip
         self.inner, self.mesh, self.plan, self.capacity = inner, mesh, plan, capacity
+        self.stage_layers = stage_layers
+        self.layers = tuple(layer for ls in stage_layers for layer in ls)
         self.bucket_bytes = bucket_bytes
         self.inner_mesh = inner.mesh
         if inner.pipeline is None:
@@ -595,9 +537,10 @@ class ExpertParallelProgram(BatchAxisProgram):
         else:
             stage, local = 0, self.inner.module(inner)
         if (rank, stage) not in self._modules:
-            module = place_experts(local, self.plan.stage_layers[stage], axis="ep",
-                                   size=self.plan.ep, coord=self.mesh.coordinates(rank)["ep"],
-                                   reduction=self.plan.reduction, capacity=self.capacity,
+            module = place_experts(local, self.stage_layers[stage], axis="ep",
+                                   size=self.mesh.size("ep"),
+                                   coord=self.mesh.coordinates(rank)["ep"],
+                                   reduction=self.plan.ep.reduction, capacity=self.capacity,
                                    bucket_bytes=self.bucket_bytes, micro=self._micro())  # fmt: skip
             module.meta = {"rank": rank, "coords": self.mesh.coordinates(rank)}
             self._modules[(rank, stage)] = apply_recompute(
@@ -619,14 +562,14 @@ class ExpertParallelProgram(BatchAxisProgram):
         from autopar.codegen import render
 
         coords = ", ".join(f"{a}={c}" for a, c in self.mesh.coordinates(rank).items())
-        head = (f"# autopar expert-parallel program · plan {self.plan.hash} · rank {rank} of "
+        head = (f"# autopar expert-parallel program · plan {self.plan.label} · rank {rank} of "
                 f"{self.mesh.world_size} ({coords}): batch slice ep="
                 f"{self.mesh.coordinates(rank)['ep']}, experts of this ep rank\n")  # fmt: skip
         return render(self.module(rank), head)
 
     def collectives(self) -> list[Collective]:
         """The sub-mesh program's collectives plus the expert axis's."""
-        return [*self.inner.collectives(), *self.plan.collectives]
+        return [*self.inner.collectives(), *(c for c in self.plan.collectives if c.axis == "ep")]
 
     def save(self, directory: str | Path) -> list[Path]:
         """The sub-mesh program's files, the plan (plan.json: the whole mesh's), and each
@@ -634,7 +577,7 @@ class ExpertParallelProgram(BatchAxisProgram):
         written = self.inner.save(directory)
         path, whole = Path(directory) / "plan_ep.txt", Path(directory) / "plan.json"
         path.write_text(str(self.plan) + "\n")
-        whole.write_text(self.plan.to_plan().to_json())
+        whole.write_text(self.plan.to_json())
         ranks = []
         for rank in range(self.mesh.world_size):
             ranks.append(Path(directory) / f"ep_rank_{rank}.py")
@@ -649,7 +592,7 @@ class ExpertParallelProgram(BatchAxisProgram):
         return write_report(self, path, **options)
 
     def __repr__(self) -> str:
-        return f"<autopar.ExpertParallelProgram on {self.mesh}, {len(self.plan.layers)} MoE layers>"
+        return f"<autopar.ExpertParallelProgram on {self.mesh}, {len(self.layers)} MoE layers>"
 
 
 def compile_expert_parallel(mesh: Mesh, batch: int, compile_inner: Callable[[], Any], *,
@@ -687,14 +630,16 @@ def compile_expert_parallel(mesh: Mesh, batch: int, compile_inner: Callable[[], 
     times = [collective_time(c.kind, c.bytes, ep, link) for c in found]
     per_layer = sum(t for c, t in zip(found, times, strict=True)
                     if c.kind == "all_to_all" and layers and c.where == layers[0].where)  # fmt: skip
-    plan = ExpertParallelPlan(
-        inner=inner.plan, mesh=mesh.axes, links=tuple(mesh.describe()), layers=tuple(layers),
-        stage_layers=tuple(tuple(ls) for ls, _ in found_layers), reduction=reduction, batch=batch,
-        capacity_factor=capacity_factor, collectives=found, link=link.name,
+    section = EpSection(
+        capacity_factor=capacity_factor, layers=tuple((x.where, x.experts) for x in layers),
+        reduction=reduction, batch=batch, links=tuple(mesh.describe()), link=link.name,
         layer_s=per_layer, comm_s=sum(times), param_bytes=_param_bytes(samples, layers, ep),
-        notes=tuple(notes))  # fmt: skip
-    return ExpertParallelProgram(inner=inner, mesh=mesh, plan=plan, capacity=capacity,
-                                 bucket_bytes=BUCKET_BYTES)  # fmt: skip
+        described=tuple(map(str, layers)), bucket_bytes=BUCKET_BYTES, notes=tuple(notes))  # fmt: skip
+    plan = dataclasses.replace(inner.plan, mesh=mesh.axes, ep=section,
+                               collectives=(*inner.plan.collectives, *found))  # fmt: skip
+    return ExpertParallelProgram(inner=inner, mesh=mesh, plan=plan,
+                                 stage_layers=tuple(tuple(ls) for ls, _ in found_layers),
+                                 capacity=capacity, bucket_bytes=BUCKET_BYTES)  # fmt: skip
 
 
 def _micro_batch_note(inner: Any, samples: list[fx.GraphModule]) -> list[str]:

@@ -43,7 +43,7 @@ from autopar.frontend.trace import Traced
 from autopar.ir import meta
 from autopar.ir.analysis import needs_grad
 from autopar.mesh import Mesh
-from autopar.plan import Plan, PpSection, as_plan
+from autopar.plan import Plan, PpSection
 from autopar.planner.tp import PlanOptions, run_node_time
 from autopar.program import Program
 from autopar.runtime import RankShare
@@ -310,51 +310,6 @@ def loss_output(traced: Traced) -> fx.Node:
     return scalars[0]
 
 
-class PipelinePlan:
-    """The pipeline's plan: stage cuts, schedule, bubble and each stage's tensor-parallel plan."""
-
-    def __init__(self, prog: PipelineProgram) -> None:
-        self.prog = prog
-
-    @property
-    def hash(self) -> str:
-        return "-".join(s.plan.hash[:4] for s in self.prog.stages)
-
-    def to_plan(self) -> Plan:
-        """The one Plan (what plan.json holds): the pp section, each stage's plan, and every
-        stage's parameters and collectives (compute and communication summed over the
-        stages, one micro-batch each)."""
-        p, c = self.prog, self.prog.config
-        stages = tuple(as_plan(s.plan) for s in p.stages)
-        cuts = PpSection(stage_starts=tuple(p.cut.units[i] for i in p.cut.cuts),
-                         schedule=c.schedule, n_microbatches=c.n_microbatches,
-                         virtual_stages=c.virtual_stages)  # fmt: skip
-        return Plan(model=p.model_name, mesh=p.mesh.axes, hardware=stages[0].hardware,
-                    params=tuple(dict.fromkeys(x for s in stages for x in s.params)),
-                    collectives=tuple(x for s in stages for x in s.collectives), choice=(),
-                    compute_s=sum(s.compute_s for s in stages),
-                    comm_s=sum(s.comm_s for s in stages),
-                    memory_bytes=max(s.memory_bytes for s in stages),
-                    notes=tuple(p.cut.describe()), pp=cuts, recompute=stages[0].recompute,
-                    stages=stages)  # fmt: skip
-
-    def __str__(self) -> str:
-        p, c = self.prog, self.prog.config
-        head = [
-            f"autopar pipeline plan {self.hash} · {p.model_name} on {p.mesh} · "
-            f"{len(p.stages)} stages · schedule {c.schedule} · {c.n_microbatches} micro-batches",
-            *_precision(c.param_dtype),
-            *p.cut.describe(),
-            f"predicted bubble: {p.timeline().bubble:.1%} (formula "
-            f"{_formula(c, p.mesh.size('pp')):.1%}); slowest stage {p.cut.slowest_s * 1e3:.3f} ms/micro-batch",
-        ]
-        if p.tied:
-            head.append("tied across stages (gradients summed): " + ", ".join(sorted(p.tied)))
-        for i, stage in enumerate(p.stages):
-            head += ["", f"--- stage {i} ---", str(stage.plan)]
-        return "\n".join(head)
-
-
 def _precision(param_dtype: torch.dtype) -> list[str]:
     if param_dtype == torch.float32:
         return []
@@ -388,13 +343,40 @@ class PipelineProgram:
         self.grad_names = grad_names
         self.model_name = model_name
         self.inner = None  # no batch axis wraps anything here
-        self.plan = PipelinePlan(self)
         uses: dict[str, list[int]] = {}
         for i, st in enumerate(stages):
             for fqn in st.traced.params.values():
                 uses.setdefault(fqn, []).append(i)
         self.tied = {fqn: ix for fqn, ix in uses.items() if len(ix) > 1}
         self.split = split
+
+    @property
+    def plan(self) -> Plan:
+        """The one Plan: the pp section (cuts, schedule, bubble), each stage's plan, and every
+        stage's parameters and collectives (compute and communication summed over the
+        stages, one micro-batch each).  Built from the stages' current plans (recompute
+        re-prices them after the split)."""
+        key = tuple(id(s.plan) for s in self.stages)
+        if getattr(self, "_plan_key", None) != key:
+            self._plan, self._plan_key = self._build_plan(), key
+        return self._plan
+
+    def _build_plan(self) -> Plan:
+        c, stages = self.config, tuple(s.plan for s in self.stages)
+        section = PpSection(stage_starts=tuple(self.cut.units[i] for i in self.cut.cuts),
+                            schedule=c.schedule, n_microbatches=c.n_microbatches,
+                            virtual_stages=c.virtual_stages, bubble=self.timeline().bubble,
+                            formula_bubble=_formula(c, self.mesh.size("pp")),
+                            slowest_s=self.cut.slowest_s, tied=tuple(sorted(self.tied)),
+                            precision=tuple(_precision(c.param_dtype)))  # fmt: skip
+        return Plan(model=self.model_name, mesh=self.mesh.axes, hardware=stages[0].hardware,
+                    params=tuple(dict.fromkeys(x for s in stages for x in s.params)),
+                    collectives=tuple(x for s in stages for x in s.collectives), choice=(),
+                    compute_s=sum(s.compute_s for s in stages),
+                    comm_s=sum(s.comm_s for s in stages),
+                    memory_bytes=max(s.memory_bytes for s in stages),
+                    notes=tuple(self.cut.describe()), pp=section, recompute=stages[0].recompute,
+                    stages=stages)  # fmt: skip
 
     @property
     def core(self) -> PipelineProgram:
@@ -485,7 +467,7 @@ class PipelineProgram:
         for i, st in enumerate(self.stages):
             written += st.save(d / f"stage_{i}")
         (d / "pipeline.txt").write_text(str(self.plan) + "\n\n" + str(self.timeline()) + "\n")
-        (d / "plan.json").write_text(self.plan.to_plan().to_json())  # the whole mesh's plan
+        (d / "plan.json").write_text(self.plan.to_json())  # the whole mesh's plan
         return [*written, d / "pipeline.txt", d / "plan.json"]
 
     def report(self, path: str | Path, **options: Any) -> Path:

@@ -300,10 +300,6 @@ def predict(traced_gm: fx.GraphModule, sizes: dict[str, int], mode: str, regions
 
 def annotate(plan: Any, effect: RecomputeEffect) -> Any:
     """The plan priced with the recompute mode: time added, memory saved, a note."""
-    from autopar.plan import Plan
-
-    if not isinstance(plan, Plan):
-        return plan
     saved = effect.saved_none - effect.saved - effect.working
     return dataclasses.replace(
         plan, compute_s=plan.compute_s + effect.extra_s,

@@ -548,17 +548,17 @@ def wrap_data_parallel(device_mesh: Any, prog: Any, mesh: Mesh) -> Any:
     """Bind the mesh and wrap this rank's sub-mesh module (or pipeline stages) for dp: its
     ZeRO group the dp dim, or the dp and cp dims flattened (``plan.zero_axes``)."""
     rank = bind_mesh(device_mesh, mesh, prog.collectives())
-    axes = prog.plan.zero_axes
+    dp = prog.plan.dp
+    axes, param_dtype, reduce_dtype = dp.zero_axes, getattr(torch, dp.param_dtype), getattr(
+        torch, dp.reduce_dtype)  # fmt: skip
     zero_mesh = device_mesh[axes]._flatten("_".join(axes)) if len(axes) > 1 else device_mesh["dp"]
     if "pp" in mesh.sizes:
         data = DataAxis(group=device_mesh.get_group("dp"), mesh=device_mesh["dp"],
-                        zero=prog.plan.zero, reduction=prog.plan.reduction,
-                        reduce_dtype=prog.plan.reduce_dtype)  # fmt: skip
+                        zero=dp.zero, reduction=dp.reduction, reduce_dtype=reduce_dtype)
         return PipelineRunner(prog.share(rank), device_mesh.get_group("pp"), data=data)
     return DataParallelModule(prog.module(rank), group=device_mesh.get_group("dp"),
-                              dp_mesh=zero_mesh, zero=prog.plan.zero,
-                              reduction=prog.plan.reduction, param_dtype=prog.plan.param_dtype,
-                              reduce_dtype=prog.plan.reduce_dtype,
+                              dp_mesh=zero_mesh, zero=dp.zero, reduction=dp.reduction,
+                              param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                               shard_group=zero_mesh.get_group())  # fmt: skip
 
 

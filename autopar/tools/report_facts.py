@@ -1,7 +1,7 @@
 """The facts a report draws, read from whichever plan or program it is given.
 
 One `Facts` record holds every number the report shows; each is copied from the plan's own
-record (`autopar.plan.Plan`, `DataParallelPlan.memory`, a search `Choice`, a `Timeline`), or
+record (`autopar.plan.Plan`, the dp section's `memory`, a search `Choice`, a `Timeline`), or
 computed by the function that produced that record, never estimated a second time here.
 
 Algorithm (`facts_of`):

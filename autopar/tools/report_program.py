@@ -10,7 +10,7 @@ Algorithm (`program_facts`):
 3. Communication: every collective the program lists (`prog.collectives()`: the stages'
    plus the data axis's gradient reduction), bytes by axis, kind and direction; the time of
    each stage's step is its plan's `compute_s` and `comm_s`, the expert axis's its `comm_s`.
-4. Memory: with a data axis its plan's ZeRO table as recorded (`DataParallelPlan.memory`,
+4. Memory: with a data axis its plan's ZeRO table as recorded (the dp section's `memory`,
    limit `memory_limit`); per pipeline rank the rows `data_parallel.memory_table` takes its
    maximum over, at the chosen stage; without a data axis the same measure at dp = 1.
 5. Schedule: the pipeline's simulated timeline (`PipelineProgram.timeline`'s simulation) and
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from autopar.plan import Plan
 from autopar.tools.report_facts import AxisRow, Facts, MemoryBar, Schedule, comm_rows, simulated
 
 
@@ -32,9 +33,9 @@ def program_facts(prog: Any, measured: Any = None) -> Facts:
     """Steps 1-5 (see the module docstring)."""
     wrappers, core = unwrap(prog)
     plans = core_plans(core)
-    dp = next((w.plan for w in wrappers if _has(w.plan, "zero")), None)
+    dp = prog.plan.dp
     memory, capacity, note = _memory(prog, wrappers, dp)
-    step, step_note = _step(core, plans, wrappers)
+    step, step_note = _step(core, plans, prog.plan)
     return Facts(
         title=f"{getattr(core, 'model_name', plans[0].model)} on {prog.mesh}",
         summary=_summary(prog, core, plans, dp), cluster=prog.mesh.cluster,
@@ -42,7 +43,7 @@ def program_facts(prog: Any, measured: Any = None) -> Facts:
         step=step, step_note=step_note, memory=memory, capacity=capacity, memory_note=note,
         pipeline_memory=_pipeline_memory(prog, wrappers, dp),
         schedule=_schedule(core, measured), layouts=_layouts(plans), code=_code(prog),
-        notes=tuple(n for w in wrappers for n in w.plan.notes) + tuple(
+        notes=tuple(n for sec in (prog.plan.dp, prog.plan.ep) if sec for n in sec.notes) + tuple(
             n for p in plans for n in p.notes),
     )  # fmt: skip
 
@@ -61,15 +62,11 @@ def core_plans(core: Any) -> list[Any]:
     return [s.plan for s in core.stages] if core.pipeline else [core.plan]
 
 
-def _has(plan: Any, name: str) -> bool:
-    return hasattr(type(plan), "__dataclass_fields__") and name in plan.__dataclass_fields__
-
-
 def _axes(prog: Any, wrappers: list[Any], plans: list[Any], core: Any) -> tuple[AxisRow, ...]:
     """Step 2; the exposed seconds where one record prices exactly one axis."""
     mesh, cl = prog.mesh, prog.mesh.cluster
     sizes = [s for _, s in mesh.axes]
-    ep_s = next((w.plan.comm_s for w in wrappers if _has(w.plan, "layer_s")), None)
+    ep_s = prog.plan.ep.comm_s if prog.plan.ep else None
     inner_axes = [a for a, s in core.mesh.axes if s > 1 and a != "pp"]
     core_s = plans[0].comm_s if len(plans) == 1 and len(inner_axes) == 1 else None
     out = []
@@ -84,8 +81,8 @@ def _axes(prog: Any, wrappers: list[Any], plans: list[Any], core: Any) -> tuple[
     return tuple(out)
 
 
-def _step(core: Any, plans: list[Any], wrappers: list[Any]) -> tuple[tuple, str]:
-    """Step 3: each stage plan's compute and communication seconds, the ep plan's."""
+def _step(core: Any, plans: list[Any], top: Plan) -> tuple[tuple, str]:
+    """Step 3: each stage plan's compute and communication seconds, the ep section's."""
     axes = "·".join(a for a, s in core.mesh.axes if s > 1 and a != "pp") or "none"
     step: list[tuple[str, float]] = []
     for i, plan in enumerate(plans):
@@ -93,13 +90,13 @@ def _step(core: Any, plans: list[Any], wrappers: list[Any]) -> tuple[tuple, str]
         step.append((f"{name}compute", plan.compute_s))
         if axes != "none":
             step.append((f"{name}{axes} comm", plan.comm_s))
-    step += [("ep comm", w.plan.comm_s) for w in wrappers if _has(w.plan, "layer_s")]
+    step += [("ep comm", top.ep.comm_s)] if top.ep else []
     note = (
         "predicted seconds per micro-batch (forward + backward) of each stage's plan"
         if len(plans) > 1
         else "predicted seconds of one step (forward + backward)"
     )
-    if any(_has(w.plan, "zero") for w in wrappers):
+    if top.dp:
         note += "; the data axis's plan records its bytes, not a time"
     return tuple(step), note
 
@@ -113,7 +110,7 @@ def _memory(prog: Any, wrappers: list[Any], dp: Any) -> tuple[tuple[MemoryBar, .
             dp.memory_limit,
             (
                 "per rank, most loaded pipeline rank "
-                "(DataParallelPlan.memory); no reserve is counted"
+                "(the plan's dp section, memory); no reserve is counted"
             ),
         )
     from autopar.axes.data_parallel import StateBytes, memory_table
@@ -153,8 +150,8 @@ def _pipeline_memory(prog: Any, wrappers: list[Any], dp: Any) -> tuple[MemoryBar
     if prog.mesh.size("pp") <= 1:
         return ()
     if dp is not None:
-        inner = next(w for w in wrappers if w.plan is dp).inner
-        rows = position_rows(inner, dp.dp, dp.zero, dp.param_dtype)
+        inner = next(w for w in wrappers if "dp" in w.mesh.sizes).inner
+        rows = position_rows(inner, prog.mesh.size("dp"), dp.zero, getattr(torch, dp.param_dtype))
     else:
         rows = position_rows(prog, 1, 0, _param_dtype(prog))
     top = max(range(len(rows)), key=lambda i: rows[i].total)
@@ -196,12 +193,13 @@ def _code(prog: Any) -> tuple[tuple[str, str], ...]:
 
 
 def _summary(prog: Any, core: Any, plans: list[Any], dp: Any) -> tuple[tuple[str, str], ...]:
-    out = [("mesh", "; ".join(prog.mesh.describe())), ("plan", prog.plan.hash),
+    out = [("mesh", "; ".join(prog.mesh.describe())), ("plan", prog.plan.label),
            ("priced on", plans[0].hardware)]  # fmt: skip
     if core.pipeline is not None:
         c = core.config
         out.append(("pipeline", f"{len(core.stages)} stages, {c.schedule}, "
                                 f"{c.n_microbatches} micro-batches"))  # fmt: skip
     if dp is not None:
-        out.append(("data axis", f"dp={dp.dp}, ZeRO-{dp.zero}, global batch {dp.batch}"))
+        out.append(("data axis", f"dp={prog.mesh.size('dp')}, ZeRO-{dp.zero}, global batch "
+                                 f"{dp.batch}"))  # fmt: skip
     return tuple(out)

@@ -63,7 +63,7 @@ def test_search_memory_equals_compiled(setup, degrees, zero, recompute):
         prog = autoparallelize(model, Mesh(cluster, **degrees), (x, x), loss_fn=_loss,
                                zero=zero, recompute=recompute, param_dtype=torch.bfloat16,
                                **options)  # fmt: skip
-    compiled = prog.plan.memory[prog.plan.zero].total
+    compiled = prog.plan.dp.memory[prog.plan.dp.zero].total
     searched = est.memory.total - est.memory.reserved
     assert compiled == pytest.approx(searched, rel=0.02)
-    assert prog.plan.step is not None and prog.plan.step.total > prog.plan.step.sub_mesh
+    assert prog.plan.dp.step is not None and prog.plan.dp.step.total > prog.plan.dp.step.sub_mesh
