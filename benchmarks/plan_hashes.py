@@ -55,7 +55,8 @@ def rows() -> list[str]:
             try:
                 plan = autoparallelize(model, mesh, inputs, lm_loss, **options).plan
                 text = hashlib.sha256(str(plan).encode()).hexdigest()[:10]
-                out.append(f"{kind:6} {name:12} {plan.hash} zero={getattr(plan, 'zero', '-')} "
+                zero = plan.dp.zero if plan.dp else "-"
+                out.append(f"{kind:6} {name:12} {plan.label} zero={zero} "
                            f"printed={text}")  # fmt: skip
             except Exception as exc:  # a case that fails is a row too
                 out.append(f"{kind:6} {name:12} ERR {type(exc).__name__}: {str(exc)[:80]}")

@@ -89,7 +89,7 @@ def _compiled(model, cluster: Cluster, x: torch.Tensor, degrees: dict, zero: int
     prog = autoparallelize(model, Mesh(cluster, **degrees), (x, x), loss_fn=_loss,
                            zero=zero, recompute=recompute, param_dtype=torch.bfloat16,
                            memory_limit=UNLIMITED, **options)  # fmt: skip
-    plan = prog.plan
+    plan = prog.plan.dp
     return plan.step.total, plan.memory[plan.zero].total + RESERVED_BYTES
 
 

@@ -52,8 +52,8 @@ def test_plan_says_the_zero_group_is_dp_x_cp():
     x, y = tokens(C)
     prog = autoparallelize(build("gpt", C), Mesh(dp=2, cp=2), (x, y), lm_loss, zero=2)
     whole = sum(p.numel() for p in build("gpt", C).parameters()) * 4
-    plan, text = prog.plan, str(prog.plan)
-    assert plan.zero_axes == ("dp", "cp") and plan.hash.endswith("-dp2cp2z2")
+    plan, text = prog.plan.dp, str(prog.plan)
+    assert plan.zero_axes == ("dp", "cp") and prog.plan.label.endswith("-dp2cp2z2")
     assert plan.memory[0].grads == whole and plan.memory[2].grads == whole / 4
     assert plan.memory[3].weights < plan.memory[2].weights == whole  # ZeRO-3 keeps some whole
     assert plan.memory[1].optimizer == 2 * whole / 4

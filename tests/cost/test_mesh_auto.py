@@ -30,7 +30,7 @@ def _check_compiled(prog, cluster: Cluster) -> None:
     assert _degrees(prog.mesh) == _chosen(search.compiled.config)
     assert prog.mesh.world_size == cluster.world_size
     assert (search.compiled is search.best) == (not search.refused)
-    plan = prog.plan
+    plan = prog.plan.dp
     assert plan.zero == search.compiled.config.zero
     assert plan.memory[plan.zero].total <= cluster.gpu.hbm_bytes
     text = str(search)
