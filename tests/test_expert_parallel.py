@@ -412,12 +412,13 @@ def test_all_to_all_priced_on_the_link_ep_rides():
     two_nodes = Cluster.preset("dgx-h100", nodes=2)
     inside = autoparallelize(build_moe(c), Mesh(two_nodes, ep=8), _ids(c), lm_loss).plan
     across = autoparallelize(build_moe(c), Mesh(two_nodes, ep=16), _ids(c), lm_loss).plan
-    assert inside.link == two_nodes.intra.name and across.link == two_nodes.inter.name
+    assert inside.ep.link == two_nodes.intra.name and across.ep.link == two_nodes.inter.name
     for plan, link in ((inside, two_nodes.intra), (across, two_nodes.inter)):
         mine = [x for x in plan.collectives if x.kind == "all_to_all" and x.where == "blocks.0"]
         assert len(mine) == 5  # count exchange, dispatch, combine, and their backward pair
-        want = sum(collective_time("all_to_all", x.bytes, plan.ep, link) for x in mine)
-        assert plan.layer_s == pytest.approx(want)
+        ep = dict(plan.mesh)["ep"]
+        want = sum(collective_time("all_to_all", x.bytes, ep, link) for x in mine)
+        assert plan.ep.layer_s == pytest.approx(want)
     assert "all-to-alls" in str(across) and two_nodes.inter.name in str(across)
 
 
