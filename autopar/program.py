@@ -164,7 +164,7 @@ def collectives_of(gm: fx.GraphModule, grad: set[str], sizes: dict[str, int],
         x, axis = node.args[0], node.args[1]
         val = _message(node, sizes[axis])
         mode = node.args[-1] if node.target in (C.all_reduce, C.all_gather) else None
-        where = names[x.name].rsplit(".", 1)[0] if x.name in names else meta.module_path(node)
+        where = _where(x, node, names)
         runs_in = meta.dtype(x)
         if node.target in _FORWARD:
             found.append(_record(_FORWARD[node.target], axis, val, "fwd", where, runs_in))
@@ -172,6 +172,15 @@ def collectives_of(gm: fx.GraphModule, grad: set[str], sizes: dict[str, int],
         if back and x.name in grad:
             found.append(_record(back, axis, val, "bwd", where, runs_in))
     return found
+
+
+def _where(x: fx.Node, node: fx.Node, names: dict[str, str]) -> str:
+    """The module path a collective on ``x`` is listed under: a parameter's module (also
+    through the gradient reductions stacked on it: a norm weight's over tp, then over cp),
+    else the node's own."""
+    while x.name not in names and x.target in (C.grad_all_reduce, C.grad_sum_shared):
+        x = x.args[0]
+    return names[x.name].rsplit(".", 1)[0] if x.name in names else meta.module_path(node)
 
 
 def _record(kind: str, axis: str, val: torch.Tensor, direction: str, where: str,
@@ -201,8 +210,7 @@ def _shared_collectives(node: fx.Node, sizes: dict[str, int],
     """A shared split's gradient sum: one backward all-reduce of the pieces side by side."""
     x, axis, rep = node.args
     val = x.meta["val"].new_empty((sizes[axis] // rep, *x.meta["val"].shape), device="meta")
-    where = names[x.name].rsplit(".", 1)[0] if x.name in names else meta.module_path(node)
-    return [_record("all_reduce", axis, val, "bwd", where, meta.dtype(x))]
+    return [_record("all_reduce", axis, val, "bwd", _where(x, node, names), meta.dtype(x))]
 
 
 def _ce_collectives(node: fx.Node) -> list[Collective]:
