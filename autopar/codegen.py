@@ -1,16 +1,25 @@
 """Per-rank programs: fx.GraphModules holding only one rank's parameter shards, and their source.
 
+Codegen is two steps with the rank-independent passes between them (:func:`materialize`, the
+passes of a batch axis such as ``passes.expert_parallel``, then :func:`shard` per rank);
+:func:`build_module` is the two steps back to back.
+
 Algorithm:
-1. Copy the lowered graph; each parameter / buffer placeholder becomes a ``get_attr`` of its
-   original dotted name, so ``module.named_parameters()`` reads like the user's model.
-2. Slice every parameter and buffer to this rank's shard of its layout (mesh coordinates of
-   the rank; blocked dims take the rank's slice of every block).  Meta tensors stay meta.
-3. Copy attributes the graph reads (higher-order-op submodules, constants).
-4. Ops that torch.export recorded with the tracing device (``arange(..., device=cpu)``)
+1. Materialize (rank-independent): copy the lowered graph; each parameter / buffer
+   placeholder becomes a ``get_attr`` of its original dotted name holding the whole tensor
+   (the traced one, not copied), so ``module.named_parameters()`` reads like the user's model.
+2. Copy attributes the graph reads (higher-order-op submodules, constants).
+3. Ops that torch.export recorded with the tracing device (``arange(..., device=cpu)``)
    read the device from the first tensor input (else the first parameter) at run time, as
    the user's code reads ``input_ids.device``: the program runs where its inputs and
    parameters are (``module.to("cuda")``).  A parameter would tie the node to one block.
-5. Call signature and return structure follow the user's model (pytree in/out specs).
+4. Call signature and return structure follow the user's model (pytree in/out specs).
+5. Shard (per rank): copy the materialized module and slice every parameter and buffer to
+   this rank's shard of its ``get_attr``'s layout (mesh coordinates of the rank; blocked
+   dims take the rank's slice of every block; expert weights ``S(0)`` over ``ep``).  A
+   ``stack`` of per-parameter ``get_attr``s whose layout splits dim 0 keeps this rank's
+   members and drops the others (per-expert parameters stacked at run time).  Meta tensors
+   stay meta.
 6. The printed source carries a header (plan hash, rank, mesh coordinates) and each node's
    local shape and layout.
 """
@@ -70,17 +79,23 @@ def unshard_tensors(shards: list[torch.Tensor], layout: Layout, mesh: Mesh,
 
 
 def build_module(gm: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> fx.GraphModule:
-    """The rank's GraphModule: local parameter shards plus a copy of the program (steps 1-4)."""
-    coords = mesh.coordinates(rank)
+    """The rank's GraphModule: :func:`materialize` then :func:`shard` (steps 1-5)."""
+    return shard(materialize(gm, traced), traced, mesh, rank)
+
+
+def materialize(gm: fx.GraphModule, traced: Traced) -> fx.GraphModule:
+    """Steps 1-4: the rank-independent program of lowered graph ``gm``, whole parameters
+    read by ``get_attr`` of their dotted names."""
     graph = copy.deepcopy(gm.graph)
     root = nn.Module()
     names = {**traced.params, **traced.buffers}
+    order: list[str] = []  # attributes in the order they are set (the module's own order)
     for node in list(graph.nodes):
         if node.op == "placeholder" and node.name in names:
             fqn = names[node.name]
-            lay = meta.layout(node) or Layout.replicate(traced.tensors[fqn].dim())
-            local = shard_tensor(traced.tensors[fqn].detach(), lay, mesh, coords)
-            _assign(root, fqn, local, param=node.name in traced.params, traced=traced)
+            _assign(root, fqn, traced.tensors[fqn].detach(), param=node.name in traced.params,
+                    traced=traced)  # fmt: skip
+            order.append(fqn)
             with graph.inserting_before(node):
                 attr = graph.get_attr(fqn)
             attr.meta.update(node.meta)
@@ -88,6 +103,7 @@ def build_module(gm: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> f
             graph.erase_node(node)
         elif node.op == "get_attr":
             _copy_attr(gm, root, node.target)
+            order.append(node.target)
     _move_attrs_first(graph)
     _device_from_module(graph)
     user = [n.name for n in graph.nodes if n.op == "placeholder"]
@@ -97,10 +113,65 @@ def build_module(gm: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> f
         if name and isinstance(sub, fx.GraphModule):  # higher-order ops' bodies (autocast...)
             _device_from_module(sub.graph)
             sub.recompile()
+    out.meta = {"attributes": order}
+    return out
+
+
+def copy_program(module: fx.GraphModule) -> fx.GraphModule:
+    """A materialized program whose graph a pass may rewrite: ``module``'s graph copied, its
+    tensors and submodules shared."""
+    out = RankModule(module, copy.deepcopy(module.graph), class_name=type(module).__name__)
+    out.meta = dict(module.meta)
+    return out
+
+
+def shard(module: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> fx.GraphModule:
+    """Step 5: a copy of materialized ``module`` holding ``rank``'s shards only."""
+    coords = mesh.coordinates(rank)
+    graph = copy.deepcopy(module.graph)
+    root = nn.Module()
+    tensors = {*traced.params.values(), *traced.buffers.values()}
+    params = set(traced.params.values())
+    _keep_stacked_members(graph, mesh, coords)
+    read = {n.target: n for n in graph.nodes if n.op == "get_attr"}
+    known = [t for t in module.meta["attributes"] if t in read]
+    for target in [*known, *(t for t in read if t not in known)]:  # then those passes added
+        if target in tensors:
+            whole = _attr(module, target).detach()
+            lay = meta.layout(read[target]) or Layout.replicate(whole.dim())
+            local = shard_tensor(whole, lay, mesh, coords).clone()
+            _assign(root, target, local, param=target in params, traced=traced)
+        else:
+            _copy_attr(module, root, target)
+    out = RankModule(root, graph, class_name=type(module).__name__)
     out.meta = {"rank": rank, "coords": coords, "shards": shard_specs(graph, traced, mesh),
                 "pieces": {name: (p.fqn, p.dim, p.start, tuple(traced.tensors[p.fqn].shape))
                            for name, p in traced.pieces.items()}}  # fmt: skip
     return out
+
+
+def _keep_stacked_members(graph: fx.Graph, mesh: Mesh, coords: dict[str, int]) -> None:
+    """Step 5: a ``stack`` of ``get_attr``s split on dim 0 keeps this rank's members; the
+    others leave the graph (and so the rank's module)."""
+    for node in list(graph.nodes):
+        lay = meta.layout(node)
+        if not (_op_name(node) == "stack" and isinstance(lay, Layout) and lay.dims[0]):
+            continue
+        members, dim = list(node.args[0]), node.args[1] if len(node.args) > 1 else 0
+        if dim != 0 or any(m.op != "get_attr" for m in members):
+            continue  # not a list of parameters along dim 0
+        dim0 = Layout(dims=lay.dims[:1], blocks=lay.blocks[:1], shared=lay.shared)
+        kept = shard_tensor(torch.arange(len(members)), dim0, mesh, coords).tolist()
+        node.update_arg(0, [members[i] for i in kept])
+        for i, member in enumerate(members):
+            if i not in kept:
+                graph.erase_node(member)
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op != "call_function":
+        return ""
+    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
 
 
 def shard_specs(graph: fx.Graph, traced: Traced, mesh: Mesh) -> dict[str, tuple]:
@@ -120,11 +191,9 @@ def shard_specs(graph: fx.Graph, traced: Traced, mesh: Mesh) -> dict[str, tuple]
 def _assign(root: nn.Module, fqn: str, value: torch.Tensor, param: bool, traced: Traced) -> None:
     mod, leaf = owner_module(root, fqn), fqn.rsplit(".", 1)[-1]
     if param:
-        mod.register_parameter(
-            leaf, nn.Parameter(value.clone(), requires_grad=fqn in traced.trainable)
-        )
+        mod.register_parameter(leaf, nn.Parameter(value, requires_grad=fqn in traced.trainable))
     else:
-        mod.register_buffer(leaf, value.clone())
+        mod.register_buffer(leaf, value)
 
 
 def _copy_attr(src: nn.Module, dst: nn.Module, target: str) -> None:

@@ -1,5 +1,10 @@
 """A compiled program: the plan, the lowered graph, and per-rank modules and source.
 
+A program's rank modules come from its :class:`Materialized` stages (one without pp): the
+rank-independent program after every pass of the axes so far, which a batch axis (dp, ep)
+copies and runs its own passes on; a rank's module is its shard (autopar.codegen.shard) under
+the program's recompute mode.
+
 :func:`collectives_of` reads one training step's collectives off the lowered graph: each
 collective op contributes its forward transfer and the backward transfer its ``grad`` mode
 implies (only when the value needs a gradient).
@@ -7,6 +12,8 @@ implies (only when the value needs a gradient).
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -14,14 +21,41 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopar.codegen import build_module, render
+from autopar.codegen import copy_program, materialize, render, shard
 from autopar.frontend.trace import Traced
 from autopar.ir import meta
 from autopar.mesh import Mesh
 from autopar.ops import collectives as C
 from autopar.ops import parallel_ops
 from autopar.plan import Collective, Plan
-from passes import PassRecord
+from passes import Pass, PassContext, PassRecord, run_pipeline
+
+
+@dataclass(frozen=True, kw_only=True)
+class Materialized:
+    """One stage's rank-independent program (``module``: materialized, after the passes so
+    far) and what cuts a rank's module from it (:meth:`build`)."""
+
+    module: fx.GraphModule
+    traced: Traced
+    mesh: Mesh  # the mesh whose axes its layouts name (ranks are numbered in it)
+    recompute: str  # the activation recomputation mode of its rank modules
+
+    def build(self, rank: int) -> fx.GraphModule:
+        """``rank``'s module (``rank`` in :attr:`mesh`): its shard, under the recompute mode."""
+        module = shard(self.module, self.traced, self.mesh, rank)
+        if self.recompute == "none":
+            return module
+        from autopar.axes.recompute import apply_recompute
+
+        return apply_recompute(module, self.recompute, self.traced.model_name)
+
+    def rewritten(self, ctx: PassContext,
+                  passes: list[Pass]) -> tuple[Materialized, list[PassRecord]]:  # fmt: skip
+        """A copy whose module ``passes`` rewrote (this one is left as it is), and their
+        history."""
+        module, history = run_pipeline(copy_program(self.module), ctx, passes)
+        return dataclasses.replace(self, module=module), history
 
 
 class Program:
@@ -57,15 +91,20 @@ class Program:
     def loss_graph(self) -> fx.GraphModule:
         return self.traced.gm
 
+    @cached_property
+    def materialized(self) -> fx.GraphModule:
+        """The rank-independent program (whole parameters; :func:`autopar.codegen.materialize`)."""
+        return materialize(self.graph_module, self.traced)
+
+    def materialized_stage(self, stage: int = 0) -> Materialized:
+        """The program's one materialized stage (``stage`` 0: a program without pp)."""
+        return Materialized(module=self.materialized, traced=self.traced, mesh=self.mesh,
+                            recompute=self.recompute)  # fmt: skip
+
     def module(self, rank: int) -> fx.GraphModule:
         """The GraphModule of ``rank``, holding only that rank's parameter shards."""
         if rank not in self._modules:
-            module = build_module(self.graph_module, self.traced, self.mesh, rank)
-            if self.recompute != "none":
-                from autopar.axes.recompute import apply_recompute
-
-                module = apply_recompute(module, self.recompute, self.traced.model_name)
-            self._modules[rank] = module
+            self._modules[rank] = self.materialized_stage().build(rank)
         return self._modules[rank]
 
     def code(self, rank: int = 0) -> str:
