@@ -89,13 +89,11 @@ def materialize(gm: fx.GraphModule, traced: Traced) -> fx.GraphModule:
     graph = copy.deepcopy(gm.graph)
     root = nn.Module()
     names = {**traced.params, **traced.buffers}
-    order: list[str] = []  # attributes in the order they are set (the module's own order)
     for node in list(graph.nodes):
         if node.op == "placeholder" and node.name in names:
             fqn = names[node.name]
             _assign(root, fqn, traced.tensors[fqn].detach(), param=node.name in traced.params,
                     traced=traced)  # fmt: skip
-            order.append(fqn)
             with graph.inserting_before(node):
                 attr = graph.get_attr(fqn)
             attr.meta.update(node.meta)
@@ -103,7 +101,6 @@ def materialize(gm: fx.GraphModule, traced: Traced) -> fx.GraphModule:
             graph.erase_node(node)
         elif node.op == "get_attr":
             _copy_attr(gm, root, node.target)
-            order.append(node.target)
     _move_attrs_first(graph)
     _device_from_module(graph)
     user = [n.name for n in graph.nodes if n.op == "placeholder"]
@@ -113,16 +110,13 @@ def materialize(gm: fx.GraphModule, traced: Traced) -> fx.GraphModule:
         if name and isinstance(sub, fx.GraphModule):  # higher-order ops' bodies (autocast...)
             _device_from_module(sub.graph)
             sub.recompile()
-    out.meta = {"attributes": order}
     return out
 
 
 def copy_program(module: fx.GraphModule) -> fx.GraphModule:
     """A materialized program whose graph a pass may rewrite: ``module``'s graph copied, its
     tensors and submodules shared."""
-    out = RankModule(module, copy.deepcopy(module.graph), class_name=type(module).__name__)
-    out.meta = dict(module.meta)
-    return out
+    return RankModule(module, copy.deepcopy(module.graph), class_name=type(module).__name__)
 
 
 def shard(module: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> fx.GraphModule:
@@ -133,17 +127,15 @@ def shard(module: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> fx.G
     tensors = {*traced.params.values(), *traced.buffers.values()}
     params = set(traced.params.values())
     _keep_stacked_members(graph, mesh, coords)
-    read = {n.target: n for n in graph.nodes if n.op == "get_attr"}
-    known = [t for t in module.meta["attributes"] if t in read]
-    for target in [*known, *(t for t in read if t not in known)]:  # then those passes added
-        if target in tensors:
-            whole = _attr(module, target).detach()
-            lay = meta.layout(read[target]) or Layout.replicate(whole.dim())
+    for node in [n for n in graph.nodes if n.op == "get_attr"]:
+        if node.target in tensors:
+            whole = _attr(module, node.target).detach()
+            lay = meta.layout(node) or Layout.replicate(whole.dim())
             local = shard_tensor(whole, lay, mesh, coords).clone()
-            _assign(root, target, local, param=target in params, traced=traced)
+            _assign(root, node.target, local, param=node.target in params, traced=traced)
         else:
-            _copy_attr(module, root, target)
-    out = RankModule(root, graph, class_name=type(module).__name__)
+            _copy_attr(module, root, node.target)
+    out = RankModule(root, graph, class_name=type(module).__name__)  # attributes in graph order
     out.meta = {"rank": rank, "coords": coords, "shards": shard_specs(graph, traced, mesh),
                 "pieces": {name: (p.fqn, p.dim, p.start, tuple(traced.tensors[p.fqn].shape))
                            for name, p in traced.pieces.items()}}  # fmt: skip
