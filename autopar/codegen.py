@@ -29,6 +29,8 @@ from __future__ import annotations
 import copy
 import operator
 import re
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -93,7 +95,7 @@ def materialize(gm: fx.GraphModule, traced: Traced) -> fx.GraphModule:
         if node.op == "placeholder" and node.name in names:
             fqn = names[node.name]
             _assign(root, fqn, traced.tensors[fqn].detach(), param=node.name in traced.params,
-                    traced=traced)  # fmt: skip
+                    trainable=fqn in traced.trainable)  # fmt: skip
             with graph.inserting_before(node):
                 attr = graph.get_attr(fqn)
             attr.meta.update(node.meta)
@@ -120,26 +122,73 @@ def copy_program(module: fx.GraphModule) -> fx.GraphModule:
 
 
 def shard(module: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> fx.GraphModule:
-    """Step 5: a copy of materialized ``module`` holding ``rank``'s shards only."""
+    """Step 5: a copy of materialized ``module`` holding ``rank``'s shards only (a block a
+    pass outlined, ``layers.0``, holds its own)."""
     coords = mesh.coordinates(rank)
-    graph = copy.deepcopy(module.graph)
-    root = nn.Module()
-    tensors = {*traced.params.values(), *traced.buffers.values()}
-    params = set(traced.params.values())
-    _keep_stacked_members(graph, mesh, coords)
-    for node in [n for n in graph.nodes if n.op == "get_attr"]:
-        if node.target in tensors:
-            whole = _attr(module, node.target).detach()
-            lay = meta.layout(node) or Layout.replicate(whole.dim())
-            local = shard_tensor(whole, lay, mesh, coords).clone()
-            _assign(root, node.target, local, param=node.target in params, traced=traced)
-        else:
-            _copy_attr(module, root, node.target)
+    graph, root = _shard_graph(module, "", traced, _Cut(mesh, coords, _tensor_names(traced)))
     out = RankModule(root, graph, class_name=type(module).__name__)  # attributes in graph order
-    out.meta = {"rank": rank, "coords": coords, "shards": shard_specs(graph, traced, mesh),
+    out.meta = {**module.meta, "rank": rank, "coords": coords,
+                "shards": shard_specs(out, traced, mesh),
                 "pieces": {name: (p.fqn, p.dim, p.start, tuple(traced.tensors[p.fqn].shape))
                            for name, p in traced.pieces.items()}}  # fmt: skip
     return out
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """What slices one rank's parameters: the mesh, the rank's coordinates, the FQNs of the
+    traced parameters and buffers."""
+
+    mesh: Mesh
+    coords: dict[str, int]
+    names: frozenset[str]
+
+
+def _shard_graph(module: fx.GraphModule, prefix: str, traced: Traced,
+                 cut: _Cut) -> tuple[fx.Graph, nn.Module]:  # fmt: skip
+    """Step 5 on one graph module (the program, or a block under ``prefix``): its graph
+    copied and the attributes it reads, parameters sliced."""
+    graph = copy.deepcopy(module.graph)
+    _keep_stacked_members(graph, cut.mesh, cut.coords)
+    root, params = nn.Module(), set(traced.params.values())
+    for node in [n for n in graph.nodes if n.op in ("get_attr", "call_module")]:
+        fqn, value = prefix + node.target, _attr(module, node.target)
+        if fqn in cut.names:
+            lay = meta.layout(node) or Layout.replicate(value.dim())
+            local = shard_tensor(value.detach(), lay, cut.mesh, cut.coords).clone()
+            _assign(root, node.target, local, param=fqn in params,
+                    trainable=fqn in traced.trainable)  # fmt: skip
+        elif isinstance(value, fx.GraphModule) and _reads_tensors(value, f"{fqn}.", cut.names):
+            sub, sub_root = _shard_graph(value, f"{fqn}.", traced, cut)
+            block = fx.GraphModule(sub_root, sub, class_name=type(value).__name__)
+            owner_module(root, node.target).add_module(node.target.rsplit(".", 1)[-1], block)
+        else:
+            _copy_attr(module, root, node.target)
+    return graph, root
+
+
+def _tensor_names(traced: Traced) -> frozenset[str]:
+    """The FQNs of the traced parameters and buffers."""
+    return frozenset((*traced.params.values(), *traced.buffers.values()))
+
+
+def _reads_tensors(module: fx.GraphModule, prefix: str, names: frozenset[str]) -> bool:
+    """Whether ``module`` (a block) reads traced parameters or buffers."""
+    return next(_param_reads(module, prefix, names), None) is not None
+
+
+def _param_reads(module: fx.GraphModule, prefix: str,
+                 names: frozenset[str]) -> Iterator[tuple[str, fx.Node]]:  # fmt: skip
+    """(FQN, get_attr node) of each parameter and buffer ``module`` reads, in graph order,
+    those of the blocks it calls included."""
+    for node in module.graph.nodes:
+        if node.op not in ("get_attr", "call_module"):
+            continue
+        fqn, value = prefix + node.target, _attr(module, node.target)
+        if fqn in names:
+            yield fqn, node
+        elif isinstance(value, fx.GraphModule):
+            yield from _param_reads(value, f"{fqn}.", names)
 
 
 def _keep_stacked_members(graph: fx.Graph, mesh: Mesh, coords: dict[str, int]) -> None:
@@ -166,24 +215,25 @@ def _op_name(node: fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target)).split(".")[0]
 
 
-def shard_specs(graph: fx.Graph, traced: Traced, mesh: Mesh) -> dict[str, tuple]:
+def shard_specs(module: fx.GraphModule, traced: Traced, mesh: Mesh) -> dict[str, tuple]:
     """Per parameter (and persistent buffer) FQN: (global shape before vocab padding, padded
     shape, layout, axis sizes)
     -- what :mod:`autopar.runtime.checkpoints` needs to describe a local shard as part of the whole."""
     out, params = {}, set(traced.params.values()) | set(traced.persistent)
-    for node in graph.nodes:
-        if node.op == "get_attr" and node.target in params:
-            fqn, full = node.target, tuple(traced.tensors[node.target].shape)
+    for fqn, node in _param_reads(module, "", _tensor_names(traced)):
+        if fqn in params:
+            full = tuple(traced.tensors[fqn].shape)
             lay = meta.layout(node) or Layout.replicate(len(full))
             shape = (traced.padded[fqn], *full[1:]) if fqn in traced.padded else full
             out[fqn] = (shape, full, lay, dict(mesh.sizes))
     return out
 
 
-def _assign(root: nn.Module, fqn: str, value: torch.Tensor, param: bool, traced: Traced) -> None:
-    mod, leaf = owner_module(root, fqn), fqn.rsplit(".", 1)[-1]
+def _assign(root: nn.Module, target: str, value: torch.Tensor, param: bool,
+            trainable: bool) -> None:  # fmt: skip
+    mod, leaf = owner_module(root, target), target.rsplit(".", 1)[-1]
     if param:
-        mod.register_parameter(leaf, nn.Parameter(value, requires_grad=fqn in traced.trainable))
+        mod.register_parameter(leaf, nn.Parameter(value, requires_grad=trainable))
     else:
         mod.register_buffer(leaf, value)
 

@@ -1,9 +1,9 @@
 """A compiled program: the plan, the lowered graph, and per-rank modules and source.
 
 A program's rank modules come from its :class:`Materialized` stages (one without pp): the
-rank-independent program after every pass of the axes so far, which a batch axis (dp, ep)
-copies and runs its own passes on; a rank's module is its shard (autopar.codegen.shard) under
-the program's recompute mode.
+rank-independent program after every pass of the axes so far (the last, ``recompute``, in the
+program's recompute mode), which a batch axis (dp, ep) copies and runs its own passes on; a
+rank's module is its shard (autopar.codegen.shard).
 
 :func:`collectives_of` reads one training step's collectives off the lowered graph: each
 collective op contributes its forward transfer and the backward transfer its ``grad`` mode
@@ -39,16 +39,10 @@ class Materialized:
     module: fx.GraphModule
     traced: Traced
     mesh: Mesh  # the mesh whose axes its layouts name (ranks are numbered in it)
-    recompute: str  # the activation recomputation mode of its rank modules
 
     def build(self, rank: int) -> fx.GraphModule:
-        """``rank``'s module (``rank`` in :attr:`mesh`): its shard, under the recompute mode."""
-        module = shard(self.module, self.traced, self.mesh, rank)
-        if self.recompute == "none":
-            return module
-        from autopar.axes.recompute import apply_recompute
-
-        return apply_recompute(module, self.recompute, self.traced.model_name)
+        """``rank``'s module (``rank`` in :attr:`mesh`): its shard."""
+        return shard(self.module, self.traced, self.mesh, rank)
 
     def rewritten(self, ctx: PassContext,
                   passes: list[Pass]) -> tuple[Materialized, list[PassRecord]]:  # fmt: skip
@@ -56,6 +50,18 @@ class Materialized:
         history."""
         module, history = run_pipeline(copy_program(self.module), ctx, passes)
         return dataclasses.replace(self, module=module), history
+
+    def recomputed(self, mode: str) -> tuple[Materialized, list[PassRecord]]:
+        """After the ``recompute`` pass in ``mode`` (itself, no history, for "none")."""
+        if mode == "none":
+            return self, []
+        from autopar.axes.recompute import RecomputeDecisions
+        from passes.recompute import recompute
+
+        decided = RecomputeDecisions(mode=mode, model=self.traced.model_name)
+        ctx = PassContext(mesh=self.mesh, axis="", choice={}, grad=frozenset(), traced=self.traced,
+                          sections={"recompute": decided})  # fmt: skip
+        return self.rewritten(ctx, [recompute])
 
 
 class Program:
@@ -75,8 +81,9 @@ class Program:
         self.mesh = mesh
         self.graph_module = graph_module
         self.traced = traced
-        self.history = history
+        self._history = history
         self._modules: dict[int, fx.GraphModule] = {}
+        self._final: dict[str, tuple[Materialized, list[PassRecord]]] = {}  # by recompute mode
         self.recompute = "none"  # activation recomputation (autopar.axes.recompute.attach)
 
     @property
@@ -96,10 +103,21 @@ class Program:
         """The rank-independent program (whole parameters; :func:`autopar.codegen.materialize`)."""
         return materialize(self.graph_module, self.traced)
 
+    @property
+    def history(self) -> list[PassRecord]:
+        """The passes that built the program (the tp passes, cp), then its recompute pass."""
+        return [*self._history, *self._recomputed()[1]]
+
     def materialized_stage(self, stage: int = 0) -> Materialized:
-        """The program's one materialized stage (``stage`` 0: a program without pp)."""
-        return Materialized(module=self.materialized, traced=self.traced, mesh=self.mesh,
-                            recompute=self.recompute)  # fmt: skip
+        """The program's one materialized stage (``stage`` 0: a program without pp), after its
+        recompute pass."""
+        return self._recomputed()[0]
+
+    def _recomputed(self) -> tuple[Materialized, list[PassRecord]]:
+        if self.recompute not in self._final:
+            whole = Materialized(module=self.materialized, traced=self.traced, mesh=self.mesh)
+            self._final[self.recompute] = whole.recomputed(self.recompute)
+        return self._final[self.recompute]
 
     def module(self, rank: int) -> fx.GraphModule:
         """The GraphModule of ``rank``, holding only that rank's parameter shards."""

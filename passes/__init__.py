@@ -1,8 +1,10 @@
 """passes: graph rewrites that implement a plan, run in order by :func:`run_pipeline`.
 
-Two pipelines: :func:`default_pipeline` per stage of the lowered graph (the tp passes; the
-stage split and context parallelism are recorded with them), and :func:`batch_pipeline` per
-batch axis on each materialized stage (autopar.codegen.materialize) before codegen shards it.
+Per stage of the lowered graph :func:`default_pipeline` (the tp passes; the stage split and
+context parallelism are recorded with them); then on each materialized stage
+(autopar.codegen.materialize) :func:`batch_pipeline` for ep (``expert_parallel``,
+``global_batch``), ``recompute`` in the program's mode, and dp's ``global_batch`` on a copy;
+codegen's shard step then cuts each rank's module.
 
 The runner times each pass, lints the graph after it, keeps a history of (pass, ms, node-count
 diff, printed graph) for inspection, and on failure names the pass and the user source line of

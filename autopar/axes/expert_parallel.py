@@ -22,8 +22,9 @@ Algorithm (:func:`compile_expert_parallel`):
    expert weights laid out ``S(0)`` over ep, the dense gradients summed over ep in buckets,
    the loss made global) reads this module's :class:`EpDecisions`; ``global_batch``
    (passes/global_batch.py) makes the statistics over the batch that feed a non-linear loss
-   term (the model's own load-balancing loss) global.  Codegen's shard step then gives each
-   rank its E/ep experts like any other split: nothing is edited after codegen.
+   term (the model's own load-balancing loss) global; then the ``recompute`` pass in this
+   program's mode.  Codegen's shard step gives each rank its E/ep experts like any other
+   split: nothing is edited after codegen.
 4. Price the expert axis's collectives on the link its groups ride (the cluster's NVLink when
    ep fits inside a node with the axes inside it, else the fabric; alpha-beta, cost.comm):
    per MoE layer the count exchange, dispatch and combine, and their backward.
@@ -462,6 +463,7 @@ class ExpertParallelProgram(BatchAxisProgram):
         if inner.pipeline is None:
             self.traced = inner.traced
         self._modules: dict[tuple[int, int], fx.GraphModule] = {}
+        self._final: dict[tuple[int, str], tuple[Materialized, list[PassRecord]]] = {}
 
     @property
     def stages(self) -> list[Any]:
@@ -475,7 +477,10 @@ class ExpertParallelProgram(BatchAxisProgram):
     @property
     def history(self) -> list[PassRecord]:
         """The passes that built the sub-mesh program, then each stage's expert-axis passes."""
-        return [*self.inner.history, *self.placed[1]]
+        tag = " [stage {}]" if self.inner.pipeline is not None else ""
+        recomputed = [dataclasses.replace(r, name=r.name + tag.format(s))
+                      for s in range(len(self.placed[0])) for r in self._recomputed(s)[1]]  # fmt: skip
+        return [*self.inner.history, *self.placed[1], *recomputed]
 
     @cached_property
     def placed(self) -> tuple[list[Materialized], list[PassRecord]]:
@@ -499,9 +504,14 @@ class ExpertParallelProgram(BatchAxisProgram):
 
     def materialized_stage(self, stage: int = 0) -> Materialized:
         """Stage ``stage`` (0 without pp) materialized: the sub-mesh's after the expert-axis
-        passes, under this program's recompute mode."""
-        mode = getattr(self, "recompute", "none")
-        return dataclasses.replace(self.placed[0][stage], recompute=mode)
+        passes, then the recompute pass in this program's mode."""
+        return self._recomputed(stage)[0]
+
+    def _recomputed(self, stage: int) -> tuple[Materialized, list[PassRecord]]:
+        key = (stage, getattr(self, "recompute", "none"))
+        if key not in self._final:
+            self._final[key] = self.placed[0][stage].recomputed(key[1])
+        return self._final[key]
 
     def module(self, rank: int, stage: int | None = None) -> fx.GraphModule:
         """The rank's module (of ``stage`` under pp, default its first): its shard of the
