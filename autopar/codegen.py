@@ -1,16 +1,25 @@
 """Per-rank programs: fx.GraphModules holding only one rank's parameter shards, and their source.
 
+Codegen is two steps with the rank-independent passes between them (:func:`materialize`, the
+passes of a batch axis such as ``passes.expert_parallel``, then :func:`shard` per rank);
+:func:`build_module` is the two steps back to back.
+
 Algorithm:
-1. Copy the lowered graph; each parameter / buffer placeholder becomes a ``get_attr`` of its
-   original dotted name, so ``module.named_parameters()`` reads like the user's model.
-2. Slice every parameter and buffer to this rank's shard of its layout (mesh coordinates of
-   the rank; blocked dims take the rank's slice of every block).  Meta tensors stay meta.
-3. Copy attributes the graph reads (higher-order-op submodules, constants).
-4. Ops that torch.export recorded with the tracing device (``arange(..., device=cpu)``)
+1. Materialize (rank-independent): copy the lowered graph; each parameter / buffer
+   placeholder becomes a ``get_attr`` of its original dotted name holding the whole tensor
+   (the traced one, not copied), so ``module.named_parameters()`` reads like the user's model.
+2. Copy attributes the graph reads (higher-order-op submodules, constants).
+3. Ops that torch.export recorded with the tracing device (``arange(..., device=cpu)``)
    read the device from the first tensor input (else the first parameter) at run time, as
    the user's code reads ``input_ids.device``: the program runs where its inputs and
    parameters are (``module.to("cuda")``).  A parameter would tie the node to one block.
-5. Call signature and return structure follow the user's model (pytree in/out specs).
+4. Call signature and return structure follow the user's model (pytree in/out specs).
+5. Shard (per rank): copy the materialized module and slice every parameter and buffer to
+   this rank's shard of its ``get_attr``'s layout (mesh coordinates of the rank; blocked
+   dims take the rank's slice of every block; expert weights ``S(0)`` over ``ep``).  A
+   ``stack`` of per-parameter ``get_attr``s whose layout splits dim 0 keeps this rank's
+   members and drops the others (per-expert parameters stacked at run time).  Meta tensors
+   stay meta.
 6. The printed source carries a header (plan hash, rank, mesh coordinates) and each node's
    local shape and layout.
 """
@@ -20,6 +29,8 @@ from __future__ import annotations
 import copy
 import operator
 import re
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -70,17 +81,21 @@ def unshard_tensors(shards: list[torch.Tensor], layout: Layout, mesh: Mesh,
 
 
 def build_module(gm: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> fx.GraphModule:
-    """The rank's GraphModule: local parameter shards plus a copy of the program (steps 1-4)."""
-    coords = mesh.coordinates(rank)
+    """The rank's GraphModule: :func:`materialize` then :func:`shard` (steps 1-5)."""
+    return shard(materialize(gm, traced), traced, mesh, rank)
+
+
+def materialize(gm: fx.GraphModule, traced: Traced) -> fx.GraphModule:
+    """Steps 1-4: the rank-independent program of lowered graph ``gm``, whole parameters
+    read by ``get_attr`` of their dotted names."""
     graph = copy.deepcopy(gm.graph)
     root = nn.Module()
     names = {**traced.params, **traced.buffers}
     for node in list(graph.nodes):
         if node.op == "placeholder" and node.name in names:
             fqn = names[node.name]
-            lay = meta.layout(node) or Layout.replicate(traced.tensors[fqn].dim())
-            local = shard_tensor(traced.tensors[fqn].detach(), lay, mesh, coords)
-            _assign(root, fqn, local, param=node.name in traced.params, traced=traced)
+            _assign(root, fqn, traced.tensors[fqn].detach(), param=node.name in traced.params,
+                    trainable=fqn in traced.trainable)  # fmt: skip
             with graph.inserting_before(node):
                 attr = graph.get_attr(fqn)
             attr.meta.update(node.meta)
@@ -97,34 +112,130 @@ def build_module(gm: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> f
         if name and isinstance(sub, fx.GraphModule):  # higher-order ops' bodies (autocast...)
             _device_from_module(sub.graph)
             sub.recompile()
-    out.meta = {"rank": rank, "coords": coords, "shards": shard_specs(graph, traced, mesh),
+    return out
+
+
+def copy_program(module: fx.GraphModule) -> fx.GraphModule:
+    """A materialized program whose graph a pass may rewrite: ``module``'s graph copied, its
+    tensors and submodules shared."""
+    return RankModule(module, copy.deepcopy(module.graph), class_name=type(module).__name__)
+
+
+def shard(module: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> fx.GraphModule:
+    """Step 5: a copy of materialized ``module`` holding ``rank``'s shards only (a block a
+    pass outlined, ``layers.0``, holds its own)."""
+    coords = mesh.coordinates(rank)
+    graph, root = _shard_graph(module, "", traced, _Cut(mesh, coords, _tensor_names(traced)))
+    out = RankModule(root, graph, class_name=type(module).__name__)  # attributes in graph order
+    out.meta = {**module.meta, "rank": rank, "coords": coords,
+                "shards": shard_specs(out, traced, mesh),
                 "pieces": {name: (p.fqn, p.dim, p.start, tuple(traced.tensors[p.fqn].shape))
                            for name, p in traced.pieces.items()}}  # fmt: skip
     return out
 
 
-def shard_specs(graph: fx.Graph, traced: Traced, mesh: Mesh) -> dict[str, tuple]:
+@dataclass(frozen=True)
+class _Cut:
+    """What slices one rank's parameters: the mesh, the rank's coordinates, the FQNs of the
+    traced parameters and buffers."""
+
+    mesh: Mesh
+    coords: dict[str, int]
+    names: frozenset[str]
+
+
+def _shard_graph(module: fx.GraphModule, prefix: str, traced: Traced,
+                 cut: _Cut) -> tuple[fx.Graph, nn.Module]:  # fmt: skip
+    """Step 5 on one graph module (the program, or a block under ``prefix``): its graph
+    copied and the attributes it reads, parameters sliced."""
+    graph = copy.deepcopy(module.graph)
+    _keep_stacked_members(graph, cut.mesh, cut.coords)
+    root, params = nn.Module(), set(traced.params.values())
+    for node in [n for n in graph.nodes if n.op in ("get_attr", "call_module")]:
+        fqn, value = prefix + node.target, _attr(module, node.target)
+        if fqn in cut.names:
+            lay = meta.layout(node) or Layout.replicate(value.dim())
+            local = shard_tensor(value.detach(), lay, cut.mesh, cut.coords).clone()
+            _assign(root, node.target, local, param=fqn in params,
+                    trainable=fqn in traced.trainable)  # fmt: skip
+        elif isinstance(value, fx.GraphModule) and _reads_tensors(value, f"{fqn}.", cut.names):
+            sub, sub_root = _shard_graph(value, f"{fqn}.", traced, cut)
+            block = fx.GraphModule(sub_root, sub, class_name=type(value).__name__)
+            owner_module(root, node.target).add_module(node.target.rsplit(".", 1)[-1], block)
+        else:
+            _copy_attr(module, root, node.target)
+    return graph, root
+
+
+def _tensor_names(traced: Traced) -> frozenset[str]:
+    """The FQNs of the traced parameters and buffers."""
+    return frozenset((*traced.params.values(), *traced.buffers.values()))
+
+
+def _reads_tensors(module: fx.GraphModule, prefix: str, names: frozenset[str]) -> bool:
+    """Whether ``module`` (a block) reads traced parameters or buffers."""
+    return next(_param_reads(module, prefix, names), None) is not None
+
+
+def _param_reads(module: fx.GraphModule, prefix: str,
+                 names: frozenset[str]) -> Iterator[tuple[str, fx.Node]]:  # fmt: skip
+    """(FQN, get_attr node) of each parameter and buffer ``module`` reads, in graph order,
+    those of the blocks it calls included."""
+    for node in module.graph.nodes:
+        if node.op not in ("get_attr", "call_module"):
+            continue
+        fqn, value = prefix + node.target, _attr(module, node.target)
+        if fqn in names:
+            yield fqn, node
+        elif isinstance(value, fx.GraphModule):
+            yield from _param_reads(value, f"{fqn}.", names)
+
+
+def _keep_stacked_members(graph: fx.Graph, mesh: Mesh, coords: dict[str, int]) -> None:
+    """Step 5: a ``stack`` of ``get_attr``s split on dim 0 keeps this rank's members; the
+    others leave the graph (and so the rank's module)."""
+    for node in list(graph.nodes):
+        lay = meta.layout(node)
+        if not (_op_name(node) == "stack" and isinstance(lay, Layout) and lay.dims[0]):
+            continue
+        members, dim = list(node.args[0]), node.args[1] if len(node.args) > 1 else 0
+        if dim != 0 or any(m.op != "get_attr" for m in members):
+            continue  # not a list of parameters along dim 0
+        dim0 = Layout(dims=lay.dims[:1], blocks=lay.blocks[:1], shared=lay.shared)
+        kept = shard_tensor(torch.arange(len(members)), dim0, mesh, coords).tolist()
+        node.update_arg(0, [members[i] for i in kept])
+        for i, member in enumerate(members):
+            if i not in kept:
+                graph.erase_node(member)
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op != "call_function":
+        return ""
+    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
+
+
+def shard_specs(module: fx.GraphModule, traced: Traced, mesh: Mesh) -> dict[str, tuple]:
     """Per parameter (and persistent buffer) FQN: (global shape before vocab padding, padded
     shape, layout, axis sizes)
     -- what :mod:`autopar.runtime.checkpoints` needs to describe a local shard as part of the whole."""
     out, params = {}, set(traced.params.values()) | set(traced.persistent)
-    for node in graph.nodes:
-        if node.op == "get_attr" and node.target in params:
-            fqn, full = node.target, tuple(traced.tensors[node.target].shape)
+    for fqn, node in _param_reads(module, "", _tensor_names(traced)):
+        if fqn in params:
+            full = tuple(traced.tensors[fqn].shape)
             lay = meta.layout(node) or Layout.replicate(len(full))
             shape = (traced.padded[fqn], *full[1:]) if fqn in traced.padded else full
             out[fqn] = (shape, full, lay, dict(mesh.sizes))
     return out
 
 
-def _assign(root: nn.Module, fqn: str, value: torch.Tensor, param: bool, traced: Traced) -> None:
-    mod, leaf = owner_module(root, fqn), fqn.rsplit(".", 1)[-1]
+def _assign(root: nn.Module, target: str, value: torch.Tensor, param: bool,
+            trainable: bool) -> None:  # fmt: skip
+    mod, leaf = owner_module(root, target), target.rsplit(".", 1)[-1]
     if param:
-        mod.register_parameter(
-            leaf, nn.Parameter(value.clone(), requires_grad=fqn in traced.trainable)
-        )
+        mod.register_parameter(leaf, nn.Parameter(value, requires_grad=trainable))
     else:
-        mod.register_buffer(leaf, value.clone())
+        mod.register_buffer(leaf, value)
 
 
 def _copy_attr(src: nn.Module, dst: nn.Module, target: str) -> None:

@@ -1,5 +1,10 @@
 """A compiled program: the plan, the lowered graph, and per-rank modules and source.
 
+A program's rank modules come from its :class:`Materialized` stages (one without pp): the
+rank-independent program after every pass of the axes so far (the last, ``recompute``, in the
+program's recompute mode), which a batch axis (dp, ep) copies and runs its own passes on; a
+rank's module is its shard (autopar.codegen.shard).
+
 :func:`collectives_of` reads one training step's collectives off the lowered graph: each
 collective op contributes its forward transfer and the backward transfer its ``grad`` mode
 implies (only when the value needs a gradient).
@@ -7,6 +12,8 @@ implies (only when the value needs a gradient).
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -14,14 +21,47 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopar.codegen import build_module, render
+from autopar.codegen import copy_program, materialize, render, shard
 from autopar.frontend.trace import Traced
 from autopar.ir import meta
 from autopar.mesh import Mesh
 from autopar.ops import collectives as C
 from autopar.ops import parallel_ops
 from autopar.plan import Collective, Plan
-from passes import PassRecord
+from passes import Pass, PassContext, PassRecord, run_pipeline
+
+
+@dataclass(frozen=True, kw_only=True)
+class Materialized:
+    """One stage's rank-independent program (``module``: materialized, after the passes so
+    far) and what cuts a rank's module from it (:meth:`build`)."""
+
+    module: fx.GraphModule
+    traced: Traced
+    mesh: Mesh  # the mesh whose axes its layouts name (ranks are numbered in it)
+
+    def build(self, rank: int) -> fx.GraphModule:
+        """``rank``'s module (``rank`` in :attr:`mesh`): its shard."""
+        return shard(self.module, self.traced, self.mesh, rank)
+
+    def rewritten(self, ctx: PassContext,
+                  passes: list[Pass]) -> tuple[Materialized, list[PassRecord]]:  # fmt: skip
+        """A copy whose module ``passes`` rewrote (this one is left as it is), and their
+        history."""
+        module, history = run_pipeline(copy_program(self.module), ctx, passes)
+        return dataclasses.replace(self, module=module), history
+
+    def recomputed(self, mode: str) -> tuple[Materialized, list[PassRecord]]:
+        """After the ``recompute`` pass in ``mode`` (itself, no history, for "none")."""
+        if mode == "none":
+            return self, []
+        from autopar.axes.recompute import RecomputeDecisions
+        from passes.recompute import recompute
+
+        decided = RecomputeDecisions(mode=mode, model=self.traced.model_name)
+        ctx = PassContext(mesh=self.mesh, grad=frozenset(), traced=self.traced,
+                          sections={"recompute": decided})
+        return self.rewritten(ctx, [recompute])
 
 
 class Program:
@@ -41,8 +81,9 @@ class Program:
         self.mesh = mesh
         self.graph_module = graph_module
         self.traced = traced
-        self.history = history
+        self._history = history
         self._modules: dict[int, fx.GraphModule] = {}
+        self._final: dict[str, tuple[Materialized, list[PassRecord]]] = {}  # by recompute mode
         self.recompute = "none"  # activation recomputation (autopar.axes.recompute.attach)
 
     @property
@@ -57,15 +98,31 @@ class Program:
     def loss_graph(self) -> fx.GraphModule:
         return self.traced.gm
 
+    @cached_property
+    def materialized(self) -> fx.GraphModule:
+        """The rank-independent program (whole parameters; :func:`autopar.codegen.materialize`)."""
+        return materialize(self.graph_module, self.traced)
+
+    @property
+    def history(self) -> list[PassRecord]:
+        """The passes that built the program (the tp passes, cp), then its recompute pass."""
+        return [*self._history, *self._recomputed()[1]]
+
+    def materialized_stage(self, stage: int = 0) -> Materialized:
+        """The program's one materialized stage (``stage`` 0: a program without pp), after its
+        recompute pass."""
+        return self._recomputed()[0]
+
+    def _recomputed(self) -> tuple[Materialized, list[PassRecord]]:
+        if self.recompute not in self._final:
+            whole = Materialized(module=self.materialized, traced=self.traced, mesh=self.mesh)
+            self._final[self.recompute] = whole.recomputed(self.recompute)
+        return self._final[self.recompute]
+
     def module(self, rank: int) -> fx.GraphModule:
         """The GraphModule of ``rank``, holding only that rank's parameter shards."""
         if rank not in self._modules:
-            module = build_module(self.graph_module, self.traced, self.mesh, rank)
-            if self.recompute != "none":
-                from autopar.axes.recompute import apply_recompute
-
-                module = apply_recompute(module, self.recompute, self.traced.model_name)
-            self._modules[rank] = module
+            self._modules[rank] = self.materialized_stage().build(rank)
         return self._modules[rank]
 
     def code(self, rank: int = 0) -> str:

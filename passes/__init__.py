@@ -1,5 +1,11 @@
 """passes: graph rewrites that implement a plan, run in order by :func:`run_pipeline`.
 
+Per stage of the lowered graph :func:`default_pipeline` (the tp passes; the stage split and
+context parallelism are recorded with them); then on each materialized stage
+(autopar.codegen.materialize) :func:`batch_pipeline` for ep (``expert_parallel``,
+``global_batch``), ``recompute`` in the program's mode, and dp's ``global_batch`` on a copy;
+codegen's shard step then cuts each rank's module.
+
 The runner times each pass, lints the graph after it, keeps a history of (pass, ms, node-count
 diff, printed graph) for inspection, and on failure names the pass and the user source line of
 the node being rewritten.
@@ -120,3 +126,12 @@ def default_pipeline() -> list[Pass]:
     return [propagate_layout, tensor_parallel, lower_collectives, localize, cleanup]
 
 
+
+
+def batch_pipeline(axis: str) -> list[Pass]:
+    """The passes batch axis ``axis`` runs on each materialized stage: ep places the experts,
+    then every batch axis (ep, dp) makes the statistics over the batch global."""
+    from passes.expert_parallel import expert_parallel
+    from passes.global_batch import global_batch
+
+    return [expert_parallel, global_batch] if axis == "ep" else [global_batch]

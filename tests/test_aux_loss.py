@@ -19,11 +19,11 @@ import torch
 import torch.nn as nn
 
 from autopar import Mesh, autoparallelize
-from autopar.axes import expert_parallel as ep_module
 from autopar.axes.batch_stats import boundaries
 from autopar.errors import InputError
 from autopar.tools import zoo
 from autopar.verify import _verify, verify
+from passes import global_batch as global_batch_pass
 
 pytest.importorskip("transformers")
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -90,7 +90,7 @@ def test_without_the_fix_ep_fails(monkeypatch):
     """The same check with the statistics left per rank: the aux loss and the dense
     gradients are wrong (the test above can fail)."""
     model, args, kwargs = _hf("mixtral")
-    monkeypatch.setattr(ep_module, "globalize_batch_statistics", lambda *a, **k: [])
+    monkeypatch.setattr(global_batch_pass, "globalize", lambda *a, **k: [])
     report = _check(model, Mesh(ep=2), args, kwargs, run=_verify)
     assert not report.ok
     bad = {r.name for r in report.rows if not r.ok}
@@ -131,9 +131,7 @@ def test_a_product_of_batch_means_is_global(mesh):
 
 
 def test_without_the_fix_dp_fails(monkeypatch):
-    import autopar.axes.batch_stats as bs
-
-    monkeypatch.setattr(bs, "boundaries", lambda graph: [])
+    monkeypatch.setattr(global_batch_pass, "boundaries", lambda graph: [])
     report = _check(_StatLoss(), Mesh(dp=2), _xy(), run=_verify)
     assert not report.ok
 

@@ -128,14 +128,16 @@ def test_nothing_below_the_front_door_calls_it():
 
 def test_a_4d_compile_records_every_graph_pass_it_ran():
     """Mesh(dp=2, pp=2, cp=2, tp=2) on 16 virtual ranks: the stage split, then per stage the tp
-    passes and the context_parallel pass, in order, in one history."""
+    passes and the context_parallel pass, then dp's global_batch per stage, in order, in one
+    history."""
     model, inputs = build("llama", LONG), tokens(LONG)
     prog = autoparallelize(model, Mesh(dp=2, pp=2, cp=2, tp=2), inputs, lm_loss,
                            n_microbatches=2)  # fmt: skip
     per_stage = ["propagate_layout", "tensor_parallel", "lower_collectives", "localize",
                  "cleanup", "context_parallel"]  # fmt: skip
     assert [r.name for r in prog.history] == ["pipeline_split"] + [
-        f"{name} [stage {s}]" for s in range(2) for name in per_stage]
+        f"{name} [stage {s}]" for s in range(2) for name in per_stage] + [
+        f"global_batch [stage {s}]" for s in range(2)]
     assert all(r.graph for r in prog.history)
 
 

@@ -6,9 +6,10 @@ single-device value, since a product of means is not the mean of per-rank produc
 A data-like axis (dp, ep) runs the program of the rest of the mesh on B/size of the batch; a
 linear loss (a mean of per-token terms) is made global at the output (``batch_loss`` for ep,
 DDP's averaging for dp).  This pass finds, structurally, the reductions over the batch whose
-result feeds a non-linear loss term, and makes each one global where it is computed.
+result feeds a non-linear loss term (:func:`boundaries`); the ``global_batch`` pass
+(passes/global_batch.py) makes each one global where it is computed.
 
-Algorithm (:func:`globalize_batch_statistics`):
+Algorithm:
 1. Rank-varying values: the forward cone of the user inputs (placeholders).  Batched values:
    user inputs with a dim, and everything computed from a batched value, except reductions
    over the batch: ``sum`` / ``mean`` / ``amax`` ... over dim 0 or over every dim,
@@ -21,23 +22,16 @@ Algorithm (:func:`globalize_batch_statistics`):
 3. A boundary whose forward cone is linear in the rank-varying values (adds, scalings by
    constants or parameters, views: a cross-entropy mean) is left to the output's reduction.
    Any other one (its cone multiplies two rank-varying values, divides by one, or applies a
-   non-linear function) is replaced by ``batch_mean`` over the axis: forward the mean over the
-   ranks (each rank holds an equal slice, so a per-rank mean, or a per-rank sum later divided
-   by the per-rank count, becomes the global one); backward the mean of the ranks' gradients
-   (each rank's share of the global statistic's gradient, so the gradients sum right after
-   the axis's reduction).
-4. A loss that is a sum over the batch (not a mean) would count a global term once per rank
-   at the output: an error naming the statistic.
+   non-linear function) is a boundary the pass makes global (``batch_mean`` over the axis).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.fx as fx
 
-from autopar.errors import InputError
-from autopar.ir import meta
-from autopar.ops import collectives as C
 from autopar.plan import Collective
 
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "logsumexp", "var", "std",
@@ -54,6 +48,15 @@ _LINEAR = {"add", "add_", "sub", "sub_", "neg", "view", "reshape", "unsqueeze", 
            "slice", "cat", "stack", "transpose", "permute", "t", "sum", "mean", "batch_mean",
            "batch_loss"}  # fmt: skip
 _SCALED = {"mul", "mul_", "div", "div_"}  # linear when one side is not rank-varying
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchDecisions:
+    """What the ``global_batch`` pass reads (``PassContext.sections["batch"]``)."""
+
+    axis: str  # the batch axis the statistics become global over (dp, ep)
+    reduction: str  # the loss's reduction over the batch ("mean", "sum")
+    model: str  # the model's name, for errors
 
 
 def _name(node: fx.Node) -> str:
@@ -170,7 +173,7 @@ def _linear(node: fx.Node, varying: set[fx.Node]) -> bool:
 
 
 def statistic_collectives(gm: fx.GraphModule, axis: str) -> list[Collective]:
-    """The all-reduces :func:`globalize_batch_statistics` adds to ``gm`` (forward and backward
+    """The all-reduces the ``global_batch`` pass adds to ``gm`` (forward and backward
     per statistic), listed as part of the loss."""
     out = []
     for node in boundaries(gm.graph):
@@ -181,26 +184,3 @@ def statistic_collectives(gm: fx.GraphModule, axis: str) -> list[Collective]:
                                   bytes=val.numel() * val.element_size(), direction=direction,
                                   where="loss"))  # fmt: skip
     return out
-
-
-def globalize_batch_statistics(gm: fx.GraphModule, axis: str, reduction: str,
-                               model: str = "the model") -> list[str]:  # fmt: skip
-    """Steps 1-4 on ``gm`` in place; returns the names of the statistics made global."""
-    graph = gm.graph
-    found = boundaries(graph)
-    if found and reduction == "sum":
-        node = found[0]
-        raise InputError(f"{model}: '{node.name}' ({meta.source(node)}) is a statistic over the "
-                         "batch feeding a non-linear loss term, and the loss is a sum over the "
-                         f"batch: the {axis} ranks would add the global term once each; use a "
-                         "loss that is a mean over the batch")  # fmt: skip
-    for node in found:
-        with graph.inserting_after(node):
-            mean = graph.call_function(C.batch_mean, (node, axis))
-        mean.meta.update(node.meta)
-        node.replace_all_uses_with(mean, delete_user_cb=lambda u, m=mean: u is not m)
-    if found:
-        graph.lint()
-        gm.recompile()
-    return [n.name for n in found]
-

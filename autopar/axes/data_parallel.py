@@ -26,7 +26,9 @@ Algorithm (:func:`compile_data_parallel`):
    parameters in backward (1.5x DDP).  ZeRO-2/3 gather and reduce one repeated block at a
    time (runtime.shard_per_block); with ``param_dtype`` 16-bit the gathers move 16-bit.
 6. Statistics over the batch that feed a non-linear loss term (an MoE load-balancing loss)
-   become global over dp where they are computed (autopar.axes.batch_stats).
+   become global over dp where they are computed: the ``global_batch`` pass
+   (passes/global_batch.py) on a copy of each of the sub-mesh program's materialized stages
+   (:attr:`DataParallelProgram.globalized`); a rank's module is cut from it by codegen.
 7. Predict the step time (:func:`predict_step`) with the whole-cluster search's functions
    (`cost.step`): the sub-mesh plan's micro-batches and pipeline bubble, the exposed
    gradient traffic over the ZeRO group and the optimizer step, on the program's local work.
@@ -41,18 +43,21 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from autopar.axes.batch_stats import BatchDecisions
 from autopar.errors import FitError, InputError, PlanError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, DpSection, Plan, PlanStep, ZeroMemory, _fmt_bytes
-from autopar.program import BatchAxisProgram
+from autopar.program import BatchAxisProgram, Materialized
 from cost.memory import model_state
 from cost.topology import Topology, nccl_advice
+from passes import PassContext, PassRecord, batch_pipeline
 
 ZERO_STAGES = (0, 1, 2, 3)
 _MEAN, _SUM = 1, 2  # aten's reduction enum
@@ -238,36 +243,58 @@ class DataParallelProgram(BatchAxisProgram):
         self._modules: dict[int, Any] = {}
         self._shares: dict[int, Any] = {}
 
+    @property
+    def history(self) -> list[PassRecord]:
+        """The passes that built the sub-mesh program, then each stage's ``global_batch``."""
+        return [*self.inner.history, *self.globalized[1]]
+
+    @cached_property
+    def globalized(self) -> tuple[list[Materialized | None], list[PassRecord]]:
+        """Per stage (one without pp) the sub-mesh program's materialized stage after the
+        ``global_batch`` pass over dp (None where it found nothing to make global: the
+        sub-mesh's modules serve), and the pass's history."""
+        n = len(self.inner.stages) if self.inner.pipeline is not None else 1
+        batch = BatchDecisions(axis="dp", reduction=self.plan.dp.reduction,
+                               model=_model_name(self.inner))  # fmt: skip
+        stages, history = [], []
+        for i in range(n):
+            stage = self.inner.materialized_stage(i)
+            ctx = PassContext(mesh=self.mesh, grad=frozenset(), traced=stage.traced,
+                              sections={"batch": batch})  # fmt: skip
+            stage, records = stage.rewritten(ctx, batch_pipeline("dp"))
+            stages.append(stage if records[0].nodes_after != records[0].nodes_before else None)
+            tag = f" [stage {i}]" if self.inner.pipeline is not None else ""
+            history += [dataclasses.replace(r, name=r.name + tag) for r in records]
+        return stages, history
+
+    def _module(self, inner: int, stage: int) -> Any:
+        """Sub-mesh rank ``inner``'s module of ``stage`` with dp's global statistics."""
+        done = self.globalized[0][stage]
+        if done is not None:
+            return done.build(done.mesh.rank_of(self.inner_mesh.coordinates(inner)))
+        if self.inner.pipeline is None:
+            return self.inner.module(inner)
+        return self.inner.module(inner, stage)
+
     def module(self, rank: int) -> Any:
         """The rank's sub-mesh module (every dp replica runs the same one), its statistics
-        over the batch that feed a non-linear loss term made global over dp (batch_stats)."""
-        from autopar.axes.batch_stats import boundaries, globalize_batch_statistics
-
+        over the batch that feed a non-linear loss term made global over dp."""
         inner = self.inner_rank(rank)
         if inner not in self._modules:
-            module = self.inner.module(inner)
-            if isinstance(module, fx.GraphModule) and boundaries(module.graph):
-                module = copy.deepcopy(module)
-                globalize_batch_statistics(module, "dp", self.plan.dp.reduction,
-                                           _model_name(self.inner))  # fmt: skip
-            self._modules[inner] = module
+            stage = 0
+            if self.inner.pipeline is not None:
+                stage = self.inner.stages_of(self.inner_mesh.coordinates(inner)["pp"])[0]
+            self._modules[inner] = self._module(inner, stage)
         return self._modules[inner]
 
     def share(self, rank: int) -> Any:
         """Under pp: the rank's pipeline share, each stage module's statistics over the batch
         that feed a non-linear loss term made global over dp (within each micro-batch)."""
-        from autopar.axes.batch_stats import boundaries, globalize_batch_statistics
-
         inner = self.inner_rank(rank)
         if inner not in self._shares:
             share = self.inner.share(inner)
-            modules = {}
-            for s, module in share.modules.items():
-                if isinstance(module, fx.GraphModule) and boundaries(module.graph):
-                    module = copy.deepcopy(module)
-                    globalize_batch_statistics(module, "dp", self.plan.dp.reduction,
-                                               _model_name(self.inner))  # fmt: skip
-                modules[s] = module
+            modules = {s: module if self.globalized[0][s] is None else self._module(inner, s)
+                       for s, module in share.modules.items()}  # fmt: skip
             self._shares[inner] = dataclasses.replace(share, modules=modules)
         return self._shares[inner]
 

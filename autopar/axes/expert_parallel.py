@@ -16,15 +16,15 @@ Algorithm (:func:`compile_expert_parallel`):
    first grouped matmul's rows and the last one's output, which must be row-wise (each row
    computed alone by its expert).  A layout outside that is reported with its node and source
    line, its experts stay replicated (an error under ``strict=True``).
-3. Per rank (:func:`place_experts`): a copy of the sub-mesh module whose MoE regions read
-   ``expert_dispatch`` (per-expert counts exchanged, then the rows with variable splits) and
-   end with ``expert_combine`` (the inverse all-to-all); expert weights keep this rank's
-   E/ep slice; every other trainable parameter's gradient is summed over ep
-   (``grad_all_reduce``); each scalar output (the loss) becomes the global loss
-   (``batch_loss``: its gradient stays the rank's, 1/ep of it for a mean), so the experts'
-   gradients, summed by the all-to-alls' backward over every rank's tokens, are exact.
-   Statistics over the batch feeding a non-linear loss term (the model's own load-balancing
-   loss) become global where they are computed (``autopar.axes.batch_stats``, ``batch_mean``).
+3. The rewrite is two passes on each stage's materialized program
+   (:attr:`ExpertParallelProgram.placed`; autopar.codegen.materialize): ``expert_parallel``
+   (passes/expert_parallel.py: dispatch / combine all-to-alls around each MoE region, the
+   expert weights laid out ``S(0)`` over ep, the dense gradients summed over ep in buckets,
+   the loss made global) reads this module's :class:`EpDecisions`; ``global_batch``
+   (passes/global_batch.py) makes the statistics over the batch that feed a non-linear loss
+   term (the model's own load-balancing loss) global; then the ``recompute`` pass in this
+   program's mode.  Codegen's shard step gives each rank its E/ep experts like any other
+   split: nothing is edited after codegen.
 4. Price the expert axis's collectives on the link its groups ride (the cluster's NVLink when
    ep fits inside a node with the axes inside it, else the fabric; alpha-beta, cost.comm):
    per MoE layer the count exchange, dispatch and combine, and their backward.
@@ -36,14 +36,12 @@ Algorithm (:func:`compile_expert_parallel`):
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
-import operator
-import uuid
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +49,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.axes.batch_stats import boundaries, globalize_batch_statistics, statistic_collectives
+from autopar.axes.batch_stats import BatchDecisions, boundaries, statistic_collectives
 from autopar.axes.data_parallel import _graph, _model_name, loss_reduction
-from autopar.axes.recompute import apply_recompute
 from autopar.codegen import _param_block
 from autopar.errors import InputError, NodeProblem, ShardingRuleError
 from autopar.frontend.moe_loop import find_expert_loops
@@ -61,8 +58,9 @@ from autopar.ir import meta
 from autopar.mesh import Mesh
 from autopar.ops import collectives as C
 from autopar.plan import Collective, EpSection, Plan
-from autopar.program import BatchAxisProgram
+from autopar.program import BatchAxisProgram, Materialized
 from cost.comm import collective_time
+from passes import PassContext, PassRecord, batch_pipeline
 
 _ROWWISE = {"silu", "gelu", "relu", "sigmoid", "tanh", "mul", "add", "sub", "div", "neg",
             "exp", "pow", "square", "clamp", "chunk", "split", "split_with_sizes", "to",
@@ -264,8 +262,9 @@ def _expert_biases(gm: fx.GraphModule, region: set[fx.Node], offs: fx.Node,
     while isinstance(ids, fx.Node) and _name(ids) in ("cumsum", "histc", "to", "_to_copy",
                                                       "bincount"):  # fmt: skip
         ids = ids.args[0]
-    found = []
-    for node in {x for n in region for x in n.all_input_nodes if x not in region}:
+    found, order = [], {n: i for i, n in enumerate(gm.graph.nodes)}
+    inputs = {x for n in region for x in n.all_input_nodes if x not in region}
+    for node in sorted(inputs, key=order.__getitem__):  # graph order: the same on every run
         if (_name(node) == "index" and len(node.args[1]) == 1 and node.args[1][0] is ids
                 and (node.args[0].op == "get_attr" and _trainable_or_param(gm, node.args[0])
                      or _stacked_weight(gm, node.args[0]) is not None)
@@ -314,90 +313,19 @@ def _not_rowwise(node: fx.Node, region: set[fx.Node], allowed: set[fx.Node],
     return None
 
 
-# ---------------------------------------------------------------- step 3: the rank's program
+# ---------------------------------------------------------------- step 3: the pass's decisions
 
 
-def place_experts(module: fx.GraphModule, layers: Sequence[MoELayer], *, axis: str, size: int,
-                  coord: int, reduction: str, capacity: float = 0.0,
-                  bucket_bytes: int = BUCKET_BYTES, micro: int = 1) -> fx.GraphModule:  # fmt: skip
-    """Step 3 on a copy of a rank's sub-mesh module (see the module docstring)."""
-    out = copy.deepcopy(module)
-    graph = out.graph
-    nodes = {n.name: n for n in graph.nodes}
-    experts = {w for layer in layers for w in layer.weights}
-    members = {m for layer in layers for _, ms in layer.stacks for m in ms}
-    for layer in layers:
-        _rewrite_layer(graph, nodes, layer, axis, capacity)
-    for w in experts - members:
-        _keep_slice(out, w, size, coord)
-    for layer in layers:
-        for stack, _ in layer.stacks:
-            _keep_members(out, nodes[stack], size, coord)
-    for bucket in dense_buckets(out, experts, bucket_bytes):
-        if len(bucket) == 1 and micro == 1:
-            _reduce_grad(graph, bucket[0], axis)
-        else:
-            _reduce_bucket(graph, bucket, axis, micro)
-    globalize_batch_statistics(out, axis, reduction)
-    _global_losses(graph, axis, reduction)
-    graph.lint()
-    out.recompile()
-    return out
+@dataclass(frozen=True, kw_only=True)
+class EpDecisions:
+    """What the ``expert_parallel`` pass reads for one stage (``PassContext.sections["ep"]``)."""
 
-
-def _rewrite_layer(graph: fx.Graph, nodes: dict[str, fx.Node], layer: MoELayer, axis: str,
-                   capacity: float) -> None:  # fmt: skip
-    entry, offs, exit_ = nodes[layer.entry], nodes[layer.offs], nodes[layer.exit]
-    region = [nodes[n] for n in layer.region]
-    with graph.inserting_before(region[0]):
-        sent = graph.call_function(C.expert_dispatch, (entry, offs, axis, capacity))
-        rows = graph.call_function(operator.getitem, (sent, 0))
-        local_offs = graph.call_function(operator.getitem, (sent, 1))
-        counts = graph.call_function(operator.getitem, (sent, 2))
-    for n in (sent, rows):
-        n.meta.update({k: v for k, v in entry.meta.items() if k != "val"})
-    for node in region:
-        node.replace_input_with(entry, rows)
-        node.replace_input_with(offs, local_offs)
-    for name in layer.biases:
-        gather = nodes[name]
-        first = next(n for n in region if n in gather.users)
-        with graph.inserting_before(first):
-            ids = graph.call_function(local_expert_ids, (local_offs,))
-        first.prepend(gather)
-        gather.replace_input_with(gather.args[1][0], ids)
-        gather.meta.pop("val", None)
-    with graph.inserting_after(exit_):
-        back = graph.call_function(C.expert_combine, (exit_, counts, offs, axis))
-    back.meta.update(exit_.meta)
-    exit_.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
-
-
-def local_expert_ids(offs: torch.Tensor) -> torch.Tensor:
-    """Each row's (local) expert index, from cumulative rows per expert."""
-    counts = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))
-    return torch.repeat_interleave(torch.arange(counts.numel()), counts)
-
-
-def _keep_slice(module: nn.Module, fqn: str, size: int, coord: int) -> None:
-    owner, leaf = fqn.rsplit(".", 1) if "." in fqn else ("", fqn)
-    mod = module.get_submodule(owner)
-    p = getattr(mod, leaf)
-    n = p.shape[0] // size
-    mod.register_parameter(leaf, nn.Parameter(p.detach()[coord * n:(coord + 1) * n].clone(),
-                                              requires_grad=p.requires_grad))  # fmt: skip
-
-
-def _keep_members(module: fx.GraphModule, stack: fx.Node, size: int, coord: int) -> None:
-    """A weight stacked from per-expert parameters stacks this rank's E/ep of them; the
-    others leave the module (each rank holds only its experts, by the user's names)."""
-    members = list(stack.args[0])
-    n = len(members) // size
-    stack.update_arg(0, members[coord * n:(coord + 1) * n])
-    for node in members[:coord * n] + members[(coord + 1) * n:]:
-        module.graph.erase_node(node)
-        owner, leaf = node.target.rsplit(".", 1) if "." in node.target else ("", node.target)
-        delattr(module.get_submodule(owner), leaf)
+    axis: str  # the expert axis
+    layers: tuple[MoELayer, ...]  # the stage's MoE layers
+    reduction: str  # the loss's reduction over the batch
+    capacity: float  # rows per expert over the global batch (0: dropless)
+    bucket_bytes: int  # dense gradients per ep all-reduce at most
+    micro: int  # pipeline micro-batches (1 without pp)
 
 
 def _trainable(module: nn.Module, target: str) -> bool:
@@ -407,20 +335,14 @@ def _trainable(module: nn.Module, target: str) -> bool:
         return False
 
 
-def _reduce_grad(graph: fx.Graph, node: fx.Node, axis: str) -> None:
-    with graph.inserting_after(node):
-        red = graph.call_function(C.grad_all_reduce, (node, axis))
-    red.meta.update(node.meta)
-    node.replace_all_uses_with(red, delete_user_cb=lambda u: u is not red)
-
-
 def dense_buckets(gm: fx.GraphModule, experts: set[str], cap: int) -> list[list[fx.Node]]:
     """Step 3: the trainable non-expert parameters (get_attr nodes) in order of first use,
     cut from the last used (its gradient is computed first) into buckets of one dtype, one
     block (``layers.i``: a bucket's reduction reads its parameters, so a bucket spanning two
     blocks would tie them together and per-block recompute or ZeRO could not outline them)
     and at most ``cap`` bytes (a larger parameter alone); ``cap`` 0: one bucket per
-    parameter."""
+    parameter.  Sizes are a rank's (each ``get_attr``'s local value), so a materialized
+    program (whole parameters) gets the buckets of its rank programs."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     dense = [n for n in gm.graph.nodes
              if n.op == "get_attr" and n.users and n.target not in experts
@@ -429,11 +351,11 @@ def dense_buckets(gm: fx.GraphModule, experts: set[str], cap: int) -> list[list[
     buckets: list[list[fx.Node]] = []
     size = 0
     for node in reversed(dense):
-        p = gm.get_parameter(node.target)
-        nbytes = p.numel() * p.element_size()
-        last = buckets[-1][0].target if buckets else None
-        same = (last is not None and gm.get_parameter(last).dtype == p.dtype
-                and _param_block(last) == _param_block(node.target))  # fmt: skip
+        val = node.meta["val"]
+        nbytes = val.numel() * val.element_size()
+        last = buckets[-1][0] if buckets else None
+        same = (last is not None and last.meta["val"].dtype == val.dtype
+                and _param_block(last.target) == _param_block(node.target))  # fmt: skip
         if same and size + nbytes <= cap:
             buckets[-1].append(node)
             size += nbytes
@@ -441,38 +363,6 @@ def dense_buckets(gm: fx.GraphModule, experts: set[str], cap: int) -> list[list[
             buckets.append([node])
             size = nbytes
     return [b[::-1] for b in reversed(buckets)]
-
-
-def _reduce_bucket(graph: fx.Graph, nodes: list[fx.Node], axis: str, micro: int) -> None:
-    """One ``grad_bucket_all_reduce`` before the first use of any of ``nodes`` (with
-    ``micro`` pipeline micro-batches: reduced once, after the last one's backward)."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    users = {n: list(n.users) for n in nodes}
-    first = min((u for us in users.values() for u in us), key=order.__getitem__)
-    with graph.inserting_before(first):
-        key = f"{uuid.uuid4().hex}:{nodes[0].target}"  # this module's bucket (local state)
-        red = graph.call_function(C.grad_bucket_all_reduce, (axis, key, micro, *nodes))
-        outs = [graph.call_function(operator.getitem, (red, i)) for i in range(len(nodes))]
-    red.meta["val"] = tuple(n.meta.get("val") for n in nodes)
-    for node, out in zip(nodes, outs, strict=True):
-        if order[node] > order[first]:
-            red.prepend(node)  # a parameter read later in forward: fetched before the bucket
-        out.meta.update(node.meta)
-        for user in users[node]:
-            user.replace_input_with(node, out)
-
-
-def _global_losses(graph: fx.Graph, axis: str, reduction: str) -> None:
-    out = next(n for n in graph.nodes if n.op == "output")
-    # in output order: a set's order differs between ranks and would pair their all-reduces
-    for leaf in dict.fromkeys(a for a in torch.utils._pytree.tree_leaves(out.args[0])
-                              if isinstance(a, fx.Node)):  # fmt: skip
-        v = leaf.meta.get("val")
-        if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point():
-            with graph.inserting_before(out):
-                loss = graph.call_function(C.batch_loss, (leaf, axis, reduction))
-            loss.meta.update(leaf.meta)
-            out.replace_input_with(leaf, loss)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -516,6 +406,7 @@ class ExpertParallelProgram(BatchAxisProgram):
         if inner.pipeline is None:
             self.traced = inner.traced
         self._modules: dict[tuple[int, int], fx.GraphModule] = {}
+        self._final: dict[tuple[int, str], tuple[Materialized, list[PassRecord]]] = {}
 
     @property
     def stages(self) -> list[Any]:
@@ -526,25 +417,55 @@ class ExpertParallelProgram(BatchAxisProgram):
     def stages_of(self, pp_rank: int) -> list[int]:
         return self.inner.stages_of(pp_rank)
 
+    @property
+    def history(self) -> list[PassRecord]:
+        """The passes that built the sub-mesh program, then each stage's expert-axis passes."""
+        tag = " [stage {}]" if self.inner.pipeline is not None else ""
+        recomputed = [dataclasses.replace(r, name=r.name + tag.format(s))
+                      for s in range(len(self.placed[0])) for r in self._recomputed(s)[1]]  # fmt: skip
+        return [*self.inner.history, *self.placed[1], *recomputed]
+
+    @cached_property
+    def placed(self) -> tuple[list[Materialized], list[PassRecord]]:
+        """Per stage (one without pp) the sub-mesh program's materialized stage after the
+        expert-axis passes (``expert_parallel``, ``global_batch``) on this mesh, and their
+        history."""
+        stages, history = [], []
+        reduction = self.plan.ep.reduction
+        for i, layers in enumerate(self.stage_layers):
+            stage = dataclasses.replace(self.inner.materialized_stage(i), mesh=self.mesh)
+            decided = EpDecisions(axis="ep", layers=layers, reduction=reduction,
+                                  capacity=self.capacity, bucket_bytes=self.bucket_bytes,
+                                  micro=self._micro())  # fmt: skip
+            batch = BatchDecisions(axis="ep", reduction=reduction, model=_model_name(self.inner))
+            ctx = PassContext(mesh=self.mesh, grad=frozenset(), traced=stage.traced,
+                              sections={"ep": decided, "batch": batch})  # fmt: skip
+            stage, records = stage.rewritten(ctx, batch_pipeline("ep"))
+            stages.append(stage)
+            tag = f" [stage {i}]" if self.inner.pipeline is not None else ""
+            history += [dataclasses.replace(r, name=r.name + tag) for r in records]
+        return stages, history
+
+    def materialized_stage(self, stage: int = 0) -> Materialized:
+        """Stage ``stage`` (0 without pp) materialized: the sub-mesh's after the expert-axis
+        passes, then the recompute pass in this program's mode."""
+        return self._recomputed(stage)[0]
+
+    def _recomputed(self, stage: int) -> tuple[Materialized, list[PassRecord]]:
+        key = (stage, getattr(self, "recompute", "none"))
+        if key not in self._final:
+            self._final[key] = self.placed[0][stage].recomputed(key[1])
+        return self._final[key]
+
     def module(self, rank: int, stage: int | None = None) -> fx.GraphModule:
-        """The rank's module (of ``stage`` under pp, default its first): its sub-mesh program
-        with this rank's experts and the dispatch / combine all-to-alls."""
-        inner = self.inner_rank(rank)
-        if self.inner.pipeline is not None:
-            stage = self.inner.stages_of(self.mesh.coordinates(rank)["pp"])[0] if stage is None \
-                else stage
-            local = self.inner.module(inner, stage)
-        else:
-            stage, local = 0, self.inner.module(inner)
+        """The rank's module (of ``stage`` under pp, default its first): its shard of the
+        stage's program after the expert-axis passes (this rank's experts)."""
+        if self.inner.pipeline is None:
+            stage = 0
+        elif stage is None:
+            stage = self.inner.stages_of(self.mesh.coordinates(rank)["pp"])[0]
         if (rank, stage) not in self._modules:
-            module = place_experts(local, self.stage_layers[stage], axis="ep",
-                                   size=self.mesh.size("ep"),
-                                   coord=self.mesh.coordinates(rank)["ep"],
-                                   reduction=self.plan.ep.reduction, capacity=self.capacity,
-                                   bucket_bytes=self.bucket_bytes, micro=self._micro())  # fmt: skip
-            module.meta = {"rank": rank, "coords": self.mesh.coordinates(rank)}
-            self._modules[(rank, stage)] = apply_recompute(
-                module, getattr(self, "recompute", "none"), _model_name(self.inner))
+            self._modules[(rank, stage)] = self.materialized_stage(stage).build(rank)
         return self._modules[(rank, stage)]
 
     def _micro(self) -> int:

@@ -45,7 +45,7 @@ from autopar.ir.analysis import needs_grad
 from autopar.mesh import Mesh
 from autopar.plan import Plan, PpSection
 from autopar.planner.tp import PlanOptions, run_node_time
-from autopar.program import Program
+from autopar.program import Materialized, Program
 from autopar.runtime import RankShare
 from cost.comm import collective_time
 from cost.compute import train_factor
@@ -406,6 +406,10 @@ class PipelineProgram:
         coords = self.mesh.coordinates(rank)
         stage = self.stages_of(coords["pp"])[0] if stage is None else stage
         return self.stages[stage].module(self._stage_rank(stage, coords))
+
+    def materialized_stage(self, stage: int = 0) -> Materialized:
+        """Stage ``stage``'s materialized program (its stage program's)."""
+        return self.stages[stage].materialized_stage()
 
     def _stage_rank(self, stage: int, coords: dict[str, int]) -> int:
         """The rank within the stage's mesh (tp, or cp x tp) of mesh coordinates ``coords``."""

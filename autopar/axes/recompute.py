@@ -6,7 +6,8 @@ in backward; "selective" (Megatron's) does not keep the unfused attention core -
 score-shaped [.., s, s] ops between QKᵀ and ·V (cost/graph.py ``attention_core``) -- and
 re-runs it.
 
-Algorithm (:func:`apply_recompute`, on one rank's GraphModule, before it is pickled or wrapped):
+Algorithm (steps 1-2 are the ``recompute`` pass, passes/recompute.py, the last pass on each
+materialized stage before codegen shards it; this module decides and prices):
 1. "full": outline the repeated blocks (:func:`autopar.codegen.outline_blocks`: each block
    one submodule holding its parameters under their own names, ops on parameters alone such
    as a replicated weight's ``grad_all_reduce`` moved into their block) and turn each block
@@ -33,14 +34,13 @@ reads them (FSDP2 skips its forward hooks while in backward).
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.utils.checkpoint
 
-from autopar.codegen import _block_container, _owning_block, outline_blocks, segment_graph
+from autopar.codegen import outline_blocks
 from autopar.errors import PlanError
 from cost.config import RECOMPUTE as MODES
 from cost.errors import CostInputError
@@ -48,6 +48,14 @@ from cost.errors import CostInputError
 
 class RecomputeError(PlanError):
     """The recompute mode cannot be applied to this model's program."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecomputeDecisions:
+    """What the ``recompute`` pass reads (``PassContext.sections["recompute"]``)."""
+
+    mode: str  # "none", "selective" or "full"
+    model: str  # the model's name, for errors
 
 
 def checkpoint(region: torch.nn.Module, *args: Any) -> Any:
@@ -63,16 +71,6 @@ def check_mode(mode: str) -> str:
 
 
 # ---------------------------------------------------------------- the program (steps 1-2)
-
-
-def apply_recompute(gm: fx.GraphModule, mode: str, model: str = "the model") -> fx.GraphModule:
-    """Steps 1-2: ``gm`` with its recomputed regions under ``checkpoint`` (``gm`` itself for
-    "none", or "selective" without an unfused attention core)."""
-    if check_mode(mode) == "none":
-        return gm
-    if mode == "full":
-        return _checkpoint_blocks(gm, model)
-    return _checkpoint_cores(gm)
 
 
 def block_targets(gm: fx.GraphModule) -> list[str]:
@@ -93,52 +91,12 @@ def blocks_outlined(gm: torch.nn.Module) -> bool:
     return isinstance(gm, fx.GraphModule) and getattr(gm, "meta", {}).get("recompute") == "full"
 
 
-def _checkpoint_blocks(gm: fx.GraphModule, model: str) -> fx.GraphModule:
-    """Step 1."""
-    outlined = outline_blocks(gm)
-    if outlined is None:
-        raise RecomputeError(_no_blocks(model))
-    graph = outlined.graph
-    for node in [n for n in graph.nodes if n.op == "call_module"]:
-        with graph.inserting_before(node):
-            call = graph.call_function(checkpoint, node.args)
-        call.meta.update(node.meta)
-        node.replace_all_uses_with(call)
-        name = node.name
-        graph.erase_node(node)
-        used = getattr(graph._graph_namespace, "_used_names", set())
-        used.discard(name)  # the freed name: the block's read prints as layers_0
-        with graph.inserting_before(call):
-            region = graph.get_attr(node.target)
-        call.args = (region, *call.args)
-    outlined.recompile()
-    outlined.meta = {**outlined.meta, "recompute": "full"}
-    return outlined
-
-
 def _no_blocks(model: str) -> str:
     return (f"recompute='full' re-runs each repeated block in backward, but no repeated blocks "
             f"were found in {model}: it needs an indexed list of layers (nn.ModuleList / "
             "nn.Sequential, parameters named like layers.0.*, layers.1.*) whose blocks run one "
             "after another and read only their own parameters; use recompute='none', or "
             "'selective' for an unfused attention core")  # fmt: skip
-
-
-def _checkpoint_cores(gm: fx.GraphModule) -> fx.GraphModule:
-    """Step 2."""
-    if not core_regions(gm):
-        return gm
-    container = _block_container(list(gm.graph.nodes))
-    for k, region in enumerate(core_regions(gm)):
-        block = _owning_block(region[-1], container) if container is not None else None
-        prefix = "" if block is None else (f"{container}.{block}." if container else f"{block}.")
-        name = f"{prefix}attention_core" if block is not None else f"attention_core_{k}"
-        if _has(gm, name):
-            name = f"{name}_{k}"
-        _outline_region(gm, region, name)
-    gm.graph.lint()
-    gm.recompile()
-    return gm
 
 
 def core_regions(gm: fx.GraphModule) -> list[list[fx.Node]]:
@@ -207,38 +165,6 @@ def _is_matmul(n: fx.Node) -> bool:
     from cost.compute import MATMUL_OPS, op_name
 
     return op_name(n) in MATMUL_OPS
-
-
-def _outline_region(gm: fx.GraphModule, region: list[fx.Node], name: str) -> None:
-    """Replace ``region`` by ``checkpoint(<name>, inputs...)`` and getitems of its outputs."""
-    members = set(region)
-    sub, inputs, outputs = segment_graph(region)
-    gm.add_submodule(name, fx.GraphModule(gm, sub, class_name="AttentionCore"))
-    graph = gm.graph
-    first = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))
-    with graph.inserting_before(first):  # with the parameter reads (outline_blocks wants so)
-        attr = graph.get_attr(name)
-    with graph.inserting_after(region[-1]):
-        call = graph.call_function(checkpoint, (attr, *inputs))
-    call.meta.update({k: v for k, v in region[-1].meta.items() if k != "val"})
-    call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
-    prev = call
-    for i, o in enumerate(outputs):
-        with graph.inserting_after(prev):
-            got = graph.call_function(operator.getitem, (call, i))
-        got.meta.update(o.meta)
-        o.replace_all_uses_with(got, delete_user_cb=lambda u: u not in members)
-        prev = got
-    for n in reversed(region):
-        graph.erase_node(n)
-
-
-def _has(gm: torch.nn.Module, name: str) -> bool:
-    try:
-        gm.get_submodule(name)
-    except AttributeError:
-        return False
-    return True
 
 
 # ---------------------------------------------------------------- the plan (step 3)

@@ -7,6 +7,8 @@ rank along the axis at run time, so every rank along an axis runs the same progr
   all-reduce(sum) of [N, 2] values give the loss; the backward needs no communication.
 - ``local_kv_heads``: with fewer KV heads than ranks, each rank keeps the KV head its query
   heads attend to.
+- ``local_expert_ids``: under expert parallelism, each dispatched row's index among this
+  rank's experts (a per-expert bias gathered by it).
 """
 
 from __future__ import annotations
@@ -88,3 +90,9 @@ def local_kv_heads(kv: torch.Tensor, axis: str) -> torch.Tensor:
     """The KV head (dim 1) that this rank's query heads use, when heads < ranks."""
     heads, t = kv.shape[1], axis_size(axis)
     return kv.narrow(1, axis_rank(axis) // (t // heads), 1)
+
+
+def local_expert_ids(offs: torch.Tensor) -> torch.Tensor:
+    """Each row's (local) expert index, from cumulative rows per expert."""
+    counts = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))
+    return torch.repeat_interleave(torch.arange(counts.numel()), counts)
