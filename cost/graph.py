@@ -51,6 +51,7 @@ from cost.compute import (
     node_efficiency,
     node_flops_bytes,
     op_name,
+    reads_whole_inputs,
     tensors_of,
 )
 from cost.config import ParallelConfig
@@ -148,8 +149,8 @@ class GraphModel:
             layer_bwd_s=layer_sum(times * a["bwd"]),
             recompute_s={"none": 0.0, "selective": layer_sum(times, block & (a["core"] > 0)),
                          "full": fwd},
-            pre_s=3 * float(times[a["region"] == 0].sum()),
-            post_s=3 * float(times[a["region"] == 2].sum()),
+            pre_s=float((times * (1 + a["bwd"]))[a["region"] == 0].sum()),
+            post_s=float((times * (1 + a["bwd"]))[a["region"] == 2].sum()),
             tp_bytes=self.comm["tp_bytes"] * share, tp_calls=round(self.comm["tp_calls"]),
             cp_bytes=self.comm["kv_bytes"] * share / t / per, cp_calls=cfg.cp - 1,
             ep_bytes=0.0, ep_calls=0, boundary_bytes=s["inputs"] * share / sp / per,
@@ -179,6 +180,11 @@ def _name(node: torch.fx.Node) -> str | None:
     if node.op == "call_function" and node.target is operator.getitem:
         return "getitem"
     return op_name(node)
+
+
+def in_block(path: str) -> bool:
+    """Whether module path `path` lies in a repeated block (`layers.7.mlp` does)."""
+    return _BLOCK.match(path) is not None
 
 
 def _block_key(node: torch.fx.Node) -> str | None:
@@ -317,13 +323,14 @@ def _node_arrays(walk: _Walk, regions: dict, seq: int) -> dict[str, np.ndarray]:
     for n in regions:
         flops, moved = node_flops_bytes(n)
         weights = sum(_out_bytes(a) for a in n.all_input_nodes if a in walk.fixed)
+        weights = weights if reads_whole_inputs(n) else 0.0  # an embedding: per-token bytes
         scale, peak = _run_scale(n)
         eff = node_efficiency(n)
         bwd = backward_factor(_name(n), n in walk.grad)
         launch = 1.0 if flops or moved else 0.0
         core = _is_core(n, seq, walk)
         attn = core or _name(n) == "scaled_dot_product_attention"
-        rows.append((flops, max(moved - weights, 0.0) * scale, weights * scale, eff, bwd, launch,
+        rows.append((flops, (moved - weights) * scale, weights * scale, eff, bwd, launch,
                      regions[n], float(core), float(attn), peak))  # fmt: skip
     keys = ("flops", "act_bytes", "weight_bytes", "eff", "bwd", "launch", "region", "core", "attn",
             "dtype")  # fmt: skip
