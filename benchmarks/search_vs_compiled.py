@@ -15,7 +15,8 @@ Algorithm:
 1. Build the model on the meta device and trace it (with its loss, returned alone) once for
    the search (`autopar.planner.solved.SolvedModel`: `cost.graph` on the trace, each value
    priced in its autocast dtype, as the compiler's memory table prices it; each tp degree
-   priced from the tp planner's own solution at that degree, solved once).
+   priced from the tp planner's own solution at that degree on a trace of one micro-batch,
+   the slice the compiler traces, solved once per (degree, micro-batch)).
 2. Per configuration: estimate it (micro-batch = the per-rank batch: the data axis does not
    accumulate; under pp 1F1B over micro-batches of one sequence; the given ZeRO stage and
    recompute; the tp layouts, sequence splits included, are the solved plan's), compile it
@@ -69,12 +70,17 @@ def _loss(out, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
 
 
+def _micro_batch(batch: int, degrees: dict) -> int:
+    """Rows of one micro-batch: the per-rank batch, or under pp one sequence."""
+    return 1 if degrees.get("pp", 1) > 1 else batch // degrees.get("dp", 1)
+
+
 def _searched(priced: SolvedModel, cluster: Cluster, batch: int, degrees: dict, zero: int,
               recompute: str) -> tuple[float, float]:  # fmt: skip
     """Step 2: the search's (step seconds, bytes per rank) of one configuration."""
     dp, pp = degrees.get("dp", 1), degrees.get("pp", 1)
     cfg = ParallelConfig(tp=degrees.get("tp", 1), pp=pp, dp=dp, cp=degrees.get("cp", 1),
-                         zero=zero, global_batch=batch, micro_batch=1 if pp > 1 else batch // dp,
+                         zero=zero, global_batch=batch, micro_batch=_micro_batch(batch, degrees),
                          schedule="1f1b", virtual_stages=1, recompute=recompute,
                          sequence_parallel=False)  # fmt: skip
     est = estimate(priced, cluster, cfg)
@@ -106,12 +112,15 @@ def main() -> None:
     model = _model(args.layers, args.seq)
     x = torch.randint(0, 128256, (args.batch, args.seq), device="meta")
     t0 = time.perf_counter()
-    priced = SolvedModel(trace(model, (x, x), None, _loss), cluster, torch.bfloat16, "llama")
-    for t in sorted({d.get("tp", 1) for _, d, _, _ in CONFIGS} - {1}):
-        priced.solved(t)  # the tp planner once per degree (what the search's time includes)
+    priced = SolvedModel(trace(model, (x, x), None, _loss), cluster, torch.bfloat16, "llama",
+                         retrace=lambda rows: trace(model, (x[:rows], x[:rows]), None, _loss))  # fmt: skip
+    for _, degrees, _, _ in CONFIGS:  # the sub-mesh compiled once per (degrees, micro-batch)
+        t, c = degrees.get("tp", 1), degrees.get("cp", 1)
+        if t * c > 1:
+            priced.solved(t, c, _micro_batch(args.batch, degrees))
     searched_s = time.perf_counter() - t0
     print(f"HF Llama, {args.layers} layers at the Llama-3-8B width, global batch {args.batch} "
-          f"x {args.seq}, 64 H100, bf16 compute; trace + tp solves for the search "
+          f"x {args.seq}, 64 H100, bf16 compute; trace + sub-mesh compiles for the search "
           f"{searched_s:.1f} s")  # fmt: skip
     print(f"{'config':<24} {'search s':>9} {'compiled s':>10} {'ratio':>6} "
           f"{'search GiB':>10} {'compiled GiB':>12} {'ratio':>6} {'compile s':>9}")  # fmt: skip

@@ -28,8 +28,9 @@ Algorithm (:func:`compile_data_parallel`):
 6. Statistics over the batch that feed a non-linear loss term (an MoE load-balancing loss)
    become global over dp where they are computed (autopar.axes.batch_stats).
 7. Predict the step time (:func:`predict_step`) with the whole-cluster search's functions
-   (`cost.step`): the sub-mesh plan's micro-batches and pipeline bubble, the exposed
-   gradient traffic over the ZeRO group and the optimizer step, on the program's local work.
+   (`cost.step`) on the program's local work (`cost.graph` on rank 0's graph) and its plan's
+   tp collectives: each micro-batch (`micro_batch_time`) and the pipeline bubble, the exposed
+   gradient traffic over the ZeRO group and the optimizer step.
 The runtime (autopar.runtime.DataParallelModule) reuses torch's engines for the reduction.
 """
 
@@ -594,12 +595,12 @@ def local_work(program: Any, param_dtype: torch.dtype = torch.float32) -> Any:
     return ring_work(local, work, gpu, param_dtype)
 
 
-def local_model(program: Any) -> Any:
-    """`cost.graph`'s `GraphModel` of ``program``'s sub-mesh rank 0 graph at its local shapes,
-    each value in its run-time dtype (what `local_work` prices; the whole-cluster search's
-    `autopar.planner.solved` prices a tp degree by it); None where the cost model cannot
-    price the graph."""
-    return _local(program)[1]
+def local_parts(program: Any) -> tuple[fx.GraphModule, Any]:
+    """``program``'s sub-mesh rank 0 graph at its local shapes, each value marked with its
+    run-time dtype, and `cost.graph`'s `GraphModel` of it (what `local_work` prices; the
+    whole-cluster search's `autopar.planner.solved` prices a tp / cp degree by it); the model
+    is None where the cost model cannot price the graph."""
+    return _local(program)
 
 
 def _local(program: Any) -> tuple[fx.GraphModule, Any]:

@@ -6,18 +6,23 @@ At tp > 1 a formula (Megatron's column/row pairing, with or without sequence par
 would guess what the tp planner chooses; this model asks the planner instead.
 
 Algorithm (`SolvedModel.workload`):
-1. tp = 1: the traced graph's `GraphModel` (each value in its autocast dtype).
-2. tp = t > 1, once per (t, micro-batch rows) (memoised): compile the tp program of
-   `Mesh(tp=t)` on a copy of a trace of that many rows (the slice the compiler traces; the
-   tp ILP's choice may depend on it, so with `retrace` each slice is traced once; without,
-   the one trace is solved and scaled) -- the tp ILP, identical blocks solved once, then the
-   passes -- and reduce sub-mesh rank 0's program to its `GraphModel`
-   (`data_parallel.local_model`: the count the compiled plan's memory table and predicted
-   step read), with the tp collectives its plan lists.
-3. Per configuration: that local model's workload at the configuration's share of its
-   trace (cp splitting the sequence as at tp = 1), its tp collectives' messages scaled alike;
-   `cost.step.tp_time` prices them on the configuration's tp span.
-A degree the planner refuses (a PlanError: nothing splits evenly) keeps the formula.
+1. tp = cp = 1: the traced graph's `GraphModel` (each value in its autocast dtype); with
+   `retrace`, that of a trace of the micro-batch's rows (traced once per row count).
+2. tp = t, cp = c, not both 1, once per (t, c, micro-batch rows) (memoised): compile the
+   sub-mesh program the driver builds inside a data axis -- the tp program of `Mesh(tp=t)`
+   (the tp ILP, identical blocks solved once, then the passes), or under cp the cp program of
+   `Mesh(cp=c, tp=t)` with its dense gradients left to the data axis (`join_cp`) -- on a
+   copy of a trace of that many rows (the slice the compiler traces: the tp ILP's choice may
+   depend on it, so with `retrace` each slice is traced once; without, the one trace is
+   compiled and scaled), and reduce sub-mesh rank 0's program to its `GraphModel`
+   (`data_parallel.local_parts`: the count the compiled plan's memory table and predicted
+   step read), the collectives its plan lists, and its ring attentions' seconds and bytes
+   per layer (`context_parallel.ring_work`, which `cost.graph` does not price).
+3. Per configuration: that local model's workload at the configuration's share of its trace,
+   the ring's seconds, its K/V message and the tp collectives' messages scaled alike;
+   `cost.step.tp_time` and `cost.step.ring_attention` price them on the configuration's
+   spans.
+Degrees the compiler refuses (a PlanError: nothing splits evenly) keep the formulas.
 """
 
 from __future__ import annotations
@@ -39,10 +44,13 @@ from cost.workload import Workload
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Solved:
-    """The tp program of one degree reduced to what the search prices (step 2)."""
+    """The sub-mesh program of one (tp, cp) degree reduced to what the search prices (step 2):
+    rank 0's `GraphModel`, its plan's collectives, and under cp its ring attentions' share of
+    a layer at the traced rows (`ring`: the fields `context_parallel.ring_work` adds)."""
 
     model: GraphModel
-    collectives: tuple[Any, ...]  # autopar.plan.Collective, the plan's tp ones
+    collectives: tuple[Any, ...]  # autopar.plan.Collective
+    ring: dict[str, float]
 
 
 class SolvedModel:
@@ -52,14 +60,11 @@ class SolvedModel:
     def __init__(self, traced: Traced, cluster: Cluster, param_dtype: torch.dtype,
                  name: str | None = None,
                  retrace: Callable[[int], Traced] | None = None) -> None:  # fmt: skip
-        from autopar.frontend.precision import annotate_autocast, mark_run_dtypes
-
         self._cluster, self._dtype, self._retrace = cluster, param_dtype, retrace
-        gm = copy_module(traced.gm)
-        annotate_autocast(gm, param_dtype)
-        self.graph = GraphModel.from_traced(mark_run_dtypes(gm), name=name or traced.model_name)
+        self.graph = _priced(traced, param_dtype, name)
         self._traces: dict[int, Traced] = {self.graph.batch: traced}
-        self._solved: dict[tuple[int, int], _Solved | None] = {}
+        self._graphs: dict[int, GraphModel] = {self.graph.batch: self.graph}
+        self._solved: dict[tuple[int, int, int], _Solved | None] = {}
 
     def __getattr__(self, key: str) -> Any:  # shape facts, FLOPs: the traced graph's
         if key.startswith("_") or key == "graph":
@@ -68,41 +73,94 @@ class SolvedModel:
 
     def workload(self, cfg: ParallelConfig, b: int, gpu: GPU) -> Workload:
         """Steps 1 and 3."""
-        solved = self.solved(cfg.tp, b) if cfg.tp > 1 else None
+        solved = self.solved(cfg.tp, cfg.cp, b) if cfg.tp * cfg.cp > 1 else None
         if solved is None:
-            return self.graph.workload(cfg, b, gpu)
+            return self._graph_of(b).workload(cfg, b, gpu)
         from autopar.axes.data_parallel import tp_collectives
 
-        local = solved.model
-        work = local.workload(dataclasses.replace(cfg, tp=1, sequence_parallel=False), b, gpu)
-        scale = b / local.batch / cfg.cp
+        local, scale = solved.model, b / solved.model.batch
+        whole = dataclasses.replace(cfg, tp=1, cp=1, sequence_parallel=False)
+        work = local.workload(whole, b, gpu)
+        ring = {k: v * scale for k, v in solved.ring.items()}
+        work = dataclasses.replace(
+            work, layer_fwd_s=work.layer_fwd_s + ring["fwd"],
+            attn_fwd_s=work.attn_fwd_s + ring["fwd"], layer_bwd_s=work.layer_bwd_s + ring["bwd"],
+            recompute_s={**work.recompute_s, "full": work.recompute_s["full"] + ring["fwd"]},
+            cp_bytes=ring["cp_bytes"] if cfg.cp > 1 else work.cp_bytes,
+            attn_out_bytes=ring["out"] if cfg.cp > 1 else work.attn_out_bytes)  # fmt: skip
         return dataclasses.replace(work, tp_collectives=tp_collectives(solved.collectives,
                                                                        scale))  # fmt: skip
 
-    def solved(self, t: int, rows: int | None = None) -> _Solved | None:
-        """Step 2 for degree ``t`` (memoised) on a trace of ``rows`` sequences (the
-        compiler's slice: a micro-batch) when the model can be retraced, else on the one
-        trace; None when the planner refuses it."""
-        rows = rows if self._retrace is not None and rows else self.graph.batch
-        if (t, rows) not in self._solved:
-            if rows not in self._traces:
-                self._traces[rows] = self._retrace(rows)
-            self._solved[t, rows] = self._solve(t, self._traces[rows])
-        return self._solved[t, rows]
+    def _graph_of(self, rows: int) -> GraphModel:
+        """Step 1 on a trace of ``rows`` sequences when the model can be retraced (values
+        whose size does not follow the batch, such as RoPE tables, then count as traced)."""
+        if self._retrace is None:
+            return self.graph
+        if rows not in self._graphs:
+            self._graphs[rows] = _priced(self._trace(rows), self._dtype, self.graph.name)
+        return self._graphs[rows]
 
-    def _solve(self, t: int, traced: Traced) -> _Solved | None:
-        from autopar.axes.data_parallel import local_model
+    def _trace(self, rows: int) -> Traced:
+        if rows not in self._traces:
+            self._traces[rows] = self._retrace(rows)
+        return self._traces[rows]
+
+    def solved(self, t: int, c: int = 1, rows: int | None = None) -> _Solved | None:
+        """Step 2 for degrees (``t``, ``c``) (memoised) on a trace of ``rows`` sequences (the
+        compiler's slice: a micro-batch) when the model can be retraced, else on the one
+        trace; None when the compiler refuses it."""
+        rows = rows if self._retrace is not None and rows else self.graph.batch
+        if (t, c, rows) not in self._solved:
+            self._solved[t, c, rows] = self._solve(t, c, self._trace(rows))
+        return self._solved[t, c, rows]
+
+    def _solve(self, t: int, c: int, traced: Traced) -> _Solved | None:
+        from autopar.axes.data_parallel import local_parts
+
+        try:
+            prog = self._compile(t, c, dataclasses.replace(traced, gm=copy_module(traced.gm)))
+        except PlanError:
+            return None
+        gm, model = local_parts(prog)
+        if model is None:
+            return None
+        return _Solved(model=model, collectives=tuple(prog.plan.collectives),
+                       ring=_ring_share(gm, model, self._cluster.gpu, self._dtype))  # fmt: skip
+
+    def _compile(self, t: int, c: int, fresh: Traced) -> Any:
+        """The program the driver builds for Mesh(cp=c, tp=t) inside a data axis."""
+        from autopar.axes.context_parallel import compile_traced_cp
+        from autopar.axes.data_parallel import join_cp
         from autopar.axes.tensor_parallel import compile_traced
         from autopar.mesh import Mesh
         from autopar.planner.tp import PlanOptions
 
-        fresh = dataclasses.replace(traced, gm=copy_module(traced.gm))
-        try:
-            prog = compile_traced(fresh, Mesh(self._cluster, tp=t),
-                                  PlanOptions(param_dtype=self._dtype), lambda _: None)  # fmt: skip
-        except PlanError:
-            return None
-        model = local_model(prog)
-        if model is None:
-            return None
-        return _Solved(model=model, collectives=tuple(prog.plan.collectives))
+        options = PlanOptions(param_dtype=self._dtype)
+        if c == 1:
+            return compile_traced(fresh, Mesh(self._cluster, tp=t), options, lambda _: None)
+        axes = tuple((a, n) for a, n in (("cp", c), ("tp", t)) if n > 1)
+        prog = compile_traced_cp(fresh, Mesh.ordered(axes, self._cluster), None, options, None)
+        return join_cp(prog)[0]
+
+
+def _priced(traced: Traced, param_dtype: torch.dtype, name: str | None) -> GraphModel:
+    """`cost.graph` on a copy of ``traced``, each value in its autocast dtype."""
+    from autopar.frontend.precision import annotate_autocast, mark_run_dtypes
+
+    gm = copy_module(traced.gm)
+    annotate_autocast(gm, param_dtype)
+    return GraphModel.from_traced(mark_run_dtypes(gm), name=name or traced.model_name)
+
+
+def _ring_share(gm: Any, model: GraphModel, gpu: GPU, dtype: torch.dtype) -> dict[str, float]:
+    """Per layer at the traced rows: the ring attentions' forward and backward seconds, K/V
+    message and output bytes (`context_parallel.ring_work`; zeros without a ring)."""
+    from autopar.axes.context_parallel import ring_work
+
+    base = model.workload(ParallelConfig(global_batch=model.batch), model.batch, gpu)
+    ringed = ring_work(gm, base, gpu, dtype)
+    if ringed is base:
+        return {"fwd": 0.0, "bwd": 0.0, "cp_bytes": 0.0, "out": 0.0}
+    return {"fwd": ringed.layer_fwd_s - base.layer_fwd_s,
+            "bwd": ringed.layer_bwd_s - base.layer_bwd_s, "cp_bytes": ringed.cp_bytes,
+            "out": ringed.attn_out_bytes}  # fmt: skip
