@@ -12,12 +12,15 @@ runtime reserve).  Ratios far from 1 mean the two halves of autopar price one co
 differently.
 
 Algorithm:
-1. Build the model on the meta device and trace it (with its loss, returned alone) once for the search (`cost.graph`, each
-   value priced in its autocast dtype, as the compiler's memory table prices it).
+1. Build the model on the meta device and trace it (with its loss, returned alone) once for
+   the search (`autopar.planner.solved.SolvedModel`: `cost.graph` on the trace, each value
+   priced in its autocast dtype, as the compiler's memory table prices it; each tp degree
+   priced from the tp planner's own solution at that degree on a trace of one micro-batch,
+   the slice the compiler traces, solved once per (degree, micro-batch)).
 2. Per configuration: estimate it (micro-batch = the per-rank batch: the data axis does not
    accumulate; under pp 1F1B over micro-batches of one sequence; the given ZeRO stage and
-   recompute; no Megatron-SP: the compiled tp plans keep norms and residuals whole),
-   compile it the same way, read the compiled plan.
+   recompute; the tp layouts, sequence splits included, are the solved plan's), compile it
+   the same way, read the compiled plan.
 3. Print one row per configuration: step time and memory, search vs compiled, and the ratios.
 """
 
@@ -30,24 +33,24 @@ import warnings
 import torch
 
 from autopar import Mesh, autoparallelize
-from autopar.frontend.precision import annotate_autocast, mark_run_dtypes
 from autopar.frontend.trace import trace
+from autopar.planner.solved import SolvedModel
 from cost.config import ParallelConfig
 from cost.estimate import estimate
-from cost.graph import GraphModel
 from cost.hardware import Cluster
 from cost.memory import RESERVED_BYTES
 
 GIB = 2**30
 UNLIMITED = 2.0**50  # bytes per rank
-# (name, mesh degrees, zero, recompute); dp is what tp·pp·cp leave of the cluster
+# (name, mesh degrees outermost first as the search nests them: pp, dp, cp, tp; zero,
+# recompute); dp is what tp·pp·cp leave of the cluster
 CONFIGS = [
     ("fsdp", {"dp": 64}, 3, "none"),
     ("fsdp + full recompute", {"dp": 64}, 3, "full"),
     ("tp x fsdp", {"dp": 8, "tp": 8}, 3, "none"),
     ("tp x dp + recompute", {"dp": 8, "tp": 8}, 1, "full"),
     ("tp2 x dp", {"dp": 32, "tp": 2}, 2, "none"),
-    ("pp x tp x dp", {"dp": 4, "pp": 2, "tp": 8}, 1, "none"),
+    ("pp x tp x dp", {"pp": 2, "dp": 4, "tp": 8}, 1, "none"),
     ("dp x cp", {"dp": 32, "cp": 2}, 2, "none"),
 ]
 
@@ -67,12 +70,17 @@ def _loss(out, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
 
 
-def _searched(priced: GraphModel, cluster: Cluster, batch: int, degrees: dict, zero: int,
+def _micro_batch(batch: int, degrees: dict) -> int:
+    """Rows of one micro-batch: the per-rank batch, or under pp one sequence."""
+    return 1 if degrees.get("pp", 1) > 1 else batch // degrees.get("dp", 1)
+
+
+def _searched(priced: SolvedModel, cluster: Cluster, batch: int, degrees: dict, zero: int,
               recompute: str) -> tuple[float, float]:  # fmt: skip
     """Step 2: the search's (step seconds, bytes per rank) of one configuration."""
     dp, pp = degrees.get("dp", 1), degrees.get("pp", 1)
     cfg = ParallelConfig(tp=degrees.get("tp", 1), pp=pp, dp=dp, cp=degrees.get("cp", 1),
-                         zero=zero, global_batch=batch, micro_batch=1 if pp > 1 else batch // dp,
+                         zero=zero, global_batch=batch, micro_batch=_micro_batch(batch, degrees),
                          schedule="1f1b", virtual_stages=1, recompute=recompute,
                          sequence_parallel=False)  # fmt: skip
     est = estimate(priced, cluster, cfg)
@@ -86,7 +94,7 @@ def _compiled(model, cluster: Cluster, x: torch.Tensor, degrees: dict, zero: int
     options = {"n_microbatches": per_rank} if degrees.get("pp", 1) > 1 else {}
     # memory_limit far above the GPU: a configuration that does not fit is priced all the same
     # (the comparison is of the two prices; whether it fits is the search's and FitError's job)
-    prog = autoparallelize(model, Mesh(cluster, **degrees), (x, x), loss_fn=_loss,
+    prog = autoparallelize(model, Mesh.ordered(tuple(degrees.items()), cluster), (x, x), loss_fn=_loss,
                            zero=zero, recompute=recompute, param_dtype=torch.bfloat16,
                            memory_limit=UNLIMITED, **options)  # fmt: skip
     plan = prog.plan.dp
@@ -103,11 +111,17 @@ def main() -> None:
     cluster = Cluster.preset("dgx-h100", nodes=8)
     model = _model(args.layers, args.seq)
     x = torch.randint(0, 128256, (args.batch, args.seq), device="meta")
-    gm = trace(model, (x, x), None, _loss).gm
-    annotate_autocast(gm, torch.bfloat16)  # activations priced in the dtype they run in
-    priced = GraphModel.from_traced(mark_run_dtypes(gm), name="llama")
+    t0 = time.perf_counter()
+    priced = SolvedModel(trace(model, (x, x), None, _loss), cluster, torch.bfloat16, "llama",
+                         retrace=lambda rows: trace(model, (x[:rows], x[:rows]), None, _loss))  # fmt: skip
+    for _, degrees, _, _ in CONFIGS:  # the sub-mesh compiled once per (degrees, micro-batch)
+        t, c = degrees.get("tp", 1), degrees.get("cp", 1)
+        if t * c > 1:
+            priced.solved(t, c, _micro_batch(args.batch, degrees))
+    searched_s = time.perf_counter() - t0
     print(f"HF Llama, {args.layers} layers at the Llama-3-8B width, global batch {args.batch} "
-          f"x {args.seq}, 64 H100, bf16 compute")  # fmt: skip
+          f"x {args.seq}, 64 H100, bf16 compute; trace + sub-mesh compiles for the search "
+          f"{searched_s:.1f} s")  # fmt: skip
     print(f"{'config':<24} {'search s':>9} {'compiled s':>10} {'ratio':>6} "
           f"{'search GiB':>10} {'compiled GiB':>12} {'ratio':>6} {'compile s':>9}")  # fmt: skip
     for name, degrees, zero, recompute in CONFIGS:

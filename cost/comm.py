@@ -92,7 +92,7 @@ def span_time(kind: str, nbytes: float, cluster: Cluster, stride: int, size: int
     one ring on NVLink inside a node, one ring on the fabric when each node holds a single
     member, and the hierarchical algorithm when each of several nodes holds several."""
     gpn = cluster.gpus_per_node
-    if size == 1:
+    if size == 1 or nbytes <= 0:  # no message, no collective (as `collective_time`)
         return 0.0
     if gpn % (stride * size) == 0:
         return collective_time(kind, nbytes, size, cluster.intra)

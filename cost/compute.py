@@ -105,6 +105,12 @@ def node_flops_bytes(node: torch.fx.Node) -> tuple[float, float]:
     return (0.0, moved) if name in _COPIES else (0.0, 0.0)
 
 
+def reads_whole_inputs(node: torch.fx.Node) -> bool:
+    """Whether `node_flops_bytes` counts every input whole (an embedding reads only the rows
+    it gathers, so its table's size is no part of its traffic)."""
+    return op_name(node) != "embedding"
+
+
 def matmul_efficiency(m: float, n: float, k: float) -> float:
     """Fraction of the dense peak a GEMM [m,k]×[k,n] reaches: the large-GEMM fraction, times
     the useful share of its output tiles, times k/(k + K_HALF) for the K loop.

@@ -8,16 +8,18 @@ Algorithm (`GraphModel.from_traced`, once per graph):
 3. Per node: FLOPs and bytes (`cost.compute`; bytes and peak at the dtype the node runs in
    when `meta["run_dtype"]` records it, as the compiler's `node_time` prices it), matmul
    efficiency, backward factor (`cost.compute.backward_factor`: 2.5 for SDPA, which recomputes
-   its scores, 2 for other nodes on the gradient path, 0 off it), whether it is attention, and
+   its scores, 2 for other nodes on the gradient path, 0 off it; the end regions too), the
+   weight bytes it reads (an embedding reads its gathered rows, not its table: per-token
+   bytes, as `cost.compute.node_time` prices it), whether it is attention, and
    whether it is the unfused attention core (score-shaped [.., s, s] tensors and the matmul
    consuming them).
 4. Tensor parallelism, Megatron's column/row pairing found in the graph: a parameter linear
    whose output (through dropout/views) feeds a residual `add` is row-parallel, every other
    parameter linear column-parallel; the tp region is what lies downstream of a column linear
    up to a row linear. Each row linear costs one all-reduce of its output per pass.
-5. Saved activations (what autograd keeps for backward, per op: `_SAVES`), deduplicated by the
-   view base they alias; tensors in the tp region divide by t, the rest only with sequence
-   parallelism. Selective recompute drops the attention-core tensors; full recompute keeps the
+5. Saved activations (what autograd keeps for backward, per op: `_SAVES`, autopar's ring
+   attention included), deduplicated by the view base they alias; tensors in the tp region
+   divide by t, the rest only with sequence parallelism. Selective recompute drops the attention-core tensors; full recompute keeps the
    block inputs only.
 
 Limits: expert routing in a traced graph is priced as the dense compute it traces (no
@@ -51,6 +53,7 @@ from cost.compute import (
     node_efficiency,
     node_flops_bytes,
     op_name,
+    reads_whole_inputs,
     tensors_of,
 )
 from cost.config import ParallelConfig
@@ -75,8 +78,12 @@ _SAVES: dict[str, tuple[tuple[int, ...], bool]] = {
     "sqrt": ((), True), "log": ((0,), False), "pow": ((0,), False), "mul": ((0, 1), False),
     "div": ((0, 1), False), "embedding": ((1,), False), "cross_entropy_loss": ((0, 1), False),
     "scaled_dot_product_attention": ((0, 1, 2), True),
+    # autopar's ring attention (autopar.ops.cp_ops): q, k, v and the merged output with its
+    # log-sum-exp (the one-node ring saves its own; the per-step ring's last node takes them)
+    "ring_attention": ((0, 1, 2), True), "ring_attention_out": ((0, 1, 2, 3, 4), False),
 }  # fmt: skip
-_STATS_BYTES = {"layer_norm": 8, "rms_norm": 4, "group_norm": 8, "scaled_dot_product_attention": 4}
+_STATS_BYTES = {"layer_norm": 8, "rms_norm": 4, "group_norm": 8, "scaled_dot_product_attention": 4,
+                "ring_attention": 4}  # fmt: skip
 _BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
 
 
@@ -148,8 +155,8 @@ class GraphModel:
             layer_bwd_s=layer_sum(times * a["bwd"]),
             recompute_s={"none": 0.0, "selective": layer_sum(times, block & (a["core"] > 0)),
                          "full": fwd},
-            pre_s=3 * float(times[a["region"] == 0].sum()),
-            post_s=3 * float(times[a["region"] == 2].sum()),
+            pre_s=float((times * (1 + a["bwd"]))[a["region"] == 0].sum()),
+            post_s=float((times * (1 + a["bwd"]))[a["region"] == 2].sum()),
             tp_bytes=self.comm["tp_bytes"] * share, tp_calls=round(self.comm["tp_calls"]),
             cp_bytes=self.comm["kv_bytes"] * share / t / per, cp_calls=cfg.cp - 1,
             ep_bytes=0.0, ep_calls=0, boundary_bytes=s["inputs"] * share / sp / per,
@@ -179,6 +186,11 @@ def _name(node: torch.fx.Node) -> str | None:
     if node.op == "call_function" and node.target is operator.getitem:
         return "getitem"
     return op_name(node)
+
+
+def in_block(path: str) -> bool:
+    """Whether module path `path` lies in a repeated block (`layers.7.mlp` does)."""
+    return _BLOCK.match(path) is not None
 
 
 def _block_key(node: torch.fx.Node) -> str | None:
@@ -317,13 +329,14 @@ def _node_arrays(walk: _Walk, regions: dict, seq: int) -> dict[str, np.ndarray]:
     for n in regions:
         flops, moved = node_flops_bytes(n)
         weights = sum(_out_bytes(a) for a in n.all_input_nodes if a in walk.fixed)
+        weights = weights if reads_whole_inputs(n) else 0.0  # an embedding: per-token bytes
         scale, peak = _run_scale(n)
         eff = node_efficiency(n)
         bwd = backward_factor(_name(n), n in walk.grad)
         launch = 1.0 if flops or moved else 0.0
         core = _is_core(n, seq, walk)
         attn = core or _name(n) == "scaled_dot_product_attention"
-        rows.append((flops, max(moved - weights, 0.0) * scale, weights * scale, eff, bwd, launch,
+        rows.append((flops, (moved - weights) * scale, weights * scale, eff, bwd, launch,
                      regions[n], float(core), float(attn), peak))  # fmt: skip
     keys = ("flops", "act_bytes", "weight_bytes", "eff", "bwd", "launch", "region", "core", "attn",
             "dtype")  # fmt: skip

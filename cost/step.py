@@ -3,8 +3,11 @@
 Algorithm (`step_time`):
 1. One micro-batch on the bottleneck stage: ⌈L/(p·v)⌉·v layers × (forward + backward + recompute
    forward) plus the end-stage work (embedding; final norm, LM head and loss).
-2. Tensor parallelism: 2 collectives on the [b, s/c, h] activation per layer per pass
-   (forward, backward, and the recompute forward under full recompute), on the critical path.
+2. Tensor parallelism (`tp_time`), on the critical path: the collectives a solved tp plan
+   lists (a traced model priced as the compiler builds it), else Megatron's 2 all-reduces on
+   the [b, s/c, h] activation per layer per pass (forward, backward, and the recompute
+   forward under full recompute).  `micro_batch_time` (steps 1-5) is what the compiled
+   plan's predicted step prices its micro-batches with.
 3. Context parallelism (`ring_attention`): the zig-zag-balanced causal ring runs c steps per
    pass, each on 1/c of the attention work; a K/V block send overlaps only its own step's block
    (not the whole attention), the backward ring carries K,V and the partial dK,dV (twice the
@@ -68,7 +71,8 @@ def _spans(cfg: ParallelConfig) -> dict[str, tuple[int, int]]:
 Collective = Callable[[str, float, int, int], float]
 
 
-def _default(cluster: Cluster) -> Collective:
+def default_collective(cluster: Cluster) -> Collective:
+    """The two-level link model's price of a collective over a rank span."""
     return lambda kind, nbytes, stride, size: span_time(kind, nbytes, cluster, stride, size)
 
 
@@ -135,12 +139,45 @@ def _ring(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
 
 def _layer_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
                 recompute: str, ring: RingAttention) -> dict:  # fmt: skip
-    """Exposed seconds per micro-batch per layer for tp, cp and ep (steps 2–4)."""
+    """Exposed seconds per micro-batch per layer for cp and ep (steps 3–4)."""
     passes = _passes(recompute)
-    tp = work.tp_calls * coll("all_reduce", work.tp_bytes, *spans["tp"])
     ep = work.ep_calls * coll("all_to_all", work.ep_bytes, *spans["ep"])
     cp = (passes - 1) * ring.fwd + ring.bwd
-    return {"tp": passes * tp, "cp": cp, "ep": passes * ep}
+    return {"cp": cp, "ep": passes * ep}
+
+
+def tp_time(work: Workload, coll: Collective, span: tuple[int, int], recompute: str,
+            per_stage: int) -> float:  # fmt: skip
+    """Tensor-parallel seconds of one micro-batch of `per_stage` layers (step 2), on the
+    critical path.  A solved plan's collectives (`work.tp_collectives`): each once, a
+    repeated block's scaled to the stage's layers, a block's forward ones once more under
+    full recompute (the checkpointed forward re-issues them); else Megatron's 2 all-reduces
+    of [b, s/c, h] per layer per pass."""
+    if work.tp_collectives is None:
+        per_layer = work.tp_calls * coll("all_reduce", work.tp_bytes, *span)
+        return per_stage * _passes(recompute) * per_layer
+    total, per = 0.0, per_stage / max(work.layers, 1)
+    for c in work.tp_collectives:
+        again = c.in_block and c.forward and recompute == "full"
+        total += (per if c.in_block else 1.0) * (1 + again) * coll(c.kind, c.nbytes, *span)
+    return total
+
+
+def micro_batch_time(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
+                     recompute: str, per_stage: int, v: int,
+                     cluster: Cluster) -> tuple[float, dict[str, float]]:  # fmt: skip
+    """Steps 1–5 for one micro-batch on the bottleneck stage: (compute seconds, exposed
+    seconds per axis).  The whole-cluster search and the compiled plan's predicted step
+    (`autopar.axes.data_parallel.predict_step`) both price a micro-batch with it."""
+    ends = work.pre_s + work.post_s if cfg.pp == 1 else max(work.pre_s, work.post_s)
+    layer = work.layer_fwd_s + work.layer_bwd_s + work.recompute_s[recompute]
+    ring = _ring(work, cfg, coll, spans, cluster)
+    layer_comm = _layer_comm(work, cfg, coll, spans, recompute, ring)
+    comm = {"tp": tp_time(work, coll, spans["tp"], recompute, per_stage),
+            **{k: per_stage * x for k, x in layer_comm.items()}}  # fmt: skip
+    p2p = coll("send_recv", work.boundary_bytes, *spans["pp"])
+    comm["pp"] = 2 * v * p2p if cfg.pp > 1 else 0.0
+    return per_stage * layer + ends, comm
 
 
 def _groups(work: Workload, spans: dict, layers: float, edges: float) -> tuple:
@@ -225,7 +262,7 @@ def data_parallel_time(work: Workload, cfg: ParallelConfig, cluster: Cluster, *,
     """Exposed data-parallel seconds of one step (step 6) for `per_stage` layers of `work`
     on the rank: what `step_time` prices, and what the compiled plan's step prices."""
     spans = spans or _spans(cfg)
-    coll = collective or _default(cluster)
+    coll = collective or default_collective(cluster)
     ring = _ring(work, cfg, coll, spans, cluster)
     gpn = cluster.gpus_per_node
     shared = crosses_nodes(*spans["cp"], gpn) and crosses_nodes(*spans["dp"], gpn)
@@ -239,17 +276,11 @@ def step_time(work: Workload, cfg: ParallelConfig, cluster: Cluster, *, micro_ba
     `spans` (axis → (stride, size)) and `collective` override the Megatron layout and the
     flat two-level link model (the planner passes other nestings and its topology)."""
     spans = spans or _spans(cfg)
-    coll = collective or _default(cluster)
+    coll = collective or default_collective(cluster)
     v = virtual if schedule == "interleaved" else 1
     per_stage = stage_layers(work.layers, cfg.pp, v)
-    ends = work.pre_s + work.post_s if cfg.pp == 1 else max(work.pre_s, work.post_s)
-    layer = work.layer_fwd_s + work.layer_bwd_s + work.recompute_s[recompute]
-    compute_mb = per_stage * layer + ends
-    ring = _ring(work, cfg, coll, spans, cluster)
-    layer_comm = _layer_comm(work, cfg, coll, spans, recompute, ring)
-    comm_mb = {k: per_stage * v for k, v in layer_comm.items()}
-    p2p = coll("send_recv", work.boundary_bytes, *spans["pp"])
-    comm_mb["pp"] = 2 * v * p2p if cfg.pp > 1 else 0.0
+    compute_mb, comm_mb = micro_batch_time(work, cfg, coll, spans, recompute, per_stage, v,
+                                           cluster)  # fmt: skip
     per_mb = compute_mb + sum(comm_mb.values())
     comm = {k: micro_batches * x for k, x in comm_mb.items()}
     comm["dp"] = data_parallel_time(work, cfg, cluster, micro_batches=micro_batches,

@@ -58,6 +58,21 @@ class Workload:
     layer_expert_params: float
     edge_params: float
     attn_out_bytes: float = 0.0  # bf16 attention output of one layer (the cp ring's merge)
+    # the tensor-parallel collectives of one micro-batch as a solved tp plan lists them
+    # (`TpCollective`); None: Megatron's two all-reduces per layer per pass (tp_bytes, tp_calls)
+    tp_collectives: tuple[TpCollective, ...] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TpCollective:
+    """One tensor-parallel collective of a micro-batch: its kind, message bytes (the whole
+    tensor), whether forward issues it, and whether it lies in a repeated block (so a stage
+    holds it per layer, and full recompute issues it again in backward)."""
+
+    kind: str
+    nbytes: float
+    forward: bool
+    in_block: bool
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,9 @@ Algorithm (:func:`compile_data_parallel`):
    (passes/global_batch.py) on a copy of each of the sub-mesh program's materialized stages
    (:attr:`DataParallelProgram.globalized`); a rank's module is cut from it by codegen.
 7. Predict the step time (:func:`predict_step`) with the whole-cluster search's functions
-   (`cost.step`): the sub-mesh plan's micro-batches and pipeline bubble, the exposed
-   gradient traffic over the ZeRO group and the optimizer step, on the program's local work.
+   (`cost.step`) on the program's local work (`cost.graph` on rank 0's graph) and its plan's
+   tp collectives: each micro-batch (`micro_batch_time`) and the pipeline bubble, the exposed
+   gradient traffic over the ZeRO group and the optimizer step.
 The runtime (autopar.runtime.DataParallelModule) reuses torch's engines for the reduction.
 """
 
@@ -414,8 +415,9 @@ def predict_step(inner: Any, mesh: Mesh, stage: int, axes: tuple[str, ...],
     spans = _mesh_spans(mesh, axes)
     best: PlanStep | None = None
     for _, programs in _rank_positions(inner):
-        works = [local_work(p, param_dtype) for p, _ in programs]
-        per_mb = sum(_micro_batch_s(inner, p, mesh) for p, _ in programs)
+        works = [plan_work(p, param_dtype) for p, _ in programs]
+        per_mb = sum(_micro_batch_s(inner, p, w, mesh, cfg, spans)
+                     for w, (p, _) in zip(works, programs, strict=True))  # fmt: skip
         dp = sum(data_parallel_time(w, cfg, mesh.cluster, micro_batches=m,
                                     recompute=getattr(p, "recompute", "none"),
                                     per_stage=w.layers, spans=spans)
@@ -447,12 +449,21 @@ def _mesh_spans(mesh: Mesh, axes: tuple[str, ...]) -> dict[str, tuple[int, int]]
     return {**out, "ep": (1, 1), "dp_expert": (1, 1)}
 
 
-def _micro_batch_s(inner: Any, program: Any, mesh: Mesh) -> float:
-    """Seconds of one micro-batch of ``program``: its plan's compute and communication, plus
-    under pp the send and receive of what its stage passes on (`cost.step`'s pp term)."""
+def _micro_batch_s(inner: Any, program: Any, work: Any, mesh: Mesh, cfg: Any,
+                   spans: dict[str, tuple[int, int]]) -> float:  # fmt: skip
+    """Seconds of one micro-batch of ``program``: `cost.step.micro_batch_time` (what the
+    search prices a micro-batch with) on its local work and its plan's tp collectives
+    (`plan_work`; a graph the cost model cannot price: its plan's compute and
+    communication), plus under pp the send and receive of what its stage passes on."""
     from cost.comm import collective_time
+    from cost.step import default_collective, micro_batch_time
 
     own = program.plan.compute_s + program.plan.comm_s
+    if work is not None:
+        mode = getattr(program, "recompute", "none")
+        compute, comm = micro_batch_time(work, cfg, default_collective(mesh.cluster), spans,
+                                         mode, work.layers, 1, mesh.cluster)  # fmt: skip
+        own = compute + sum(v for k, v in comm.items() if k != "pp")
     pipe = inner.pipeline
     if pipe is None:
         return own
@@ -469,20 +480,55 @@ def local_work(program: Any, param_dtype: torch.dtype = torch.float32) -> Any:
     attentions, which ``cost.graph`` does not know, are added as the cp pricing prices them.
     None for a graph the cost model cannot price (float64)."""
     from autopar.axes.context_parallel import ring_work
+    from cost.config import ParallelConfig
+
+    local, model = _local(program)
+    if model is None:
+        return None
+    gpu = program.mesh.cluster.gpu
+    work = model.workload(ParallelConfig(global_batch=model.batch), model.batch, gpu)
+    return ring_work(local, work, gpu, param_dtype)
+
+
+def local_parts(program: Any) -> tuple[fx.GraphModule, Any]:
+    """``program``'s sub-mesh rank 0 graph at its local shapes, each value marked with its
+    run-time dtype, and `cost.graph`'s `GraphModel` of it (what `local_work` prices; the
+    whole-cluster search's `autopar.planner.solved` prices a tp / cp degree by it); the model
+    is None where the cost model cannot price the graph."""
+    return _local(program)
+
+
+def _local(program: Any) -> tuple[fx.GraphModule, Any]:
     from autopar.codegen import build_module
     from autopar.frontend.precision import mark_run_dtypes
-    from cost.config import ParallelConfig
     from cost.errors import CostInputError
     from cost.graph import GraphModel
 
     local = mark_run_dtypes(build_module(program.graph_module, program.traced, program.mesh, 0))
     try:
-        model = GraphModel.from_traced(local)
+        return local, GraphModel.from_traced(local)
     except CostInputError:
+        return local, None
+
+
+def plan_work(program: Any, param_dtype: torch.dtype = torch.float32) -> Any:
+    """`local_work` with the tensor-parallel collectives ``program``'s plan lists (each with
+    its whole message; `cost.step.tp_time` prices them); None where `local_work` is."""
+    work = local_work(program, param_dtype)
+    if work is None:
         return None
-    gpu = program.mesh.cluster.gpu
-    work = model.workload(ParallelConfig(global_batch=model.batch), model.batch, gpu)
-    return ring_work(local, work, gpu, param_dtype)
+    return dataclasses.replace(work, tp_collectives=tp_collectives(program.plan.collectives))
+
+
+def tp_collectives(collectives: Sequence[Collective], scale: float = 1.0) -> tuple[Any, ...]:
+    """The ``tp`` collectives of a plan as `cost.workload.TpCollective`s, messages times
+    ``scale`` (the search's micro-batch over the traced batch)."""
+    from cost.graph import in_block
+    from cost.workload import TpCollective
+
+    return tuple(TpCollective(kind=c.kind, nbytes=c.bytes * scale, forward=c.direction == "fwd",
+                              in_block=in_block(c.where))
+                 for c in collectives if c.axis == "tp")  # fmt: skip
 
 
 def saved_activations(program: Any) -> float:

@@ -1,9 +1,12 @@
 """The search and the compiler price one configuration of one traced model alike (issue 19.5).
 
-A small HF Llama on the meta device, 16 H100: the search's memory per rank (`cost.estimate`
-on the traced graph) and the compiled plan's (its ZeRO row) agree within 2% for FSDP, FSDP
-with full recompute and pp x dp, the runtime reserve left out of both (dp x cp is 4% apart
-here: not yet one count), and the compiled plan's predicted step includes the data axis.
+A small HF Llama on the meta device, 16 H100: the search's step time and memory per rank
+(`cost.estimate` on `autopar.planner.solved.SolvedModel`: the traced graph, each tp and cp
+degree priced from the program the compiler builds for it) and the compiled plan's (its
+predicted step and its ZeRO row) agree within 2% for FSDP, FSDP with full recompute, tp x FSDP, tp x dp with full
+recompute and dp x cp (the runtime reserve left out of both); pp x dp and pp x tp x dp are
+strict xfails (`GAPS`).  Each mesh nests its axes as the search prices them
+(Megatron's order: pp outermost, then dp, cp, tp innermost).
 """
 
 from __future__ import annotations
@@ -18,19 +21,23 @@ pytest.importorskip("transformers")
 from benchmarks.search_vs_compiled import _loss  # noqa: E402
 from cost.config import ParallelConfig  # noqa: E402
 from cost.estimate import estimate  # noqa: E402
-from cost.graph import GraphModel  # noqa: E402
 from cost.hardware import Cluster  # noqa: E402
 
 BATCH, SEQ, VOCAB = 16, 2048, 8192
-CONFIGS = [({"dp": 16}, 3, "none"), ({"dp": 16}, 3, "full"), ({"dp": 8, "pp": 2}, 1, "none")]
+CONFIGS = {"fsdp": ({"dp": 16}, 3, "none"), "fsdp-full": ({"dp": 16}, 3, "full"),
+           "tp-fsdp": ({"dp": 4, "tp": 4}, 3, "none"),
+           "tp-dp-full": ({"dp": 4, "tp": 4}, 1, "full"),
+           "pp-dp": ({"pp": 2, "dp": 8}, 1, "none"),
+           "pp-tp-dp": ({"pp": 2, "dp": 2, "tp": 4}, 1, "none"),
+           "dp-cp": ({"dp": 8, "cp": 2}, 2, "none")}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def setup():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from autopar.frontend.precision import annotate_autocast, mark_run_dtypes
     from autopar.frontend.trace import trace
+    from autopar.planner.solved import SolvedModel
 
     cfg = LlamaConfig(num_hidden_layers=2, hidden_size=1024, num_attention_heads=8,
                       num_key_value_heads=4, intermediate_size=2816, vocab_size=VOCAB,
@@ -38,32 +45,53 @@ def setup():
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     x = torch.randint(0, VOCAB, (BATCH, SEQ), device="meta")
-    gm = trace(model, (x, x), None, _loss).gm
-    annotate_autocast(gm, torch.bfloat16)
-    return model, x, GraphModel.from_traced(mark_run_dtypes(gm)), Cluster.preset("dgx-h100",
-                                                                                 nodes=2)
+    cluster = Cluster.preset("dgx-h100", nodes=2)
+    priced = SolvedModel(trace(model, (x, x), None, _loss), cluster, torch.bfloat16,
+                         retrace=lambda rows: trace(model, (x[:rows], x[:rows]), None, _loss))  # fmt: skip
+    return model, x, priced, cluster
 
 
-@pytest.mark.parametrize("degrees,zero,recompute", CONFIGS,
-                         ids=["fsdp", "fsdp-full", "pp-dp"])  # fmt: skip
-def test_search_memory_equals_compiled(setup, degrees, zero, recompute):
-    from autopar import Mesh, autoparallelize
-
-    model, x, priced, cluster = setup
+def _searched(priced, cluster: Cluster, degrees: dict, zero: int, recompute: str):
     dp, pp = degrees.get("dp", 1), degrees.get("pp", 1)
     cfg = ParallelConfig(tp=degrees.get("tp", 1), pp=pp, dp=dp, cp=degrees.get("cp", 1),
                          zero=zero, global_batch=BATCH,
                          micro_batch=1 if pp > 1 else BATCH // dp, schedule="1f1b",
                          virtual_stages=1, recompute=recompute,
                          sequence_parallel=False)  # fmt: skip
-    est = estimate(priced, cluster, cfg)
-    options = {"n_microbatches": BATCH // dp} if pp > 1 else {}
+    return estimate(priced, cluster, cfg)
+
+
+# not yet one count (strict: each fails today, and passes once fixed): under pp the search's
+# bottleneck stage is an average layer plus the larger end, and it sends every block input
+# in its run-time dtype (the compiled pipeline sends 16-bit activations and recomputes the
+# RoPE tables)
+GAPS = {"pp-dp", "pp-tp-dp"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True))
+                                  if n in GAPS else n for n in CONFIGS])  # fmt: skip
+def test_search_prices_equal_compiled(setup, name):
+    from autopar import Mesh, autoparallelize
+
+    model, x, priced, cluster = setup
+    degrees, zero, recompute = CONFIGS[name]
+    est = _searched(priced, cluster, degrees, zero, recompute)
+    options = {"n_microbatches": BATCH // degrees["dp"]} if "pp" in degrees else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        prog = autoparallelize(model, Mesh(cluster, **degrees), (x, x), loss_fn=_loss,
+        prog = autoparallelize(model, Mesh.ordered(tuple(degrees.items()), cluster), (x, x), loss_fn=_loss,
                                zero=zero, recompute=recompute, param_dtype=torch.bfloat16,
                                **options)  # fmt: skip
     compiled = prog.plan.dp.memory[prog.plan.dp.zero].total
     searched = est.memory.total - est.memory.reserved
     assert compiled == pytest.approx(searched, rel=0.02)
-    assert prog.plan.dp.step is not None and prog.plan.dp.step.total > prog.plan.dp.step.sub_mesh
+    assert prog.plan.dp.step.total == pytest.approx(est.step.total, rel=0.02)
+    assert prog.plan.dp.step.total > prog.plan.dp.step.sub_mesh
+
+
+def test_a_tp_degree_is_solved_once(setup):
+    """The search prices a tp degree from one tp solve, shared by every configuration."""
+    _, _, priced, cluster = setup
+    first = priced.solved(4, 1, BATCH // 4)
+    _searched(priced, cluster, {"dp": 4, "tp": 4}, 1, "none")
+    assert priced.solved(4, 1, BATCH // 4) is first and first is not None
