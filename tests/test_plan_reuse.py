@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from autopar import Mesh, autoparallelize
-from autopar.errors import MeshError, PlanError
+from autopar.errors import InputError, MeshError, PlanError
 from autopar.plan import Plan
 from autopar.tools.testing import Config, MoEConfig, build, build_moe, lm_loss, tokens
 
@@ -71,6 +71,7 @@ def test_reloaded_program_is_the_saved_plan(kind, tmp_path_factory):
     trip = round_trip(kind, tmp_path_factory)
     section = CASES[kind][4]
     assert trip.saved == trip.made  # plan.json holds every axis's decisions
+    assert isinstance(trip.made, Plan) and str(trip.saved) == str(trip.made)  # one Plan, any mesh
     assert trip.saved.mesh == CASES[kind][0].axes and getattr(trip.saved, section) is not None
     assert trip.default.differences(trip.saved)  # the options changed the solution
     assert trip.reloaded.collectives == trip.saved.collectives
@@ -149,8 +150,10 @@ def test_expert_layers_that_differ_from_the_plan_are_named(tmp_path_factory):
 
 
 def test_a_wrapper_programs_plan_is_reused_directly(tmp_path_factory):
-    """``plan=prog.plan`` of a dp program (not a Plan) builds the one Plan and reuses it."""
+    """``plan=prog.plan`` of a dp program is reused as it is; anything but a Plan is refused."""
     mesh, model, config, options, _ = CASES["dp"]
     prog = autoparallelize(model(), mesh, tokens(config), lm_loss, zero=2)
     again = autoparallelize(model(), mesh, tokens(config), lm_loss, plan=prog.plan)
     assert again.plan.dp.zero == 2 and again.plan == prog.plan
+    with pytest.raises(InputError, match="plan= takes an autopar Plan"):
+        autoparallelize(model(), mesh, tokens(config), lm_loss, plan=prog.plan.to_json())
