@@ -431,7 +431,8 @@ def _pairs(rows: list) -> tuple[tuple, ...]:
 
 def decisions(section: Any) -> dict[str, Any]:
     """A section's decision fields (not its :func:`fact` fields), as plain data."""
-    return {f.name: asdict(section)[f.name] for f in fields(section) if f.compare}
+    whole = asdict(section)
+    return {f.name: whole[f.name] for f in fields(section) if f.compare}
 
 
 def _describe(section: Any) -> str:
