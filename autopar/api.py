@@ -67,8 +67,8 @@ def autoparallelize(
     A mesh with a ``pp`` axis pipelines the model: it must (with ``loss_fn``) return a scalar
     loss; ``n_microbatches`` (default: chosen), ``schedule`` ('gpipe', '1f1b', 'interleaved',
     'zero_bubble'), ``virtual_stages`` and ``split_points`` (module paths that must start a
-    stage) shape it.  Returns a PipelineProgram, or with a DeviceMesh this rank's
-    PipelineRunner (``runner.train_step(optimizer_factory)``).
+    stage) shape it.  The program's ``share(rank)`` is what a pipeline rank runs; with a
+    DeviceMesh this returns this rank's PipelineRunner (``runner.train_step(optimizer_factory)``).
 
     ``plan=Plan.load("out/plan.json")`` (or a program's ``prog.plan``) reuses every axis's
     decisions of a saved plan instead of solving: tp strategies (per stage), stage cuts,
@@ -88,8 +88,8 @@ def autoparallelize(
     ``param_dtype=torch.bfloat16`` computes in bf16 (autocast) with fp32 master weights and
     optimizer state, gradients reduced in ``reduce_dtype`` (fp32), and prices the model state,
     activations and collectives so (on a mesh with pp too: stage activations cross in bf16).
-    Returns a DataParallelProgram, or with a DeviceMesh this rank's DataParallelModule (DDP
-    or FSDP2 over the dp group).
+    With a DeviceMesh this returns this rank's DataParallelModule (DDP or FSDP2 over the dp
+    group).
 
     ``Mesh.auto(cluster)`` searches the degrees on the traced model (``global_batch``
     sequences per step, default the example batch) and compiles the best configuration, every

@@ -10,12 +10,16 @@ Algorithm (:func:`compile_model`):
    copies of this one graph: nothing re-traces, nothing calls the front door.
 3. Build the program of the mesh without the batch axes (:func:`_core`): pp cuts stages and
    compiles each (tp, or cp x tp); else cp splits the sequence of the tp program; else the
-   tp compile.  Then the recompute mode (autopar.axes.recompute).
-4. ep places the experts of that program across ep ranks (autopar.axes.expert_parallel).
-5. dp chooses the ZeRO stage for the per-rank memory of that program; under a memory limit
-   it re-solves the sub-mesh (steps 3-4 on a fresh copy of the trace) for a stage whose
-   fastest plan does not fit (autopar.axes.data_parallel).
-6. A reloaded plan is honoured at every level: each axis's section decides that axis, and
+   tp compile.  Each stage is priced in the recompute mode (autopar.axes.recompute.priced),
+   and the stages make one :class:`autopar.program.Program` whose one phase is the
+   ``recompute`` pass.
+4. ep recognises the MoE layers of those stages, prices its section and returns the same
+   stages on the ep mesh with the expert-axis phase run first (autopar.axes.expert_parallel).
+5. dp chooses the ZeRO stage for the per-rank memory of that program and returns it on the
+   whole mesh with its ``global_batch`` phase run last; under a memory limit it re-solves the
+   sub-mesh (steps 3-4 on a fresh copy of the trace) for a stage whose fastest plan does not
+   fit (autopar.axes.data_parallel).  Every step returns a Program: no axis wraps another's.
+6. A reloaded plan is honoured at every step: each axis's section decides that axis, and
    the compiled program must carry the saved decisions (else a PlanError names them).
 """
 
@@ -38,6 +42,7 @@ from autopar.mesh import Mesh
 from autopar.options import Options
 from autopar.plan import Plan, check_attention, check_split_points, honoured, section, settle
 from autopar.planner.tp import PlanOptions
+from autopar.program import Program, program_of
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +88,7 @@ class Progress:
 
 def compile_model(model: nn.Module, mesh: Mesh, example: Example,
                   loss_fn: Callable | None, options: Options, *,
-                  traces: dict[int, Traced] | None = None) -> Any:  # fmt: skip
+                  traces: dict[int, Traced] | None = None) -> Program:  # fmt: skip
     """Steps 1-6 on a virtual mesh.  ``traces`` (rows -> Traced) holds traces already made at
     a slice of that many rows (the search's); the one this call makes is added to it."""
     log = Progress(options.verbose)
@@ -101,7 +106,7 @@ def compile_model(model: nn.Module, mesh: Mesh, example: Example,
     sub, sub_plan = mesh.without("dp"), plan.without("dp") if plan else None
     calls = itertools.count()  # the first build takes the trace itself, re-solves a copy
 
-    def inner(limit: float | None) -> Any:
+    def inner(limit: float | None) -> Program:
         take = capture if next(calls) == 0 else dataclasses.replace(capture, traced=capture.fresh())
         return _experts(take, sub, options.replace(memory_limit=limit, plan=sub_plan), sub_plan,
                         config, example.batch // mesh.size("dp"))  # fmt: skip
@@ -176,55 +181,50 @@ def _capture(model: nn.Module, sliced: Example, loss_fn: Callable | None,
 
 
 def _experts(capture: Capture, mesh: Mesh, options: Options, plan: Plan | None, config: Any,
-             batch: int) -> Any:  # fmt: skip
+             batch: int) -> Program:  # fmt: skip
     """Step 4 (and 3 below it) on the mesh without dp."""
     if "ep" not in mesh.sizes:
         return _core(capture, mesh, options, plan, config)
     from autopar.axes.expert_parallel import compile_expert_parallel
-    from autopar.axes.recompute import attach
 
     sub = mesh.without("ep")
-    sub_plan = dataclasses.replace(plan.without("ep"), recompute="none") if plan else None
-    inner_options = options.replace(strict=options.strict and sub.world_size > 1,
-                                    plan=sub_plan, recompute="none")  # fmt: skip
-
-    def inner() -> Any:
-        return attach(_core(capture, sub, inner_options, sub_plan, config), options.recompute,
-                      apply=False)  # fmt: skip
-
-    prog = compile_expert_parallel(mesh, batch, inner, strict=options.strict,
+    sub_plan = plan.without("ep") if plan else None
+    inner_options = options.replace(strict=options.strict and sub.world_size > 1, plan=sub_plan)
+    core = _core(capture, sub, inner_options, sub_plan, config)
+    prog = compile_expert_parallel(mesh, batch, core, strict=options.strict,
                                    capacity_factor=options.capacity_factor)  # fmt: skip
-    prog.recompute = options.recompute
     return honoured(plan, prog)
 
 
 def _core(capture: Capture, mesh: Mesh, options: Options, plan: Plan | None,
-          config: Any) -> Any:  # fmt: skip
-    """Step 3: the program of the mesh without the batch axes (pp / cp / tp), with its
-    recompute mode."""
-    from autopar.axes.recompute import attach
+          config: Any) -> Program:  # fmt: skip
+    """Step 3: the program of the mesh without the batch axes (pp / cp / tp): its stages,
+    priced in the recompute mode."""
+    from autopar.axes.recompute import priced
 
     solver = PlanOptions(memory_limit=options.memory_limit, memory_weight=options.memory_weight,
                          strict=options.strict, fixed=plan.choice if plan else (),
                          param_dtype=options.param_dtype)  # fmt: skip
     check_attention(options.cp_attention, plan)
     traced, log = capture.traced, capture.log
+    pipeline = None
     if "pp" in mesh.sizes:
         from autopar.axes.pipeline import compile_pipeline
 
-        prog = compile_pipeline(traced, mesh, config, solver, options.split_points, log,
-                                options.cp_attention, plan=plan)  # fmt: skip
+        stages, pipeline = compile_pipeline(traced, mesh, config, solver, options.split_points,
+                                            log, options.cp_attention, plan=plan)  # fmt: skip
     elif "cp" in mesh.sizes:
         from autopar.axes.context_parallel import check_cp_mesh, compile_traced_cp
 
         check_cp_mesh(mesh)
-        prog = compile_traced_cp(traced, mesh, options.cp_attention, solver, section(plan, "cp"))
+        stages = [compile_traced_cp(traced, mesh, options.cp_attention, solver, section(plan, "cp"))]
     else:
         from autopar.axes.tensor_parallel import compile_traced
 
-        prog = compile_traced(traced, mesh, solver, log)
+        stages = [compile_traced(traced, mesh, solver, log)]
     mode = "none" if options.recompute is None else options.recompute
-    return honoured(plan, attach(prog, mode))
+    stages = priced(stages, mode, whole=pipeline is None)
+    return honoured(plan, program_of(mesh, stages, pipeline))
 
 
 def example_of(example_inputs: Sequence[Any], example_kwargs: dict | None) -> Example:

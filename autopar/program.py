@@ -1,9 +1,12 @@
-"""A compiled program: the plan, the lowered graph, and per-rank modules and source.
+"""A compiled program: one class on every mesh (:class:`Program`), built from the stage programs
+of the mesh without the batch axes (:class:`StageProgram`, one per pipeline stage; one without
+pp) and the phases the batch axes and recompute run on each stage.
 
-A program's rank modules come from its :class:`Materialized` stages (one without pp): the
-rank-independent program after every pass of the axes so far (the last, ``recompute``, in the
-program's recompute mode), which a batch axis (dp, ep) copies and runs its own passes on; a
-rank's module is its shard (autopar.codegen.shard).
+A program's rank modules come from its stages' materialized programs: each stage's
+rank-independent program (autopar.codegen.materialize, after the tp and cp passes) rewritten by
+the program's :class:`Phase` s in order (ep places the experts and makes its batch statistics
+global, the recompute pass in the stage's mode, dp makes its batch statistics global); a rank's
+module is its shard (autopar.codegen.shard).
 
 :func:`collectives_of` reads one training step's collectives off the lowered graph: each
 collective op contributes its forward transfer and the backward transfer its ``grad`` mode
@@ -13,6 +16,7 @@ implies (only when the value needs a gradient).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -64,39 +68,31 @@ class Materialized:
         return self.rewritten(ctx, [recompute])
 
 
-class Program:
-    """What :func:`autopar.autoparallelize` returns on a virtual mesh without dp, ep or pp.
-
-    Every program kind answers the same questions: ``model_name``, ``core`` (the program of
-    the mesh without the batch axes: a Program or a PipelineProgram), ``pipeline`` (the
-    PipelineProgram inside, or None), ``inner`` (the program a batch axis wraps, or None) and
-    ``loss_graph`` (the traced graph whose output is the loss)."""
-
-    inner = None  # no batch axis wraps anything here
-    pipeline = None
+class StageProgram:
+    """One stage's compiled program of the mesh without the batch axes (tp, or cp x tp; the
+    whole model without pp): its plan, lowered graph, trace and pass history, and the recompute
+    mode its plan was priced with (:func:`autopar.axes.recompute.priced`).  A
+    :class:`Program` holds one per pipeline stage."""
 
     def __init__(self, *, plan: Plan, mesh: Mesh, graph_module: fx.GraphModule,
-                 traced: Traced, history: list[PassRecord]) -> None:  # fmt: skip
+                 traced: Traced, history: list[PassRecord], recompute: str = "none",
+                 recompute_effect: Any = None) -> None:  # fmt: skip
         self.plan = plan
         self.mesh = mesh
         self.graph_module = graph_module
         self.traced = traced
-        self._history = history
+        self.history = history
+        self.recompute = recompute  # the mode the recompute phase runs on this stage
+        self.recompute_effect = recompute_effect
         self._modules: dict[int, fx.GraphModule] = {}
-        self._final: dict[str, tuple[Materialized, list[PassRecord]]] = {}  # by recompute mode
-        self.recompute = "none"  # activation recomputation (autopar.axes.recompute.attach)
 
-    @property
-    def model_name(self) -> str:
-        return self.traced.model_name
-
-    @property
-    def core(self) -> Program:
-        return self
-
-    @property
-    def loss_graph(self) -> fx.GraphModule:
-        return self.traced.gm
+    def priced(self, plan: Plan, recompute: str, effect: Any) -> StageProgram:
+        """This stage with ``plan`` (re-priced for ``recompute``), sharing its graph."""
+        out = StageProgram(plan=plan, mesh=self.mesh, graph_module=self.graph_module,
+                           traced=self.traced, history=self.history, recompute=recompute,
+                           recompute_effect=effect)  # fmt: skip
+        out.__dict__.update({k: v for k, v in self.__dict__.items() if k == "materialized"})
+        return out
 
     @cached_property
     def materialized(self) -> fx.GraphModule:
@@ -104,65 +100,236 @@ class Program:
         return materialize(self.graph_module, self.traced)
 
     @property
-    def history(self) -> list[PassRecord]:
-        """The passes that built the program (the tp passes, cp), then its recompute pass."""
-        return [*self._history, *self._recomputed()[1]]
-
-    def materialized_stage(self, stage: int = 0) -> Materialized:
-        """The program's one materialized stage (``stage`` 0: a program without pp), after its
-        recompute pass."""
-        return self._recomputed()[0]
-
-    def _recomputed(self) -> tuple[Materialized, list[PassRecord]]:
-        if self.recompute not in self._final:
-            whole = Materialized(module=self.materialized, traced=self.traced, mesh=self.mesh)
-            self._final[self.recompute] = whole.recomputed(self.recompute)
-        return self._final[self.recompute]
+    def whole(self) -> Materialized:
+        return Materialized(module=self.materialized, traced=self.traced, mesh=self.mesh)
 
     def module(self, rank: int) -> fx.GraphModule:
-        """The GraphModule of ``rank``, holding only that rank's parameter shards."""
+        """``rank``'s (in :attr:`mesh`) shard of the stage before the phases (no recompute):
+        what the planners of the batch axes read."""
         if rank not in self._modules:
-            self._modules[rank] = self.materialized_stage().build(rank)
+            self._modules[rank] = self.whole.build(rank)
         return self._modules[rank]
 
+    def __repr__(self) -> str:
+        return f"<autopar.StageProgram {self.plan.model} on {self.mesh}, plan {self.plan.hash}>"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Phase:
+    """What one axis runs on every materialized stage after the stages are compiled: ``run(i,
+    stage)`` returns stage ``i`` rewritten (itself where nothing changed) and the records of
+    its passes."""
+
+    name: str
+    run: Callable[[int, Materialized], tuple[Materialized, list[PassRecord]]]
+
+
+def recompute_phase(stages: Sequence[StageProgram]) -> Phase:
+    """The ``recompute`` pass on each stage in the mode its plan was priced with."""
+    return Phase(name="recompute", run=lambda i, m: m.recomputed(stages[i].recompute))
+
+
+class Program:
+    """What :func:`autopar.autoparallelize` returns on a virtual mesh, whatever its axes.
+
+    1. ``plan``: the one frozen :class:`autopar.plan.Plan` (a section per axis).
+    2. ``stages``: the :class:`StageProgram` of each pipeline stage (one without pp);
+       ``pipeline`` the stage cuts and schedule (autopar.axes.pipeline.PipelineLayout, None
+       without pp); ``stage_layers`` the MoE layers ep found per stage (empty without ep).
+    3. ``phases``: what the axes run on each materialized stage, in order (ep's passes, the
+       recompute pass, dp's); :meth:`final` is a stage after them all, :attr:`history` every
+       pass that built the program.
+    4. ``module(rank)`` / ``share(rank)`` (under pp: the rank's stages and schedule) /
+       ``code(rank)`` / ``collectives()`` / ``save(directory)`` / ``report(path)``.
+    """
+
+    def __init__(self, *, mesh: Mesh, plan: Plan, stages: Sequence[StageProgram],
+                 pipeline: Any = None, phases: Sequence[Phase] = (),
+                 stage_layers: tuple[tuple[Any, ...], ...] = (),
+                 capacity: float = 0.0) -> None:  # fmt: skip
+        self.mesh, self.plan = mesh, plan
+        self.stages = tuple(stages)
+        self.pipeline = pipeline
+        self.phases = tuple(phases)
+        self.stage_layers = stage_layers
+        self.capacity = capacity
+        self._finals: dict[tuple[int, int], tuple[Materialized, list[PassRecord]]] = {}
+        self._modules: dict[tuple[int, int], fx.GraphModule] = {}
+
+    def then(self, mesh: Mesh, plan: Plan, phase: Phase | None = None, *, first: bool = False,
+             **facts: Any) -> Program:  # fmt: skip
+        """This program's stages on ``mesh`` with ``plan``, ``phase`` run after its phases (before
+        them: ``first``); ``facts`` replace the ep facts (``stage_layers``, ``capacity``)."""
+        extra = () if phase is None else (phase,)
+        phases = (*extra, *self.phases) if first else (*self.phases, *extra)
+        kept = {"stage_layers": self.stage_layers, "capacity": self.capacity, **facts}
+        out = Program(mesh=mesh, plan=plan, stages=self.stages, pipeline=self.pipeline,
+                      phases=phases, **kept)  # fmt: skip
+        if not first:  # the same phases first: the stages already run through them are kept
+            out._finals = self._finals
+        return out
+
+    @property
+    def model_name(self) -> str:
+        return self.plan.model
+
+    @property
+    def layers(self) -> tuple[Any, ...]:
+        """The MoE layers ep places (every stage's)."""
+        return tuple(layer for ls in self.stage_layers for layer in ls)
+
+    @property
+    def loss_graph(self) -> fx.GraphModule:
+        """The traced graph whose output is the loss (the last stage's)."""
+        return self.stages[-1].traced.gm
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        """The lowered graph of a program of one stage."""
+        return self._one_stage().graph_module
+
+    @property
+    def traced(self) -> Traced:
+        """The trace of a program of one stage."""
+        return self._one_stage().traced
+
+    def _one_stage(self) -> StageProgram:
+        if len(self.stages) != 1:
+            raise AttributeError(f"{self!r} has {len(self.stages)} pipeline stages: read "
+                                 "prog.stages[i].graph_module / .traced")  # fmt: skip
+        return self.stages[0]
+
+    # ------------------------------------------------------------ stages after the phases
+
+    def final(self, stage: int = 0, upto: int | None = None) -> Materialized:
+        """Stage ``stage`` materialized after the first ``upto`` phases (default: all)."""
+        return self._after(stage, len(self.phases) if upto is None else upto)[0]
+
+    def _after(self, stage: int, k: int) -> tuple[Materialized, list[PassRecord]]:
+        if k == 0:
+            return self.stages[stage].whole, []
+        if (stage, k) not in self._finals:
+            before = self._after(stage, k - 1)[0]
+            self._finals[(stage, k)] = self.phases[k - 1].run(stage, before)
+        return self._finals[(stage, k)]
+
+    @property
+    def history(self) -> list[PassRecord]:
+        """Every pass that built the program: the stage split and each stage's tp / cp passes,
+        then each phase on each stage in turn."""
+        def tag(r: PassRecord, i: int) -> PassRecord:
+            return dataclasses.replace(r, name=f"{r.name} [stage {i}]") if self.pipeline else r
+
+        built = [tag(r, i) for i, st in enumerate(self.stages) for r in st.history]
+        if self.pipeline is not None:
+            built.insert(0, self.pipeline.split)
+        for k in range(1, len(self.phases) + 1):
+            built += [tag(r, i) for i in range(len(self.stages)) for r in self._after(i, k)[1]]
+        return built
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """Stages held by a pipeline rank: s, s + p, ... (interleaved placement; [0] without pp)."""
+        if self.pipeline is None:
+            return [0]
+        return list(range(pp_rank, len(self.stages), self.mesh.size("pp")))
+
+    # ------------------------------------------------------------ a rank's program
+
+    def module(self, rank: int, stage: int | None = None) -> fx.GraphModule:
+        """``rank``'s module of ``stage`` (default: the rank's first stage), holding only its
+        shards: every data-parallel replica runs the same one."""
+        coords = self.mesh.coordinates(rank)
+        stage = self.stages_of(coords.get("pp", 0))[0] if stage is None else stage
+        final = self.final(stage)
+        local = final.mesh.rank_of({**coords, "dp": 0})
+        if (stage, local) not in self._modules:
+            self._modules[(stage, local)] = final.build(local)
+        return self._modules[(stage, local)]
+
+    def share(self, rank: int) -> Any:
+        """Under pp, what ``rank`` runs: its stages' modules and the schedule's settings
+        (autopar.runtime.RankShare)."""
+        if self.pipeline is None:
+            raise AttributeError(f"{self!r} has no pipeline axis: run prog.module(rank)")
+        coords = self.mesh.coordinates(rank)
+        return self.pipeline.share(self, coords, {s: self.module(rank, s)
+                                                  for s in self.stages_of(coords["pp"])})  # fmt: skip
+
     def code(self, rank: int = 0) -> str:
-        """Readable generated source of ``rank``'s program."""
-        return render(self.module(rank), self.header(rank))
+        """Readable generated source of ``rank``'s program (each of its stages under pp)."""
+        stages = self.stages_of(self.mesh.coordinates(rank).get("pp", 0))
+        if self.pipeline is None:
+            return render(self.module(rank), self.header(rank))
+        return "\n".join(f"# ===== stage {s} of {len(self.stages)} on rank {rank} =====\n"
+                         + render(self.module(rank, s), self.header(rank)) for s in stages)  # fmt: skip
 
     def header(self, rank: int) -> str:
-        coords = ", ".join(f"{a}={c}" for a, c in self.mesh.coordinates(rank).items())
-        return (
-            f"# autopar program · plan {self.plan.hash} · rank {rank} of "
-            f"{self.mesh.world_size} · mesh coordinates ({coords})\n"
-            f"# {self.mesh}; comments give each node's local shape and layout "
-            "P(per tensor dim: mesh axes splitting it; partial=axes still to be summed)\n"
-        )
+        coords = self.mesh.coordinates(rank)
+        at = ", ".join(f"{a}={c}" for a, c in coords.items())
+        lines = [f"# autopar program · plan {self.plan.label} · rank {rank} of "
+                 f"{self.mesh.world_size} · mesh coordinates ({at})"]  # fmt: skip
+        if self.plan.dp:
+            lines.append(f"# batch slice dp={coords['dp']}; gradients reduced over "
+                         f"{' x '.join(self.plan.dp.zero_axes)} with ZeRO-{self.plan.dp.zero}")
+        if self.plan.ep:
+            lines.append(f"# batch slice ep={coords['ep']}: the experts of this ep rank")
+        lines.append(f"# {self.mesh}; comments give each node's local shape and layout "
+                     "P(per tensor dim: mesh axes splitting it; partial=axes still to be summed)")
+        return "\n".join(lines) + "\n"
 
     def collectives(self) -> list[Collective]:
         """One training step's collectives: kind, axis, shape, dtype, bytes, direction."""
         return list(self.plan.collectives)
 
+    def timeline(self) -> Any:
+        """Under pp: the simulated schedule (autopar.axes.schedule)."""
+        return self._pipeline().timeline(self.mesh.size("pp"), len(self.stages))
+
+    def train_step(self, optimizer_factory: Callable[[list[Any]], Any]) -> Any:
+        """Under pp on a virtual mesh: the schedule this step would run (print it)."""
+        from autopar.axes.pipeline import TrainStepPreview
+
+        self._pipeline()
+        return TrainStepPreview(self, optimizer_factory)
+
+    def _pipeline(self) -> Any:
+        if self.pipeline is None:
+            raise AttributeError(f"{self!r} has no pipeline axis")
+        return self.pipeline
+
     @cached_property
     def distinct_programs(self) -> dict[str, list[int]]:
-        """Source text (without header) -> ranks running it."""
+        """Source text (without header) -> ranks running it (under pp: per stage)."""
         out: dict[str, list[int]] = {}
         for rank in range(self.mesh.world_size):
-            out.setdefault(render(self.module(rank), ""), []).append(rank)
+            for s in self.stages_of(self.mesh.coordinates(rank).get("pp", 0)):
+                out.setdefault(render(self.module(rank, s), ""), []).append(rank)
         return out
 
     def save(self, directory: str | Path) -> list[Path]:
-        """Write one runnable .py per distinct program plus plan.txt and plan.json."""
+        """Write one runnable .py per distinct program (under pp: per stage), plan.txt,
+        plan.json, and under pp pipeline.txt (the simulated schedule)."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         written = []
-        for i, (_, ranks) in enumerate(self.distinct_programs.items()):
+        for i, (source, ranks) in enumerate(self.distinct_programs.items()):
             path = d / f"program_{i}.py"
-            module = self.module(ranks[0])
-            path.write_text(_preamble(module, ranks) + self.code(ranks[0]))
+            stage = self._stage_of_source(ranks[0], source)
+            module = self.module(ranks[0], stage)
+            head = f"# pipeline stage {stage} of {len(self.stages)}\n" if self.pipeline else ""
+            path.write_text(_preamble(module, ranks) + head + render(module, self.header(ranks[0])))
             written.append(path)
         (d / "plan.txt").write_text(str(self.plan) + "\n")
         (d / "plan.json").write_text(self.plan.to_json())
-        return [*written, d / "plan.txt", d / "plan.json"]
+        written += [d / "plan.txt", d / "plan.json"]
+        if self.pipeline is not None:
+            (d / "pipeline.txt").write_text(str(self.timeline()) + "\n")
+            written.append(d / "pipeline.txt")
+        return written
+
+    def _stage_of_source(self, rank: int, source: str) -> int:
+        stages = self.stages_of(self.mesh.coordinates(rank).get("pp", 0))
+        return next(s for s in stages if render(self.module(rank, s), "") == source)
 
     def report(self, path: str | Path, **options: Any) -> Path:
         """The plan drawn in one self-contained HTML file (`autopar.tools.report.write_report`:
@@ -172,7 +339,22 @@ class Program:
         return write_report(self, path, **options)
 
     def __repr__(self) -> str:
-        return f"<autopar.Program {self.plan.model} on {self.mesh}, plan {self.plan.hash}>"
+        stages = f", {len(self.stages)} stages" if self.pipeline is not None else ""
+        return f"<autopar.Program {self.plan.model} on {self.mesh}{stages}, plan {self.plan.label}>"
+
+
+def program_of(mesh: Mesh, stages: Sequence[StageProgram], pipeline: Any = None) -> Program:
+    """The program of the mesh without the batch axes: its stages (each priced in its recompute
+    mode), their plan (under pp: the pipeline's, autopar.axes.pipeline.pipeline_plan) and the
+    recompute phase."""
+    if pipeline is None:
+        plan = stages[0].plan
+    else:
+        from autopar.axes.pipeline import pipeline_plan
+
+        plan = pipeline_plan(mesh, pipeline, [s.plan for s in stages])
+    return Program(mesh=mesh, plan=plan, stages=stages, pipeline=pipeline,
+                   phases=(recompute_phase(stages),))  # fmt: skip
 
 
 def _preamble(module: fx.GraphModule, ranks: list[int]) -> str:
@@ -275,40 +457,3 @@ def _ce_collectives(node: fx.Node) -> list[Collective]:
     axis = node.args[2]
     stats = [torch.empty(rows, device="meta"), torch.empty(rows, 2, device="meta")]
     return [_record("all_reduce", axis, s, "fwd", meta.module_path(node)) for s in stats]
-
-
-class BatchAxisProgram:
-    """What a batch axis (dp, ep) returns: a program over ``inner``, the program of the mesh
-    without that axis, run on every rank's slice of the batch.  Answers the questions every
-    program kind answers from ``inner`` (see :class:`Program`)."""
-
-    inner: Any
-    mesh: Mesh
-    inner_mesh: Mesh
-
-    @property
-    def model_name(self) -> str:
-        return self.inner.model_name
-
-    @property
-    def core(self) -> Any:
-        return self.inner.core
-
-    @property
-    def pipeline(self) -> Any:
-        return self.inner.pipeline
-
-    @property
-    def loss_graph(self) -> fx.GraphModule:
-        return self.inner.loss_graph
-
-    @property
-    def history(self) -> list[PassRecord]:
-        """The passes that built the sub-mesh program (the axis rewrites its rank modules)."""
-        return self.inner.history
-
-    def inner_rank(self, rank: int) -> int:
-        """The sub-mesh rank that global ``rank`` plays (its coordinates off this axis)."""
-        coords = self.mesh.coordinates(rank)
-        return self.inner_mesh.rank_of({a: coords.get(a, 0) for a, _ in self.inner_mesh.axes})
-

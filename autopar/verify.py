@@ -39,9 +39,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from autopar.api import autoparallelize
-from autopar.axes.data_parallel import DataParallelProgram, batch_slices
-from autopar.axes.expert_parallel import ExpertParallelProgram
-from autopar.axes.pipeline import PipelineProgram
+from autopar.axes.data_parallel import batch_slices
 from autopar.codegen import shard_tensor
 from autopar.compare import (
     TensorCheck,
@@ -56,7 +54,7 @@ from autopar.ir import meta
 from autopar.ir.layout import Layout
 from autopar.mesh import Mesh
 from autopar.ops import collectives
-from autopar.program import Program
+from autopar.program import Program, StageProgram
 from autopar.runtime.pool import get_pool
 
 
@@ -158,7 +156,7 @@ class ProgramView:
 
     top: Any  # the returned program: its module(rank), or under pp its share(rank), runs
     batch: tuple[tuple[str, int], ...]  # the batch axes present (dp, then ep) and their sizes
-    units: tuple[tuple[int | None, Program], ...]  # (stage, or None: no pp; its program)
+    units: tuple[tuple[int | None, StageProgram], ...]  # (stage, or None: no pp; its program)
     experts: frozenset[str]  # expert parameters: each ep rank holds its experts (dim 0)
     data: tuple[int, str, tuple[str, ...]] | None  # dp: ZeRO stage, reduction, ZeRO axes
     scale: int  # cotangent factor of batched outputs: dp under a mean loss
@@ -169,22 +167,22 @@ class ProgramView:
         return self.units[0][0] is not None
 
 
-def program_view(prog: Any) -> ProgramView:
-    """Step 1: unwrap dp (DataParallelProgram), then ep (ExpertParallelProgram), then pp."""
-    top, batch, experts, data, scale = prog, [], frozenset(), None, 1
-    if isinstance(prog, DataParallelProgram):
-        dp, plan = prog.mesh.size("dp"), prog.plan
+def program_view(prog: Program) -> ProgramView:
+    """Step 1: the batch axes (dp, then ep), the ZeRO settings, the expert weights and the
+    stage programs of ``prog``."""
+    batch, data, scale = [], None, 1
+    if prog.plan.dp:
+        dp, section = prog.mesh.size("dp"), prog.plan.dp
         batch.append(("dp", dp))
-        data = (plan.dp.zero, plan.dp.reduction, plan.dp.zero_axes)
-        scale = dp if plan.dp.reduction == "mean" else 1
-        prog = prog.inner
-    if isinstance(prog, ExpertParallelProgram):
+        data = (section.zero, section.reduction, section.zero_axes)
+        scale = dp if section.reduction == "mean" else 1
+    if prog.plan.ep:
         batch.append(("ep", prog.mesh.size("ep")))
-        experts = frozenset(w for layer in prog.layers for w in layer.weights)
-        prog = prog.inner
-    units = tuple(enumerate(prog.stages)) if isinstance(prog, PipelineProgram) else ((None, prog),)
+    experts = frozenset(w for layer in prog.layers for w in layer.weights)
+    units = (tuple(enumerate(prog.stages)) if prog.pipeline is not None
+             else ((None, prog.stages[0]),))  # fmt: skip
     replicas = tuple(itertools.product(*(range(n) for _, n in batch)))
-    return ProgramView(top=top, batch=tuple(batch), units=units, experts=experts, data=data,
+    return ProgramView(top=prog, batch=tuple(batch), units=units, experts=experts, data=data,
                        scale=scale, replicas=replicas)  # fmt: skip
 
 

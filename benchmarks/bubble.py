@@ -155,7 +155,7 @@ def main() -> None:
             prog = autoparallelize(build("llama", c), Mesh(pp=WORLD), tokens(c), loss_fn=lm_loss,
                                    n_microbatches=m, schedule=schedule)  # fmt: skip
             predicted[schedule, m] = prog.timeline().bubble
-    print("\n".join(prog.cut.describe()), flush=True)
+    print("\n".join(prog.pipeline.cut.describe()), flush=True)
 
     print(f"2. spawning {WORLD} Gloo ranks", flush=True)
     results = mp.get_context("spawn").SimpleQueue()

@@ -47,10 +47,10 @@ def main() -> None:
     megatron = seq // tp * h * 2
     print(f"HF Llama {layers} layers, h {h}, Mesh(pp=4, tp={tp}), bf16, micro-batch 1 x {seq}")
     print(f"{'stage':>5} {'sends MiB':>10} {'whole MiB':>10} {'Megatron-SP MiB':>16}  placements sent")
-    for i, (stage, graph) in enumerate(zip(prog.stages[:-1], prog.graphs[:-1], strict=True)):
-        whole = _whole_bytes(graph, prog.grad_names)
+    for i, (stage, graph) in enumerate(zip(prog.stages[:-1], prog.pipeline.graphs[:-1], strict=True)):
+        whole = _whole_bytes(graph, prog.pipeline.grad_names)
         sent = sent_placements(stage.graph_module, graph)
-        print(f"{i:>5} {prog.cut.boundary_bytes[i] / MIB:>10.2f} {whole / MIB:>10.2f} "
+        print(f"{i:>5} {prog.pipeline.cut.boundary_bytes[i] / MIB:>10.2f} {whole / MIB:>10.2f} "
               f"{megatron / MIB:>16.2f}  {', '.join(sorted(set(sent.values())))}")  # fmt: skip
 
 

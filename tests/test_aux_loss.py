@@ -75,7 +75,7 @@ def test_the_statistics_found_are_the_aux_loss_reductions():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prog = autoparallelize(model, Mesh(ep=2), args, example_kwargs=kwargs)
-    found = boundaries(prog.inner.module(0).graph)
+    found = boundaries(prog.stages[0].module(0).graph)  # before the ep passes
     assert sorted(n.name.rstrip("_0123456789") for n in found) == ["histc"] * 2 + ["sum"] * 2
     assert all("load_balancing" in str(n.meta.get("stack_trace", "")) or
                "aux" in str(n.meta.get("stack_trace", "")) for n in found)  # fmt: skip
@@ -225,7 +225,7 @@ def _partial(options):
 
 def test_mixtral_aux_loss_under_dp_x_pp_is_global_over_dp():
     """Mesh(dp=2, pp=2), one micro-batch: each stage module's statistics are made global over
-    dp too (DataParallelProgram.share), so the aux loss is the global batch's."""
+    dp too (the program's global_batch phase over dp), so the aux loss is the global batch's."""
     model, args, kwargs = _hf("mixtral", batch=4)
     args = (args[0], kwargs["labels"])
     report = _check(model, Mesh(dp=2, pp=2), args, loss_fn=_aux_lm_loss,

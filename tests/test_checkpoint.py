@@ -349,7 +349,7 @@ def test_saved_under_dp_pp_resumes_on_one_device(tmp_path):
     x, y = tokens(LLAMA)
     prog = autoparallelize(build("llama", LLAMA), Mesh(dp=2, pp=2), (x, y), loss_fn=lm_loss,
                            n_microbatches=2)  # fmt: skip
-    jobs = [(prog.inner.share(prog.inner_rank(r)), tmp_path, prog.plan.dp.zero, prog.plan.dp.reduction)
+    jobs = [(prog.share(r), tmp_path, prog.plan.dp.zero, prog.plan.dp.reduction)
             for r in range(4)]  # fmt: skip
     first = _pool().run(_dp_pp_rank, prog.mesh.axes, jobs)
     for losses in first:

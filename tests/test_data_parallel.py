@@ -71,16 +71,18 @@ def test_mesh_axes_are_canonical_and_print_their_links():
     text = str(prog.plan)
     assert "dp=2 over nvlink" in text and "tp=2 over nvlink" in text
     assert "loss is a mean over the batch" in text and "why: ZeRO-0" in text
-    assert prog.code(3).startswith("# data-parallel rank 3 of 4 (dp=1, tp=1)")
-    assert "rank 1 of 2" in prog.code(3)  # the tp program's rank 1
+    assert prog.code(3).startswith(f"# autopar program · plan {prog.plan.label} · rank 3 of 4 "
+                                   "· mesh coordinates (dp=1, tp=1)\n# batch slice dp=1;")
+    assert prog.module(3).meta["coords"] == {"tp": 1}  # the tp program's rank 1, dp's replica
 
 
-def test_save_writes_the_sub_mesh_programs_and_the_dp_plan(tmp_path):
+def test_save_writes_the_rank_programs_and_the_whole_plan(tmp_path):
     c = Config(batch=4)
     prog = autoparallelize(build("gpt", c), Mesh(dp=2, tp=2), tokens(c), loss_fn=lm_loss)
     names = {p.name for p in prog.save(tmp_path)}
-    assert {"program_0.py", "plan.json", "plan_dp.txt"} <= names
-    assert (tmp_path / "plan_dp.txt").read_text() == str(prog.plan) + "\n"
+    assert names == {"program_0.py", "plan.json", "plan.txt"}  # every rank runs one program
+    assert "# runs on ranks [0, 1, 2, 3]" in (tmp_path / "program_0.py").read_text()
+    assert (tmp_path / "plan.txt").read_text() == str(prog.plan) + "\n"
 
 
 def test_state_bytes_per_parameter_follow_reference():
@@ -196,14 +198,14 @@ def test_five_adamw_steps_reproduce_single_device_training(axes, zero):
     model = build("llama", c)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     ref = train_loop(lambda: lm_loss(model(x), y), opt, 5)
-    inner = prog.inner
-    layouts = {inner.traced.params[n.name]: meta.layout(n) for n in inner.graph_module.graph.nodes
-               if n.op == "placeholder" and n.name in inner.traced.params}  # fmt: skip
+    stage = prog.stages[0]
+    layouts = {stage.traced.params[n.name]: meta.layout(n) for n in stage.graph_module.graph.nodes
+               if n.op == "placeholder" and n.name in stage.traced.params}  # fmt: skip
     for rank, (losses, params) in enumerate(results):
         assert losses == pytest.approx(ref, rel=1e-5)
-        coords = prog.inner_mesh.coordinates(prog.inner_rank(rank))
+        coords = prog.mesh.coordinates(rank)
         for name, p in model.named_parameters():
-            want = shard_tensor(p.detach(), layouts[name], prog.inner_mesh, coords)
+            want = shard_tensor(p.detach(), layouts[name], prog.mesh, coords)
             # relative to the tensor's scale: Adam normalises each element's update, so an
             # element whose gradient is rounding noise moves by noise / noise
             err = (params[name] - want).abs().max() / want.abs().max()
@@ -523,7 +525,7 @@ def test_bf16_pipeline_matches_single_device_autocast(axes, zero):
     hidden = (c.batch // axes.get("dp", 1) // 2) * c.seq * c.hidden
     assert pipe32.cut.boundary_bytes[0] - pipe.cut.boundary_bytes[0] == 2 * hidden
     dp = axes.get("dp", 1)
-    jobs = [(pipe.share(prog.inner_rank(r) if dp > 1 else r),
+    jobs = [(prog.share(r),
              *(t.chunk(dp)[prog.mesh.coordinates(r).get("dp", 0)] for t in (x, y)), zero or 0, 3)
             for r in range(prog.mesh.world_size)]  # fmt: skip
     results = get_pool(prog.mesh.world_size).run(_train_pp_bf16, prog.mesh.axes, jobs)
@@ -586,7 +588,7 @@ def test_bf16_prices_activations_and_collectives_in_their_autocast_dtype():
     # the loss stay fp32 under autocast: the activations cost between half and all of fp32
     ratio = prog.plan.dp.memory[0].activations / fp32.plan.dp.memory[0].activations
     assert 0.5 < ratio < 0.8, ratio
-    linears = [n for n in prog.inner.traced.gm.graph.nodes if n.op == "call_function"
+    linears = [n for n in prog.traced.gm.graph.nodes if n.op == "call_function"
                and n.target is torch.ops.aten.linear.default]  # fmt: skip
     assert linears and all(meta.nbytes(n) == n.meta["val"].numel() * 2 for n in linears)
     assert {c.dtype for c in prog.collectives() if c.axis == "tp" and c.direction == "fwd"
@@ -715,9 +717,9 @@ def test_dp_x_pp_memory_rows_are_per_pipeline_rank(zero):
     x, y = tokens(c)
     prog = autoparallelize(build("llama", c), Mesh(dp=2, pp=2), (x, y), loss_fn=lm_loss,
                            zero=zero, n_microbatches=2)  # fmt: skip
-    pipe, row = prog.inner, prog.plan.dp.memory[zero]
+    pipe, row = prog.pipeline, prog.plan.dp.memory[zero]
     whole = sum(p.numel() for p in build("llama", c).parameters()) * 4
-    jobs = [(pipe.share(prog.inner_rank(r)),
+    jobs = [(prog.share(r),
              *(t.chunk(2)[prog.mesh.coordinates(r)["dp"]] for t in (x, y)), zero)
             for r in range(4)]  # fmt: skip
     measured = get_pool(4).run(_pp_state_bytes, prog.mesh.axes, jobs)
@@ -725,6 +727,6 @@ def test_dp_x_pp_memory_rows_are_per_pipeline_rank(zero):
     weights = row.weights if zero == 0 else None  # at ZeRO 2/3 the weights peak mid-step
     assert (weights, row.grads, row.optimizer) in {
         (m[0] if zero == 0 else None, m[1], m[2]) for m in measured}, measured
-    first = pipe.stages[0]
-    held = pipe.config.in_flight(0, len(pipe.stages))
+    first = prog.stages[0]
+    held = pipe.config.in_flight(0, len(prog.stages))
     assert row.activations >= held * saved_activations(first) > 0

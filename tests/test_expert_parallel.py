@@ -17,8 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar import Mesh, autoparallelize
-from autopar.axes.expert_parallel import ExpertParallelProgram, expert_load
+from autopar import Mesh, Program, autoparallelize
+from autopar.axes.expert_parallel import expert_load
 from autopar.codegen import _param_block
 from autopar.errors import InputError, ShardingRuleError
 from autopar.ops import collectives as C
@@ -68,7 +68,7 @@ def test_a_rank_whose_experts_get_no_tokens():
 def test_recognised_layer_and_printed_program():
     c = MoEConfig()
     prog = autoparallelize(build_moe(c), Mesh(ep=2), _ids(c), lm_loss)
-    assert isinstance(prog, ExpertParallelProgram)
+    assert isinstance(prog, Program) and prog.plan.ep is not None
     layer = prog.layers[0]
     assert layer.experts == 4 and layer.weights == ("blocks.0.gate_up", "blocks.0.down")
     assert [n.split("_fallback")[0] for n in layer.matmuls] == ["grouped_mm", "grouped_mm"]
@@ -79,12 +79,14 @@ def test_recognised_layer_and_printed_program():
     assert "2 MoE layers, each rank holds 1/2 of their experts" in text and "dropless" in text
 
 
-def test_save_writes_each_ranks_program(tmp_path):
+def test_save_writes_the_distinct_programs_and_the_plan(tmp_path):
     c = MoEConfig()
     prog = autoparallelize(build_moe(c), Mesh(ep=2), _ids(c), lm_loss)
     written = {p.name for p in prog.save(tmp_path)}
-    assert {"plan_ep.txt", "ep_rank_0.py", "ep_rank_1.py"} <= written
-    assert "expert_dispatch(" in (tmp_path / "ep_rank_1.py").read_text()
+    assert written == {"plan.txt", "plan.json", "program_0.py"}  # both ep ranks run one program
+    source = (tmp_path / "program_0.py").read_text()
+    assert "# runs on ranks [0, 1]" in source and "expert_dispatch(" in source
+    assert (tmp_path / "plan.txt").read_text() == str(prog.plan) + "\n"
 
 
 # ---------------------------------------------------------------- 2. HF MoE families
@@ -212,7 +214,7 @@ def test_capacity_drops_like_the_one_device_rule():
     assert len(took) == c.experts and max(took) <= capacity
     assert sum(took) + dropped == c.batch * c.seq * c.top_k
     assert all(load.imbalance >= 1.0 for r in results for load in r[2])
-    outs, grads = replica(view, [r[:2] for r in results], None, prog.inner, (0,))[0]
+    outs, grads = replica(view, [r[:2] for r in results], None, prog.stages[0], (0,))[0]
     torch.testing.assert_close(outs[0], ref_out[0], rtol=1e-5, atol=1e-7)
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
@@ -300,13 +302,12 @@ def test_composes_with_tp_and_dp(mesh):
         report = verify(model, mesh, _ids(c), lm_loss, rtol=1e-5)
         prog = autoparallelize(model, mesh, _ids(c), lm_loss)
     assert report.ok, report
-    ep_prog = prog.inner if "dp" in mesh.sizes else prog
-    assert len(ep_prog.layers) == c.layers
+    assert len(prog.layers) == c.layers
     held = dict(prog.module(0).named_parameters())["blocks.0.gate_up"]
     tp = mesh.size("tp")
     assert held.shape == (c.experts // 2, 2 * c.expert_ffn // tp, c.hidden)
     if "pp" in mesh.sizes:  # each stage recognised its own layers
-        assert [len(ls) for ls in ep_prog.stage_layers] == [1, 1]
+        assert [len(ls) for ls in prog.stage_layers] == [1, 1]
 
 
 _WITH_EP = [Mesh(**{a: 2 for a in axes}) for axes in
@@ -322,16 +323,14 @@ def test_every_mesh_with_ep_compiles(mesh):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prog = autoparallelize(build_moe(c), mesh, _ids(c), lm_loss)
-    ep_prog = prog.inner if "dp" in mesh.sizes else prog
-    assert isinstance(ep_prog, ExpertParallelProgram)
+    assert prog.plan.ep is not None and prog.phases[0].name == "expert_parallel"
     tp, pp = mesh.size("tp"), mesh.size("pp")
     for rank in range(mesh.world_size):
         stage = mesh.coordinates(rank)["pp"] if pp > 1 else 0
-        inner = prog.inner_rank(rank) if "dp" in mesh.sizes else rank
-        held = dict(ep_prog.module(inner, stage if pp > 1 else None).named_parameters())
+        held = dict(prog.module(rank, stage).named_parameters())
         assert held[f"blocks.{stage}.gate_up"].shape == (c.experts // 2,
                                                          2 * c.expert_ffn // tp, c.hidden)
-    assert [len(ls) for ls in ep_prog.stage_layers] == ([1, 1] if pp > 1 else [2])
+    assert [len(ls) for ls in prog.stage_layers] == ([1, 1] if pp > 1 else [2])
 
 
 def test_dp_pp_ep_on_eight_ranks():

@@ -286,7 +286,7 @@ def test_stacked_decoder_layers_are_not_an_expert_loop():
 
     c = LoopConfig(layers=3)
     prog = autoparallelize(_model(c), Mesh(ep=2), _inputs(c), lm_loss)
-    found = find_expert_loops(prog.inner.module(0))
+    found = find_expert_loops(prog.stages[0].module(0))
     assert not [x for x in found if x.prefix == "blocks"]
 
 

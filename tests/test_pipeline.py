@@ -59,7 +59,7 @@ def test_unequal_blocks_cut_at_the_brute_force_optimum(pp):
     traced = trace(model, tuple(t[:1] for t in tokens(c)), loss_fn=lm_loss)
     units = cuttable_units(traced)
     costs, boundary, _ = unit_costs(traced, units, mesh)
-    assert prog.cut.slowest_s == pytest.approx(brute_force(costs, boundary, pp))
+    assert prog.pipeline.cut.slowest_s == pytest.approx(brute_force(costs, boundary, pp))
     names = [u.name for u in units]
     assert names[0] == "prologue" and names[-1] == "epilogue" and "blocks.2" in names
 
@@ -68,9 +68,9 @@ def test_cuts_fall_between_blocks_and_pinned_cuts_are_kept():
     c = Config(layers=4, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=64, seq=16, batch=8)
     prog = autoparallelize(build("llama", c), Mesh(pp=2, tp=1), tokens(c), loss_fn=lm_loss,
                            n_microbatches=4, split_points=["layers.1"])  # fmt: skip
-    assert [prog.cut.units[i] for i in prog.cut.cuts] == ["layers.1"]
+    assert [prog.pipeline.cut.units[i] for i in prog.pipeline.cut.cuts] == ["layers.1"]
     assert all(
-        name in ("prologue", "epilogue") or name.startswith("layers.") for name in prog.cut.units
+        name in ("prologue", "epilogue") or name.startswith("layers.") for name in prog.pipeline.cut.units
     )
 
 
@@ -186,12 +186,12 @@ def test_stage_prices_follow_the_autocast_dtype():
     kw = {"loss_fn": lm_loss, "n_microbatches": 2}
     fp32 = autoparallelize(model, mesh, tokens(c), **kw)
     bf16 = autoparallelize(model, mesh, tokens(c), **kw, param_dtype=torch.bfloat16)
-    assert bf16.cut.slowest_s < fp32.cut.slowest_s / 4
+    assert bf16.pipeline.cut.slowest_s < fp32.pipeline.cut.slowest_s / 4
     traced = trace(model, tuple(t[:2] for t in tokens(c)), loss_fn=lm_loss)
     annotate_autocast(traced.gm, torch.bfloat16)
     units = cuttable_units(traced)
     costs, boundary, _ = unit_costs(traced, units, mesh, torch.bfloat16)
-    assert bf16.cut.slowest_s == pytest.approx(brute_force(costs, boundary, 2))
+    assert bf16.pipeline.cut.slowest_s == pytest.approx(brute_force(costs, boundary, 2))
 
 
 def test_memory_limit_reaches_the_stage_cuts():
@@ -202,7 +202,7 @@ def test_memory_limit_reaches_the_stage_cuts():
     kw = {"loss_fn": lm_loss, "n_microbatches": 2}
     free = autoparallelize(build("llama", c), Mesh(pp=2), tokens(c), **kw)
     roomy = autoparallelize(build("llama", c), Mesh(pp=2), tokens(c), **kw, memory_limit=1e9)
-    assert roomy.cut.cuts == free.cut.cuts
+    assert roomy.pipeline.cut.cuts == free.pipeline.cut.cuts
     with pytest.raises(PlanError, match=r"no split of \d+ units into 2 stages fits.*"
                                         r"within 0\.00 GiB per GPU \(memory_limit\)"):  # fmt: skip
         autoparallelize(build("llama", c), Mesh(pp=2), tokens(c), **kw, memory_limit=1e5)
@@ -220,14 +220,14 @@ def test_sequence_parallel_stages_send_their_shard_and_match_single_device(kind)
     prog = autoparallelize(model, Mesh(pp=2, tp=2), inputs, lm_loss, n_microbatches=4,
                            memory_weight=1e-3)  # fmt: skip
     first, second = prog.stages[0].graph_module, prog.stages[1].graph_module
-    sent = sent_placements(first, prog.graphs[0])
+    sent = sent_placements(first, prog.pipeline.graphs[0])
     split = {n: p for n, p in sent.items() if p.startswith("S(")}
     assert split, sent  # the SP residual stream crosses split
     arrived = {n.name: str(meta.layout(n).placement("tp")) for n in second.graph.nodes
                if n.op == "placeholder" and n.name in split}  # fmt: skip
     assert arrived == split
     whole = sum(first_out.meta["val"].numel() for first_out in _sent_values(prog, 0))
-    assert prog.cut.boundary_bytes[0] < 4 * whole  # fp32 bytes of the local shards, not whole
+    assert prog.pipeline.cut.boundary_bytes[0] < 4 * whole  # fp32 bytes of the local shards, not whole
     report = verify(model, Mesh(pp=2, tp=2), inputs, lm_loss, n_microbatches=4,
                     memory_weight=1e-3)  # fmt: skip
     assert report.ok, str(report)
@@ -235,5 +235,5 @@ def test_sequence_parallel_stages_send_their_shard_and_match_single_device(kind)
 
 def _sent_values(prog, stage: int) -> list:
     """The global values stage ``stage`` sends (the traced stage graph's outputs)."""
-    out = next(n for n in prog.graphs[stage].traced.gm.graph.nodes if n.op == "output")
+    out = next(n for n in prog.pipeline.graphs[stage].traced.gm.graph.nodes if n.op == "output")
     return [a for a in torch.utils._pytree.tree_leaves(out.args[0])]

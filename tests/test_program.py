@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import pickle
 
 import pytest
@@ -136,3 +137,58 @@ def test_plan_for_another_mesh_is_refused(prog):
     c = Config(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=64, seq=8, batch=2)
     with pytest.raises(MeshError, match=r"the plan was made for Mesh\{'tp': 2\} but the mesh is Mesh\(tp=4\)"):
         autoparallelize(build("llama", c), Mesh(tp=4), tokens(c), loss_fn=lm_loss, plan=prog.plan)
+
+
+_EVERY_MESH = [Mesh(tp=2), Mesh(dp=2, tp=2), Mesh(pp=2, tp=2), Mesh(cp=2, tp=2),
+               Mesh(ep=2, tp=2), Mesh(dp=2, pp=2, ep=2)]  # fmt: skip
+
+
+@pytest.mark.parametrize("mesh", _EVERY_MESH, ids=str)
+def test_every_mesh_gives_the_one_program(mesh, tmp_path):
+    """One Program class on every mesh: its stages (one without pp), the one Plan, a rank's
+    module (under pp its share), code and collectives, and save() writing the distinct
+    programs with the whole plan; no axis wraps another's program."""
+    from autopar import Program
+    from autopar.program import StageProgram
+    from autopar.tools.testing import MoEConfig, build_moe
+
+    if "ep" in mesh.sizes:
+        c = MoEConfig(batch=8)
+        model, inputs = build_moe(c), tokens(c)
+    else:
+        c = Config(layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=48, seq=16, batch=8)
+        model, inputs = build("llama", c), tokens(c)
+    options = {"n_microbatches": 2} if "pp" in mesh.sizes else {}
+    prog = autoparallelize(model, mesh, inputs, loss_fn=lm_loss, **options)
+    assert type(prog) is Program and not hasattr(prog, "inner")
+    assert len(prog.stages) == mesh.size("pp") and all(type(s) is StageProgram for s in prog.stages)
+    assert isinstance(prog.plan, Plan) and prog.plan.mesh == mesh.axes
+    assert prog.collectives() == list(prog.plan.collectives)
+    last = mesh.world_size - 1
+    if "pp" in mesh.sizes:
+        share = prog.share(last)
+        assert sorted(share.modules) == prog.stages_of(mesh.coordinates(last)["pp"]) == [1]
+        assert share.modules[1] is prog.module(last, 1)
+    assert f"rank {last} of {mesh.world_size}" in prog.code(last)
+    written = {p.name for p in prog.save(tmp_path)}
+    assert {"plan.txt", "plan.json", "program_0.py"} <= written
+    assert Plan.load(tmp_path / "plan.json") == prog.plan
+    heads = [path.read_text().split("\n")[0] for path in tmp_path.glob("program_*.py")]
+    ranks = [r for h in heads for r in ast.literal_eval(h.split("ranks ")[1].split(";")[0])]
+    assert sorted(ranks) == list(range(mesh.world_size))  # each rank's (one stage) program once
+
+
+def test_no_other_program_class():
+    """The program classes are Program and its StageProgram (one per pipeline stage)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import autopar
+
+    found = set()
+    for info in pkgutil.walk_packages(autopar.__path__, "autopar."):
+        module = importlib.import_module(info.name)
+        found |= {name for name, obj in inspect.getmembers(module, inspect.isclass)
+                  if name.endswith("Program") and obj.__module__.startswith("autopar")}  # fmt: skip
+    assert found == {"Program", "StageProgram"}

@@ -136,7 +136,7 @@ def test_saved_activations_fall_as_predicted(kind, attention):
     for mode in ("none", "selective", "full"):
         prog = autoparallelize(build(kind, c), Mesh(tp=2), (x, y), lm_loss, recompute=mode)
         measured[mode] = max(measure_saved(prog, (x, y)))
-        effect = getattr(prog, "recompute_effect", None)
+        effect = prog.stages[0].recompute_effect
         predicted[mode] = effect.saved if effect is not None else None
         if effect is not None:
             predicted["none"] = effect.saved_none

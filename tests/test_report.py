@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from autopar import Mesh, autoparallelize  # noqa: E402
 from autopar.tools.report import CHARTS  # noqa: E402
 from autopar.tools.report_facts import facts_of  # noqa: E402
-from autopar.tools.report_program import core_plans, position_rows, unwrap  # noqa: E402
+from autopar.tools.report_program import core_plans, position_rows  # noqa: E402
 
 PP_TP_CHARTS = ("chart-mesh", "chart-comm", "chart-memory", "chart-schedule")
 
@@ -91,7 +91,7 @@ def test_memory_numbers_are_the_data_parallel_plans_own(llama_dp_pp_tp) -> None:
     per_rank = [rows[f"pp rank {r}"][6][1] for r in range(prog.mesh.size("pp"))]
     assert max(per_rank) == prog.plan.dp.memory[prog.plan.dp.zero].total  # the max memory_table took
     assert len(set(per_rank)) == len(per_rank)  # the stages hold different layers and heads
-    expected = position_rows(prog.inner, prog.mesh.size("dp"), prog.plan.dp.zero,
+    expected = position_rows(prog, prog.mesh.size("dp"), prog.plan.dp.zero,
                              getattr(torch, prog.plan.dp.param_dtype))  # fmt: skip
     assert per_rank == [r.total for r in expected]
 
@@ -99,8 +99,7 @@ def test_memory_numbers_are_the_data_parallel_plans_own(llama_dp_pp_tp) -> None:
 def test_step_comm_and_layouts_are_the_stage_plans_own(llama_dp_pp_tp) -> None:
     prog, path = llama_dp_pp_tp
     t = tables(path)
-    _, core = unwrap(prog)
-    plans = core_plans(core)
+    plans = core_plans(prog)
     step = {r[0][0]: r[1][1] for r in t["t-step"][1:]}
     for i, plan in enumerate(plans):
         assert step[f"stage {i} compute"] == plan.compute_s
@@ -130,8 +129,7 @@ def _matches(pattern: str, fqn: str) -> bool:
 def test_schedule_and_code_are_the_programs_own(llama_dp_pp_tp) -> None:
     prog, path = llama_dp_pp_tp
     facts = facts_of(prog)
-    _, core = unwrap(prog)
-    timeline = core.timeline()
+    timeline = prog.timeline()
     drawn = tuple("".join("." if a is None else a[0] for a in row) for row in facts.schedule.slots)
     assert drawn == timeline.rows
     assert facts.schedule.bubble == timeline.bubble

@@ -119,7 +119,7 @@ def _check_blocks(prog, names: list[str], layers: int) -> None:
     parameters kept gathered into backward (the rest resharded after forward)."""
     from autopar.axes.data_parallel import kept_gathered
 
-    module = prog.inner.module(0)
+    module = prog.module(0)
     outlined = outline_blocks(module)
     calls = [n.target for n in outlined.graph.nodes if n.op == "call_module"]
     assert calls == [f"model.layers.{i}" for i in range(layers)]
@@ -127,7 +127,7 @@ def _check_blocks(prog, names: list[str], layers: int) -> None:
         names_in = {f"{target}.{n}" for n, _ in outlined.get_submodule(target).named_parameters()}
         assert names_in == {n for n in names if n.startswith(target + ".")}
     last = f"model.layers.{layers - 1}."
-    assert kept_gathered(prog.inner) == {n for n in names
+    assert kept_gathered(prog) == {n for n in names
                                          if not n.startswith("model.layers.") or n.startswith(last)}  # fmt: skip
     assert prog.plan.dp.zero == 3
 

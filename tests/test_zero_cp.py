@@ -58,16 +58,16 @@ def test_plan_says_the_zero_group_is_dp_x_cp():
     assert plan.memory[3].weights < plan.memory[2].weights == whole  # ZeRO-3 keeps some whole
     assert plan.memory[1].optimizer == 2 * whole / 4
     assert "ZeRO group dp x cp = 4 ranks" in text and "over the flattened dp x cp group" in text
-    added = prog.plan.collectives[len(prog.inner.plan.collectives):]  # the data axis's traffic
+    added = prog.plan.collectives[len(prog.stages[0].plan.collectives):]  # the data axis's traffic
     assert {c.axis for c in added} == {"dp", "dp_cp"}
     assert [c.where for c in added if c.axis == "dp"] == ["loss"]
-    gm = prog.inner.graph_module
-    params = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name in prog.inner.traced.params}
+    gm = prog.stages[0].graph_module
+    params = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name in prog.stages[0].traced.params}
     reduced = [n for n in gm.graph.nodes if n.target is grad_all_reduce and n.args[1] == "cp"]
     assert not any(_above(n, params) for n in reduced)
     assert [n.args[0].target for n in gm.graph.nodes if n.target is cp_localize
             and n.args[0].target is grad_partial] == [grad_partial]  # the position table  # fmt: skip
-    assert "left to the data axis" in prog.inner.plan.notes[-1]
+    assert "left to the data axis" in prog.stages[0].plan.notes[-1]
 
 
 def _above(node, params) -> bool:

@@ -74,7 +74,7 @@ from autopar.ops import collectives as C
 from autopar.ops import cp_ops
 from autopar.plan import Collective, CpSection, Plan
 from autopar.planner.tp import PlanOptions, run_node_time
-from autopar.program import Program, collectives_of
+from autopar.program import StageProgram, collectives_of
 from cost.comm import collective_time
 from cost.compute import attention_time, backward_factor, train_factor
 from passes import PassContext
@@ -129,7 +129,7 @@ def check_cp_mesh(mesh: Mesh) -> None:
 
 def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = None,
                       options: PlanOptions | None = None,
-                      saved: CpSection | None = None) -> Program:  # fmt: skip
+                      saved: CpSection | None = None) -> StageProgram:  # fmt: skip
     """Steps 1-5 for an already traced graph (a whole model or one pipeline stage, whose
     sequence-split boundary values arrive and leave whole).  ``saved`` (a reloaded plan's cp
     section) fixes each attention's choice; ``options.fixed`` the tp program's."""
@@ -155,7 +155,7 @@ def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = Non
     dtype = (options or PlanOptions()).param_dtype
     annotate_autocast(gm, dtype)  # priced as it runs
     plan = _plan(traced, gm, mesh, lay, prices, grad, tp_notes, tp_choice, dtype)
-    return Program(plan=plan, mesh=mesh, graph_module=gm, traced=traced,
+    return StageProgram(plan=plan, mesh=mesh, graph_module=gm, traced=traced,
                    history=[*tp_history, *history])  # fmt: skip
 
 
@@ -196,7 +196,7 @@ def _check_saved_attention(saved: CpSection, prices: list[AttentionPrice], model
         )
 
 
-def leave_grads_to_data_axis(prog: Program) -> Program | None:
+def leave_grads_to_data_axis(prog: StageProgram) -> StageProgram | None:
     """``prog`` with the cp reductions of its dense parameters' gradients left to the data
     axis, which then reduces every parameter gradient once over dp x cp (torchtitan's FSDP
     over ``dp_shard_cp``); None when some parameter's gradient cannot be left partial.
@@ -239,9 +239,9 @@ def leave_grads_to_data_axis(prog: Program) -> Program | None:
             "left to the data axis: one reduction over dp x cp)")  # fmt: skip
     plan = dataclasses.replace(prog.plan, collectives=tuple(found), comm_s=_comm_s(found, mesh),
                                notes=(*prog.plan.notes, note))  # fmt: skip
-    out = Program(plan=plan, mesh=mesh, graph_module=gm, traced=traced, history=prog.history)
-    out.recompute = prog.recompute
-    return out
+    return StageProgram(plan=plan, mesh=mesh, graph_module=gm, traced=traced,
+                        history=prog.history, recompute=prog.recompute,
+                        recompute_effect=prog.recompute_effect)  # fmt: skip
 
 
 def _dense_exits(gm: fx.GraphModule, traced: Traced,

@@ -28,7 +28,7 @@ Algorithm (:func:`compile_data_parallel`):
 6. Statistics over the batch that feed a non-linear loss term (an MoE load-balancing loss)
    become global over dp where they are computed: the ``global_batch`` pass
    (passes/global_batch.py) on a copy of each of the sub-mesh program's materialized stages
-   (:attr:`DataParallelProgram.globalized`); a rank's module is cut from it by codegen.
+   (:func:`dp_phase`, the program's last phase); a rank's module is cut from it by codegen.
 7. Predict the step time (:func:`predict_step`) with the whole-cluster search's functions
    (`cost.step`) on the program's local work (`cost.graph` on rank 0's graph) and its plan's
    tp collectives: each micro-batch (`micro_batch_time`) and the pipeline bubble, the exposed
@@ -38,14 +38,11 @@ The runtime (autopar.runtime.DataParallelModule) reuses torch's engines for the 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,8 +51,8 @@ import torch.fx as fx
 from autopar.axes.batch_stats import BatchDecisions
 from autopar.errors import FitError, InputError, PlanError
 from autopar.mesh import Mesh
-from autopar.plan import Collective, DpSection, Plan, PlanStep, ZeroMemory, _fmt_bytes
-from autopar.program import BatchAxisProgram, Materialized
+from autopar.plan import Collective, DpSection, PlanStep, ZeroMemory, _fmt_bytes
+from autopar.program import Materialized, Phase, Program, program_of
 from cost.memory import model_state
 from cost.topology import Topology, nccl_advice
 from passes import PassContext, PassRecord, batch_pipeline
@@ -233,110 +230,27 @@ def dp_collectives(grads: dict[str, tuple[tuple[int, ...], torch.dtype]], stage:
     return out
 
 
-class DataParallelProgram(BatchAxisProgram):
-    """What :func:`autopar.autoparallelize` returns for a mesh with a ``dp`` axis.
+def dp_phase(mesh: Mesh, reduction: str, model: str) -> Phase:
+    """Step 6: ``global_batch`` over dp on each materialized stage (the statistics over the
+    batch that feed a non-linear loss term made global); a stage it finds nothing in is kept
+    as it is."""
+    batch = BatchDecisions(axis="dp", reduction=reduction, model=model)
 
-    ``inner`` is the program of the mesh without dp (:class:`autopar.program.BatchAxisProgram`)."""
+    def run(i: int, stage: Materialized) -> tuple[Materialized, list[PassRecord]]:
+        ctx = PassContext(mesh=mesh, grad=frozenset(), traced=stage.traced,
+                          sections={"batch": batch})  # fmt: skip
+        done, records = stage.rewritten(ctx, batch_pipeline("dp"))
+        return (done if records[0].nodes_after != records[0].nodes_before else stage), records
 
-    def __init__(self, *, inner: Any, mesh: Mesh, plan: Plan) -> None:
-        self.inner, self.mesh, self.plan = inner, mesh, plan
-        self.inner_mesh = inner.mesh
-        self._modules: dict[int, Any] = {}
-        self._shares: dict[int, Any] = {}
-
-    @property
-    def history(self) -> list[PassRecord]:
-        """The passes that built the sub-mesh program, then each stage's ``global_batch``."""
-        return [*self.inner.history, *self.globalized[1]]
-
-    @cached_property
-    def globalized(self) -> tuple[list[Materialized | None], list[PassRecord]]:
-        """Per stage (one without pp) the sub-mesh program's materialized stage after the
-        ``global_batch`` pass over dp (None where it found nothing to make global: the
-        sub-mesh's modules serve), and the pass's history."""
-        n = len(self.inner.stages) if self.inner.pipeline is not None else 1
-        batch = BatchDecisions(axis="dp", reduction=self.plan.dp.reduction,
-                               model=_model_name(self.inner))  # fmt: skip
-        stages, history = [], []
-        for i in range(n):
-            stage = self.inner.materialized_stage(i)
-            ctx = PassContext(mesh=self.mesh, grad=frozenset(), traced=stage.traced,
-                              sections={"batch": batch})  # fmt: skip
-            stage, records = stage.rewritten(ctx, batch_pipeline("dp"))
-            stages.append(stage if records[0].nodes_after != records[0].nodes_before else None)
-            tag = f" [stage {i}]" if self.inner.pipeline is not None else ""
-            history += [dataclasses.replace(r, name=r.name + tag) for r in records]
-        return stages, history
-
-    def _module(self, inner: int, stage: int) -> Any:
-        """Sub-mesh rank ``inner``'s module of ``stage`` with dp's global statistics."""
-        done = self.globalized[0][stage]
-        if done is not None:
-            return done.build(done.mesh.rank_of(self.inner_mesh.coordinates(inner)))
-        if self.inner.pipeline is None:
-            return self.inner.module(inner)
-        return self.inner.module(inner, stage)
-
-    def module(self, rank: int) -> Any:
-        """The rank's sub-mesh module (every dp replica runs the same one), its statistics
-        over the batch that feed a non-linear loss term made global over dp."""
-        inner = self.inner_rank(rank)
-        if inner not in self._modules:
-            stage = 0
-            if self.inner.pipeline is not None:
-                stage = self.inner.stages_of(self.inner_mesh.coordinates(inner)["pp"])[0]
-            self._modules[inner] = self._module(inner, stage)
-        return self._modules[inner]
-
-    def share(self, rank: int) -> Any:
-        """Under pp: the rank's pipeline share, each stage module's statistics over the batch
-        that feed a non-linear loss term made global over dp (within each micro-batch)."""
-        inner = self.inner_rank(rank)
-        if inner not in self._shares:
-            share = self.inner.share(inner)
-            modules = {s: module if self.globalized[0][s] is None else self._module(inner, s)
-                       for s, module in share.modules.items()}  # fmt: skip
-            self._shares[inner] = dataclasses.replace(share, modules=modules)
-        return self._shares[inner]
-
-    def code(self, rank: int = 0) -> str:
-        coords = ", ".join(f"{a}={c}" for a, c in self.mesh.coordinates(rank).items())
-        head = (f"# data-parallel rank {rank} of {self.mesh.world_size} ({coords}): the "
-                f"program below on batch slice dp={self.mesh.coordinates(rank)['dp']}, "
-                f"gradients reduced over {' x '.join(self.plan.dp.zero_axes)} with "
-                f"ZeRO-{self.plan.dp.zero}\n")  # fmt: skip
-        return head + self.inner.code(self.inner_rank(rank))
-
-    def collectives(self) -> list[Collective]:
-        """The sub-mesh program's collectives plus the dp gradient reduction."""
-        return [*self.inner.collectives(),
-                *(c for c in self.plan.collectives if "dp" in c.axis.split("_"))]
-
-    def save(self, directory: str | Path) -> list[Path]:
-        """The sub-mesh program's files, plan_dp.txt, and plan.json: the whole mesh's plan."""
-        written = self.inner.save(directory)
-        path, whole = Path(directory) / "plan_dp.txt", Path(directory) / "plan.json"
-        path.write_text(str(self.plan) + "\n")
-        whole.write_text(self.plan.to_json())
-        return [*dict.fromkeys([*written, path, whole])]
-
-    def report(self, path: str | Path, **options: Any) -> Path:
-        """The plan drawn in one self-contained HTML file (`autopar.tools.report.write_report`:
-        ``png_dir=`` also writes each chart as PNG, ``measured=`` a measured schedule)."""
-        from autopar.tools.report import write_report
-
-        return write_report(self, path, **options)
-
-    def __repr__(self) -> str:
-        return f"<autopar.DataParallelProgram on {self.mesh}, ZeRO-{self.plan.dp.zero}>"
+    return Phase(name="global_batch", run=run)
 
 
 def compile_data_parallel(mesh: Mesh, batch: int,
-                          compile_inner: Callable[[float | None], Any], *,
+                          compile_inner: Callable[[float | None], Program], *,
                           zero: int | None, memory_limit: float | None,
                           param_dtype: torch.dtype = torch.float32,
                           reduce_dtype: torch.dtype = torch.float32,
-                          refit: bool = True) -> DataParallelProgram:  # fmt: skip
+                          refit: bool = True) -> Program:  # fmt: skip
     """Steps 2-6 (see the module docstring) for a global batch of ``batch`` rows; the driver
     sliced and traced it (step 1) and ``compile_inner(limit)`` builds the program of the mesh
     without dp from that one trace (``limit``: the sub-mesh solver's memory limit, None for
@@ -365,41 +279,41 @@ def compile_data_parallel(mesh: Mesh, batch: int,
     plan = dataclasses.replace(inner.plan, mesh=mesh.axes, dp=section,
                                collectives=(*inner.plan.collectives, *traffic),
                                advice=nccl_advice(Topology(cluster=mesh.cluster), mesh.axes))  # fmt: skip
-    return DataParallelProgram(inner=inner, mesh=mesh, plan=plan)
+    return inner.then(mesh, plan, dp_phase(mesh, section.reduction, _model_name(inner)))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def join_cp(inner: Any) -> tuple[Any, tuple[str, ...]]:
-    """Step 2: a cp program (without pp) whose dense gradients the data axis can take, and
-    the ZeRO group ``("dp", "cp")``; any other sub-mesh program as it is, over ``("dp",)``."""
+def join_cp(inner: Program) -> tuple[Program, tuple[str, ...]]:
+    """Step 2: a cp program (one stage, no ep) whose dense gradients the data axis can take,
+    and the ZeRO group ``("dp", "cp")``; any other sub-mesh program as it is, over
+    ``("dp",)``."""
     from autopar.axes.context_parallel import leave_grads_to_data_axis
-    from autopar.program import Program
 
-    if not isinstance(inner, Program) or inner.mesh.size("cp") == 1:
+    if inner.pipeline is not None or inner.plan.ep or inner.mesh.size("cp") == 1:
         return inner, ("dp",)
-    joined = leave_grads_to_data_axis(inner)
-    return (inner, ("dp",)) if joined is None else (joined, ("dp", "cp"))
+    joined = leave_grads_to_data_axis(inner.stages[0])
+    return (inner, ("dp",)) if joined is None else (program_of(inner.mesh, [joined]), ("dp", "cp"))
 
 
-def memory_table(inner: Any, dp: int, per: StateBytes) -> tuple[ZeroMemory, ...]:
+def memory_table(inner: Program, dp: int, per: StateBytes) -> tuple[ZeroMemory, ...]:
     """Step 4: per-rank bytes at each ZeRO stage of sub-mesh program ``inner``: per rank
     position (one per pipeline rank, holding its stages; one without pp) its parameters and
     saved activations (:func:`saved_activations`; under pp times the micro-batches the stage
     holds at its peak), and at each stage the position that needs the most."""
     rows = []
-    for modules, programs in _rank_positions(inner):
+    for modules, held in _rank_positions(inner):
         shapes = _grad_shapes_of(modules)
         params = sum(torch.Size(s).numel() for s, _ in shapes.values())
         kept = sum(torch.Size(shapes[n][0]).numel() for n in _kept_in(modules) if n in shapes)
-        activations = sum(held * saved_activations(program) for program, held in programs)
+        activations = sum(n * saved_activations(inner.stages[i]) for i, n in held)
         rows.append([zero_memory(params, dp, s, per, activations, kept) for s in ZERO_STAGES])
     return tuple(max((r[s] for r in rows), key=lambda m: m.total) for s in ZERO_STAGES)
 
 
-def predict_step(inner: Any, mesh: Mesh, stage: int, axes: tuple[str, ...],
+def predict_step(inner: Program, mesh: Mesh, stage: int, axes: tuple[str, ...],
                  param_dtype: torch.dtype = torch.float32) -> PlanStep:  # fmt: skip
     """Step 7: the plan's step time.  Per rank position (`_rank_positions`) its micro-batch
     seconds (the plan's compute + communication, plus the boundary sends under pp), its
@@ -414,14 +328,15 @@ def predict_step(inner: Any, mesh: Mesh, stage: int, axes: tuple[str, ...],
     cfg = _step_config(mesh, stage, m)
     spans = _mesh_spans(mesh, axes)
     best: PlanStep | None = None
-    for _, programs in _rank_positions(inner):
-        works = [plan_work(p, param_dtype) for p, _ in programs]
-        per_mb = sum(_micro_batch_s(inner, p, w, mesh, cfg, spans)
-                     for w, (p, _) in zip(works, programs, strict=True))  # fmt: skip
+    for _, held in _rank_positions(inner):
+        stages = [i for i, _ in held]
+        works = [plan_work(inner.stages[i], param_dtype) for i in stages]
+        per_mb = sum(_micro_batch_s(inner, i, w, mesh, cfg, spans)
+                     for w, i in zip(works, stages, strict=True))  # fmt: skip
         dp = sum(data_parallel_time(w, cfg, mesh.cluster, micro_batches=m,
-                                    recompute=getattr(p, "recompute", "none"),
+                                    recompute=inner.stages[i].recompute,
                                     per_stage=w.layers, spans=spans)
-                 for w, (p, _) in zip(works, programs, strict=True))  # fmt: skip
+                 for w, i in zip(works, stages, strict=True))  # fmt: skip
         params = sum(w.layers * w.layer_dense_params + w.edge_params for w in works)
         shard = math.prod(mesh.size(a) for a in axes) if stage >= 1 else 1
         step = PlanStep(sub_mesh=m * per_mb, bubble=bubble_time(per_mb, pp, v), dp=dp,
@@ -449,25 +364,25 @@ def _mesh_spans(mesh: Mesh, axes: tuple[str, ...]) -> dict[str, tuple[int, int]]
     return {**out, "ep": (1, 1), "dp_expert": (1, 1)}
 
 
-def _micro_batch_s(inner: Any, program: Any, work: Any, mesh: Mesh, cfg: Any,
+def _micro_batch_s(inner: Program, s: int, work: Any, mesh: Mesh, cfg: Any,
                    spans: dict[str, tuple[int, int]]) -> float:  # fmt: skip
-    """Seconds of one micro-batch of ``program``: `cost.step.micro_batch_time` (what the
+    """Seconds of one micro-batch of stage ``s``: `cost.step.micro_batch_time` (what the
     search prices a micro-batch with) on its local work and its plan's tp collectives
     (`plan_work`; a graph the cost model cannot price: its plan's compute and
     communication), plus under pp the send and receive of what its stage passes on."""
     from cost.comm import collective_time
     from cost.step import default_collective, micro_batch_time
 
+    program = inner.stages[s]
     own = program.plan.compute_s + program.plan.comm_s
     if work is not None:
-        mode = getattr(program, "recompute", "none")
+        mode = program.recompute
         compute, comm = micro_batch_time(work, cfg, default_collective(mesh.cluster), spans,
                                          mode, work.layers, 1, mesh.cluster)  # fmt: skip
         own = compute + sum(v for k, v in comm.items() if k != "pp")
     pipe = inner.pipeline
     if pipe is None:
         return own
-    s = pipe.stages.index(program)
     sent = pipe.cut.boundary_bytes[s] or (pipe.cut.boundary_bytes[s - 1] if s else 0.0)
     link = mesh.cluster.axis_link(mesh.axes, "pp")
     return own + 2 * collective_time("send_recv", sent, 2, link)
@@ -550,31 +465,20 @@ def saved_activations(program: Any) -> float:
     return work.layers * work.act_bytes[mode] + working + work.post_act_bytes
 
 
-def _rank_positions(inner: Any) -> list[tuple[list[Any], list[tuple[Any, int]]]]:
-    """Per rank position (each pipeline rank, or the one without pp): the modules sub-mesh
-    rank 0 there runs (its stages'; an ep program's hold this rank's experts) and per stage
-    program the micro-batches it holds at the peak."""
+def _rank_positions(inner: Program) -> list[tuple[list[Any], list[tuple[int, int]]]]:
+    """Per rank position (each pipeline rank, or the one without pp): the modules rank 0 there
+    runs (its stages'; under ep they hold this rank's experts) and per stage it holds (its
+    index) the micro-batches it holds at the peak."""
     if inner.pipeline is None:
-        core = inner.core  # an ep program's dense part is its sub-mesh's, in the ep's mode
-        if core is not inner:
-            core = _with_recompute(core, inner.recompute)
-        return [([inner.module(0)], [(core, 1)])]
+        return [([inner.module(0)], [(0, 1)])]
     config = inner.pipeline.config
     n, out = len(inner.stages), []
     for r in range(inner.mesh.size("pp")):
         rank = inner.mesh.rank_of({a: r if a == "pp" else 0 for a, _ in inner.mesh.axes})
         stages = inner.stages_of(r)
         out.append(([inner.module(rank, s) for s in stages],
-                    [(inner.stages[s], config.in_flight(s, n)) for s in stages]))  # fmt: skip
+                    [(s, config.in_flight(s, n)) for s in stages]))  # fmt: skip
     return out
-
-
-def _with_recompute(program: Any, mode: str) -> Any:
-    """A view of ``program`` whose recompute mode is ``mode`` (an ep program applies its mode
-    to the modules it derives from its sub-mesh program's)."""
-    view = copy.copy(program)
-    view.recompute = mode
-    return view
 
 
 def _fit_sub_mesh(inner: Any, table: tuple[ZeroMemory, ...], limit: float, zero: int | None,
@@ -659,8 +563,7 @@ def _kept_in(modules: list[Any]) -> frozenset[str]:
 
 def _rank_modules(inner: Any) -> list[Any]:
     """Sub-mesh rank 0's modules (one per pipeline stage)."""
-    pipe = inner.pipeline  # an ep program's modules hold its experts' share
-    return [inner.module(0, s) for s in range(len(pipe.stages))] if pipe else [inner.module(0)]
+    return [inner.module(0, s) for s in range(len(inner.stages))]  # under ep: its experts' share
 
 
 def _grad_shapes(inner: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -16,13 +16,13 @@ Algorithm (:func:`compile_expert_parallel`):
    first grouped matmul's rows and the last one's output, which must be row-wise (each row
    computed alone by its expert).  A layout outside that is reported with its node and source
    line, its experts stay replicated (an error under ``strict=True``).
-3. The rewrite is two passes on each stage's materialized program
-   (:attr:`ExpertParallelProgram.placed`; autopar.codegen.materialize): ``expert_parallel``
+3. The rewrite is two passes on each stage's materialized program (:func:`ep_phase`, the
+   program's first phase; autopar.codegen.materialize): ``expert_parallel``
    (passes/expert_parallel.py: dispatch / combine all-to-alls around each MoE region, the
    expert weights laid out ``S(0)`` over ep, the dense gradients summed over ep in buckets,
    the loss made global) reads this module's :class:`EpDecisions`; ``global_batch``
    (passes/global_batch.py) makes the statistics over the batch that feed a non-linear loss
-   term (the model's own load-balancing loss) global; then the ``recompute`` pass in this
+   term (the model's own load-balancing loss) global; then the ``recompute`` pass in the
    program's mode.  Codegen's shard step gives each rank its E/ep experts like any other
    split: nothing is edited after codegen.
 4. Price the expert axis's collectives on the link its groups ride (the cluster's NVLink when
@@ -39,10 +39,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,8 +55,8 @@ from autopar.frontend.moe_loop import find_expert_loops
 from autopar.ir import meta
 from autopar.mesh import Mesh
 from autopar.ops import collectives as C
-from autopar.plan import Collective, EpSection, Plan
-from autopar.program import BatchAxisProgram, Materialized
+from autopar.plan import Collective, EpSection
+from autopar.program import Materialized, Phase, Program
 from cost.comm import collective_time
 from passes import PassContext, PassRecord, batch_pipeline
 
@@ -388,144 +386,31 @@ def expert_load(reset: bool = True) -> list[ExpertLoad]:
 # ---------------------------------------------------------------- plan, program, compile
 
 
-class ExpertParallelProgram(BatchAxisProgram):
-    """What :func:`autopar.autoparallelize` returns for a mesh with an ``ep`` axis.
+def ep_phase(mesh: Mesh, stage_layers: tuple[tuple[MoELayer, ...], ...], reduction: str,
+             capacity: float, micro: int, model: str) -> Phase:  # fmt: skip
+    """Step 3: the expert-axis passes (``expert_parallel``, ``global_batch`` over ep) on each
+    materialized stage, its layouts now naming ``mesh`` (the ep mesh)."""
+    batch = BatchDecisions(axis="ep", reduction=reduction, model=model)
 
-    ``inner`` is the program of the mesh without ep (:class:`autopar.program.BatchAxisProgram`);
-    ``layers`` the MoE layers recognised in it (``stage_layers``: per pipeline stage, one entry
-    without pp)."""
+    def run(i: int, stage: Materialized) -> tuple[Materialized, list[PassRecord]]:
+        stage = dataclasses.replace(stage, mesh=mesh)
+        decided = EpDecisions(axis="ep", layers=stage_layers[i], reduction=reduction,
+                              capacity=capacity, bucket_bytes=BUCKET_BYTES, micro=micro)  # fmt: skip
+        ctx = PassContext(mesh=mesh, grad=frozenset(), traced=stage.traced,
+                          sections={"ep": decided, "batch": batch})  # fmt: skip
+        return stage.rewritten(ctx, batch_pipeline("ep"))
 
-    def __init__(self, *, inner: Any, mesh: Mesh, plan: Plan,
-                 stage_layers: tuple[tuple[MoELayer, ...], ...], capacity: float,
-                 bucket_bytes: int = BUCKET_BYTES) -> None:  # fmt: skip
-        self.inner, self.mesh, self.plan, self.capacity = inner, mesh, plan, capacity
-        self.stage_layers = stage_layers
-        self.layers = tuple(layer for ls in stage_layers for layer in ls)
-        self.bucket_bytes = bucket_bytes
-        self.inner_mesh = inner.mesh
-        if inner.pipeline is None:
-            self.traced = inner.traced
-        self._modules: dict[tuple[int, int], fx.GraphModule] = {}
-        self._final: dict[tuple[int, str], tuple[Materialized, list[PassRecord]]] = {}
-
-    @property
-    def stages(self) -> list[Any]:
-        """Under pp: the sub-mesh pipeline's stage programs (their modules hold every expert;
-        :meth:`module` gives a rank's with its share)."""
-        return self.inner.stages
-
-    def stages_of(self, pp_rank: int) -> list[int]:
-        return self.inner.stages_of(pp_rank)
-
-    @property
-    def history(self) -> list[PassRecord]:
-        """The passes that built the sub-mesh program, then each stage's expert-axis passes."""
-        tag = " [stage {}]" if self.inner.pipeline is not None else ""
-        recomputed = [dataclasses.replace(r, name=r.name + tag.format(s))
-                      for s in range(len(self.placed[0])) for r in self._recomputed(s)[1]]  # fmt: skip
-        return [*self.inner.history, *self.placed[1], *recomputed]
-
-    @cached_property
-    def placed(self) -> tuple[list[Materialized], list[PassRecord]]:
-        """Per stage (one without pp) the sub-mesh program's materialized stage after the
-        expert-axis passes (``expert_parallel``, ``global_batch``) on this mesh, and their
-        history."""
-        stages, history = [], []
-        reduction = self.plan.ep.reduction
-        for i, layers in enumerate(self.stage_layers):
-            stage = dataclasses.replace(self.inner.materialized_stage(i), mesh=self.mesh)
-            decided = EpDecisions(axis="ep", layers=layers, reduction=reduction,
-                                  capacity=self.capacity, bucket_bytes=self.bucket_bytes,
-                                  micro=self._micro())  # fmt: skip
-            batch = BatchDecisions(axis="ep", reduction=reduction, model=_model_name(self.inner))
-            ctx = PassContext(mesh=self.mesh, grad=frozenset(), traced=stage.traced,
-                              sections={"ep": decided, "batch": batch})  # fmt: skip
-            stage, records = stage.rewritten(ctx, batch_pipeline("ep"))
-            stages.append(stage)
-            tag = f" [stage {i}]" if self.inner.pipeline is not None else ""
-            history += [dataclasses.replace(r, name=r.name + tag) for r in records]
-        return stages, history
-
-    def materialized_stage(self, stage: int = 0) -> Materialized:
-        """Stage ``stage`` (0 without pp) materialized: the sub-mesh's after the expert-axis
-        passes, then the recompute pass in this program's mode."""
-        return self._recomputed(stage)[0]
-
-    def _recomputed(self, stage: int) -> tuple[Materialized, list[PassRecord]]:
-        key = (stage, getattr(self, "recompute", "none"))
-        if key not in self._final:
-            self._final[key] = self.placed[0][stage].recomputed(key[1])
-        return self._final[key]
-
-    def module(self, rank: int, stage: int | None = None) -> fx.GraphModule:
-        """The rank's module (of ``stage`` under pp, default its first): its shard of the
-        stage's program after the expert-axis passes (this rank's experts)."""
-        if self.inner.pipeline is None:
-            stage = 0
-        elif stage is None:
-            stage = self.inner.stages_of(self.mesh.coordinates(rank)["pp"])[0]
-        if (rank, stage) not in self._modules:
-            self._modules[(rank, stage)] = self.materialized_stage(stage).build(rank)
-        return self._modules[(rank, stage)]
-
-    def _micro(self) -> int:
-        pipe = self.inner.pipeline
-        return pipe.config.n_microbatches if pipe else 1
-
-    def share(self, rank: int) -> Any:
-        """Under pp: what ``rank`` runs, its stages' modules with this rank's experts."""
-        share = self.inner.share(self.inner_rank(rank))
-        modules = {s: self.module(rank, s) for s in share.modules}
-        return dataclasses.replace(share, modules=modules, mesh=self.mesh,
-                                   coords=self.mesh.coordinates(rank))  # fmt: skip
-
-    def code(self, rank: int = 0) -> str:
-        from autopar.codegen import render
-
-        coords = ", ".join(f"{a}={c}" for a, c in self.mesh.coordinates(rank).items())
-        head = (f"# autopar expert-parallel program · plan {self.plan.label} · rank {rank} of "
-                f"{self.mesh.world_size} ({coords}): batch slice ep="
-                f"{self.mesh.coordinates(rank)['ep']}, experts of this ep rank\n")  # fmt: skip
-        return render(self.module(rank), head)
-
-    def collectives(self) -> list[Collective]:
-        """The sub-mesh program's collectives plus the expert axis's."""
-        return [*self.inner.collectives(), *(c for c in self.plan.collectives if c.axis == "ep")]
-
-    def save(self, directory: str | Path) -> list[Path]:
-        """The sub-mesh program's files, the plan (plan.json: the whole mesh's), and each
-        rank's expert-parallel source."""
-        written = self.inner.save(directory)
-        path, whole = Path(directory) / "plan_ep.txt", Path(directory) / "plan.json"
-        path.write_text(str(self.plan) + "\n")
-        whole.write_text(self.plan.to_json())
-        ranks = []
-        for rank in range(self.mesh.world_size):
-            ranks.append(Path(directory) / f"ep_rank_{rank}.py")
-            ranks[-1].write_text(self.code(rank))
-        return [*dict.fromkeys([*written, path, whole, *ranks])]
-
-    def report(self, path: str | Path, **options: Any) -> Path:
-        """The plan drawn in one self-contained HTML file (`autopar.tools.report.write_report`:
-        ``png_dir=`` also writes each chart as PNG, ``measured=`` a measured schedule)."""
-        from autopar.tools.report import write_report
-
-        return write_report(self, path, **options)
-
-    def __repr__(self) -> str:
-        return f"<autopar.ExpertParallelProgram on {self.mesh}, {len(self.layers)} MoE layers>"
+    return Phase(name="expert_parallel", run=run)
 
 
-def compile_expert_parallel(mesh: Mesh, batch: int, compile_inner: Callable[[], Any], *,
-                            strict: bool = False,
-                            capacity_factor: float | None = None) -> ExpertParallelProgram:  # fmt: skip
+def compile_expert_parallel(mesh: Mesh, batch: int, inner: Program, *, strict: bool = False,
+                            capacity_factor: float | None = None) -> Program:  # fmt: skip
     """Steps 2-4 (see the module docstring) for a batch of ``batch`` rows over ep; the
-    driver sliced and traced it (step 1) and ``compile_inner()`` builds the program of the
-    mesh without ep from that one trace."""
+    driver sliced and traced it (step 1) and compiled ``inner``, the program of the mesh
+    without ep, from that one trace.  Returns the program of ``mesh``: ``inner``'s stages with
+    the expert-axis phase run first."""
     ep = mesh.size("ep")
-    inner = compile_inner()
-    samples = ([st.module(0) for st in inner.pipeline.stages] if inner.pipeline
-               else [inner.module(0)])  # fmt: skip
+    samples = [st.module(0) for st in inner.stages]
     found_layers = [find_moe_layers(m) for m in samples]
     layers = [layer for ls, _ in found_layers for layer in ls]
     model = _model_name(inner)
@@ -558,9 +443,11 @@ def compile_expert_parallel(mesh: Mesh, batch: int, compile_inner: Callable[[], 
         described=tuple(map(str, layers)), bucket_bytes=BUCKET_BYTES, notes=tuple(notes))  # fmt: skip
     plan = dataclasses.replace(inner.plan, mesh=mesh.axes, ep=section,
                                collectives=(*inner.plan.collectives, *found))  # fmt: skip
-    return ExpertParallelProgram(inner=inner, mesh=mesh, plan=plan,
-                                 stage_layers=tuple(tuple(ls) for ls, _ in found_layers),
-                                 capacity=capacity, bucket_bytes=BUCKET_BYTES)  # fmt: skip
+    stage_layers = tuple(tuple(ls) for ls, _ in found_layers)
+    micro = inner.pipeline.config.n_microbatches if inner.pipeline else 1
+    phase = ep_phase(mesh, stage_layers, reduction, capacity, micro, model)
+    return inner.then(mesh, plan, phase, first=True, stage_layers=stage_layers,
+                      capacity=capacity)  # fmt: skip
 
 
 def _micro_batch_note(inner: Any, samples: list[fx.GraphModule]) -> list[str]:

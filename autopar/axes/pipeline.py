@@ -30,12 +30,10 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
 
 from autopar.errors import FitError, InputError, MeshError, PlanError
 from autopar.frontend.precision import annotate_autocast
@@ -45,7 +43,7 @@ from autopar.ir.analysis import needs_grad
 from autopar.mesh import Mesh
 from autopar.plan import Plan, PpSection
 from autopar.planner.tp import PlanOptions, run_node_time
-from autopar.program import Materialized, Program
+from autopar.program import StageProgram
 from autopar.runtime import RankShare
 from cost.comm import collective_time
 from cost.compute import train_factor
@@ -324,167 +322,75 @@ def _formula(config: PipelineConfig, p: int) -> float:
     return formula_bubble(config.order, p, config.n_microbatches, config.virtual_stages)
 
 
-class PipelineProgram:
-    """What :func:`autopar.autoparallelize` returns for a mesh with a ``pp`` axis.
+@dataclass(frozen=True, kw_only=True)
+class PipelineLayout:
+    """The pipeline axis of a :class:`autopar.program.Program`: the stage cuts, the schedule,
+    each stage's graph (its boundary inputs and outputs), the names that carry a gradient, the
+    split pass's record, and the weights several stages use (tied: FQN -> stages)."""
 
-    Like every program kind: ``model_name``, ``core``, ``pipeline``, ``inner`` and
-    ``loss_graph`` (see :class:`autopar.program.Program`)."""
+    cut: StageCut
+    config: PipelineConfig
+    graphs: tuple[StageGraph, ...]
+    grad_names: frozenset[str]
+    split: PassRecord
+    tied: dict[str, tuple[int, ...]]
+    model_name: str  # the whole model's (each stage's trace is named per stage)
 
-    def __init__(self, *, mesh: Mesh, stages: list[Program], graphs: list[StageGraph],
-                 cut: StageCut, config: PipelineConfig, model_name: str,
-                 grad_names: frozenset[str], split: PassRecord) -> None:  # fmt: skip
-        self.mesh, self.stages, self.graphs, self.cut, self.config = (
-            mesh,
-            stages,
-            graphs,
-            cut,
-            config,
-        )
-        self.grad_names = grad_names
-        self.model_name = model_name
-        self.inner = None  # no batch axis wraps anything here
-        uses: dict[str, list[int]] = {}
-        for i, st in enumerate(stages):
-            for fqn in st.traced.params.values():
-                uses.setdefault(fqn, []).append(i)
-        self.tied = {fqn: ix for fqn, ix in uses.items() if len(ix) > 1}
-        self.split = split
-
-    @property
-    def plan(self) -> Plan:
-        """The one Plan: the pp section (cuts, schedule, bubble), each stage's plan, and every
-        stage's parameters and collectives (compute and communication summed over the
-        stages, one micro-batch each).  Built from the stages' current plans (recompute
-        re-prices them after the split)."""
-        key = tuple(id(s.plan) for s in self.stages)
-        if getattr(self, "_plan_key", None) != key:
-            self._plan, self._plan_key = self._build_plan(), key
-        return self._plan
-
-    def _build_plan(self) -> Plan:
-        c, stages = self.config, tuple(s.plan for s in self.stages)
-        section = PpSection(stage_starts=tuple(self.cut.units[i] for i in self.cut.cuts),
-                            schedule=c.schedule, n_microbatches=c.n_microbatches,
-                            virtual_stages=c.virtual_stages, bubble=self.timeline().bubble,
-                            formula_bubble=_formula(c, self.mesh.size("pp")),
-                            slowest_s=self.cut.slowest_s, tied=tuple(sorted(self.tied)),
-                            precision=tuple(_precision(c.param_dtype)))  # fmt: skip
-        return Plan(model=self.model_name, mesh=self.mesh.axes, hardware=stages[0].hardware,
-                    params=tuple(dict.fromkeys(x for s in stages for x in s.params)),
-                    collectives=tuple(x for s in stages for x in s.collectives), choice=(),
-                    compute_s=sum(s.compute_s for s in stages),
-                    comm_s=sum(s.comm_s for s in stages),
-                    memory_bytes=max(s.memory_bytes for s in stages),
-                    notes=tuple(self.cut.describe()), pp=section, recompute=stages[0].recompute,
-                    stages=stages)  # fmt: skip
-
-    @property
-    def core(self) -> PipelineProgram:
-        return self
-
-    @property
-    def pipeline(self) -> PipelineProgram:
-        return self
-
-    @property
-    def loss_graph(self) -> fx.GraphModule:
-        return self.stages[-1].traced.gm
-
-    @property
-    def history(self) -> list[PassRecord]:
-        """The passes that built the program: the stage split, then each stage's."""
-        return [self.split, *(dataclasses.replace(r, name=f"{r.name} [stage {i}]")
-                              for i, st in enumerate(self.stages) for r in st.history)]  # fmt: skip
-
-    def stages_of(self, pp_rank: int) -> list[int]:
-        """Stages held by a pipeline rank: s, s + p, ... (interleaved placement)."""
-        p = self.mesh.size("pp")
-        return list(range(pp_rank, len(self.stages), p))
-
-    def module(self, rank: int, stage: int | None = None) -> fx.GraphModule:
-        """The module of ``stage`` (default: the rank's first stage) for global ``rank``."""
-        coords = self.mesh.coordinates(rank)
-        stage = self.stages_of(coords["pp"])[0] if stage is None else stage
-        return self.stages[stage].module(self._stage_rank(stage, coords))
-
-    def materialized_stage(self, stage: int = 0) -> Materialized:
-        """Stage ``stage``'s materialized program (its stage program's)."""
-        return self.stages[stage].materialized_stage()
-
-    def _stage_rank(self, stage: int, coords: dict[str, int]) -> int:
-        """The rank within the stage's mesh (tp, or cp x tp) of mesh coordinates ``coords``."""
-        return self.stages[stage].mesh.rank_of(coords)
-
-    def share(self, rank: int) -> RankShare:
-        """What global ``rank`` runs: its stages' modules and the schedule's settings."""
-        coords = self.mesh.coordinates(rank)
-        modules = {
-            s: self.stages[s].module(self._stage_rank(s, coords))
-            for s in self.stages_of(coords["pp"])
-        }
-        io = {s: _io(self.stages[s].graph_module, self.graphs[s], self.grad_names) for s in modules}
-        placements = {s: {fqn: lay for fqn, lay in self._tp_placements(s).items() if fqn in self.tied}
-                      for s in modules}  # fmt: skip
-        shapes = {
-            fqn: tuple(self.stages[ix[0]].traced.tensors[fqn].shape)
-            for fqn, ix in self.tied.items()
-        }
-        return RankShare(modules=modules, n_stages=len(self.stages), config=self.config,
-                         tied_shapes=shapes, mesh=self.mesh, coords=coords, io=io,
-                         placements=placements)  # fmt: skip
-
-    def _tp_placements(self, stage: int) -> dict[str, str]:
-        prog = self.stages[stage]
-        return {prog.traced.params[n.name]: str(meta.layout(n).placement("tp")
-                                                if meta.layout(n) is not None else "R")
-                for n in prog.graph_module.graph.nodes
-                if n.op == "placeholder" and n.name in prog.traced.params}  # fmt: skip
-
-    def code(self, rank: int = 0) -> str:
-        coords = self.mesh.coordinates(rank)
-        return "\n".join(
-            f"# ===== stage {s} of {len(self.stages)} on rank {rank} =====\n"
-            + self.stages[s].code(coords.get("tp", 0))
-            for s in self.stages_of(coords["pp"])
-        )
-
-    def collectives(self) -> list:
-        return [c for st in self.stages for c in st.collectives()]
-
-    def timeline(self):
+    def timeline(self, p: int, n_stages: int) -> Any:
         from autopar.axes.schedule import actions, simulate
 
-        c, p = self.config, self.mesh.size("pp")
-        return simulate(actions(c.order, p, c.n_microbatches, c.virtual_stages), len(self.stages))
+        c = self.config
+        return simulate(actions(c.order, p, c.n_microbatches, c.virtual_stages), n_stages)
 
-    def train_step(
-        self, optimizer_factory: Callable[[list[nn.Parameter]], Any]
-    ) -> TrainStepPreview:
-        """On a virtual mesh: the schedule this step would run (print it)."""
-        return TrainStepPreview(self, optimizer_factory)
+    def share(self, prog: Any, coords: dict[str, int], modules: dict[int, Any]) -> RankShare:
+        """What the rank at ``coords`` of ``prog`` runs: ``modules`` (its stages') and the
+        schedule's settings."""
+        stages = prog.stages
+        io = {s: _io(stages[s].graph_module, self.graphs[s], self.grad_names) for s in modules}
+        placements = {s: {fqn: lay for fqn, lay in _tp_placements(stages[s]).items()
+                          if fqn in self.tied} for s in modules}  # fmt: skip
+        shapes = {fqn: tuple(stages[ix[0]].traced.tensors[fqn].shape)
+                  for fqn, ix in self.tied.items()}  # fmt: skip
+        return RankShare(modules=modules, n_stages=len(stages), config=self.config,
+                         tied_shapes=shapes, mesh=prog.mesh, coords=coords, io=io,
+                         placements=placements)  # fmt: skip
 
-    def save(self, directory: str) -> list:
-        from pathlib import Path
 
-        d = Path(directory)
-        written = []
-        for i, st in enumerate(self.stages):
-            written += st.save(d / f"stage_{i}")
-        (d / "pipeline.txt").write_text(str(self.plan) + "\n\n" + str(self.timeline()) + "\n")
-        (d / "plan.json").write_text(self.plan.to_json())  # the whole mesh's plan
-        return [*written, d / "pipeline.txt", d / "plan.json"]
+def _tied(stages: Sequence[StageProgram]) -> dict[str, tuple[int, ...]]:
+    """Weights used on more than one stage (tied embeddings) -> those stages."""
+    uses: dict[str, list[int]] = {}
+    for i, st in enumerate(stages):
+        for fqn in st.traced.params.values():
+            uses.setdefault(fqn, []).append(i)
+    return {fqn: tuple(ix) for fqn, ix in uses.items() if len(ix) > 1}
 
-    def report(self, path: str | Path, **options: Any) -> Path:
-        """The plan drawn in one self-contained HTML file (`autopar.tools.report.write_report`:
-        ``png_dir=`` also writes each chart as PNG, ``measured=`` a measured schedule)."""
-        from autopar.tools.report import write_report
 
-        return write_report(self, path, **options)
+def _tp_placements(prog: StageProgram) -> dict[str, str]:
+    return {prog.traced.params[n.name]: str(meta.layout(n).placement("tp")
+                                            if meta.layout(n) is not None else "R")
+            for n in prog.graph_module.graph.nodes
+            if n.op == "placeholder" and n.name in prog.traced.params}  # fmt: skip
 
-    def __repr__(self) -> str:
-        return (
-            f"<autopar.PipelineProgram {self.model_name} on {self.mesh}, {len(self.stages)} stages>"
-        )
+
+def pipeline_plan(mesh: Mesh, layout: PipelineLayout, stages: Sequence[Plan]) -> Plan:
+    """The one Plan of a pipelined mesh: the pp section (cuts, schedule, bubble), each stage's
+    plan (priced in its recompute mode), and every stage's parameters and collectives (compute
+    and communication summed over the stages, one micro-batch each)."""
+    c, cut, p = layout.config, layout.cut, mesh.size("pp")
+    section = PpSection(stage_starts=tuple(cut.units[i] for i in cut.cuts),
+                        schedule=c.schedule, n_microbatches=c.n_microbatches,
+                        virtual_stages=c.virtual_stages,
+                        bubble=layout.timeline(p, len(stages)).bubble,
+                        formula_bubble=_formula(c, p), slowest_s=cut.slowest_s,
+                        tied=tuple(sorted(layout.tied)),
+                        precision=tuple(_precision(c.param_dtype)))  # fmt: skip
+    stages = tuple(stages)
+    return Plan(model=layout.model_name, mesh=mesh.axes, hardware=stages[0].hardware,
+                params=tuple(dict.fromkeys(x for s in stages for x in s.params)),
+                collectives=tuple(x for s in stages for x in s.collectives), choice=(),
+                compute_s=sum(s.compute_s for s in stages), comm_s=sum(s.comm_s for s in stages),
+                memory_bytes=max(s.memory_bytes for s in stages), notes=tuple(cut.describe()),
+                pp=section, recompute=stages[0].recompute, stages=stages)  # fmt: skip
 
 
 def _io(gm: fx.GraphModule, stage: StageGraph, grad: frozenset[str]) -> tuple[list, list]:
@@ -502,11 +408,11 @@ def _io(gm: fx.GraphModule, stage: StageGraph, grad: frozenset[str]) -> tuple[li
 class TrainStepPreview:
     """``prog.train_step(...)`` on a virtual mesh: prints the schedule; runs nowhere."""
 
-    def __init__(self, prog: PipelineProgram, optimizer_factory: Callable) -> None:
+    def __init__(self, prog: Any, optimizer_factory: Callable) -> None:
         self.prog, self.optimizer_factory = prog, optimizer_factory
 
     def __str__(self) -> str:
-        c = self.prog.config
+        c = self.prog.pipeline.config
         t = self.prog.timeline()
         return (f"{c.schedule} schedule, {c.n_microbatches} micro-batches, {len(self.prog.stages)} stages "
                 f"on {self.prog.mesh.size('pp')} pipeline ranks\n{t}\n"
@@ -547,12 +453,13 @@ def pipeline_config(mesh: Mesh, batch: int, n_microbatches: int | None, schedule
 def compile_pipeline(traced: Traced, mesh: Mesh, config: PipelineConfig, options: PlanOptions,
                      split_points: Sequence[str], log: Callable[[str], None],
                      cp_attention: str | None = None, *,
-                     plan: Plan | None = None) -> PipelineProgram:  # fmt: skip
+                     plan: Plan | None = None) -> tuple[list[StageProgram], PipelineLayout]:  # fmt: skip
     """Steps 2-4 (see the module docstring) on ``traced``, one micro-batch's graph; with a cp
     axis every stage is split along the sequence (autopar.axes.context_parallel), its boundary
     values sent whole.  ``config.param_dtype`` 16-bit: stages run under autocast with their
     activations sent in it (priced so).  A reloaded ``plan`` gives the cuts and each stage's
-    plan (its config is the caller's, taken from the plan)."""
+    plan (its config is the caller's, taken from the plan).  Returns the stage programs and
+    the pipeline's layout (the driver prices their recompute mode and makes the Program)."""
     from autopar.axes.tensor_parallel import compile_traced
 
     param_dtype = config.param_dtype
@@ -590,8 +497,9 @@ def compile_pipeline(traced: Traced, mesh: Mesh, config: PipelineConfig, options
     sent = [_sent_bytes(st.graph_module, g, grad, param_dtype) if g is not graphs[-1] else 0.0
             for st, g in zip(stages, graphs, strict=True)]  # fmt: skip
     cut = dataclasses.replace(cut, boundary_bytes=tuple(sent))
-    return PipelineProgram(mesh=mesh, stages=stages, graphs=graphs, cut=cut, config=config,
-                           model_name=traced.model_name, grad_names=grad, split=split)  # fmt: skip
+    return stages, PipelineLayout(cut=cut, config=config, graphs=tuple(graphs), grad_names=grad,
+                                  split=split, tied=_tied(stages),
+                                  model_name=traced.model_name)  # fmt: skip
 
 
 def _outputs(gm: fx.GraphModule) -> list[fx.Node]:

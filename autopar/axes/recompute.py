@@ -34,6 +34,7 @@ reads them (FSDP2 skips its forward hooks while in backward).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -233,48 +234,47 @@ def annotate(plan: Any, effect: RecomputeEffect) -> Any:
         notes=(*plan.notes, str(effect)))  # fmt: skip
 
 
-def attach(prog: Any, mode: str, apply: bool = True) -> Any:
-    """Compile ``prog`` (a Program, or a PipelineProgram's stages) to recompute ``mode``:
-    every rank module it builds runs it, and its plan says so.  Returns ``prog``.  With
-    ``apply=False`` only the plan is priced: a wrapper (expert parallelism) applies the mode
-    to the modules it derives from ``prog``'s."""
+def priced(stages: Sequence[Any], mode: str, whole: bool) -> list[Any]:
+    """The stage programs (autopar.program.StageProgram) priced for recompute ``mode`` (step
+    3): each a copy whose plan says the mode and its price, and whose recompute phase runs it
+    (``none`` on a stage it finds nothing to recompute in).  ``whole``: the stages are one
+    whole model (no pp), which must then have blocks for "full"."""
     if check_mode(mode) == "none":
-        return prog
-    stages = prog.stages if prog.pipeline is not None else None
-    programs = list(stages) if stages is not None else [prog]
-    found = 0
-    for p in programs:
-        found += _attach_one(p, mode, whole=stages is None, apply=apply)
+        return list(stages)
+    out, found = [], 0
+    for stage in stages:
+        regions = _regions(stage, mode, whole)
+        found += regions
+        out.append(_priced_one(stage, mode, regions))
     if found == 0 and mode == "full":
-        raise RecomputeError(_no_blocks(programs[0].traced.model_name))
-    return prog
+        raise RecomputeError(_no_blocks(stages[0].traced.model_name))
+    return out
 
 
-def _attach_one(prog: Any, mode: str, whole: bool, apply: bool) -> int:
-    """One Program: check the mode applies (rank 0's module), price it, set it; returns the
-    number of regions it recomputes."""
-    name = prog.traced.model_name
-    sample = prog.module(0)
-    if mode == "full":
-        outlined = outline_blocks(sample)
-        if outlined is None and whole:
-            raise RecomputeError(_no_blocks(name))
-        regions = len(block_targets(outlined)) if outlined is not None else 0
-    else:
-        regions = len(core_regions(sample))
-    if apply:
-        prog.recompute = mode if regions else "none"
-        prog._modules.clear()
+def _regions(stage: Any, mode: str, whole: bool) -> int:
+    """The regions ``mode`` recomputes in ``stage`` (read off its rank 0 module)."""
+    sample = stage.module(0)
+    if mode != "full":
+        return len(core_regions(sample))
+    outlined = outline_blocks(sample)
+    if outlined is None and whole:
+        raise RecomputeError(_no_blocks(stage.traced.model_name))
+    return len(block_targets(outlined)) if outlined is not None else 0
+
+
+def _priced_one(stage: Any, mode: str, regions: int) -> Any:
+    """Step 3 on one stage: its plan re-priced (or a note where the cost model cannot price
+    it, e.g. float64), the mode asked recorded (reloadable)."""
+    plan = stage.plan
     try:
-        effect = predict(prog.traced.gm, prog.mesh.sizes, mode, regions, prog.mesh.cluster.gpu)
-        prog.plan = annotate(prog.plan, effect)
-    except CostInputError as exc:  # e.g. a float64 model: the cost model prices fp32/16/8
+        effect = predict(stage.traced.gm, stage.mesh.sizes, mode, regions, stage.mesh.cluster.gpu)
+        plan = annotate(plan, effect)
+    except CostInputError as exc:  # the cost model prices fp32/16/8
         effect = None
-        prog.plan = dataclasses.replace(prog.plan, notes=(
-            *prog.plan.notes, f"recompute {mode} ({regions} regions), not priced: {exc}"))  # fmt: skip
-    prog.plan = dataclasses.replace(prog.plan, recompute=mode)  # the mode asked (reloadable)
-    prog.recompute_effect = effect
-    return regions
+        plan = dataclasses.replace(plan, notes=(
+            *plan.notes, f"recompute {mode} ({regions} regions), not priced: {exc}"))  # fmt: skip
+    plan = dataclasses.replace(plan, recompute=mode)
+    return stage.priced(plan, mode if regions else "none", effect)
 
 
 # ---------------------------------------------------------------- measuring it

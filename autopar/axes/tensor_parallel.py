@@ -1,5 +1,5 @@
 """The tensor-parallel compile of one traced graph: solve the tp axis, run the passes, package
-a :class:`Program`.  ``autopar.driver`` (whole models), ``autopar.axes.pipeline`` (one stage at a
+a :class:`autopar.program.StageProgram`.  ``autopar.driver`` (whole models), ``autopar.axes.pipeline`` (one stage at a
 time) and ``autopar.axes.context_parallel`` (the tp program it splits) call it.
 
 Algorithm (:func:`compile_traced`):
@@ -31,14 +31,14 @@ from autopar.ir.printing import copy_module
 from autopar.mesh import Mesh
 from autopar.plan import Plan
 from autopar.planner.tp import AxisSolution, PlanOptions, describe_tp_dims, solve_axis
-from autopar.program import Program, collectives_of
+from autopar.program import StageProgram, collectives_of
 from cost.comm import collective_time
 from cost.topology import Topology, nccl_advice
 from passes import PassContext, TpDecisions, run_pipeline
 
 
 def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
-                   log: Callable[[str], None] = print, whole_model: bool = True) -> Program:  # fmt: skip
+                   log: Callable[[str], None] = print, whole_model: bool = True) -> StageProgram:  # fmt: skip
     """Steps 2-4 for an already traced graph: the whole model, or one pipeline stage (which
     may hold nothing worth splitting, e.g. only an embedding)."""
     axis = "tp"
@@ -61,7 +61,7 @@ def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
     for rec in history:
         log(str(rec))
     plan = _plan(traced, gm, mesh, solution, axis)
-    return Program(plan=plan, mesh=mesh, graph_module=gm, traced=traced, history=history)
+    return StageProgram(plan=plan, mesh=mesh, graph_module=gm, traced=traced, history=history)
 
 
 def _check_fixed(traced: Traced, fixed: tuple[tuple[str, str], ...], shown: int = 5) -> None:

@@ -128,19 +128,20 @@ class SolvedModel:
                        ring=_ring_share(gm, model, self._cluster.gpu, self._dtype))  # fmt: skip
 
     def _compile(self, t: int, c: int, fresh: Traced) -> Any:
-        """The program the driver builds for Mesh(cp=c, tp=t) inside a data axis."""
+        """The stage program the driver builds for Mesh(cp=c, tp=t) inside a data axis."""
         from autopar.axes.context_parallel import compile_traced_cp
         from autopar.axes.data_parallel import join_cp
         from autopar.axes.tensor_parallel import compile_traced
         from autopar.mesh import Mesh
         from autopar.planner.tp import PlanOptions
+        from autopar.program import program_of
 
         options = PlanOptions(param_dtype=self._dtype)
         if c == 1:
             return compile_traced(fresh, Mesh(self._cluster, tp=t), options, lambda _: None)
-        axes = tuple((a, n) for a, n in (("cp", c), ("tp", t)) if n > 1)
-        prog = compile_traced_cp(fresh, Mesh.ordered(axes, self._cluster), None, options, None)
-        return join_cp(prog)[0]
+        mesh = Mesh.ordered(tuple((a, n) for a, n in (("cp", c), ("tp", t)) if n > 1), self._cluster)
+        prog = compile_traced_cp(fresh, mesh, None, options, None)
+        return join_cp(program_of(mesh, [prog]))[0].stages[0]
 
 
 def _priced(traced: Traced, param_dtype: torch.dtype, name: str | None) -> GraphModel:

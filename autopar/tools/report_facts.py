@@ -6,8 +6,8 @@ computed by the function that produced that record, never estimated a second tim
 
 Algorithm (`facts_of`):
 1. Recognise the object: a whole-cluster search (`autopar.planner.auto.Ranking`), one priced
-   configuration (`cost.estimate.Estimate`), or a compiled program (`Program`,
-   `PipelineProgram`, `DataParallelProgram`, `ExpertParallelProgram`, any nesting).
+   configuration (`cost.estimate.Estimate`), or a compiled program (`autopar.program.Program`,
+   on any mesh).
 2. Mesh on the cluster: each axis's (stride, size) in rank order and the link its groups
    ride: the topology's `links` for a search (the split `Plan.links` reports), the cluster's
    `axis_link` for a compiled mesh (what `Mesh.describe` prints).

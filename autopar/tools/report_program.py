@@ -1,9 +1,7 @@
-"""The report's facts for a compiled program: any nesting of data, expert and pipeline
-programs around per-stage `Program`s.
+"""The report's facts for a compiled program (`autopar.program.Program`, on any mesh).
 
 Algorithm (`program_facts`):
-1. Unwrap: the outer program's wrappers (data axis, expert axis) down to the core (one
-   `Program`, or a `PipelineProgram` of stage programs); the core's `Plan` records are the
+1. Stages: the program's stage programs (one without pp); their `Plan` records are the
    source of layouts, collectives, compute and communication seconds.
 2. Mesh: each axis's stride in the mesh's row-major rank order and the link
    `Cluster.axis_link` gives it (the one `Mesh.describe` prints).
@@ -13,7 +11,7 @@ Algorithm (`program_facts`):
 4. Memory: with a data axis its plan's ZeRO table as recorded (the dp section's `memory`,
    limit `memory_limit`); per pipeline rank the rows `data_parallel.memory_table` takes its
    maximum over, at the chosen stage; without a data axis the same measure at dp = 1.
-5. Schedule: the pipeline's simulated timeline (`PipelineProgram.timeline`'s simulation) and
+5. Schedule: the pipeline's simulated timeline (`Program.timeline`'s simulation) and
    the measured events when given; layouts and per-rank code of one rank per pipeline rank.
 """
 
@@ -31,43 +29,38 @@ from autopar.tools.report_facts import AxisRow, Facts, MemoryBar, Schedule, comm
 
 def program_facts(prog: Any, measured: Any = None) -> Facts:
     """Steps 1-5 (see the module docstring)."""
-    wrappers, core = unwrap(prog)
-    plans = core_plans(core)
+    plans = core_plans(prog)
     dp = prog.plan.dp
-    memory, capacity, note = _memory(prog, wrappers, dp)
-    step, step_note = _step(core, plans, prog.plan)
+    memory, capacity, note = _memory(prog, dp)
+    step, step_note = _step(prog, plans, prog.plan)
     return Facts(
-        title=f"{getattr(core, 'model_name', plans[0].model)} on {prog.mesh}",
-        summary=_summary(prog, core, plans, dp), cluster=prog.mesh.cluster,
-        axes=_axes(prog, wrappers, plans, core), comm=comm_rows(list(prog.collectives())),
+        title=f"{prog.model_name} on {prog.mesh}",
+        summary=_summary(prog, plans, dp), cluster=prog.mesh.cluster,
+        axes=_axes(prog, plans), comm=comm_rows(list(prog.collectives())),
         step=step, step_note=step_note, memory=memory, capacity=capacity, memory_note=note,
-        pipeline_memory=_pipeline_memory(prog, wrappers, dp),
-        schedule=_schedule(core, measured), layouts=_layouts(plans), code=_code(prog),
+        pipeline_memory=_pipeline_memory(prog, dp),
+        schedule=_schedule(prog, measured), layouts=_layouts(plans), code=_code(prog),
         notes=tuple(n for sec in (prog.plan.dp, prog.plan.ep) if sec for n in sec.notes) + tuple(
             n for p in plans for n in p.notes),
     )  # fmt: skip
 
 
-def unwrap(prog: Any) -> tuple[list[Any], Any]:
-    """Step 1: (wrapper programs outermost first, the core program)."""
-    wrappers = []
-    while prog.inner is not None:
-        wrappers.append(prog)
-        prog = prog.inner
-    return wrappers, prog
+def core_plans(prog: Any) -> list[Any]:
+    """Step 1: the `Plan` record of each pipeline stage (one without a pipeline)."""
+    return [s.plan for s in prog.stages]
 
 
-def core_plans(core: Any) -> list[Any]:
-    """The `Plan` record of each pipeline stage (one without a pipeline)."""
-    return [s.plan for s in core.stages] if core.pipeline else [core.plan]
+def _core_axes(prog: Any) -> list[str]:
+    """The axes the stage programs split (tp, cp): not the batch axes, not pp."""
+    return [a for a, s in prog.mesh.axes if s > 1 and a not in ("dp", "ep", "pp")]
 
 
-def _axes(prog: Any, wrappers: list[Any], plans: list[Any], core: Any) -> tuple[AxisRow, ...]:
+def _axes(prog: Any, plans: list[Any]) -> tuple[AxisRow, ...]:
     """Step 2; the exposed seconds where one record prices exactly one axis."""
     mesh, cl = prog.mesh, prog.mesh.cluster
     sizes = [s for _, s in mesh.axes]
     ep_s = prog.plan.ep.comm_s if prog.plan.ep else None
-    inner_axes = [a for a, s in core.mesh.axes if s > 1 and a != "pp"]
+    inner_axes = _core_axes(prog)
     core_s = plans[0].comm_s if len(plans) == 1 and len(inner_axes) == 1 else None
     out = []
     for i, (axis, size) in enumerate(mesh.axes):
@@ -81,9 +74,9 @@ def _axes(prog: Any, wrappers: list[Any], plans: list[Any], core: Any) -> tuple[
     return tuple(out)
 
 
-def _step(core: Any, plans: list[Any], top: Plan) -> tuple[tuple, str]:
+def _step(prog: Any, plans: list[Any], top: Plan) -> tuple[tuple, str]:
     """Step 3: each stage plan's compute and communication seconds, the ep section's."""
-    axes = "·".join(a for a, s in core.mesh.axes if s > 1 and a != "pp") or "none"
+    axes = "·".join(_core_axes(prog)) or "none"
     step: list[tuple[str, float]] = []
     for i, plan in enumerate(plans):
         name = f"stage {i} " if len(plans) > 1 else ""
@@ -101,7 +94,7 @@ def _step(core: Any, plans: list[Any], top: Plan) -> tuple[tuple, str]:
     return tuple(step), note
 
 
-def _memory(prog: Any, wrappers: list[Any], dp: Any) -> tuple[tuple[MemoryBar, ...], float, str]:
+def _memory(prog: Any, dp: Any) -> tuple[tuple[MemoryBar, ...], float, str]:
     """Step 4: the ZeRO table of the data-parallel plan, or the same measure at dp = 1."""
     if dp is not None:
         bars = tuple(_bar(f"ZeRO-{m.stage}", m, m.stage == dp.zero) for m in dp.memory)
@@ -126,46 +119,44 @@ def _bar(label: str, m: Any, chosen: bool) -> MemoryBar:
 
 
 def _param_dtype(prog: Any) -> torch.dtype:
-    wrappers, core = unwrap(prog)
-    return core.pipeline.config.param_dtype if core.pipeline else torch.float32
+    return prog.pipeline.config.param_dtype if prog.pipeline else torch.float32
 
 
-def position_rows(inner: Any, dp: int, stage: int, param_dtype: torch.dtype) -> list[Any]:
+def position_rows(prog: Any, dp: int, stage: int, param_dtype: torch.dtype) -> list[Any]:
     """Step 4: per pipeline rank the `ZeroMemory` row at `stage` that `memory_table` takes
     its maximum over (the same helpers, the rows kept)."""
     from autopar.axes import data_parallel as D
 
     per, rows = D.StateBytes.for_dtype(param_dtype), []
-    for modules, programs in D._rank_positions(inner):
+    for modules, held in D._rank_positions(prog):
         shapes = D._grad_shapes_of(modules)
         params = sum(torch.Size(s).numel() for s, _ in shapes.values())
         kept = sum(torch.Size(shapes[n][0]).numel() for n in D._kept_in(modules) if n in shapes)
-        activations = sum(held * D.saved_activations(p) for p, held in programs)
+        activations = sum(n * D.saved_activations(prog.stages[i]) for i, n in held)
         rows.append(D.zero_memory(params, dp, stage, per, activations, kept))
     return rows
 
 
-def _pipeline_memory(prog: Any, wrappers: list[Any], dp: Any) -> tuple[MemoryBar, ...]:
+def _pipeline_memory(prog: Any, dp: Any) -> tuple[MemoryBar, ...]:
     """Step 4 per pipeline rank (empty without a pipeline)."""
     if prog.mesh.size("pp") <= 1:
         return ()
     if dp is not None:
-        inner = next(w for w in wrappers if "dp" in w.mesh.sizes).inner
-        rows = position_rows(inner, prog.mesh.size("dp"), dp.zero, getattr(torch, dp.param_dtype))
+        rows = position_rows(prog, prog.mesh.size("dp"), dp.zero, getattr(torch, dp.param_dtype))
     else:
         rows = position_rows(prog, 1, 0, _param_dtype(prog))
     top = max(range(len(rows)), key=lambda i: rows[i].total)
     return tuple(_bar(f"pp rank {i}", r, i == top) for i, r in enumerate(rows))
 
 
-def _schedule(core: Any, measured: Any) -> Schedule | None:
+def _schedule(prog: Any, measured: Any) -> Schedule | None:
     """Step 5: the simulated timeline, with measured (rank, F|B, mb, t0, t1) events."""
-    if core.pipeline is None:
+    if prog.pipeline is None:
         return None
-    c, p = core.config, core.mesh.size("pp")
+    c, p = prog.pipeline.config, prog.mesh.size("pp")
     sim = simulated(c.order, p, c.n_microbatches, c.virtual_stages,
                     name=f"{c.schedule}, {p} pipeline ranks, {c.n_microbatches} micro-batches, "
-                         f"{len(core.stages)} stages")  # fmt: skip
+                         f"{len(prog.stages)} stages")  # fmt: skip
     events = tuple((int(r), str(k), int(m), float(a), float(b))
                    for r, k, m, a, b in (measured or ()))  # fmt: skip
     return Schedule(name=sim.name, slots=sim.slots, bubble=sim.bubble, measured=events)
@@ -192,12 +183,12 @@ def _code(prog: Any) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def _summary(prog: Any, core: Any, plans: list[Any], dp: Any) -> tuple[tuple[str, str], ...]:
+def _summary(prog: Any, plans: list[Any], dp: Any) -> tuple[tuple[str, str], ...]:
     out = [("mesh", "; ".join(prog.mesh.describe())), ("plan", prog.plan.label),
            ("priced on", plans[0].hardware)]  # fmt: skip
-    if core.pipeline is not None:
-        c = core.config
-        out.append(("pipeline", f"{len(core.stages)} stages, {c.schedule}, "
+    if prog.pipeline is not None:
+        c = prog.pipeline.config
+        out.append(("pipeline", f"{len(prog.stages)} stages, {c.schedule}, "
                                 f"{c.n_microbatches} micro-batches"))  # fmt: skip
     if dp is not None:
         out.append(("data axis", f"dp={prog.mesh.size('dp')}, ZeRO-{dp.zero}, global batch "

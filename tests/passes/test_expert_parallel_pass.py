@@ -28,7 +28,7 @@ def test_experts_split_on_dim_0_and_sliced_by_codegen():
     ep = prog.history[-2]
     assert ep.nodes_after > ep.nodes_before  # dispatch, combine, gradient buckets, global loss
     assert "expert_dispatch" in ep.graph and "batch_loss" in ep.graph
-    whole = prog.placed[0][0].module
+    whole = prog.final(0, upto=1).module  # after the ep phase (the program's first)
     layouts = {n.target: n.meta["autopar"].layout for n in whole.graph.nodes if n.op == "get_attr"}
     assert layouts["blocks.0.gate_up"].dims[0] == ("ep",)  # S(0) over ep, tp on another dim
     assert tuple(whole.get_parameter("blocks.0.gate_up").shape)[0] == 4  # whole until shard
@@ -47,5 +47,5 @@ def test_idempotent_per_rank():
     prog = autoparallelize(build_moe(SMALL), Mesh(ep=2), tokens(SMALL), lm_loss)
     before = masked(prog.history[-2].graph)
     assert prog.module(1) is prog.module(1)
-    assert prog.placed[0][0].module.get_parameter("blocks.0.down").shape[0] == SMALL.experts
+    assert prog.final(0, upto=1).module.get_parameter("blocks.0.down").shape[0] == SMALL.experts
     assert masked(prog.history[-2].graph) == before

@@ -26,7 +26,7 @@ def test_printed_graph():
 def test_each_rank_block_holds_its_shards():
     prog = autoparallelize(build("llama", SMALL), Mesh(tp=2), tokens(SMALL), lm_loss,
                            recompute="full")  # fmt: skip
-    whole = prog.materialized_stage().module
+    whole = prog.final().module
     for rank in range(2):
         module = prog.module(rank)
         assert blocks_outlined(module) and block_targets(module) == ["layers.0", "layers.1"]
