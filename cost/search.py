@@ -636,3 +636,26 @@ def _smallest_dp(model: Priced, world: int) -> int:
     return min(
         (dp for _, _, dp, _, _ in _factorisations(model, world, None, SearchSpace())), default=world
     )
+
+
+def reprice(choice: Choice, model, cluster: Cluster,
+            collective: Collective | None = None) -> Choice:  # fmt: skip
+    """``choice`` priced again on ``model``: another pricing of the same model (e.g. the
+    compiler's own tp / cp solutions, `autopar.planner.solved.SolvedModel`).  The same
+    configuration (degrees, micro-batch, schedule, ZeRO, recompute) and nesting; its workload,
+    per-rank memory and step time come from ``model``, on the spans its nesting gives."""
+    cfg = choice.config
+    pricer = _Pricer(as_priced(model), cluster, collective)
+    work = pricer.work(cfg, cfg.micro_batch)
+    dpd = cfg.data_parallel
+    memory = rank_memory(work, pp=cfg.pp, zero=cfg.zero, dp_dense=dpd, dp_expert=dpd // cfg.ep,
+                         schedule=cfg.schedule, micro_batches=choice.micro_batches,
+                         virtual=cfg.virtual_stages, recompute=cfg.recompute,
+                         capacity=cluster.gpu.hbm_bytes, grad_bytes=cfg.grad_bytes,
+                         weight_bytes=cfg.weight_bytes)  # fmt: skip
+    step = step_time(work, cfg, cluster, micro_batches=choice.micro_batches,
+                     schedule=cfg.schedule, virtual=cfg.virtual_stages, recompute=cfg.recompute,
+                     spans=spans(choice.order, cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep),
+                     collective=pricer.collective)  # fmt: skip
+    return Choice(config=cfg, order=choice.order, memory=memory, step=step,
+                  micro_batches=choice.micro_batches, work=work)  # fmt: skip

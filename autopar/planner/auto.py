@@ -26,7 +26,7 @@ from autopar.mesh import AutoMesh, Mesh
 from cost.config import ParallelConfig
 from cost.errors import CostInputError
 from cost.hardware import Cluster
-from cost.search import Choice, SearchResult, SearchSpace, nesting, search, sp_label, spans
+from cost.search import Choice, SearchResult, SearchSpace, nesting, reprice, search, sp_label, spans
 from cost.topology import Topology, axis_links
 
 GIB = 2**30
@@ -175,13 +175,16 @@ class AutoChoice:
     best the compiler accepted) and the configurations the compiler refused, with why."""
 
     plan: Ranking
-    best: Choice
+    best: Choice  # the best of the candidates as the compiler counts them
     compiled: Choice
     mesh: Mesh
     refused: tuple[tuple[Choice, str], ...] = ()
+    candidates: tuple[tuple[Choice, Choice], ...] = ()  # (searched, repriced), walk's order
 
     def __str__(self) -> str:
-        lines = [f"Mesh.auto: best {self.best.describe()} ({self.best.step_time_s:.4f} s)"]
+        lines = [f"Mesh.auto: best {self.best.describe()} ({self.best.step_time_s:.4f} s, "
+                 "the compiler's count)"]  # fmt: skip
+        lines += self._candidate_lines()
         for choice, why in self.refused:
             lines.append(f"  refused by the compiler: {choice.describe()}: {why}")
         if self.refused:
@@ -192,6 +195,16 @@ class AutoChoice:
                      f"{self.plan.result.cluster.world_size} GPUs) with zero="
                      f"{self.compiled.config.zero}, recompute={self.compiled.config.recompute}")  # fmt: skip
         return "\n".join(lines + ["", str(self.plan)])
+
+    def _candidate_lines(self) -> list[str]:
+        """The walk's candidates: the search's step (formula) and the compiler's count."""
+        out = ["  the search's first configurations priced as the compiler builds them "
+               "(search -> compiler's count):"]  # fmt: skip
+        for was, c in self.candidates:
+            fits = "" if c.memory.fits else f", does not fit ({c.memory.total / GIB:.1f} GiB)"
+            out.append(f"    {c.describe()}: {was.step_time_s:.4f} s -> {c.step_time_s:.4f} s"
+                       f"{fits}")  # fmt: skip
+        return out if self.candidates else []
 
 
 MAX_REFUSALS = 4  # ranked configurations tried after the best before giving up
@@ -209,19 +222,27 @@ def compile_auto(model: Any, mesh: AutoMesh, example: Any, loss_fn: Callable[...
        activations in the dtype each value runs in (autocast under `param_dtype`), one
        micro-batch per step outside a pipeline (the data axis does not accumulate), capacity
        `memory_limit` when given, ZeRO stage and recompute fixed when the user fixes them.
-    3. Walk the ranking best first: compile every chosen degree (dp, pp, cp, ep, tp) in the
+    3. Price the ranking's first `MAX_REFUSALS + 1` configurations again as the compiler
+       builds them (`cost.search.reprice` on `autopar.planner.solved.SolvedModel`: each tp / cp
+       degree from the tp planner's own solution of a trace of its per-rank slice, the count
+       the compiled plan reports) and order them by that price: what fits first, fastest
+       first.  The search's formula ranks the whole space quickly; the compiler's own count
+       decides among the few it compiles.
+    4. Walk those best first: compile every chosen degree (dp, pp, cp, ep, tp) in the
        chosen nesting on every GPU of the cluster, with its ZeRO stage, schedule, micro-batch
        count and recompute mode, through the one driver (`autopar.driver`), which reuses the
        search's trace when the configuration's per-rank slice is the whole example batch (and
        each trace it makes for the next configurations).  A configuration the compiler
        refuses (its memory count is what runs; some axis combinations it cannot build for
        this model) is recorded with the compiler's reason and the next is tried.
-    4. `prog.search` (AutoChoice) holds the ranking, the best, the compiled one and refusals.
+    5. `prog.search` (AutoChoice) holds the ranking, the candidates as repriced, the best,
+       the compiled one and refusals.
     """
     from autopar.driver import compile_model
     from autopar.errors import PlanError
     from autopar.frontend.precision import annotate_autocast, mark_run_dtypes
     from autopar.frontend.trace import trace
+    from autopar.planner.solved import SolvedModel
     from cost.graph import GraphModel
 
     _check_decided(options)
@@ -233,8 +254,12 @@ def compile_auto(model: Any, mesh: AutoMesh, example: Any, loss_fn: Callable[...
     plan = plan_shape(priced, _capacity(mesh.cluster, options.memory_limit),
                       options.global_batch or mesh.global_batch or examples,
                       space=_auto_space(mesh, options))  # fmt: skip
+    solved = SolvedModel(traced, plan.result.cluster, options.param_dtype,
+                         name=type(model).__name__,
+                         retrace=_retrace(model, example, loss_fn, examples, traces))  # fmt: skip
+    candidates = repriced(plan, solved)
     refused: list[tuple[Choice, str]] = []
-    for choice in plan.result.ranked[: MAX_REFUSALS + 1]:
+    for _, choice in candidates:
         concrete = auto_mesh(choice, mesh.cluster)
         try:
             prog = compile_model(model, concrete, example, loss_fn,
@@ -243,14 +268,43 @@ def compile_auto(model: Any, mesh: AutoMesh, example: Any, loss_fn: Callable[...
         except PlanError as exc:
             refused.append((choice, f"{type(exc).__name__}: {exc}"))
             continue
-        prog.search = AutoChoice(plan=plan, best=plan.best, compiled=choice, mesh=concrete,
-                                 refused=tuple(refused))  # fmt: skip
+        prog.search = AutoChoice(plan=plan, best=candidates[0][1], compiled=choice, mesh=concrete,
+                                 refused=tuple(refused), candidates=tuple(candidates))  # fmt: skip
         if options.verbose or refused:
             print(prog.search.__str__().split("\n\n")[0])
         return prog
     tried = "; ".join(f"{c.describe()}: {why}" for c, why in refused)
     raise PlanError(f"Mesh.auto: the compiler refused the {len(refused)} best configurations "
                     f"of the search ({tried}); give a larger cluster or memory_limit")  # fmt: skip
+
+
+def repriced(plan: Ranking, model: Any) -> list[tuple[Choice, Choice]]:
+    """Step 3: (as searched, as priced on ``model``: the compiler's count) for the ranking's
+    first `MAX_REFUSALS + 1` configurations, ordered by the second: what fits first, then
+    fastest first (what does not fit: least memory first)."""
+    cluster, collective = plan.result.cluster, plan.topology.collective
+    pairs = [(c, reprice(c, model, cluster, collective))
+             for c in plan.result.ranked[: MAX_REFUSALS + 1]]  # fmt: skip
+    return sorted(pairs, key=lambda p: (not p[1].memory.fits, p[1].step_time_s
+                                        if p[1].memory.fits else p[1].memory.total))  # fmt: skip
+
+
+def _retrace(model: Any, example: Any, loss_fn: Callable[..., Any] | None, examples: int,
+             traces: dict[int, Any]) -> Callable[[int], Any]:  # fmt: skip
+    """A trace of ``rows`` sequences of the example batch (the per-rank slice the compiler
+    traces), shared with the driver's ``traces``; where ``rows`` does not divide the example
+    batch, the whole example's (the pricing scales it)."""
+    from autopar.axes.data_parallel import split_batch
+    from autopar.frontend.trace import trace
+
+    def retrace(rows: int) -> Any:
+        rows = rows if rows <= examples and examples % rows == 0 else examples
+        if rows not in traces:
+            args, kwargs = split_batch(example.args, example.kwargs, examples // rows)
+            traces[rows] = trace(model, args, kwargs or None, loss_fn)
+        return traces[rows]
+
+    return retrace
 
 
 def _check_decided(options: Any) -> None:

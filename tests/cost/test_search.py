@@ -83,6 +83,25 @@ def test_search_agrees_with_pricing_every_config_through_estimate():
     assert found.best.step_time_s == pytest.approx(best.step_time_s, rel=TIE_REL)
 
 
+@pytest.mark.parametrize("nest", [False, True])
+def test_reprice_on_the_searched_model_is_the_search_itself(nest):
+    """`reprice` (Mesh.auto prices its candidates again with the compiler's count) given the
+    model the search priced gives every ranked choice back: the same step and memory, so a
+    difference under `SolvedModel` is the compiler's count alone."""
+    from cost.search import reprice
+    from cost.topology import Topology
+
+    cluster = Cluster.preset("dgx-h100", nodes=2)
+    topology = Topology(cluster=cluster)
+    found = search(SMALL_MOE, cluster, 64, space=SearchSpace(nest=nest), top=6,
+                   collective=topology.collective)  # fmt: skip
+    assert len(found.ranked) == 6
+    for choice in found.ranked:
+        again = reprice(choice, found.model, cluster, topology.collective)
+        assert again.step == choice.step and again.memory == choice.memory
+        assert again.config == choice.config and again.order == choice.order
+
+
 def test_spans_follow_the_nesting():
     # Megatron order: tp innermost (contiguous), dp·cp next, pp outermost
     s = spans(("pp", "dp", "tp"), tp=8, pp=4, dp=2, cp=2, ep=1)
