@@ -5,7 +5,9 @@ Algorithm:
    their element of the producer's tuple).
 2. For every consumer input whose required placement differs from what its producer makes,
    insert one ``redistribute(x, axis, src, dst, partial_grad)`` per (producer, target),
-   right after the producer, shared by all consumers that want the same target.  A value
+   right after the producer, shared by all consumers that want the same target.  A split
+   value that consumers read cast to 16 bits (autocast: a matmul's fp32 input) and that the
+   re-layout only moves (a gather, an all-to-all) is cast first, so the cast copy moves.  A value
    written in place (``copy_`` into a slice of a ``new_empty`` buffer, ``index_put_``, ...)
    is read where its consumer reads it: after the last in-place write to it or to a view
    of it between the value's definition and the consumer, one redistribute per such write
@@ -26,6 +28,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from autopar.frontend.precision import read_dtype
 from autopar.frontend.trace import is_getitem, is_tensor, tensor_args
 from autopar.ir import meta
 from autopar.ir.layout import (
@@ -58,7 +61,8 @@ def propagate_layout(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 if arg not in writes:
                     writes[arg] = _writes(arg, order)
                 last = [w for w in writes[arg] if order[arg] < order[w] < order[node]]
-                wants[(arg, last[-1] if last else None)][(want, pg)].append((node, slot))
+                cast = _cast(node, arg, have[arg], want)
+                wants[(arg, last[-1] if last else None)][(want, pg, cast)].append((node, slot))
     for (arg, written), groups in wants.items():
         _insert(graph, arg, have[arg], groups, ctx, written)
     graph.lint()
@@ -153,31 +157,44 @@ def _writes_to(node: fx.Node, values: set[fx.Node]) -> bool:
     return any(isinstance(bound.get(n), fx.Node) and bound[n] in values for n in written)
 
 
+def _cast(consumer: fx.Node, arg: fx.Node, src: Placement,
+          want: Placement) -> torch.dtype | None:  # fmt: skip
+    """Step 2: the 16-bit dtype a split ``arg`` is re-laid in for ``consumer``, when the
+    consumer reads it cast (autocast: a matmul's fp32 input) and the re-layout only moves it
+    (a gather or all-to-all, not a sum): the cast copy moves, half the bytes."""
+    if not isinstance(src, Shard) or want == src:
+        return None
+    reads = read_dtype(consumer, arg)
+    return reads if reads.itemsize < meta.dtype(arg).itemsize else None
+
+
 def _insert(graph: fx.Graph, arg: fx.Node, src: Placement, groups: dict, ctx: PassContext,
             written: fx.Node | None = None) -> None:  # fmt: skip
-    """One redistribute per target; replicated targets split by partial_grad (step 2-3), read
-    after ``written``, the last in-place write before the consumers, when there is one."""
-    made: dict[tuple[Placement, bool], fx.Node] = {}
-    for want, pg in sorted(groups, key=lambda k: (str(k[0]), k[1])):
-        base = arg
-        if pg and not isinstance(src, Replicate) and (want, False) in groups:
-            base = (
-                made[(want, False)]
-                if (want, False) in made
-                else _new(graph, arg, src, want, False, ctx, written)
-            )
-            made[(want, False)] = base
+    """One redistribute per target (and cast: a 16-bit copy for the consumers that read it
+    so); replicated targets split by partial_grad (step 2-3), read after ``written``, the last
+    in-place write before the consumers, when there is one."""
+    made: dict[tuple[Placement, bool, torch.dtype | None], fx.Node] = {}
+    for want, pg, cast in sorted(groups, key=lambda k: (str(k[0]), k[1], str(k[2]))):
+        base, plain = arg, (want, False, cast)
+        if pg and not isinstance(src, Replicate) and plain in groups:
+            base = made[plain] if plain in made else _new(graph, arg, src, want, False, ctx,
+                                                          written, cast)  # fmt: skip
+            made[plain] = base
             new = _new(graph, base, want, want, True, ctx)
         else:
-            new = _new(graph, arg, src, want, pg, ctx, written)
-        made[(want, pg)] = new
+            new = _new(graph, arg, src, want, pg, ctx, written, cast)
+        made[(want, pg, cast)] = new
     for key, consumers in groups.items():
         for consumer, slot in consumers:
             _replace_slot(consumer, slot, made[key])
 
 
 def _new(graph: fx.Graph, x: fx.Node, src: Placement, dst: Placement, pg: bool,
-         ctx: PassContext, written: fx.Node | None = None) -> fx.Node:  # fmt: skip
+         ctx: PassContext, written: fx.Node | None = None,
+         cast: torch.dtype | None = None) -> fx.Node:  # fmt: skip
+    if cast is not None:
+        x = _cast_copy(graph, x, cast, written or _after(x))
+        written = None
     with graph.inserting_after(written or _after(x)):
         axis = ctx.section("tp").axis
         node = graph.call_function(redistribute, (x, axis, str(src), str(dst), pg))
@@ -186,6 +203,19 @@ def _new(graph: fx.Graph, x: fx.Node, src: Placement, dst: Placement, pg: bool,
         if key in x.meta:
             node.meta[key] = x.meta[key]
     meta.update(node, layout=_layout(x.meta["val"], dst, ctx), origin="propagate_layout")
+    return node
+
+
+def _cast_copy(graph: fx.Graph, x: fx.Node, dtype: torch.dtype, where: fx.Node) -> fx.Node:
+    """``x.to(dtype)`` after ``where``, keeping ``x``'s layout and module path."""
+    with graph.inserting_after(where):
+        node = graph.call_function(torch.ops.aten._to_copy.default, (x,), {"dtype": dtype})
+    val = x.meta["val"]
+    node.meta["val"] = torch.empty(tuple(val.shape), dtype=dtype, device="meta")
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in x.meta:
+            node.meta[key] = x.meta[key]
+    meta.update(node, layout=meta.layout(x), origin="propagate_layout")
     return node
 
 

@@ -6,6 +6,7 @@ says; bad input fails clearly."""
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from autopar.axes.data_parallel import loss_reduction, saved_activations
 from autopar.codegen import shard_tensor
 from autopar.frontend.trace import trace
 from autopar.ir import meta
+from autopar.ops import collectives as C
 from autopar.plan import wire_bytes
 from autopar.runtime.pool import get_pool
 from autopar.tools.testing import Config, build, lm_loss, tokens, train_loop
@@ -600,6 +602,44 @@ def test_bf16_prices_activations_and_collectives_in_their_autocast_dtype():
     for col in prog.collectives():
         predicted[(col.kind, col.dtype)] = predicted.get((col.kind, col.dtype), 0) + col.bytes
     assert all(m == predicted for m in measured), (measured[0], predicted)
+
+
+def test_bf16_sequence_parallel_gathers_the_16_bit_copy():
+    """Megatron-SP under bf16 autocast: the normed residual (fp32: norms run in fp32) that a
+    matmul reads is gathered as the bf16 copy autocast would cast it to, so each gather moves
+    half the bytes (and its backward reduce-scatter too): the plan lists them so, the program
+    casts before it gathers, the run moves exactly what the plan lists, and the losses stay
+    within bf16 rounding of one device under autocast."""
+    c = Config(layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=48, seq=64, batch=4,
+               bias=False)  # fmt: skip
+    x, y = tokens(c)
+    prog = autoparallelize(build("llama", c), Mesh(dp=2, tp=2), (x, y), loss_fn=lm_loss, zero=0,
+                           param_dtype=torch.bfloat16, memory_weight=1e-3)  # fmt: skip
+    hidden = (c.batch // 2, c.seq, c.hidden)  # a dp rank's [b, s, h]
+    gathers = [col for col in prog.collectives() if col.kind == "all_gather" and col.axis == "tp"
+               and col.direction == "fwd" and col.shape == hidden]  # fmt: skip
+    assert len(gathers) == 2 * c.layers  # SP: before attention and before the MLP
+    assert all(g.dtype == "bfloat16" and g.bytes == 2 * math.prod(hidden) for g in gathers)
+    module = prog.module(0)
+    for node in module.graph.nodes:
+        if node.target is C.all_gather and node.args[0].target is torch.ops.aten._to_copy.default:
+            assert node.args[0].kwargs["dtype"] is torch.bfloat16
+            assert meta.dtype(node.args[0].args[0]) == torch.float32  # the norm's fp32 output
+    assert sum(n.target is C.all_gather and n.args[0].target is torch.ops.aten._to_copy.default
+               for n in module.graph.nodes) == len(gathers)  # fmt: skip
+    jobs = [(prog.module(r), *(t.chunk(2)[prog.mesh.coordinates(r)["dp"]] for t in (x, y)))
+            for r in range(4)]  # fmt: skip
+    measured = get_pool(4).run(_log_step_traffic, prog.mesh.axes, jobs)
+    predicted: dict[tuple[str, str], int] = {}
+    for col in prog.collectives():
+        predicted[(col.kind, col.dtype)] = predicted.get((col.kind, col.dtype), 0) + col.bytes
+    assert all(m == predicted for m in measured), (measured[0], predicted)
+    jobs = [(prog.module(r), *(t.chunk(2)[prog.mesh.coordinates(r)["dp"]] for t in (x, y)), 0, 3)
+            for r in range(4)]  # fmt: skip
+    bf16 = _autocast_losses(c, x, y, torch.bfloat16)
+    for losses, seen, _ in get_pool(4).run(_train_bf16, prog.mesh.axes, jobs):
+        assert seen == {"torch.bfloat16"}
+        assert losses == pytest.approx(bf16, rel=2e-3)
 
 
 def _pending_loss(rank, groups, module, x, y, zero):

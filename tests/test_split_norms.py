@@ -139,4 +139,6 @@ def test_olmo3_gqa_k_norm_at_tp8_meets_the_hand_design():
     check = zoo.CommCheck(actual=zoo.forward_collectives(prog),
                           expected=zoo.expected_collectives(zoo.family("olmo2"), d), tp=8)  # fmt: skip
     assert check.ok, str(check)
-    assert check.actual.summary(0) == "2AR+2ar", str(check)
+    # plain TP or Megatron-SP (the same bytes since SP gathers the bf16 copy), and the two
+    # [b, s, 1] all-reduces of the q and k norms' statistics: k is never gathered
+    assert check.actual.summary(0) in ("2AR+2ar", "2AG+2RS+2ar"), str(check)

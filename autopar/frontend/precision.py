@@ -13,6 +13,10 @@ Algorithm (:func:`annotate_autocast`):
 3. Record, in each node's metadata record (``meta.update(node, dtype=...)``), the dtype of
    every call whose autocast dtype differs from its traced one; :func:`autopar.ir.meta.dtype`
    reads it back (placeholders, i.e. the fp32 weights, are never annotated).
+
+:func:`read_dtype` says what a consumer reads a value in: a matrix product reads its fp32
+inputs in bf16 (autocast casts them), so a re-layout that only moves such an input (a gather,
+an all-to-all) can move it cast, half the bytes (Megatron-SP gathers the bf16 normed input).
 """
 
 from __future__ import annotations
@@ -69,6 +73,22 @@ def annotate_autocast(gm: fx.GraphModule, dtype: torch.dtype) -> int:
             meta.update(n, dtype=d)
             changed += 1
     return changed
+
+
+LOW = (torch.bfloat16, torch.float16)
+
+
+def read_dtype(consumer: fx.Node, arg: fx.Node) -> torch.dtype:
+    """The dtype ``consumer`` reads its input ``arg`` in when the program runs: autocast casts
+    the fp32 inputs of a lower-precision op (matmuls, attention) down to the op's dtype, seen
+    as an op whose run-time output is 16-bit where its traced output is fp32; any other
+    consumer reads ``arg`` in its own run-time dtype."""
+    have, val = meta.dtype(arg), consumer.meta.get("val")
+    if consumer.op != "call_function" or not isinstance(val, torch.Tensor):
+        return have
+    run = meta.dtype(consumer)
+    lowered = run in LOW and val.dtype == torch.float32 and have == torch.float32
+    return run if lowered else have
 
 
 def _fake_like(val: object) -> object:

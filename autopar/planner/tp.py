@@ -43,6 +43,7 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import FitError, PlanError
+from autopar.frontend.precision import read_dtype
 from autopar.frontend.trace import Traced, is_getitem, is_tensor, tensor_args
 from autopar.ir import meta
 from autopar.ir.analysis import (
@@ -521,12 +522,14 @@ def _price_inputs(prob: _Problem, v: fx.Node, rep: dict, cands: dict, xvar: dict
         fresh = edge not in prob.edges
         z = prob.edges.setdefault(edge, {})
         needs, nbytes = arg in grad, _nbytes(arg)
+        cast = _cast_bytes(v, arg, nbytes)
         moves = u.name not in pricer.fixed_params
         for b, sb in enumerate(cands[vr]):
             want = sb.inputs[slot]
             for a, sa in enumerate(cands[ur]):
                 have = _out(sa, idx)
-                cost = pricer.relayout(have, want, nbytes, needs)
+                moved = cast if cast is not None and isinstance(have, Shard) else None
+                cost = pricer.relayout(have, want, nbytes if moved is None else moved, needs)
                 if not moves and isinstance(have, Shard) and have != want:
                     cost = None
                 if fresh:
@@ -535,7 +538,7 @@ def _price_inputs(prob: _Problem, v: fx.Node, rep: dict, cands: dict, xvar: dict
                     continue
                 if cost > 0:
                     mem = _local_bytes(nbytes, want, pricer.size) if needs else 0.0
-                    key = ("relayout", ur, idx, a, want)
+                    key = ("relayout", ur, idx, a, want) + (() if moved is None else ("cast",))
                     _bound_aux(prob, key, (u, idx, want), cost, edge, z[(a, b)], mem)
                 if needs and isinstance(want, Replicate) and not sb.redundant:
                     late = _deferred_bytes(u, arg, idx, walks) if sa.redundant else nbytes
@@ -552,6 +555,14 @@ def _price_inputs(prob: _Problem, v: fx.Node, rep: dict, cands: dict, xvar: dict
                                                pricer)  # fmt: skip
         if fresh:
             _transport_rows(prob, z, xvar, ur, vr, len(cands[ur]), len(cands[vr]))
+
+
+def _cast_bytes(v: fx.Node, arg: fx.Node, nbytes: float) -> float | None:
+    """Bytes of ``arg`` as ``v`` reads it when that is fewer (autocast casts a matmul's fp32
+    input to 16 bits: a gather or all-to-all of a split ``arg`` for it moves the cast copy,
+    ``propagate_layout`` step 2), else None."""
+    reads, have = read_dtype(v, arg), meta.dtype(arg)
+    return nbytes * reads.itemsize / have.itemsize if reads.itemsize < have.itemsize else None
 
 
 def _deferred_bytes(u: fx.Node, arg: fx.Node, idx: int | None, walks: _Walks) -> float:
