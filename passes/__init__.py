@@ -7,12 +7,13 @@ context parallelism are recorded with them); then on each materialized stage
 codegen's shard step then cuts each rank's module.
 
 The runner times each pass, lints the graph after it, keeps a history of (pass, ms, node-count
-diff, printed graph) for inspection, and on failure names the pass and the user source line of
-the node being rewritten.
+diff, printed graph: a snapshot printed when first read) for inspection, and on failure names
+the pass and the user source line of the node being rewritten.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ import torch.fx as fx
 
 from autopar.frontend.trace import Traced
 from autopar.ir.meta import source
-from autopar.ir.printing import format_graph
+from autopar.ir.printing import GraphSnapshot
 from autopar.mesh import Mesh
 from autopar.rules import Strategy
 
@@ -60,13 +61,22 @@ class PassContext:
 
 @dataclass(frozen=True, kw_only=True)
 class PassRecord:
-    """One entry of the pipeline history."""
+    """One entry of the pipeline history: the graph after the pass is kept as snapshots
+    (one per output graph) and printed when ``graph`` is first read."""
 
     name: str
     ms: float
     nodes_before: int
     nodes_after: int
-    graph: str
+    snapshots: tuple[GraphSnapshot, ...]
+    staged: bool = False  # one graph per stage (``record``), printed under ``# graph i`` headers
+
+    @functools.cached_property
+    def graph(self) -> str:
+        """The printed graph (``format_graph``), or each stage's under its header."""
+        if not self.staged:
+            return self.snapshots[0].text()
+        return "".join(f"# graph {i}\n{s.text()}" for i, s in enumerate(self.snapshots))
 
     def __str__(self) -> str:
         diff = self.nodes_after - self.nodes_before
@@ -103,7 +113,8 @@ def run_pipeline(
             raise PassError(f"pass {p.__name__} failed: {exc}") from exc
         ms = (time.perf_counter() - start) * 1e3
         history.append(PassRecord(name=p.__name__, ms=ms, nodes_before=before,
-                                  nodes_after=len(gm.graph.nodes), graph=format_graph(gm)))  # fmt: skip
+                                  nodes_after=len(gm.graph.nodes),
+                                  snapshots=(GraphSnapshot.of(gm),)))  # fmt: skip
     return gm, history
 
 
@@ -111,9 +122,10 @@ def record(name: str, before: int, start: float, graphs: Sequence[fx.GraphModule
     """The history entry of a pass that turns one graph into several (``pipeline_split``: one
     per stage), started at ``start`` (``time.perf_counter()``) on ``before`` nodes."""
     ms = (time.perf_counter() - start) * 1e3
-    text = "".join(f"# graph {i}\n{format_graph(g)}" for i, g in enumerate(graphs))
     return PassRecord(name=name, ms=ms, nodes_before=before,
-                      nodes_after=sum(len(g.graph.nodes) for g in graphs), graph=text)  # fmt: skip
+                      nodes_after=sum(len(g.graph.nodes) for g in graphs),
+                      snapshots=tuple(GraphSnapshot.of(g) for g in graphs),
+                      staged=True)  # fmt: skip
 
 
 def default_pipeline() -> list[Pass]:

@@ -11,12 +11,15 @@ Algorithm:
    the user's source line.  Export runs with lazy graph modules: its own passes (set_grad and
    autocast regions as higher-order ops, placeholder naming ...) call ``recompile()`` on the
    whole graph a dozen times, and only the last code is ever read; without automatic garbage
-   collection (its objects mostly outlive it: collecting would only rescan them); and with each
-   node's stack trace read off just the frames fx keeps (``autopar.frontend.stack``).  While
-   tracing, ``x[..., [i, i+1, ...], :]`` (a list of consecutive ints, the only advanced index)
-   is recorded as ``x[..., i:i+n, :]`` copied: the same fresh tensor, but a range the planner
-   can read (a list index becomes a constant tensor whose values are lost on the meta device;
-   Falcon's fused QKV reads K and V that way).
+   collection (its objects mostly outlive it: collecting would only rescan them); with each
+   node's stack trace read off just the frames fx keeps (``autopar.frontend.stack``); and
+   without two pieces of work whose results autopar never reads: re-scanning every value for
+   unbacked sizes when the trace made none, and the exported program's eagerly compiled
+   Python code (``autopar.frontend.lean_export``).  While tracing, ``x[..., [i, i+1, ...], :]``
+   (a list of consecutive ints, the only advanced index) is recorded as ``x[..., i:i+n, :]``
+   copied: the same fresh tensor, but a range the planner can read (a list index becomes a
+   constant tensor whose values are lost on the meta device; Falcon's fused QKV reads K and V
+   that way).
 4. Drop unused parameter placeholders (the second name of a tied weight), drop
    ``_assert_tensor_metadata`` checks (they assert global metadata) and split each
    biased ``linear`` into ``linear`` + ``add``: a row-split linear must add its bias once, after
@@ -49,6 +52,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import InputError, TraceError
 from autopar.frontend.canonical import canonicalize
+from autopar.frontend.lean_export import lean_export
 from autopar.frontend.moe_loop import LoopProblem, stack_expert_loops
 from autopar.frontend.stack import shown_frames
 from autopar.ir.meta import source
@@ -120,6 +124,7 @@ def trace(
             _use_lazy_graph_module(True),
             gc_paused(),
             shown_frames(),
+            lean_export(),
         ):
             ep = torch.export.export(root, args, kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001 - re-raised as a clear error below

@@ -81,10 +81,14 @@ def tie_blocks(nodes: list[fx.Node], traced: Traced) -> dict[fx.Node, fx.Node]:
 def find_blocks(nodes: list[fx.Node], traced: Traced) -> list[list[fx.Node]]:
     """The nodes of each repeated sibling module of the largest indexed container, in order."""
     members: dict[str, dict[int, list[fx.Node]]] = defaultdict(lambda: defaultdict(list))
+    seen: dict[tuple[str, ...], set[tuple[str, int]]] = {}  # a block's nodes share their paths
     for n in nodes:
         path = traced.params.get(n.name) or traced.buffers.get(n.name) or ""
-        paths = [path.rsplit(".", 1)[0]] if path else _stack_paths(n)
-        for container, idx in _indexed_prefixes(paths):
+        paths = (path.rsplit(".", 1)[0],) if path else _stack_paths(n)
+        found = seen.get(paths)
+        if found is None:
+            found = seen[paths] = _indexed_prefixes(paths)
+        for container, idx in found:
             members[container][idx].append(n)
     if not members:
         return []
@@ -102,12 +106,12 @@ def block_of(fqn: str) -> str:
     return ""
 
 
-def _stack_paths(n: fx.Node) -> list[str]:
+def _stack_paths(n: fx.Node) -> tuple[str, ...]:
     stack = n.meta.get("nn_module_stack") or {}
-    return [clean_path(p) for p, _ in stack.values()]
+    return tuple(clean_path(p) for p, _ in stack.values())
 
 
-def _indexed_prefixes(paths: list[str]) -> set[tuple[str, int]]:
+def _indexed_prefixes(paths: tuple[str, ...]) -> set[tuple[str, int]]:
     found = set()
     for path in paths:
         parts = path.split(".")

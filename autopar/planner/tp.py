@@ -27,7 +27,9 @@ Algorithm (:func:`solve_axis`):
    tied to that gather's edge).  Impossible re-layouts (to partial) are forbidden pairs.  Each collective
    also pays a fixed launch-and-synchronise overhead, so fewer, larger collectives win ties.
    The graph walks these prices need (the replicated region above a value, where its
-   reduction lands) are done once per node (``_Walks``), so pricing stays linear in depth.
+   reduction lands) are done once per node (``_Walks``), so pricing stays linear in depth;
+   an edge's pair prices once per edge (``_pairs``): a tied block only adds itself to the
+   groups of the shared prices its pairs pay.
 5. Solve exactly with HiGHS (scipy.optimize.milp): binary choice per node, continuous
    linearisation variables per priced edge pair; optional per-rank memory limit.
 """
@@ -37,6 +39,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -450,6 +453,7 @@ class _Pricer:
     # (kind, bytes) -> seconds: a deep model prices the same few sizes on every edge
     _times: dict[tuple[str, float], float] = field(default_factory=dict, compare=False,
                                                    repr=False)  # fmt: skip
+    pairs: dict[tuple, tuple] = field(default_factory=dict, compare=False, repr=False)  # _pairs
 
     def t(self, kind: str, nbytes: float) -> float:
         found = self._times.get((kind, nbytes))
@@ -522,8 +526,62 @@ def _price_inputs(prob: _Problem, v: fx.Node, rep: dict, cands: dict, xvar: dict
         fresh = edge not in prob.edges
         z = prob.edges.setdefault(edge, {})
         needs, nbytes = arg in grad, _nbytes(arg)
-        cast = _cast_bytes(v, arg, nbytes)
         moves = u.name not in pricer.fixed_params
+        cast = _cast_bytes(v, arg, nbytes)
+        every, priced = _pairs(pricer, edge, cands, nbytes, needs, moves, cast)
+        for a, b, sa, sb, have, want, cost, key in every if fresh else priced:
+            if fresh:
+                z[(a, b)] = prob.var(0.0, False, upper=0.0 if cost is None else 1.0)
+            if cost is None:
+                continue
+            if cost > 0:
+                mem = _local_bytes(nbytes, want, pricer.size) if needs else 0.0
+                _bound_aux(prob, key, (u, idx, key[4]), cost, edge, z[(a, b)], mem)
+            if needs and isinstance(want, Replicate) and not sb.redundant:
+                late = _deferred_bytes(u, arg, idx, walks) if sa.redundant else nbytes
+                g = pricer.grad_reduce(have, min(nbytes, late))
+                if sa.redundant and idx is None and walks.reduced_at_weights(u):
+                    g = 0.0
+                gkey, group = ("grad", ur, idx, a), (u, idx)
+                if sa.redundant and idx is None and g > 0:  # one reduction where it lands
+                    top = walks.deferred(u)
+                    gkey, group = ("grad", rep.get(top, top), None, "deferred"), (top, None)
+                _bound_aux(prob, gkey, group, g, edge, z[(a, b)], 0.0)
+                if sa.redundant and idx is None and g > 0:
+                    _price_gather_backward(prob, gkey, group, g, u, rep, cands, xvar, walks,
+                                           pricer)  # fmt: skip
+        if fresh:
+            _transport_rows(prob, z, xvar, ur, vr, len(cands[ur]), len(cands[vr]))
+
+
+class _Pair(NamedTuple):
+    """One (producer strategy ``a``, consumer strategy ``b``) pair of an edge."""
+
+    a: int
+    b: int
+    sa: Strategy
+    sb: Strategy
+    have: Placement  # what ``sa`` makes of the edge's value
+    want: Placement  # what ``sb`` reads it as
+    cost: float | None  # the re-layout's price (None: impossible)
+    key: tuple  # the shared re-layout's aux key (``_relayout_key``)
+
+
+def _pairs(pricer: _Pricer, edge: tuple, cands: dict, nbytes: float, needs: bool,
+           moves: bool, cast: float | None = None) -> tuple[list[_Pair], list[_Pair]]:  # fmt: skip
+    """Every strategy pair of ``edge`` with its re-layout price, consumer-major (the order its
+    transport variables are made in), and the pairs that are priced: a possible re-layout
+    that costs something or a gradient reduction.  Memoised per edge, bytes, gradient and
+    whether the producer may move: each tied block prices the first block's edges again
+    (step 2), and its part is then only the priced pairs (adding itself to their groups).
+    ``cast``: the bytes of the value as the consumer reads it, when fewer (`_cast_bytes`): a
+    re-layout of a split value moves those, under its own key (the lowered graph casts first
+    and shares that copy among the consumers reading it so)."""
+    key = (edge, nbytes, needs, moves, cast)
+    found = pricer.pairs.get(key)
+    if found is None:
+        ur, idx, vr, slot = edge
+        every = []
         for b, sb in enumerate(cands[vr]):
             want = sb.inputs[slot]
             for a, sa in enumerate(cands[ur]):
@@ -532,29 +590,20 @@ def _price_inputs(prob: _Problem, v: fx.Node, rep: dict, cands: dict, xvar: dict
                 cost = pricer.relayout(have, want, nbytes if moved is None else moved, needs)
                 if not moves and isinstance(have, Shard) and have != want:
                     cost = None
-                if fresh:
-                    z[(a, b)] = prob.var(0.0, False, upper=0.0 if cost is None else 1.0)
-                if cost is None:
-                    continue
-                if cost > 0:
-                    mem = _local_bytes(nbytes, want, pricer.size) if needs else 0.0
-                    key = ("relayout", ur, idx, a, want) + (() if moved is None else ("cast",))
-                    _bound_aux(prob, key, (u, idx, want), cost, edge, z[(a, b)], mem)
-                if needs and isinstance(want, Replicate) and not sb.redundant:
-                    late = _deferred_bytes(u, arg, idx, walks) if sa.redundant else nbytes
-                    g = pricer.grad_reduce(have, min(nbytes, late))
-                    if sa.redundant and idx is None and walks.reduced_at_weights(u):
-                        g = 0.0
-                    gkey, group = ("grad", ur, idx, a), (u, idx)
-                    if sa.redundant and idx is None and g > 0:  # one reduction where it lands
-                        top = walks.deferred(u)
-                        gkey, group = ("grad", rep.get(top, top), None, "deferred"), (top, None)
-                    _bound_aux(prob, gkey, group, g, edge, z[(a, b)], 0.0)
-                    if sa.redundant and idx is None and g > 0:
-                        _price_gather_backward(prob, gkey, group, g, u, rep, cands, xvar, walks,
-                                               pricer)  # fmt: skip
-        if fresh:
-            _transport_rows(prob, z, xvar, ur, vr, len(cands[ur]), len(cands[vr]))
+                key = _relayout_key(ur, idx, a, want) + (() if moved is None else ("cast",))
+                every.append(_Pair(a, b, sa, sb, have, want, cost, key))
+        priced = [p for p in every if p.cost is not None and (
+            p.cost > 0 or (needs and isinstance(p.want, Replicate) and not p.sb.redundant))]
+        found = pricer.pairs[key] = (every, priced)
+    return found
+
+
+def _relayout_key(ur: fx.Node, idx: int | None, a: int, want: Placement) -> tuple:
+    """The aux key of re-laying producer ``ur``'s output ``idx`` under its strategy ``a`` as
+    ``want``, one per (producer, target layout) as the lowered graph shares it.  The target is
+    named by its printed form: a string hashes once, where a Placement dataclass hashes in
+    Python at each of the ~100k lookups of a deep model's pricing."""
+    return ("relayout", ur, idx, a, str(want))
 
 
 def _cast_bytes(v: fx.Node, arg: fx.Node, nbytes: float) -> float | None:
@@ -776,7 +825,8 @@ def _price_outputs(prob: _Problem, out: fx.Node, rep: dict, cands: dict, xvar: d
                 if cost is None:  # a shared split is never gathered: not an output
                     prob.row({xvar[(ur, a)]: 1.0}, 0.0, 0.0)
                     continue
-                _link_aux(prob, ("relayout", ur, idx, a, R), (u, idx, R), cost, xvar[(ur, a)])
+                key = _relayout_key(ur, idx, a, R)
+                _link_aux(prob, key, (u, idx, key[-1]), cost, xvar[(ur, a)])
             elif options.send_link is not None and isinstance(have, Shard) and have.rep == 1:
                 cost = _sent_shard_price(pricer, options.send_link, _nbytes(arg), arg in grad)
                 if cost > 0:
