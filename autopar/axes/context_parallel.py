@@ -46,7 +46,7 @@ this way in the whole model's sequence layout and a sequence-split boundary valu
 each cp rank's chunks (``keep_split`` / ``arrive``: no gather, no re-split; values without a
 split sequence dim travel whole); with dp, autopar.axes.data_parallel wraps the cp
 program like any sub-mesh program, its dense gradients reduced by the data axis over dp x cp
-(under pp the stages keep their cp reductions and ZeRO stays over dp).  :func:`fit_sequence` searches the (tp, cp, pp)
+(under pp too: every stage leaves them, its boundaries crossing split).  :func:`fit_sequence` searches the (tp, cp, pp)
 factorisations of a cluster with the cost model for a sequence that must fit in HBM.
 """
 
@@ -218,7 +218,8 @@ def leave_grads_to_data_axis(prog: StageProgram) -> StageProgram | None:
        before it meets another cp op or the output (there the gradient would arrive whole
        on every cp rank, and a reduction over cp would count it cp times).
     2. Each exit reached must see only parameters and non-cp ops above it on the gradient
-       path (a pipeline stage's incoming activation needs its gradient whole).
+       path (a pipeline stage's incoming activation that arrives whole needs its gradient
+       whole; one that arrives split over cp is never above an exit).
     3. Drop those reductions, and let a localize's gathered gradient continue from cp rank 0
        only (``grad_partial``): each cp rank's parameter gradient is then a partial sum whose
        sum over cp is the gradient (linear ops carry a partial gradient through unchanged);
