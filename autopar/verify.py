@@ -237,7 +237,8 @@ def _rank_step(rank: int, groups: dict, target: Any, args: tuple, kwargs: dict,
         name = "_".join(axes)  # the ZeRO group: dp, or the pool's flattened dp x cp
         mesh = DeviceMesh.from_group(groups[name], "cpu", mesh_dim_names=(name,))
     if cots is None:
-        axis = data and DataAxis(group=groups["dp"], mesh=mesh, zero=zero, reduction=reduction)
+        axis = data and DataAxis(group=groups["dp"], mesh=mesh, zero=zero, reduction=reduction,
+                                 shard_group=groups[name])  # fmt: skip
         runner = PipelineRunner(target, groups["pp"], data=axis)
         loss = runner.step(*args, **kwargs)
         return [loss], {s: _grads(m) for s, m in runner.modules.items()}

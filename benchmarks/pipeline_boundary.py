@@ -3,6 +3,7 @@ and Megatron-SP's shard (issue 19.3).
 
     python benchmarks/pipeline_boundary.py             # HF Llama, 16 layers at the 8B width
     python benchmarks/pipeline_boundary.py --layers 8  # quicker
+    python benchmarks/pipeline_boundary.py --cp 2      # Mesh(pp=4, cp=2, tp=4)
 
 Algorithm:
 1. Build HF Llama at the Llama-3-8B width on the meta device; compile it for Mesh(pp=4, tp=4)
@@ -10,7 +11,9 @@ Algorithm:
 2. Per stage: the bytes one rank sends (the plan's "sends": each boundary value's local shard
    in the dtype it crosses in), the bytes of the same values whole, and Megatron-SP's figure
    (the residual stream's [s/t, h] shard in bf16; Megatron recomputes the RoPE tables per
-   stage, autopar sends them).
+   stage, autopar sends them).  With ``--cp`` the stages also split the sequence: a
+   sequence-split boundary value crosses as each cp rank's chunks (whole over tp: the
+   Megatron-SP column is then [s/(cp t), h]).
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ MIB = 2**20
 def main() -> None:
     args = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     args.add_argument("--layers", type=int, default=16)
-    layers = args.parse_args().layers
+    args.add_argument("--cp", type=int, default=1)
+    parsed = args.parse_args()
+    layers, cp = parsed.layers, parsed.cp
     from transformers import LlamaConfig, LlamaForCausalLM
 
     seq, h, tp = 2048, 4096, 4
@@ -42,10 +47,11 @@ def main() -> None:
     x = torch.randint(0, 128256, (4, seq), device="meta")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        prog = autoparallelize(model, Mesh(pp=4, tp=tp), (x,), example_kwargs={"labels": x},
+        mesh = Mesh(pp=4, tp=tp, cp=cp) if cp > 1 else Mesh(pp=4, tp=tp)
+        prog = autoparallelize(model, mesh, (x,), example_kwargs={"labels": x},
                                param_dtype=torch.bfloat16, n_microbatches=4)  # fmt: skip
-    megatron = seq // tp * h * 2
-    print(f"HF Llama {layers} layers, h {h}, Mesh(pp=4, tp={tp}), bf16, micro-batch 1 x {seq}")
+    megatron = seq // (tp * cp) * h * 2
+    print(f"HF Llama {layers} layers, h {h}, {mesh}, bf16, micro-batch 1 x {seq}")
     print(f"{'stage':>5} {'sends MiB':>10} {'whole MiB':>10} {'Megatron-SP MiB':>16}  placements sent")
     for i, (stage, graph) in enumerate(zip(prog.stages[:-1], prog.pipeline.graphs[:-1], strict=True)):
         whole = _whole_bytes(graph, prog.pipeline.grad_names)

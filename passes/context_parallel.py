@@ -7,9 +7,11 @@ autopar.axes.context_parallel.CpDecisions).
 Algorithm:
 1. Set the tp layouts aside, so the walk sees the cp axis alone.
 2. Walk the graph (:class:`_SplitSequence`): inputs' sequence chunks
-   are localized, ops run split by their sharding rules on the cp axis, replicated operands
-   get their gradient reduced, attention becomes ring or all-to-all attention, a mean loss
-   over the sequence becomes a sum and a count all-reduced, split outputs are gathered.
+   are localized (a pipeline stage's boundary inputs that arrive split, ``arrive``, are this
+   rank's chunks already), ops run split by their sharding rules on the cp axis, replicated
+   operands get their gradient reduced, attention becomes ring or all-to-all attention, a
+   mean loss over the sequence becomes a sum and a count all-reduced, split outputs are
+   gathered (a pipeline stage's, ``keep_split``, leave as this rank's chunks).
 3. Shape arguments become local over cp (passes.localize on the cp axis).
 4. The tp layouts come back with cp added on the sequence dim (``P(None, ('cp', 'tp'),
    None)`` under Megatron-SP: cp outer, tp inner); each ring exchange is annotated with its
@@ -91,7 +93,8 @@ def context_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for n in kept:
         meta.update(n, layout=None)
     split = _SplitSequence(gm, ctx.traced, decided.layout, ctx.grad, ctx.mesh, decided.attention,
-                           decided.saved, kept)  # fmt: skip
+                           decided.saved, kept, dict(decided.arrive),
+                           decided.keep_split)  # fmt: skip
     split.run()
     for n in gm.graph.nodes:  # a gathered output (cut to the user's slice) keeps its tp split
         src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
@@ -104,6 +107,7 @@ def context_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     gm.meta["cp_prices"] = split.prices
+    gm.meta["cp_layout"] = decided.layout
     return gm
 
 
@@ -134,8 +138,11 @@ class _SplitSequence:
 
     def __init__(self, gm: fx.GraphModule, traced: Traced, lay: SeqLayout, grad: frozenset[str],
                  mesh: Mesh, forced: str | None, saved: CpSection | None = None,
-                 tp_layouts: dict[fx.Node, Any] | None = None) -> None:  # fmt: skip
+                 tp_layouts: dict[fx.Node, Any] | None = None,
+                 arrive: dict[str, Shard] | None = None,
+                 keep_split: bool = False) -> None:  # fmt: skip
         self.gm, self.graph, self.traced, self.lay = gm, gm.graph, traced, lay
+        self.arrive, self.keep_split = arrive or {}, keep_split
         self.tp_layouts = tp_layouts if tp_layouts is not None else {}
         self.replayed: list[fx.Node] = []  # tp-split values recomputed from cp's chunks
         self.grad, self.mesh, self.forced = grad, mesh, forced
@@ -149,7 +156,7 @@ class _SplitSequence:
 
     def run(self) -> None:
         nodes = list(self.graph.nodes)
-        self.whole = _input_derived(nodes, self.traced, self.grad)
+        self.whole = _input_derived(nodes, self.traced, self.grad, frozenset(self.arrive))
         self._split_inputs(nodes)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -167,9 +174,13 @@ class _SplitSequence:
     # -- inputs and outputs
 
     def _split_inputs(self, nodes: list[fx.Node]) -> None:
+        """Inputs with the sequence at dim 1 get this rank's chunks; a pipeline stage's
+        boundary inputs that arrive split (``arrive``) are this rank's chunks already."""
         for n in nodes:
             val = n.meta.get("val")
-            if (n.name in self.traced.user_inputs and isinstance(val, torch.Tensor)
+            if n.op == "placeholder" and n.name in self.arrive:
+                self.place[n] = self._arrived(n, self.arrive[n.name])
+            elif (n.name in self.traced.user_inputs and isinstance(val, torch.Tensor)
                     and n not in self.whole and val.dim() >= 2
                     and val.shape[1] == self.lay.seq):  # fmt: skip
                 users = list(n.users)
@@ -177,12 +188,29 @@ class _SplitSequence:
                 for u in users:
                     u.replace_input_with(n, loc)
 
+    def _arrived(self, n: fx.Node, p: Shard) -> Shard:
+        """The placement of boundary input ``n`` arriving as this rank's chunks (the stage
+        before sent it in the same sequence layout)."""
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor) or p.dim >= val.dim() \
+                or val.shape[p.dim] % (self.lay.chunks * p.blocks):  # fmt: skip
+            shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+            raise ContextParallelError(
+                f"boundary input {n.name} (shape {shape}) cannot arrive split as {p} into "
+                f"{self.lay.chunks} sequence chunks; the stage before must send it whole")  # fmt: skip
+        return p
+
     def _gather_outputs(self) -> None:
+        """Split outputs are gathered whole (a window cut to the user's slice), except, for a
+        pipeline stage (``keep_split``), those sent on as this rank's chunks: every
+        sequence-split value outside a window (the next stage takes it as arriving split)."""
         out = next(n for n in self.graph.nodes if n.op == "output")
 
         def whole(a: Any) -> Any:
             p = self.place.get(a) if isinstance(a, fx.Node) else None
             if not isinstance(p, Shard):
+                return a
+            if self.keep_split and a not in self.window and not self._tp_splits(a, p.dim):
                 return a
             if self._tp_splits(a, p.dim):
                 raise ContextParallelError(
@@ -672,16 +700,18 @@ def _view_window(old_in: list[int], old_out: list[int],
     return None
 
 
-def _input_derived(nodes: list[fx.Node], traced: Traced, grad: frozenset[str]) -> set[fx.Node]:
+def _input_derived(nodes: list[fx.Node], traced: Traced, grad: frozenset[str],
+                   arrive: frozenset[str] = frozenset()) -> set[fx.Node]:  # fmt: skip
     """User inputs off the gradient path and what is computed from them and constants alone
-    (no parameter): run whole on every rank, like the inputs they come from."""
+    (no parameter): run whole on every rank, like the inputs they come from.  Boundary
+    inputs that ``arrive`` split are not whole."""
     const: set[fx.Node] = set()
     out: set[fx.Node] = set()
     for n in nodes:
         if n.name in grad:
             continue
         if n.op == "placeholder":
-            if n.name in traced.user_inputs:
+            if n.name in traced.user_inputs and n.name not in arrive:
                 out.add(n)
             continue
         if n.op != "call_function":

@@ -33,7 +33,7 @@ Algorithm (:func:`compile_traced_cp`):
    link cp rides, the cheaper chosen unless ``cp_attention`` forces one.
 4. A mean cross-entropy becomes a sum plus the count of counted tokens, both all-reduced
    (``cp_global_mean``): the loss over the global sequence keeps its meaning.  Split graph
-   outputs are gathered whole.
+   outputs are gathered whole, except a pipeline stage's sends (left as this rank's chunks).
 5. Shape arguments become local (passes.localize); the plan lists the collectives, the
    attention choice with its prices, and the activation memory per rank.
 
@@ -42,9 +42,11 @@ and steps 2-5 split it (tp collectives and lowerings on other dims pass the sequ
 on the sequence dim, Megatron-SP's gather and reduce-scatter, they act within this rank's
 chunks: the dim is split cp outer, tp inner, ``P(None, ('cp', 'tp'), None)``, and a value
 whole over cp that tp splits there is recomputed from cp's chunks); with pp, every stage is split
-this way and its boundary values travel whole; with dp, autopar.axes.data_parallel wraps the cp
+this way in the whole model's sequence layout and a sequence-split boundary value travels as
+each cp rank's chunks (``keep_split`` / ``arrive``: no gather, no re-split; values without a
+split sequence dim travel whole); with dp, autopar.axes.data_parallel wraps the cp
 program like any sub-mesh program, its dense gradients reduced by the data axis over dp x cp
-(under pp the stages keep their cp reductions and ZeRO stays over dp).  :func:`fit_sequence` searches the (tp, cp, pp)
+(under pp too: every stage leaves them, its boundaries crossing split).  :func:`fit_sequence` searches the (tp, cp, pp)
 factorisations of a cluster with the cost model for a sequence that must fit in HBM.
 """
 
@@ -68,7 +70,7 @@ from autopar.frontend.precision import annotate_autocast
 from autopar.frontend.trace import Traced, tensor_args
 from autopar.ir import meta
 from autopar.ir.analysis import needs_grad
-from autopar.ir.layout import Layout
+from autopar.ir.layout import Layout, Shard
 from autopar.mesh import Mesh
 from autopar.ops import collectives as C
 from autopar.ops import cp_ops
@@ -129,11 +131,16 @@ def check_cp_mesh(mesh: Mesh) -> None:
 
 def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = None,
                       options: PlanOptions | None = None,
-                      saved: CpSection | None = None) -> StageProgram:  # fmt: skip
-    """Steps 1-5 for an already traced graph (a whole model or one pipeline stage, whose
-    sequence-split boundary values arrive and leave whole).  ``saved`` (a reloaded plan's cp
-    section) fixes each attention's choice; ``options.fixed`` the tp program's."""
-    lay = _seq_layout(traced, mesh.size(AXIS))
+                      saved: CpSection | None = None, *, layout: SeqLayout | None = None,
+                      arrive: Sequence[tuple[str, Shard]] = (),
+                      keep_split: bool = False) -> StageProgram:  # fmt: skip
+    """Steps 1-5 for an already traced graph (a whole model or one pipeline stage).
+    ``saved`` (a reloaded plan's cp section) fixes each attention's choice; ``options.fixed``
+    the tp program's.  A pipeline stage gives the whole model's sequence ``layout`` (every
+    stage splits the same sequence alike), the boundary inputs that ``arrive`` as this rank's
+    chunks (no re-split; their gradients go back split) and ``keep_split``: its
+    sequence-split outputs leave as this rank's chunks, not gathered whole."""
+    lay = layout or seq_layout(traced, mesh.size(AXIS))
     _refuse_moe(traced)
     base, tp_notes, tp_choice, tp_history = traced.gm, (), (), []
     if "tp" in mesh.sizes:  # the tp program, traced whole, is what cp splits
@@ -146,7 +153,8 @@ def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = Non
 
     gm = fx.GraphModule(base, copy.deepcopy(base.graph))
     grad = frozenset(n.name for n in needs_grad(traced, gm))
-    decided = CpDecisions(layout=lay, attention=cp_attention, saved=saved)
+    decided = CpDecisions(layout=lay, attention=cp_attention, saved=saved, arrive=tuple(arrive),
+                          keep_split=keep_split)  # fmt: skip
     ctx = PassContext(mesh=mesh, grad=grad, traced=traced, sections={AXIS: decided})
     gm, history = run_pipeline(gm, ctx, [context_parallel])
     prices = gm.meta["cp_prices"]
@@ -166,6 +174,9 @@ class CpDecisions:
     layout: SeqLayout  # the sequence's chunks per cp rank
     attention: str | None  # 'ring' / 'all_to_all' forced, None: each attention by its price
     saved: CpSection | None  # a reloaded plan's cp section (its attention choices)
+    # a pipeline stage's boundary inputs that arrive as this rank's chunks (name, placement)
+    arrive: tuple[tuple[str, Shard], ...] = ()
+    keep_split: bool = False  # sequence-split outputs leave split (a pipeline stage's sends)
 
 
 
@@ -207,7 +218,8 @@ def leave_grads_to_data_axis(prog: StageProgram) -> StageProgram | None:
        before it meets another cp op or the output (there the gradient would arrive whole
        on every cp rank, and a reduction over cp would count it cp times).
     2. Each exit reached must see only parameters and non-cp ops above it on the gradient
-       path (a pipeline stage's incoming activation needs its gradient whole).
+       path (a pipeline stage's incoming activation that arrives whole needs its gradient
+       whole; one that arrives split over cp is never above an exit).
     3. Drop those reductions, and let a localize's gathered gradient continue from cp rank 0
        only (``grad_partial``): each cp rank's parameter gradient is then a partial sum whose
        sum over cp is the gradient (linear ops carry a partial gradient through unchanged);
@@ -233,7 +245,7 @@ def leave_grads_to_data_axis(prog: StageProgram) -> StageProgram | None:
     gm.recompile()
     mesh, traced = prog.mesh, prog.traced
     names = {**traced.params, **traced.buffers}
-    lay = _seq_layout(traced, mesh.size(AXIS))
+    lay = prog.graph_module.meta.get("cp_layout") or seq_layout(traced, mesh.size(AXIS))
     found = collectives_of(gm, set(grad), mesh.sizes, names) + _cp_collectives(gm, lay, grad)
     note = (f"dense parameter gradients not reduced over cp ({len(dropped)} reductions "
             "left to the data axis: one reduction over dp x cp)")  # fmt: skip
@@ -307,7 +319,9 @@ def _comm_s(found: Sequence[Collective], mesh: Mesh) -> float:
 # ---------------------------------------------------------------- step 1
 
 
-def _seq_layout(traced: Traced, size: int) -> SeqLayout:
+def seq_layout(traced: Traced, size: int) -> SeqLayout:
+    """Step 1: the sequence (dim 1 of the first input with two dims) split over ``size`` cp
+    ranks, balanced when some attention is causal; S must divide into the chunks."""
     inputs = [n for n in traced.gm.graph.nodes if n.name in traced.user_inputs
               and isinstance(n.meta.get("val"), torch.Tensor)]  # fmt: skip
     shaped = [n for n in inputs if n.meta["val"].dim() >= 2]

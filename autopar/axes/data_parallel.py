@@ -7,8 +7,9 @@ Algorithm (:func:`compile_data_parallel`):
 2. Compile the sub-mesh program (tp, cp, ep and/or pp) from that trace; every dp rank runs
    it.  Under cp the cp ranks join the data axis's gradient reduction (torchtitan's FSDP
    over ``dp_shard_cp``): the cp program leaves its dense parameters' gradients partial
-   (``context_parallel.leave_grads_to_data_axis``) and ZeRO shards and reduces over the
-   flattened dp x cp group, once; the loss stays a mean (or sum) over the global tokens.
+   (``context_parallel.leave_grads_to_data_axis``; under pp every stage, its boundary values
+   crossing split over cp) and ZeRO shards and reduces over the flattened dp x cp group,
+   once; the loss stays a mean (or sum) over the global tokens.
 3. Read the loss's meaning off the traced graph's final reduction (a cross-entropy's reduction
    argument, a mean or a sum): a mean over the global batch stays a mean (gradients averaged
    over dp), a sum stays a sum (gradients summed).
@@ -287,15 +288,18 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def join_cp(inner: Program) -> tuple[Program, tuple[str, ...]]:
-    """Step 2: a cp program (one stage, no ep) whose dense gradients the data axis can take,
-    and the ZeRO group ``("dp", "cp")``; any other sub-mesh program as it is, over
-    ``("dp",)``."""
+    """Step 2: a cp program (no ep; one stage, or every pipeline stage, whose boundary values
+    cross split over cp) whose dense gradients the data axis can take, and the ZeRO group
+    ``("dp", "cp")``; any other sub-mesh program (or one stage that cannot leave them) as it
+    is, over ``("dp",)``."""
     from autopar.axes.context_parallel import leave_grads_to_data_axis
 
-    if inner.pipeline is not None or inner.plan.ep or inner.mesh.size("cp") == 1:
+    if inner.plan.ep or inner.mesh.size("cp") == 1:
         return inner, ("dp",)
-    joined = leave_grads_to_data_axis(inner.stages[0])
-    return (inner, ("dp",)) if joined is None else (program_of(inner.mesh, [joined]), ("dp", "cp"))
+    joined = [leave_grads_to_data_axis(st) for st in inner.stages]
+    if any(st is None for st in joined):
+        return inner, ("dp",)
+    return program_of(inner.mesh, joined, inner.pipeline), ("dp", "cp")
 
 
 def memory_table(inner: Program, dp: int, per: StateBytes) -> tuple[ZeroMemory, ...]:

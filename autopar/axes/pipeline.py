@@ -16,7 +16,7 @@ Algorithm (:func:`compile_pipeline`):
    Megatron-SP sequence shard is sent as each rank's shard, not gathered whole) and the next
    stage's plan takes that placement as the one the value arrives in
    (``PlanOptions.arrive``); the plan's "sends" are the compiled per-rank bytes.  Under cp
-   the boundary values travel whole.
+   a sequence-split boundary value travels as each cp rank's chunks (:func:`_cp_stages`).
 5. Run with torch.distributed.pipelining's schedules (GPipe, 1F1B, interleaved 1F1B,
    interleaved zero-bubble); gradients of a weight used on two stages (tied embeddings) are
    summed between them after each step.
@@ -394,8 +394,9 @@ def pipeline_plan(mesh: Mesh, layout: PipelineLayout, stages: Sequence[Plan]) ->
 
 
 def _io(gm: fx.GraphModule, stage: StageGraph, grad: frozenset[str]) -> tuple[list, list]:
-    """(shape, dtype, requires_grad) of a stage program's inputs and outputs (local shapes;
-    boundaries are whole); a boundary value carries a gradient when it depends on a weight."""
+    """(shape, dtype, requires_grad) of a stage program's inputs and outputs at their local
+    shapes (whole over tp; under cp a sequence-split boundary value is this rank's chunks); a
+    boundary value carries a gradient when it depends on a weight."""
     spec = lambda n, name: (tuple(n.meta["val"].shape), n.meta["val"].dtype, name in grad)  # noqa: E731
     ins = [
         spec(n, n.name) for n in gm.graph.nodes if n.op == "placeholder" and n.name in stage.inputs
@@ -455,8 +456,8 @@ def compile_pipeline(traced: Traced, mesh: Mesh, config: PipelineConfig, options
                      cp_attention: str | None = None, *,
                      plan: Plan | None = None) -> tuple[list[StageProgram], PipelineLayout]:  # fmt: skip
     """Steps 2-4 (see the module docstring) on ``traced``, one micro-batch's graph; with a cp
-    axis every stage is split along the sequence (autopar.axes.context_parallel), its boundary
-    values sent whole.  ``config.param_dtype`` 16-bit: stages run under autocast with their
+    axis every stage is split along the sequence (autopar.axes.context_parallel), its
+    sequence-split boundary values sent as each cp rank's chunks (:func:`_cp_stages`).  ``config.param_dtype`` 16-bit: stages run under autocast with their
     activations sent in it (priced so).  A reloaded ``plan`` gives the cuts and each stage's
     plan (its config is the caller's, taken from the plan).  Returns the stage programs and
     the pipeline's layout (the driver prices their recompute mode and makes the Program)."""
@@ -477,13 +478,10 @@ def compile_pipeline(traced: Traced, mesh: Mesh, config: PipelineConfig, options
     stage_opts = PlanOptions(memory_limit=options.memory_limit, memory_weight=options.memory_weight,
                              strict=options.strict, param_dtype=param_dtype)  # fmt: skip
     if "cp" in mesh.sizes:
-        from autopar.axes.context_parallel import compile_traced_cp
-
         stage_mesh = Mesh.ordered(tuple(a for a in mesh.axes if a[0] in ("cp", "tp")),
                                   mesh.cluster)  # fmt: skip
-        whole = dataclasses.replace(stage_opts, replicate_outputs=True)  # cp stages: whole values
-        stages = [compile_traced_cp(g.traced, stage_mesh, cp_attention, opts, saved.cp if saved else None)
-                  for g, opts, saved in _stage_plans(graphs, whole, stage_mesh, plan)]  # fmt: skip
+        whole = dataclasses.replace(stage_opts, replicate_outputs=True)  # whole over tp
+        stages = _cp_stages(traced, graphs, stage_mesh, whole, plan, cp_attention)
     else:
         stages, arrive = [], {}
         link = mesh.cluster.axis_link(mesh.axes, "pp")
@@ -500,6 +498,49 @@ def compile_pipeline(traced: Traced, mesh: Mesh, config: PipelineConfig, options
     return stages, PipelineLayout(cut=cut, config=config, graphs=tuple(graphs), grad_names=grad,
                                   split=split, tied=_tied(stages),
                                   model_name=traced.model_name)  # fmt: skip
+
+
+def _cp_stages(traced: Traced, graphs: list[StageGraph], stage_mesh: Mesh, options: PlanOptions,
+               plan: Plan | None, cp_attention: str | None) -> list[StageProgram]:  # fmt: skip
+    """Step 4 under cp: every stage split along the sequence, its boundary values sent as
+    each cp rank's chunks (as Megatron's and torchtitan's stages send them: cp x fewer
+    bytes, no gather).
+
+    Algorithm:
+    1. One sequence layout for every stage (autopar.axes.context_parallel.seq_layout of the
+       whole model: every stage sees the same sequence, so a causal model's balanced chunks
+       are the same chunks on both sides of a boundary).
+    2. Compile the stages in order (compile_traced_cp): a boundary value the cp pass splits
+       leaves its stage as this rank's chunks (no gather), and the next stage takes it as
+       arriving in that placement (no re-split; its gradient goes back split).  Values
+       without a split sequence dim (the labels, a window cut from a split value) travel
+       whole, as before.
+    """
+    from autopar.axes.context_parallel import compile_traced_cp, seq_layout
+
+    lay = seq_layout(traced, stage_mesh.size("cp"))
+    stages: list[StageProgram] = []
+    arrive: dict[str, Any] = {}
+    for g, opts, saved in _stage_plans(graphs, options, stage_mesh, plan):
+        stages.append(compile_traced_cp(
+            g.traced, stage_mesh, cp_attention, opts, saved.cp if saved else None, layout=lay,
+            arrive=tuple((n, arrive[n]) for n in g.inputs if n in arrive), keep_split=True))
+        arrive.update(cp_sent_placements(stages[-1].graph_module, g))
+    return stages
+
+
+def cp_sent_placements(gm: fx.GraphModule, stage: StageGraph) -> dict[str, Any]:
+    """Step 2 of :func:`_cp_stages`: the boundary values of ``stage`` that leave split over
+    cp, with their cp placement (a ``Shard`` of the sequence dim)."""
+    from autopar.ir.layout import Layout, Shard
+
+    found = {}
+    for node, name in zip(_outputs(gm), stage.outputs, strict=True):
+        lay = meta.layout(node) if isinstance(node, fx.Node) else None
+        p = lay.placement("cp") if isinstance(lay, Layout) else None
+        if isinstance(p, Shard):
+            found[name] = p
+    return found
 
 
 def _outputs(gm: fx.GraphModule) -> list[fx.Node]:

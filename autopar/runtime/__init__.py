@@ -82,6 +82,9 @@ class PipelineRunner:
        autocast with fp32 weights (:func:`mixed_precision_stage`); the activations it sends
        on, and their gradients coming back, cross in ``param_dtype``
        (``passes.pipeline_split.boundary_dtype``, as the cut's boundary bytes are priced).
+    With a data axis each stage module is wrapped by DDP / FSDP2 over its ZeRO group (dp, or
+    dp x cp flattened: :class:`DataAxis`); under FSDP2 over dp x cp the last stage's loss
+    gradient is scaled by cp (FSDP2 averages, cp's partial sums must be summed).
     5. Every step records this rank's schedule as it ran: one (pipeline rank, 'F' | 'B',
        micro-batch, start s, end s) event per forward and backward chunk (a zero-bubble weight
        pass counts as 'B'), timed from the step's start (:attr:`events`;
@@ -101,6 +104,9 @@ class PipelineRunner:
         dtype = share.config.param_dtype
         wrapped = {s: data.wrap(m, dtype) if data else m for s, m in self.modules.items()}
         self.modules = {s: _unwrapped(m) for s, m in wrapped.items()}  # ZeRO-2/3 run per-block
+        last = share.n_stages - 1
+        if data is not None and data.grad_scale != 1 and last in wrapped:
+            wrapped[last] = _ScaledLoss(wrapped[last], data.grad_scale)
         io = {s: tuple(_on_wire(specs, dtype) for specs in share.io[s]) for s in self.stage_ids}
         if dtype != torch.float32:
             for s in self.stage_ids:
@@ -202,6 +208,22 @@ class PipelineRunner:
         src = dist.get_global_rank(self.pp_group, holder)
         dist.broadcast(value, src=src, group=self.pp_group)
         return value
+
+
+class _ScaledLoss(torch.nn.Module):
+    """The last stage with its loss's gradient scaled by ``scale`` (FSDP2 averages over a
+    dp x cp group whose cp ranks hold partial sums: every stage's gradients scaled by cp)."""
+
+    def __init__(self, module: torch.nn.Module, scale: int) -> None:
+        super().__init__()
+        self.module, self.scale = module, scale
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        def scaled(x: Any) -> Any:
+            ok = isinstance(x, torch.Tensor) and x.requires_grad
+            return _ScaleGrad.apply(x, self.scale) if ok else x
+
+        return torch.utils._pytree.tree_map(scaled, self.module(*args, **kwargs))
 
 
 def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
@@ -553,8 +575,9 @@ def wrap_data_parallel(device_mesh: Any, prog: Any, mesh: Mesh) -> Any:
         torch, dp.reduce_dtype)  # fmt: skip
     zero_mesh = device_mesh[axes]._flatten("_".join(axes)) if len(axes) > 1 else device_mesh["dp"]
     if "pp" in mesh.sizes:
-        data = DataAxis(group=device_mesh.get_group("dp"), mesh=device_mesh["dp"],
-                        zero=dp.zero, reduction=dp.reduction, reduce_dtype=reduce_dtype)
+        data = DataAxis(group=device_mesh.get_group("dp"), mesh=zero_mesh, zero=dp.zero,
+                        reduction=dp.reduction, reduce_dtype=reduce_dtype,
+                        shard_group=zero_mesh.get_group())  # fmt: skip
         return PipelineRunner(prog.share(rank), device_mesh.get_group("pp"), data=data)
     return DataParallelModule(prog.module(rank), group=device_mesh.get_group("dp"),
                               dp_mesh=zero_mesh, zero=dp.zero, reduction=dp.reduction,
@@ -564,28 +587,46 @@ def wrap_data_parallel(device_mesh: Any, prog: Any, mesh: Mesh) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class DataAxis:
-    """The dp process group (and its 1-D DeviceMesh) a pipeline rank's stages reduce over."""
+    """The data axis a pipeline rank's stages reduce over: the dp process group (the loss's
+    and the divisor's) and the ZeRO group with its 1-D DeviceMesh (``shard_group`` /
+    ``mesh``: dp, or dp x cp flattened when the cp stages left their dense gradients partial
+    over cp)."""
 
     group: Any
     mesh: Any
     zero: int
     reduction: str
     reduce_dtype: torch.dtype = torch.float32  # gradient reduction dtype under mixed precision
+    shard_group: Any = None  # the ZeRO group (None: ``group``)
 
     @property
     def size(self) -> int:
         return dist.get_world_size(self.group)
 
+    @property
+    def shards(self) -> Any:
+        """The ZeRO group: gradients are reduced and state sharded over it."""
+        return self.group if self.shard_group is None else self.shard_group
+
+    @property
+    def grad_scale(self) -> int:
+        """What the loss's gradient is scaled by under FSDP2 (ZeRO 2/3), which averages over
+        the ZeRO group: its size over dp's (cp's partial sums are summed, not averaged)."""
+        if self.zero < 2 or self.shard_group is None:
+            return 1
+        return dist.get_world_size(self.shard_group) // self.size
+
     def wrap(self, module: torch.nn.Module,
              param_dtype: torch.dtype = torch.float32) -> torch.nn.Module:  # fmt: skip
-        """DDP (ZeRO 0/1) or FSDP2 (2/3) around one stage module; the pipeline schedule
-        defers their gradient reduction to the last micro-batch.  Mixed precision as
+        """DDP (ZeRO 0/1, its divisor dp) or FSDP2 (2/3) over the ZeRO group around one
+        stage module; the pipeline schedule defers their gradient reduction to the last
+        micro-batch.  Mixed precision as
         :class:`DataParallelModule` (step 4): FSDP2 gathers in ``param_dtype``; gradients are
         reduced in ``reduce_dtype``."""
         mixed = param_dtype if _is_mixed(module, param_dtype) else None
         if self.zero <= 1:
             divisor = self.size if self.reduction == "mean" else 1
-            return _ddp(module, self.group, divisor, mixed, self.reduce_dtype)
+            return _ddp(module, self.shards, divisor, mixed, self.reduce_dtype)
         return shard_per_block(module, self.mesh, reshard_after_forward=self.zero == 3,
                                mp_policy=_mp_policy(mixed, self.reduce_dtype))  # fmt: skip
 
@@ -637,7 +678,7 @@ def make_optimizer(params: Any, cls: type, data: DataAxis | None, **kwargs: Any)
     if data is not None and data.zero == 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=data.group,
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=data.shards,
                                        **kwargs)  # fmt: skip
     return cls(params, **kwargs)
 
