@@ -13,8 +13,6 @@ recompute / sequence-parallel mode, FLOP counts — and print each with the plan
 
 from __future__ import annotations
 
-from cost.config import stage_layers
-
 GIB = 2**30
 
 
@@ -50,9 +48,7 @@ def render(est) -> str:
     rows.append(("total", step.total))
     lines += [f"  {name:<28} {value:8.4f}" for name, value in rows]
     if step.comm.get("ep") and est.shape is not None:  # the all-to-alls of one MoE layer
-        cfg = est.config
-        v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
-        layers = stage_layers(est.shape.layers, cfg.pp, v or 1)
+        layers = max(share.blocks for share in _shares(est))
         per_layer = step.comm["ep"] / (est.micro_batches * layers)
         lines.append(f"  {'ep all-to-all per layer':<28} {per_layer * 1e3:8.4f} ms per "
                      "micro-batch (dispatch + combine, forward and backward)")  # fmt: skip
@@ -114,6 +110,15 @@ def _explained(est) -> list[tuple[str, float]]:
     return rows
 
 
+def _shares(est) -> tuple:
+    """The pipeline ranks' shares the estimate was priced on (`cost.step.pipeline_shares`)."""
+    from cost.step import pipeline_shares
+
+    c = est.config
+    return pipeline_shares(est.work, c, est.cluster, schedule=c.schedule,
+                           virtual=c.virtual_stages, micro_batches=est.micro_batches)  # fmt: skip
+
+
 def explain(est) -> str:
     """Each applicable formula with its value at this plan, next to the model's own number
     (they differ where the closed form is GPT-specific: GQA, gated MLPs, flash attention)."""
@@ -121,10 +126,8 @@ def explain(est) -> str:
     if shape is None:
         return "explain: formulas need a ModelShape; this estimate priced a traced graph"
     v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
-    per_rank = (
-        stage_layers(shape.layers, cfg.pp, v) * (work.layer_dense_params + work.layer_expert_params)
-        + work.edge_params
-    )
+    per_rank = max(share.blocks * (work.layer_dense_params + work.layer_expert_params)
+                   + share.edges * work.edge_params for share in _shares(est))  # fmt: skip
     values = dict(b=cfg.micro_batch, s=shape.seq // cfg.cp, h=shape.hidden, a=shape.heads,
                   t=cfg.tp, p=cfg.pp, d=cfg.data_parallel, m=est.micro_batches, v=v,
                   L=shape.layers, V=shape.vocab, B_g=cfg.global_batch, N_r=per_rank,

@@ -52,7 +52,8 @@ def test_issue_example_prices_and_prints():
     assert est.memory_per_rank == est.memory.total
     assert 0 < est.mfu < est.mfu_megatron < 1
     assert est.config.micro_batch in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96)
-    assert est.config.virtual_stages in (2, 5, 10)  # divisors of the 10 layers per stage
+    # any v up to the 10 layers per rank: the cut balances uneven chunks (v = 8: 10 per rank)
+    assert 2 <= est.config.virtual_stages <= 10
     table = str(est)
     for needle in ("memory per rank", "activations", "fits", "exposed comm tp",
                    "pipeline bubble", "tokens/s", "TFLOP/s per GPU (PaLM)", "MFU = PaLM"):  # fmt: skip
