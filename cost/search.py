@@ -665,14 +665,16 @@ def reprice(choice: Choice, model, cluster: Cluster,
     pricer = _Pricer(as_priced(model), cluster, collective)
     work = pricer.work(cfg, cfg.micro_batch)
     dpd = cfg.data_parallel
+    ranks = pipeline_shares(work, cfg, cluster, schedule=cfg.schedule,
+                            virtual=cfg.virtual_stages, micro_batches=choice.micro_batches)  # fmt: skip
     memory = rank_memory(work, pp=cfg.pp, zero=cfg.zero, dp_dense=dpd, dp_expert=dpd // cfg.ep,
                          schedule=cfg.schedule, micro_batches=choice.micro_batches,
                          virtual=cfg.virtual_stages, recompute=cfg.recompute,
                          capacity=cluster.gpu.hbm_bytes, grad_bytes=cfg.grad_bytes,
-                         weight_bytes=cfg.weight_bytes)  # fmt: skip
+                         weight_bytes=cfg.weight_bytes, ranks=ranks)  # fmt: skip
     step = step_time(work, cfg, cluster, micro_batches=choice.micro_batches,
                      schedule=cfg.schedule, virtual=cfg.virtual_stages, recompute=cfg.recompute,
                      spans=spans(choice.order, cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep),
-                     collective=pricer.collective)  # fmt: skip
+                     collective=pricer.collective, ranks=ranks)  # fmt: skip
     return Choice(config=cfg, order=choice.order, memory=memory, step=step,
                   micro_batches=choice.micro_batches, work=work)  # fmt: skip
