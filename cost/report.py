@@ -119,6 +119,22 @@ def _shares(est) -> tuple:
                            virtual=c.virtual_stages, micro_batches=est.micro_batches)  # fmt: skip
 
 
+def _memory_share(est):
+    """The pipeline rank whose memory the estimate reports: the fullest (`rank_memory` keeps
+    the first of equals), its state what the model-state formula prices."""
+    from cost.memory import rank_memory
+
+    c, w = est.config, est.work
+    shares = _shares(est)
+    totals = [rank_memory(w, pp=c.pp, zero=c.zero, dp_dense=c.data_parallel,
+                          dp_expert=c.data_parallel // c.ep, schedule=c.schedule,
+                          micro_batches=est.micro_batches, virtual=c.virtual_stages,
+                          recompute=c.recompute, capacity=est.cluster.gpu.hbm_bytes,
+                          grad_bytes=c.grad_bytes, weight_bytes=c.weight_bytes,
+                          ranks=(share,)).total for share in shares]  # fmt: skip
+    return shares[totals.index(max(totals))]
+
+
 def explain(est) -> str:
     """Each applicable formula with its value at this plan, next to the model's own number
     (they differ where the closed form is GPT-specific: GQA, gated MLPs, flash attention)."""
@@ -126,12 +142,14 @@ def explain(est) -> str:
     if shape is None:
         return "explain: formulas need a ModelShape; this estimate priced a traced graph"
     v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
-    per_rank = max(share.blocks * (work.layer_dense_params + work.layer_expert_params)
-                   + share.edges * work.edge_params for share in _shares(est))  # fmt: skip
+    rank = _memory_share(est)  # N_r, N_k: the parameters of the rank whose memory is shown
+    per_rank = (rank.blocks * (work.layer_dense_params + work.layer_expert_params)
+                + rank.edges * work.edge_params)  # fmt: skip
+    kept = rank.edges * work.edge_params + min(rank.chunks, rank.blocks) * work.layer_dense_params
     values = dict(b=cfg.micro_batch, s=shape.seq // cfg.cp, h=shape.hidden, a=shape.heads,
                   t=cfg.tp, p=cfg.pp, d=cfg.data_parallel, m=est.micro_batches, v=v,
                   L=shape.layers, V=shape.vocab, B_g=cfg.global_batch, N_r=per_rank,
-                  N_k=work.edge_params + work.layer_dense_params,
+                  N_k=kept,
                   N=shape.active_params)  # fmt: skip
     from cost.symbolic import formulas  # sympy: only when --explain asks for the closed forms
 

@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from cost.errors import CostInputError
 
 
@@ -89,10 +91,37 @@ def stage_blocks(layers: int, pre: float, layer: float, post: float, stages: int
                  boundary: float) -> tuple[tuple[int, bool, bool], ...]:  # fmt: skip
     """Steps 1-2: per stage (blocks, holds the prologue, holds the epilogue)."""
     costs = [pre, *([layer] * layers), post]
-    cuts, _ = balanced_cuts(costs, [boundary] * (layers + 3), stages)
+    cuts = _fast_cuts(costs, boundary, stages)
     bounds = [0, *cuts, layers + 2]
     return tuple((sum(1 for u in range(a, b) if 0 < u <= layers), a == 0, b == layers + 2)
                  for a, b in itertools.pairwise(bounds))  # fmt: skip
+
+
+def _fast_cuts(costs: Sequence[float], boundary: float, stages: int) -> list[int]:
+    """`balanced_cuts` without pins or vetoes and one boundary price, each DP row in one
+    array step: the same sums (prefix differences), the same first-of-equals choice
+    (`argmin`), so the same cuts, at the search's thousands of configurations."""
+    n = len(costs)
+    prefix = np.array([0.0, *itertools.accumulate(costs)])
+    a_idx = np.arange(n + 1)[:, None]
+    b_idx = np.arange(n + 1)[None, :]
+    span = prefix[None, :] - prefix[:, None] + np.where(b_idx < n, boundary, 0.0)
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    backs = []
+    for k in range(1, stages + 1):
+        allowed = (a_idx >= k - 1) & (a_idx < b_idx) & (b_idx >= k)
+        value = np.where(allowed, np.maximum(best[:, None], span), np.inf)
+        back = np.argmin(value, axis=0)
+        best = value[back, np.arange(n + 1)]
+        backs.append(back)
+    if not np.isfinite(best[n]):
+        raise CostInputError(f"no split of {n} units into {stages} stages fits")
+    cuts, b = [], n
+    for k in range(stages, 0, -1):
+        b = int(backs[k - 1][b])
+        cuts.append(b)
+    return sorted(cuts)[1:]
 
 
 def pipeline_ranks(layers: int, unit_s: tuple[float, float, float], pp: int, virtual: int,

@@ -313,8 +313,11 @@ def step_time(work: Workload, cfg: ParallelConfig, cluster: Cluster, *, micro_ba
     v = virtual if schedule == "interleaved" else 1
     ranks = ranks or pipeline_shares(work, cfg, cluster, schedule=schedule, virtual=virtual,
                                      micro_batches=micro_batches)  # fmt: skip
+    # a rank's step reads its blocks, ends and chunks, not its in-flight count: price each
+    # distinct share once (the first of equals, as over all ranks)
+    distinct = {(s.blocks, s.first, s.last, s.chunks): s for s in reversed(ranks)}
     steps = [_rank_step(work, cfg, cluster, share, micro_batches, v, recompute, spans, coll)
-             for share in ranks]  # fmt: skip
+             for share in sorted(distinct.values(), key=ranks.index)]  # fmt: skip
     return max(steps, key=lambda s: s.total)
 
 
