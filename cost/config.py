@@ -78,11 +78,6 @@ class ParallelConfig:
         return (self.dp or 1) * self.cp
 
 
-def stage_layers(layers: int, pp: int, virtual: int = 1) -> int:
-    """Layers on the most loaded pipeline stage: ⌈L/(p·v)⌉ per chunk, v chunks per stage."""
-    return -(-layers // (pp * virtual)) * virtual
-
-
 def _choice(field: str, value: str | None, allowed: tuple[str, ...]) -> None:
     if value is not None and value not in allowed:
         raise CostInputError(

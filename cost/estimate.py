@@ -26,7 +26,7 @@ from cost.hardware import GPU, Cluster
 from cost.memory import MemoryBreakdown, rank_memory
 from cost.model import ModelShape
 from cost.report import explain, render
-from cost.step import StepBreakdown, step_time
+from cost.step import StepBreakdown, pipeline_shares, step_time
 from cost.workload import Workload, shape_workload
 
 
@@ -205,13 +205,15 @@ def price(model: Priced, cluster: Cluster, cfg: ParallelConfig,
     work = work or model.workload(cfg, b, cluster.gpu)
     m = cfg.global_batch // (cfg.dp * b)
     dp_expert = cfg.data_parallel // cfg.ep
+    ranks = pipeline_shares(work, cfg, cluster, schedule=cfg.schedule,
+                            virtual=cfg.virtual_stages, micro_batches=m)  # fmt: skip
     memory = rank_memory(work, pp=cfg.pp, zero=cfg.zero, dp_dense=cfg.data_parallel,
                          dp_expert=dp_expert, schedule=cfg.schedule, micro_batches=m,
                          virtual=cfg.virtual_stages, recompute=cfg.recompute,
                          capacity=cluster.gpu.hbm_bytes, grad_bytes=cfg.grad_bytes,
-                         weight_bytes=cfg.weight_bytes)  # fmt: skip
+                         weight_bytes=cfg.weight_bytes, ranks=ranks)  # fmt: skip
     step = step_time(work, cfg, cluster, micro_batches=m, schedule=cfg.schedule,
-                     virtual=cfg.virtual_stages, recompute=cfg.recompute)  # fmt: skip
+                     virtual=cfg.virtual_stages, recompute=cfg.recompute, ranks=ranks)  # fmt: skip
     return Estimate(model=model.name, cluster=cluster, config=cfg, memory=memory, step=step,
                     tokens_per_step=float(cfg.global_batch * model.seq),
                     flops_per_token=model.flops_per_token(), micro_batches=m, work=work,

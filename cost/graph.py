@@ -108,8 +108,12 @@ class GraphModel:
         return self.kv_heads
 
     @staticmethod
-    def from_traced(traced, name: str = "traced") -> GraphModel:
-        """From a `torch.export.ExportedProgram` or its (lifted or unlifted) `GraphModule`."""
+    def from_traced(traced, name: str = "traced", *, send_dtype: torch.dtype | None = None,
+                    grad_inputs: frozenset[str] = frozenset()) -> GraphModel:
+        """From a `torch.export.ExportedProgram` or its (lifted or unlifted) `GraphModule`.
+        `send_dtype`: the 16-bit dtype a pipeline sends activations in under mixed precision
+        (`boundary_bytes`); `grad_inputs`: inputs that carry a gradient (a pipeline stage's
+        activations from the stage before), so their consumers' backward runs."""
         if isinstance(traced, torch.export.ExportedProgram):
             gm, sig = traced.graph_module, traced.graph_signature
             params, inputs = set(sig.inputs_to_parameters), set(sig.user_inputs)
@@ -125,7 +129,7 @@ class GraphModel:
                 f"cannot price a {type(traced).__name__}: pass a ModelShape, a preset name, or "
                 "torch.export.export(model, args, strict=False) (an ExportedProgram)"
             )
-        return _analyse(gm.graph, params, inputs, name)
+        return _analyse(gm.graph, params, inputs, name, send_dtype, grad_inputs)
 
     def node_times(self, share: float, t: int, gpu: GPU) -> np.ndarray:
         """Roofline seconds of every node for `share` of the traced sequences split over t."""
@@ -159,7 +163,7 @@ class GraphModel:
             post_s=float((times * (1 + a["bwd"]))[a["region"] == 2].sum()),
             tp_bytes=self.comm["tp_bytes"] * share, tp_calls=round(self.comm["tp_calls"]),
             cp_bytes=self.comm["kv_bytes"] * share / t / per, cp_calls=cfg.cp - 1,
-            ep_bytes=0.0, ep_calls=0, boundary_bytes=s["inputs"] * share / sp / per,
+            ep_bytes=0.0, ep_calls=0, boundary_bytes=self.comm["boundary"] * share / sp,
             act_bytes={"none": kept + share * s["core"] / t / per, "selective": kept,
                        "full": share * s["inputs"] / sp / per},
             post_act_bytes=s["post"] * share / t,
@@ -217,7 +221,8 @@ def _out_bytes(node) -> float:
 class _Walk:
     """Per-graph facts the analysis shares: parameters, alias bases, regions, tp region, core."""
 
-    def __init__(self, graph: torch.fx.Graph, params: set[str], inputs: set[str]):
+    def __init__(self, graph: torch.fx.Graph, params: set[str], inputs: set[str],
+                 grad_inputs: frozenset[str] = frozenset()):
         self.nodes = [
             n for n in graph.nodes if n.op in ("placeholder", "call_function", "get_attr")
         ]
@@ -233,7 +238,7 @@ class _Walk:
             self.base[n] = self.base.get(src, src) if is_view else n
         self.grad: set[torch.fx.Node] = set()  # values that depend on a parameter
         for n in self.nodes:
-            if n in self.params or (n.op == "call_function"
+            if n in self.params or n.name in grad_inputs or (n.op == "call_function"
                                     and any(a in self.grad for a in n.all_input_nodes)):  # fmt: skip
                 self.grad.add(n)
         self.row = {m for n in self.nodes if _name(n) == "add" and not self._bias_add(n)
@@ -323,6 +328,15 @@ def _saved(node: torch.fx.Node, walk: _Walk) -> list[tuple[object, float]]:
     return out
 
 
+def _no_op(node: torch.fx.Node) -> bool:
+    """`contiguous` of a value already contiguous (a pipeline stage's sent output): it returns
+    its input, copying nothing."""
+    src = node.args[0] if node.args else None
+    val = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+    return (_name(node) == "contiguous" and isinstance(val, torch.Tensor)
+            and val.is_contiguous())  # fmt: skip
+
+
 def _node_arrays(walk: _Walk, regions: dict, seq: int) -> dict[str, np.ndarray]:
     """Per call node: FLOPs, activation / weight bytes, efficiency, backward factor, flags."""
     rows = []
@@ -333,7 +347,7 @@ def _node_arrays(walk: _Walk, regions: dict, seq: int) -> dict[str, np.ndarray]:
         scale, peak = _run_scale(n)
         eff = node_efficiency(n)
         bwd = backward_factor(_name(n), n in walk.grad)
-        launch = 1.0 if flops or moved else 0.0
+        launch = 1.0 if (flops or moved) and not _no_op(n) else 0.0
         core = _is_core(n, seq, walk)
         attn = core or _name(n) == "scaled_dot_product_attention"
         rows.append((flops, (moved - weights) * scale, weights * scale, eff, bwd, launch,
@@ -365,9 +379,80 @@ def _saved_totals(walk: _Walk, regions: dict, seq: int) -> dict[str, float]:
     return totals
 
 
-def _analyse(graph: torch.fx.Graph, params: set[str], inputs: set[str], name: str) -> GraphModel:
+def _unit_of(walk: _Walk, regions: dict) -> dict[torch.fx.Node, int]:
+    """Each call node's pipeline unit (`passes.pipeline_split.cuttable_units`): 0 the nodes
+    before the first block, then one per block in order (glue between blocks stays with the
+    block before it), then the nodes after the last block."""
+    order: dict[str, int] = {}
+    out, current = {}, 0
+    for n, region in regions.items():
+        key = walk.keys.get(n)
+        if region == 1 and key and key not in order:
+            order[key] = len(order) + 1
+        current = order.get(key, current) if region == 1 else current
+        out[n] = 0 if region == 0 else current if region == 1 else -1
+    return {n: (len(order) + 1 if u == -1 else u) for n, u in out.items()}
+
+
+def _recomputable(walk: _Walk) -> set[torch.fx.Node]:
+    """Call nodes computed from weights, buffers and constants alone, off the gradient path
+    (RoPE tables, a constant mask): a pipeline stage recomputes them instead of receiving.
+    A rank program's `device_of` (where to make an `arange`) reads no value."""
+    free: set[torch.fx.Node] = set()
+    for n in walk.nodes:
+        if n.op != "call_function" or n in walk.grad:
+            continue
+        if _name(n) == "device_of" or all(a in free or a in walk.fixed for a in n.all_input_nodes):
+            free.add(n)
+    return free
+
+
+def _sent_bytes(node: torch.fx.Node, walk: _Walk, send_dtype: torch.dtype | None) -> float:
+    """Bytes of a boundary value as a pipeline sends it (`passes.pipeline_split.boundary_dtype`):
+    a floating activation with a gradient in `send_dtype` when that is narrower, any other
+    value (token ids, labels, masks) in its own dtype."""
+    total = 0.0
+    for v in tensors_of(node.meta.get("val")):
+        dtype = v.dtype
+        if (send_dtype is not None and dtype.is_floating_point and node in walk.grad
+                and v.dim() > 0 and send_dtype.itemsize < dtype.itemsize):  # fmt: skip
+            dtype = send_dtype
+        total += v.numel() * dtype.itemsize
+    return total
+
+
+def _boundary(walk: _Walk, regions: dict, send_dtype: torch.dtype | None) -> float:
+    """Bytes a pipeline stage sends on per micro-batch at the traced batch: the values live
+    across a cut between units (made before it, read after it: the residual stream, a loss
+    target passed through), recomputable values left out, averaged over the cuts between
+    units (`passes.pipeline_split.boundary_bytes`, one number for identical blocks).
+
+    1. Number the units (`_unit_of`); a user input is made before unit 0.
+    2. For every value the last unit reading it (the graph's output reads after all units).
+    3. A value made in unit u and last read in unit w crosses the cuts u+1 .. w."""
+    unit = _unit_of(walk, regions)
+    free = _recomputable(walk)
+    end = max(unit.values(), default=0) + 1
+    last: dict[torch.fx.Node, int] = {}
+    output = {u for n in walk.nodes for u in n.users if u.op == "output"}
+    for n in [*walk.nodes, *output]:
+        at = unit.get(n, end)
+        for a in n.all_input_nodes:
+            if (a in unit or a in walk.inputs) and a not in free:
+                last[a] = max(last.get(a, -1), at)
+    crossing = [0.0] * (end + 1)
+    for a, read in last.items():
+        for cut in range(unit.get(a, -1) + 1, read + 1):
+            crossing[cut] += _sent_bytes(a, walk, send_dtype)
+    inner = crossing[1:end]
+    return sum(inner) / len(inner) if inner else 0.0
+
+
+def _analyse(graph: torch.fx.Graph, params: set[str], inputs: set[str], name: str,
+             send_dtype: torch.dtype | None = None,
+             grad_inputs: frozenset[str] = frozenset()) -> GraphModel:  # fmt: skip
     """Reduce a graph to a `GraphModel` (module docstring, steps 1–5)."""
-    walk = _Walk(graph, params, inputs)
+    walk = _Walk(graph, params, inputs, grad_inputs)
     users = walk.inputs
     if not users or not _shape(users[0]):
         raise CostInputError("the traced graph has no tensor input to read batch and sequence from")
@@ -395,7 +480,8 @@ def _analyse(graph: torch.fx.Graph, params: set[str], inputs: set[str], name: st
         comm={"tp_calls": len(rows) / layers,
               "tp_bytes": sum(_out_bytes(n) for n in rows) / max(len(rows), 1),
               "kv_bytes": sum(_out_bytes(a) for n in sdpa for a in n.args[1:3]),
-              "attn_out": sum(_out_bytes(n) for n in sdpa)},
+              "attn_out": sum(_out_bytes(n) for n in sdpa),
+              "boundary": _boundary(walk, regions, send_dtype)},
     )  # fmt: skip
 
 

@@ -1,8 +1,9 @@
 """Memory per rank: model state, saved activations in flight, runtime reserve.
 
-Algorithm (`rank_memory`):
-1. Parameters on the rank: the most loaded stage's ⌈L/(p·v)⌉·v layers (dense part ÷ tp, experts ÷ ep·tp) plus the
-   embedding or LM head shard of an end stage.
+Algorithm (`rank_memory`, per pipeline rank; the most loaded one is the rank's memory):
+1. The stages as the compiled pipeline cuts them (`cost.stages.pipeline_ranks`, given by
+   `cost.step.pipeline_shares`): each rank's blocks (dense part ÷ tp, experts ÷ ep·tp) plus
+   the embedding or LM head shard when it holds an end (without pp: all of them).
 2. Model state with Adam and mixed precision: bf16 weights 2 B, fp32 gradient accumulation
    4 B (Megatron's default; 2 B with bf16 gradients), fp32 master + two moments 12 B per
    parameter — 18 B (16 B) for DDP, stage 0; fp32 training without a master copy: 4 B
@@ -12,19 +13,21 @@ Algorithm (`rank_memory`):
    runtime and torchtitan run it) keeps the root group (embedding, final norm, LM head) and
    each stage's last block gathered from the end of forward into backward: those weights
    count whole (`model_state`'s `kept`; the compiled plan's memory table passes its own).
-3. Activations: saved bytes per layer and micro-batch for the recompute mode × layers on the
-   stage × micro-batches in flight on the first stage (GPipe m, 1F1B min(p, m), interleaved
-   min(p, m)·(1 + (p−1)/(p·v))); full recompute also holds one layer's un-recomputed working
-   set during backward. The last stage instead holds one micro-batch plus its fp32 logits.
+3. Activations: saved bytes per layer and micro-batch for the recompute mode × the rank's
+   blocks (+ the fp32 logits on the rank holding the LM head) × the micro-batches in flight
+   on that rank (`in_flight`: GPipe m, 1F1B min(p − r, m) on rank r, interleaved
+   min(p − r, m)·(1 + (p−1)/(p·v))); full recompute also holds one layer's un-recomputed
+   working set during backward.
 4. Add a fixed reserve (CUDA context, NCCL buffers, allocator fragmentation) and compare with
    the GPU's HBM.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cost.config import stage_layers
+from cost.stages import RankShare, pipeline_ranks
 from cost.workload import Workload
 
 RESERVED_BYTES = 3 * 2**30  # CUDA context + NCCL channels + fragmentation, per GPU
@@ -57,13 +60,15 @@ class MemoryBreakdown:
                 ("reserved", self.reserved), ("total", self.total)]  # fmt: skip
 
 
-def in_flight(schedule: str, pp: int, micro_batches: int, virtual: int) -> float:
-    """Micro-batches whose activations the first pipeline stage holds at its peak."""
+def in_flight(schedule: str, pp: int, micro_batches: int, virtual: int, rank: int = 0) -> float:
+    """Micro-batches whose activations pipeline rank `rank` (default the first) holds at its
+    peak: GPipe all; 1F1B one per rank from it to the last (at most all); interleaved that
+    stretched by its longer warm-up (`autopar.axes.pipeline.PipelineConfig.in_flight`)."""
     if pp == 1:
         return 1.0
     if schedule == "gpipe":
         return float(micro_batches)
-    held = float(min(pp, micro_batches))
+    held = float(min(pp - rank, micro_batches))
     return held * (1 + (pp - 1) / (pp * virtual)) if schedule == "interleaved" else held
 
 
@@ -92,21 +97,37 @@ def state_bytes(weight_bytes: int) -> tuple[int, int]:
 
 def rank_memory(work: Workload, *, pp: int, zero: int, dp_dense: int, dp_expert: int,
                 schedule: str, micro_batches: int, virtual: int, recompute: str,
-                capacity: float, grad_bytes: int = GRAD_BYTES,
-                weight_bytes: int = WEIGHT_BYTES) -> MemoryBreakdown:  # fmt: skip
-    """Per-rank memory of the most loaded stage (see the module docstring)."""
-    per_stage = stage_layers(work.layers, pp, virtual)
-    dense = per_stage * work.layer_dense_params + work.edge_params
+                capacity: float, grad_bytes: int = GRAD_BYTES, weight_bytes: int = WEIGHT_BYTES,
+                ranks: Sequence[RankShare] | None = None) -> MemoryBreakdown:  # fmt: skip
+    """Per-rank memory of the most loaded pipeline rank (see the module docstring); `ranks`
+    are the ranks' shares as `cost.step.pipeline_shares` cuts them (default: cut on compute
+    alone, boundaries free)."""
+    v = virtual if schedule == "interleaved" else 1
+    if ranks is None:
+        unit = (work.pre_s, work.layer_fwd_s + work.layer_bwd_s, work.post_s)
+        held = lambda r: in_flight(schedule, pp, micro_batches, v, r)  # noqa: E731
+        ranks = pipeline_ranks(work.layers, unit, pp, v, held, 0.0)
+    rows = [_rank_breakdown(work, share, zero, dp_dense, dp_expert, recompute, capacity,
+                            grad_bytes, weight_bytes) for share in ranks]  # fmt: skip
+    return max(rows, key=lambda m: m.total)
+
+
+def _rank_breakdown(work: Workload, share: RankShare, zero: int, dp_dense: int, dp_expert: int,
+                    recompute: str, capacity: float, grad_bytes: int,
+                    weight_bytes: int) -> MemoryBreakdown:  # fmt: skip
+    """Steps 2-3 for one pipeline rank: its blocks and end tables, its last block per stage
+    (and the tables) kept gathered under ZeRO-3, its in-flight micro-batches of activations
+    (the epilogue's logits with them, as the compiled memory table counts a stage), and one
+    layer's working set under full recompute."""
+    dense = share.blocks * work.layer_dense_params + share.edges * work.edge_params
     w_bytes, o_bytes = state_bytes(weight_bytes)
-    kept = work.edge_params + work.layer_dense_params  # the root group and the last block
+    kept = share.edges * work.edge_params + min(share.chunks, share.blocks) * work.layer_dense_params
     weights, grads, optim = model_state(
-        dense, per_stage * work.layer_expert_params, zero, dp_dense, dp_expert, grad_bytes,
+        dense, share.blocks * work.layer_expert_params, zero, dp_dense, dp_expert, grad_bytes,
         w_bytes, o_bytes, kept,
     )
-    layer = work.act_bytes[recompute]
     working = work.act_bytes["none"] if recompute == "full" else 0.0
-    first = per_stage * layer * in_flight(schedule, pp, micro_batches, virtual) + working
-    last = per_stage * layer + working + work.post_act_bytes
+    held = share.blocks * work.act_bytes[recompute] + (work.post_act_bytes if share.last else 0.0)
     return MemoryBreakdown(weights=weights, grads=grads, optimizer=optim,
-                           activations=max(first, last), reserved=RESERVED_BYTES,
+                           activations=share.held * held + working, reserved=RESERVED_BYTES,
                            capacity=capacity)  # fmt: skip

@@ -13,8 +13,6 @@ recompute / sequence-parallel mode, FLOP counts — and print each with the plan
 
 from __future__ import annotations
 
-from cost.config import stage_layers
-
 GIB = 2**30
 
 
@@ -50,9 +48,7 @@ def render(est) -> str:
     rows.append(("total", step.total))
     lines += [f"  {name:<28} {value:8.4f}" for name, value in rows]
     if step.comm.get("ep") and est.shape is not None:  # the all-to-alls of one MoE layer
-        cfg = est.config
-        v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
-        layers = stage_layers(est.shape.layers, cfg.pp, v or 1)
+        layers = max(share.blocks for share in _shares(est))
         per_layer = step.comm["ep"] / (est.micro_batches * layers)
         lines.append(f"  {'ep all-to-all per layer':<28} {per_layer * 1e3:8.4f} ms per "
                      "micro-batch (dispatch + combine, forward and backward)")  # fmt: skip
@@ -114,6 +110,31 @@ def _explained(est) -> list[tuple[str, float]]:
     return rows
 
 
+def _shares(est) -> tuple:
+    """The pipeline ranks' shares the estimate was priced on (`cost.step.pipeline_shares`)."""
+    from cost.step import pipeline_shares
+
+    c = est.config
+    return pipeline_shares(est.work, c, est.cluster, schedule=c.schedule,
+                           virtual=c.virtual_stages, micro_batches=est.micro_batches)  # fmt: skip
+
+
+def _memory_share(est):
+    """The pipeline rank whose memory the estimate reports: the fullest (`rank_memory` keeps
+    the first of equals), its state what the model-state formula prices."""
+    from cost.memory import rank_memory
+
+    c, w = est.config, est.work
+    shares = _shares(est)
+    totals = [rank_memory(w, pp=c.pp, zero=c.zero, dp_dense=c.data_parallel,
+                          dp_expert=c.data_parallel // c.ep, schedule=c.schedule,
+                          micro_batches=est.micro_batches, virtual=c.virtual_stages,
+                          recompute=c.recompute, capacity=est.cluster.gpu.hbm_bytes,
+                          grad_bytes=c.grad_bytes, weight_bytes=c.weight_bytes,
+                          ranks=(share,)).total for share in shares]  # fmt: skip
+    return shares[totals.index(max(totals))]
+
+
 def explain(est) -> str:
     """Each applicable formula with its value at this plan, next to the model's own number
     (they differ where the closed form is GPT-specific: GQA, gated MLPs, flash attention)."""
@@ -121,14 +142,14 @@ def explain(est) -> str:
     if shape is None:
         return "explain: formulas need a ModelShape; this estimate priced a traced graph"
     v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
-    per_rank = (
-        stage_layers(shape.layers, cfg.pp, v) * (work.layer_dense_params + work.layer_expert_params)
-        + work.edge_params
-    )
+    rank = _memory_share(est)  # N_r, N_k: the parameters of the rank whose memory is shown
+    per_rank = (rank.blocks * (work.layer_dense_params + work.layer_expert_params)
+                + rank.edges * work.edge_params)  # fmt: skip
+    kept = rank.edges * work.edge_params + min(rank.chunks, rank.blocks) * work.layer_dense_params
     values = dict(b=cfg.micro_batch, s=shape.seq // cfg.cp, h=shape.hidden, a=shape.heads,
                   t=cfg.tp, p=cfg.pp, d=cfg.data_parallel, m=est.micro_batches, v=v,
                   L=shape.layers, V=shape.vocab, B_g=cfg.global_batch, N_r=per_rank,
-                  N_k=work.edge_params + work.layer_dense_params,
+                  N_k=kept,
                   N=shape.active_params)  # fmt: skip
     from cost.symbolic import formulas  # sympy: only when --explain asks for the closed forms
 

@@ -37,13 +37,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from cost.compute import MEMORY_BW_FRACTION
-from cost.config import RECOMPUTE, ParallelConfig, stage_layers, validate
+from cost.config import RECOMPUTE, ParallelConfig, validate
 from cost.errors import CostInputError
 from cost.estimate import Estimate, Priced, as_priced
 from cost.hardware import Cluster
 from cost.memory import RESERVED_BYTES, MemoryBreakdown, model_state, rank_memory, state_bytes
 from cost.model import ModelShape
-from cost.step import ADAM_BYTES_PER_PARAM, Collective, StepBreakdown, step_time
+from cost.step import ADAM_BYTES_PER_PARAM, Collective, StepBreakdown, pipeline_shares, step_time
 from cost.workload import Workload
 
 TIE_REL = 1e-3  # step times closer than 0.1% are a tie (far below the model's accuracy)
@@ -327,13 +327,24 @@ class _Pricer:
 
 
 def _memory_floor(work1: Workload, cfg: ParallelConfig, capacity: float) -> float:
-    """Least memory per rank over micro-batch, schedule, virtual stages, recompute (step 3)."""
-    dpd = cfg.data_parallel
-    return min(rank_memory(work1, pp=cfg.pp, zero=cfg.zero, dp_dense=dpd,
-                           dp_expert=dpd // cfg.ep, schedule="1f1b", micro_batches=1, virtual=1,
-                           recompute=r, capacity=capacity, grad_bytes=cfg.grad_bytes,
-                           weight_bytes=cfg.weight_bytes).total
-               for r in RECOMPUTE)  # fmt: skip
+    """Least memory per rank over micro-batch, schedule, virtual stages, recompute (step 3):
+    without pp the one rank at one micro-batch; with pp the average pipeline rank (the most
+    loaded holds no less, whatever the cut): 1/p of every block's and both end tables'
+    state, and of one micro-batch of every block's least activations and the logits."""
+    dpd, p = cfg.data_parallel, cfg.pp
+    if p == 1:
+        return min(rank_memory(work1, pp=1, zero=cfg.zero, dp_dense=dpd,
+                               dp_expert=dpd // cfg.ep, schedule="1f1b", micro_batches=1,
+                               virtual=1, recompute=r, capacity=capacity,
+                               grad_bytes=cfg.grad_bytes,
+                               weight_bytes=cfg.weight_bytes).total
+                   for r in RECOMPUTE)  # fmt: skip
+    w_bytes, o_bytes = state_bytes(cfg.weight_bytes)
+    dense = (work1.layers * work1.layer_dense_params + 2 * work1.edge_params) / p
+    state = model_state(dense, work1.layers * work1.layer_expert_params / p, cfg.zero, dpd,
+                        dpd // cfg.ep, cfg.grad_bytes, w_bytes, o_bytes)  # fmt: skip
+    acts = (work1.layers * min(work1.act_bytes.values()) + work1.post_act_bytes) / p
+    return sum(state) + acts + RESERVED_BYTES
 
 
 def search(model, cluster: Cluster, global_batch: int, *, space: SearchSpace | None = None,
@@ -507,12 +518,16 @@ def _time_floor(work: Workload, cfg: ParallelConfig, cluster: Cluster, m: int,
 
 def _floor(work: Workload, cfg: ParallelConfig, cluster: Cluster, m: int, v: int,
            v_bubble: int, recompute_s: float) -> float:  # fmt: skip
-    """Compute of m micro-batches on ⌈L/(p·v)⌉·v layers, the bubble at v_bubble virtual
-    stages on compute alone, and the most sharded optimizer: no communication."""
-    per_stage = stage_layers(work.layers, cfg.pp, v)
-    ends = work.pre_s + work.post_s if cfg.pp == 1 else max(work.pre_s, work.post_s)
-    compute_mb = per_stage * (work.layer_fwd_s + work.layer_bwd_s + recompute_s) + ends
-    params = per_stage * (work.layer_dense_params + work.layer_expert_params) + work.edge_params
+    """Compute of m micro-batches on the busiest pipeline rank (no less than the average
+    rank's share of all layers and both ends, nor than either end), the bubble at v_bubble
+    virtual stages on compute alone, and the most sharded optimizer (with pp none: a rank
+    of the cut may hold few layers): no communication."""
+    layer = work.layer_fwd_s + work.layer_bwd_s + recompute_s
+    total = work.layers * layer + work.pre_s + work.post_s
+    compute_mb = total if cfg.pp == 1 else max(total / cfg.pp, work.pre_s, work.post_s)
+    params = 0.0 if cfg.pp > 1 else (work.layers * (work.layer_dense_params
+                                                    + work.layer_expert_params)
+                                     + work.edge_params)  # fmt: skip
     optimizer = (
         ADAM_BYTES_PER_PARAM
         * params
@@ -539,18 +554,20 @@ def _price_settings(unit: _Unit, cluster: Cluster, zcfgs: list[ParallelConfig],
             if prune and floor >= ranking.bar(key):
                 break
             dpd = zcfg.data_parallel
+            ranks = pipeline_shares(work, zcfg, cluster, schedule=schedule, virtual=v,
+                                    micro_batches=m)  # fmt: skip
             memory = rank_memory(work, pp=zcfg.pp, zero=zcfg.zero, dp_dense=dpd,
                                  dp_expert=dpd // zcfg.ep, schedule=schedule,
                                  micro_batches=m, virtual=v, recompute=recompute,
                                  capacity=cluster.gpu.hbm_bytes,
                                  grad_bytes=zcfg.grad_bytes,
-                                 weight_bytes=zcfg.weight_bytes)  # fmt: skip
+                                 weight_bytes=zcfg.weight_bytes, ranks=ranks)  # fmt: skip
             if not memory.fits:
                 continue
             if prune and bound_spans is not None:
                 bound = step_time(work, zcfg, cluster, micro_batches=m, schedule=schedule,
                                   virtual=v, recompute=recompute, spans=bound_spans,
-                                  collective=pricer.collective)  # fmt: skip
+                                  collective=pricer.collective, ranks=ranks)  # fmt: skip
                 if not ranking.beats(key, bound.total):
                     break
             for order, order_spans in nests:
@@ -559,7 +576,7 @@ def _price_settings(unit: _Unit, cluster: Cluster, zcfgs: list[ParallelConfig],
                 counts["priced"] += 1
                 step = step_time(work, zcfg, cluster, micro_batches=m, schedule=schedule,
                                  virtual=v, recompute=recompute, spans=order_spans,
-                                 collective=pricer.collective)  # fmt: skip
+                                 collective=pricer.collective, ranks=ranks)  # fmt: skip
                 if prune and not ranking.beats(key, step.total):
                     continue
                 cfg = replace(zcfg, micro_batch=unit.b, schedule=schedule, virtual_stages=v,
@@ -648,14 +665,16 @@ def reprice(choice: Choice, model, cluster: Cluster,
     pricer = _Pricer(as_priced(model), cluster, collective)
     work = pricer.work(cfg, cfg.micro_batch)
     dpd = cfg.data_parallel
+    ranks = pipeline_shares(work, cfg, cluster, schedule=cfg.schedule,
+                            virtual=cfg.virtual_stages, micro_batches=choice.micro_batches)  # fmt: skip
     memory = rank_memory(work, pp=cfg.pp, zero=cfg.zero, dp_dense=dpd, dp_expert=dpd // cfg.ep,
                          schedule=cfg.schedule, micro_batches=choice.micro_batches,
                          virtual=cfg.virtual_stages, recompute=cfg.recompute,
                          capacity=cluster.gpu.hbm_bytes, grad_bytes=cfg.grad_bytes,
-                         weight_bytes=cfg.weight_bytes)  # fmt: skip
+                         weight_bytes=cfg.weight_bytes, ranks=ranks)  # fmt: skip
     step = step_time(work, cfg, cluster, micro_batches=choice.micro_batches,
                      schedule=cfg.schedule, virtual=cfg.virtual_stages, recompute=cfg.recompute,
                      spans=spans(choice.order, cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep),
-                     collective=pricer.collective)  # fmt: skip
+                     collective=pricer.collective, ranks=ranks)  # fmt: skip
     return Choice(config=cfg, order=choice.order, memory=memory, step=step,
                   micro_batches=choice.micro_batches, work=work)  # fmt: skip

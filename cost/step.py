@@ -33,13 +33,15 @@ Algorithm (`step_time`):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cost.comm import crosses_nodes, exposed_behind, span_time
 from cost.compute import KERNEL_LAUNCH_S, MEMORY_BW_FRACTION
-from cost.config import ParallelConfig, stage_layers
+from cost.config import ParallelConfig
 from cost.hardware import Cluster
+from cost.memory import in_flight
+from cost.stages import RankShare, pipeline_ranks
 from cost.workload import Workload
 
 ADAM_BYTES_PER_PARAM = 34  # read fp32 master, m, v, grad + bf16 param; write the same back
@@ -147,37 +149,46 @@ def _layer_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: di
 
 
 def tp_time(work: Workload, coll: Collective, span: tuple[int, int], recompute: str,
-            per_stage: int) -> float:  # fmt: skip
+            per_stage: int, ends: tuple[bool, bool] = (True, True)) -> float:  # fmt: skip
     """Tensor-parallel seconds of one micro-batch of `per_stage` layers (step 2), on the
     critical path.  A solved plan's collectives (`work.tp_collectives`): each once, a
-    repeated block's scaled to the stage's layers, a block's forward ones once more under
-    full recompute (the checkpointed forward re-issues them); else Megatron's 2 all-reduces
-    of [b, s/c, h] per layer per pass."""
+    repeated block's scaled to the stage's layers, one outside the blocks only on a rank
+    that runs its end (`ends`: the prologue, the epilogue), a block's forward ones once
+    more under full recompute (the checkpointed forward re-issues them); else Megatron's 2
+    all-reduces of [b, s/c, h] per layer per pass."""
     if work.tp_collectives is None:
         per_layer = work.tp_calls * coll("all_reduce", work.tp_bytes, *span)
         return per_stage * _passes(recompute) * per_layer
     total, per = 0.0, per_stage / max(work.layers, 1)
     for c in work.tp_collectives:
+        if not c.in_block and not ends[1 if c.after else 0]:
+            continue
         again = c.in_block and c.forward and recompute == "full"
         total += (per if c.in_block else 1.0) * (1 + again) * coll(c.kind, c.nbytes, *span)
     return total
 
 
 def micro_batch_time(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
-                     recompute: str, per_stage: int, v: int,
-                     cluster: Cluster) -> tuple[float, dict[str, float]]:  # fmt: skip
-    """Steps 1–5 for one micro-batch on the bottleneck stage: (compute seconds, exposed
-    seconds per axis).  The whole-cluster search and the compiled plan's predicted step
+                     recompute: str, per_stage: int, v: int, cluster: Cluster,
+                     ends: tuple[bool, bool] | None = None) -> tuple[float, dict[str, float]]:  # fmt: skip
+    """Steps 1–5 for one micro-batch of `per_stage` layers on a pipeline rank: (compute
+    seconds, exposed seconds per axis); `ends` whether the rank runs the prologue and the
+    epilogue (None: a stage program's own ends, both without pp, the larger with pp).  The
+    whole-cluster search and the compiled plan's predicted step
     (`autopar.axes.data_parallel.predict_step`) both price a micro-batch with it."""
-    ends = work.pre_s + work.post_s if cfg.pp == 1 else max(work.pre_s, work.post_s)
+    if ends is None:
+        edge_s = work.pre_s + work.post_s if cfg.pp == 1 else max(work.pre_s, work.post_s)
+        ends = (True, True)
+    else:
+        edge_s = work.pre_s * ends[0] + work.post_s * ends[1]
     layer = work.layer_fwd_s + work.layer_bwd_s + work.recompute_s[recompute]
     ring = _ring(work, cfg, coll, spans, cluster)
     layer_comm = _layer_comm(work, cfg, coll, spans, recompute, ring)
-    comm = {"tp": tp_time(work, coll, spans["tp"], recompute, per_stage),
+    comm = {"tp": tp_time(work, coll, spans["tp"], recompute, per_stage, ends),
             **{k: per_stage * x for k, x in layer_comm.items()}}  # fmt: skip
     p2p = coll("send_recv", work.boundary_bytes, *spans["pp"])
     comm["pp"] = 2 * v * p2p if cfg.pp > 1 else 0.0
-    return per_stage * layer + ends, comm
+    return per_stage * layer + edge_s, comm
 
 
 def _groups(work: Workload, spans: dict, layers: float, edges: float) -> tuple:
@@ -201,22 +212,25 @@ def _reduce(coll: Collective, groups: tuple, zero: int) -> float:
 
 def _dp_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
              micro_batches: int, recompute: str, per_stage: int, ring: RingAttention,
-             shared: bool) -> float:  # fmt: skip
-    """Exposed data-parallel seconds per step (step 6), for `per_stage` layers on the rank.
-    `shared`: the dp traffic and the cp ring share the NIC."""
+             shared: bool, ends: tuple[bool, bool]) -> float:  # fmt: skip
+    """Exposed data-parallel seconds per step (step 6), for `per_stage` layers on the rank
+    and the end tables when it runs an end (`ends`). `shared`: the dp traffic and the cp
+    ring share the NIC."""
+    tables = 1.0 if any(ends) else 0.0
     if cfg.zero == 3:
-        return _zero3(work, coll, spans, micro_batches, recompute, per_stage, ring, shared)
+        return _zero3(work, coll, spans, micro_batches, recompute, per_stage, ring, shared, ends)
     if not cfg.overlap_grad_reduce:
-        return _reduce(coll, _groups(work, spans, per_stage, 1), cfg.zero)
+        return _reduce(coll, _groups(work, spans, per_stage, tables), cfg.zero)
     bucket = _reduce(coll, _groups(work, spans, 1, 0), cfg.zero)
-    edges = _reduce(coll, _groups(work, spans, 0, 1), cfg.zero)
+    edges = _reduce(coll, _groups(work, spans, 0, tables), cfg.zero)
     busy = ring.wire_bwd if shared else 0.0
     window = per_stage * max(0.0, work.layer_bwd_s - busy)
     return max(bucket, exposed_behind(per_stage * bucket + edges, window))
 
 
 def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, recompute: str,
-           per_stage: int, ring: RingAttention, shared: bool) -> float:  # fmt: skip
+           per_stage: int, ring: RingAttention, shared: bool,
+           ends: tuple[bool, bool] = (True, True)) -> float:  # fmt: skip
     """ZeRO-3 exposed seconds per step (step 6).
 
     Derivation, per layer per micro-batch: its bf16 gather G (alpha-beta over the dp group:
@@ -230,16 +244,16 @@ def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, re
     A stage's last layer is not resharded after forward (its backward comes first; autopar's
     runtime and torchtitan keep it), so its backward exposes only its reduce-scatter.
     """
-    layer, edge = _groups(work, spans, 1, 0), _groups(work, spans, 0, 1)
+    layer, edge = _groups(work, spans, 1, 0), _groups(work, spans, 0, 1.0 if any(ends) else 0.0)
     gather = _each(coll, layer, "all_gather", 2)
     scatter = _reduce(coll, layer, 3)
-    ends = 2 * _each(coll, edge, "all_gather", 2) + _reduce(coll, edge, 3)
+    tables = 2 * _each(coll, edge, "all_gather", 2) + _reduce(coll, edge, 3)
     busy_f, busy_b = (ring.wire_fwd, ring.wire_bwd) if shared else (0.0, 0.0)
     window = work.layer_bwd_s + work.recompute_s[recompute]
     fwd = exposed_behind(gather, work.layer_fwd_s, busy_f)
     bwd = exposed_behind(gather + scatter, window, busy_b)
     last = exposed_behind(scatter, window, busy_b)
-    tail = exposed_behind(ends, work.pre_s + work.post_s)
+    tail = exposed_behind(tables, work.pre_s * ends[0] + work.post_s * ends[1])
     layers = per_stage * fwd + max(per_stage - 1, 0) * bwd + (last if per_stage else 0.0)
     return gather + micro_batches * (layers + tail)
 
@@ -257,36 +271,71 @@ def optimizer_time(params: float, shard: int, gpu) -> float:
 
 def data_parallel_time(work: Workload, cfg: ParallelConfig, cluster: Cluster, *,
                        micro_batches: int, recompute: str, per_stage: int,
-                       spans: dict | None = None,
-                       collective: Collective | None = None) -> float:  # fmt: skip
+                       spans: dict | None = None, collective: Collective | None = None,
+                       ends: tuple[bool, bool] = (True, True)) -> float:  # fmt: skip
     """Exposed data-parallel seconds of one step (step 6) for `per_stage` layers of `work`
-    on the rank: what `step_time` prices, and what the compiled plan's step prices."""
+    on the rank (and its end tables, when `ends` says it runs one): what `step_time`
+    prices, and what the compiled plan's step prices."""
     spans = spans or _spans(cfg)
     coll = collective or default_collective(cluster)
     ring = _ring(work, cfg, coll, spans, cluster)
     gpn = cluster.gpus_per_node
     shared = crosses_nodes(*spans["cp"], gpn) and crosses_nodes(*spans["dp"], gpn)
-    return _dp_comm(work, cfg, coll, spans, micro_batches, recompute, per_stage, ring, shared)
+    return _dp_comm(work, cfg, coll, spans, micro_batches, recompute, per_stage, ring, shared,
+                    ends)  # fmt: skip
+
+
+def pipeline_shares(work: Workload, cfg: ParallelConfig, cluster: Cluster, *, schedule: str,
+                    virtual: int, micro_batches: int) -> tuple[RankShare, ...]:  # fmt: skip
+    """Step 5's cut: each pipeline rank's share (`cost.stages.pipeline_ranks`), the units
+    priced as the compiled pipeline's `unit_costs` prices them (forward + backward seconds,
+    `work.cut_s` when given; each boundary the send and receive of its activation on the
+    pipeline axis of Megatron's nesting, the two-level link model), so memory and every
+    nesting see one cut."""
+    v = virtual if schedule == "interleaved" else 1
+    sent = work.boundary_bytes if work.cut_bytes is None else work.cut_bytes
+    p2p = span_time("send_recv", sent, cluster, *_spans(cfg)["pp"])
+    unit = work.cut_s or (work.pre_s, work.layer_fwd_s + work.layer_bwd_s, work.post_s)
+    held = lambda r: in_flight(schedule, cfg.pp, micro_batches, v, r)  # noqa: E731
+    return pipeline_ranks(work.layers, unit, cfg.pp, v, held, 2 * p2p)
 
 
 def step_time(work: Workload, cfg: ParallelConfig, cluster: Cluster, *, micro_batches: int,
               schedule: str, virtual: int, recompute: str, spans: dict | None = None,
-              collective: Collective | None = None) -> StepBreakdown:  # fmt: skip
-    """Seconds of one training step of `micro_batches` micro-batches per data-parallel rank;
-    `spans` (axis → (stride, size)) and `collective` override the Megatron layout and the
-    flat two-level link model (the planner passes other nestings and its topology)."""
+              collective: Collective | None = None,
+              ranks: Sequence[RankShare] | None = None) -> StepBreakdown:  # fmt: skip
+    """Seconds of one training step of `micro_batches` micro-batches per data-parallel rank
+    on its slowest pipeline rank (`ranks`, default `pipeline_shares`); `spans` (axis →
+    (stride, size)) and `collective` override the Megatron layout and the flat two-level
+    link model (the planner passes other nestings and its topology)."""
     spans = spans or _spans(cfg)
     coll = collective or default_collective(cluster)
     v = virtual if schedule == "interleaved" else 1
-    per_stage = stage_layers(work.layers, cfg.pp, v)
-    compute_mb, comm_mb = micro_batch_time(work, cfg, coll, spans, recompute, per_stage, v,
-                                           cluster)  # fmt: skip
+    ranks = ranks or pipeline_shares(work, cfg, cluster, schedule=schedule, virtual=virtual,
+                                     micro_batches=micro_batches)  # fmt: skip
+    # a rank's step reads its blocks, ends and chunks, not its in-flight count: price each
+    # distinct share once (the first of equals, as over all ranks)
+    distinct = {(s.blocks, s.first, s.last, s.chunks): s for s in reversed(ranks)}
+    steps = [_rank_step(work, cfg, cluster, share, micro_batches, v, recompute, spans, coll)
+             for share in sorted(distinct.values(), key=ranks.index)]  # fmt: skip
+    return max(steps, key=lambda s: s.total)
+
+
+def _rank_step(work: Workload, cfg: ParallelConfig, cluster: Cluster, share: RankShare,
+               micro_batches: int, v: int, recompute: str, spans: dict,
+               coll: Collective) -> StepBreakdown:  # fmt: skip
+    """Steps 1-7 on one pipeline rank: its micro-batches, the bubble at its micro-batch
+    time, its gradients' exposed traffic and its optimizer step."""
+    ends = (share.first, share.last)
+    compute_mb, comm_mb = micro_batch_time(work, cfg, coll, spans, recompute, share.blocks, v,
+                                           cluster, ends)  # fmt: skip
     per_mb = compute_mb + sum(comm_mb.values())
     comm = {k: micro_batches * x for k, x in comm_mb.items()}
     comm["dp"] = data_parallel_time(work, cfg, cluster, micro_batches=micro_batches,
-                                    recompute=recompute, per_stage=per_stage, spans=spans,
-                                    collective=coll)  # fmt: skip
-    params = per_stage * (work.layer_dense_params + work.layer_expert_params) + work.edge_params
+                                    recompute=recompute, per_stage=share.blocks, spans=spans,
+                                    collective=coll, ends=ends)  # fmt: skip
+    params = (share.blocks * (work.layer_dense_params + work.layer_expert_params)
+              + share.edges * work.edge_params)  # fmt: skip
     shard = cfg.data_parallel if cfg.zero >= 1 else 1
     return StepBreakdown(compute=micro_batches * compute_mb, comm=comm,
                          bubble=bubble_time(per_mb, cfg.pp, v),

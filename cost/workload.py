@@ -61,18 +61,26 @@ class Workload:
     # the tensor-parallel collectives of one micro-batch as a solved tp plan lists them
     # (`TpCollective`); None: Megatron's two all-reduces per layer per pass (tp_bytes, tp_calls)
     tp_collectives: tuple[TpCollective, ...] | None = None
+    # what the compiled pipeline's cut prices its units by, when not this work's own:
+    # (prologue, one block, epilogue) forward+backward seconds and a boundary's bytes
+    # (`autopar.axes.pipeline.unit_costs`: the whole traced graph divided by tp)
+    cut_s: tuple[float, float, float] | None = None
+    cut_bytes: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class TpCollective:
     """One tensor-parallel collective of a micro-batch: its kind, message bytes (the whole
-    tensor), whether forward issues it, and whether it lies in a repeated block (so a stage
-    holds it per layer, and full recompute issues it again in backward)."""
+    tensor), whether forward issues it, whether it lies in a repeated block (so a stage
+    holds it per layer, and full recompute issues it again in backward), and, outside the
+    blocks, whether it comes after them (the head's and the loss's, on the last pipeline
+    stage; else the embedding's, on the first)."""
 
     kind: str
     nbytes: float
     forward: bool
     in_block: bool
+    after: bool = False
 
 
 @dataclass(frozen=True)

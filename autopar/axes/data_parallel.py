@@ -409,23 +409,27 @@ def local_work(program: Any, param_dtype: torch.dtype = torch.float32) -> Any:
     return ring_work(local, work, gpu, param_dtype)
 
 
-def local_parts(program: Any) -> tuple[fx.GraphModule, Any]:
+def local_parts(program: Any, send_dtype: torch.dtype | None = None) -> tuple[fx.GraphModule, Any]:
     """``program``'s sub-mesh rank 0 graph at its local shapes, each value marked with its
     run-time dtype, and `cost.graph`'s `GraphModel` of it (what `local_work` prices; the
-    whole-cluster search's `autopar.planner.solved` prices a tp / cp degree by it); the model
-    is None where the cost model cannot price the graph."""
-    return _local(program)
+    whole-cluster search's `autopar.planner.solved` prices a tp / cp degree by it, its
+    pipeline boundary in ``send_dtype``); the model is None where the cost model cannot
+    price the graph."""
+    return _local(program, send_dtype)
 
 
-def _local(program: Any) -> tuple[fx.GraphModule, Any]:
+def _local(program: Any, send_dtype: torch.dtype | None = None) -> tuple[fx.GraphModule, Any]:
+    """A pipeline stage's inputs from the stage before carry a gradient (``grad_inputs``):
+    the backward of what reads them runs, to send their gradient back."""
     from autopar.codegen import build_module
     from autopar.frontend.precision import mark_run_dtypes
     from cost.errors import CostInputError
     from cost.graph import GraphModel
 
     local = mark_run_dtypes(build_module(program.graph_module, program.traced, program.mesh, 0))
+    grad = frozenset(getattr(program.traced, "grad_inputs", frozenset()))
     try:
-        return local, GraphModel.from_traced(local)
+        return local, GraphModel.from_traced(local, send_dtype=send_dtype, grad_inputs=grad)
     except CostInputError:
         return local, None
 
@@ -441,13 +445,20 @@ def plan_work(program: Any, param_dtype: torch.dtype = torch.float32) -> Any:
 
 def tp_collectives(collectives: Sequence[Collective], scale: float = 1.0) -> tuple[Any, ...]:
     """The ``tp`` collectives of a plan as `cost.workload.TpCollective`s, messages times
-    ``scale`` (the search's micro-batch over the traced batch)."""
+    ``scale`` (the search's micro-batch over the traced batch); one outside the blocks is
+    after them when a block's comes before it in the plan's (program) order."""
     from cost.graph import in_block
     from cost.workload import TpCollective
 
-    return tuple(TpCollective(kind=c.kind, nbytes=c.bytes * scale, forward=c.direction == "fwd",
-                              in_block=in_block(c.where))
-                 for c in collectives if c.axis == "tp")  # fmt: skip
+    out, seen_block = [], False
+    for c in collectives:
+        if c.axis != "tp":
+            continue
+        inside = in_block(c.where)
+        seen_block = seen_block or inside
+        out.append(TpCollective(kind=c.kind, nbytes=c.bytes * scale, forward=c.direction == "fwd",
+                                in_block=inside, after=seen_block and not inside))  # fmt: skip
+    return tuple(out)
 
 
 def saved_activations(program: Any) -> float:

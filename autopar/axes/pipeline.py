@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,6 +46,8 @@ from autopar.program import StageProgram
 from autopar.runtime import RankShare
 from cost.comm import collective_time
 from cost.compute import train_factor
+from cost.errors import CostInputError
+from cost.stages import balanced_cuts as stage_cuts
 from passes import PassRecord, record
 from passes.pipeline_split import (
     StageGraph,
@@ -88,40 +89,14 @@ class StageCut:
 def balanced_cuts(costs: Sequence[float], boundary: Sequence[float], stages: int,
                   pinned: Sequence[int] = (), fits: Callable[[int, int], bool] | None = None,
                   ) -> tuple[list[int], float]:  # fmt: skip
-    """Exact contiguous partition of ``costs`` into ``stages`` minimising the slowest stage.
-
-    A stage over units [a, b) costs sum(costs[a:b]) + boundary[b] (what it sends on; the
-    last stage sends nothing).  No stage may straddle a pinned cut; ``fits(a, b)`` may veto one.
-    Returns (cuts, slowest-stage cost); raises PlanError when no partition exists.
-    """
-    n = len(costs)
-    prefix = [0.0, *itertools.accumulate(costs)]
-    pins = set(pinned)
-    inf = math.inf
-
-    def cost(a: int, b: int) -> float:
-        if any(a < p < b for p in pins) or (fits is not None and not fits(a, b)):
-            return inf
-        return prefix[b] - prefix[a] + (boundary[b] if b < n else 0.0)
-
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    back = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, stages + 1):
-        for b in range(k, n + 1):
-            for a in range(k - 1, b):
-                value = max(best[k - 1][a], cost(a, b))
-                if value < best[k][b]:
-                    best[k][b], back[k][b] = value, a
-    if best[stages][n] == inf:
-        raise PlanError(
-            f"no split of {n} units into {stages} stages fits (pinned cuts {sorted(pins)})"
-        )
-    cuts, b = [], n
-    for k in range(stages, 0, -1):
-        b = back[k][b]
-        cuts.append(b)
-    return sorted(cuts)[1:], best[stages][n]
+    """Exact contiguous partition of ``costs`` into ``stages`` minimising the slowest stage:
+    `cost.stages.balanced_cuts`, the rule the whole-cluster search cuts its stages by too
+    (a stage over units [a, b) costs sum(costs[a:b]) + boundary[b]); PlanError when no
+    partition exists."""
+    try:
+        return stage_cuts(costs, boundary, stages, pinned, fits)
+    except CostInputError as exc:
+        raise PlanError(str(exc)) from None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,6 +22,8 @@ Algorithm (`SolvedModel.workload`):
    the ring's seconds, its K/V message and the tp collectives' messages scaled alike;
    `cost.step.tp_time` and `cost.step.ring_attention` price them on the configuration's
    spans.
+4. Under pp, the units the compiled pipeline cuts by (`Workload.cut_s`, `cut_bytes`): the
+   whole trace's seconds divided by tp, as `autopar.axes.pipeline.unit_costs` prices them.
 Degrees the compiler refuses (a PlanError: nothing splits evenly) keep the formulas.
 """
 
@@ -88,8 +90,19 @@ class SolvedModel:
             recompute_s={**work.recompute_s, "full": work.recompute_s["full"] + ring["fwd"]},
             cp_bytes=ring["cp_bytes"] if cfg.cp > 1 else work.cp_bytes,
             attn_out_bytes=ring["out"] if cfg.cp > 1 else work.attn_out_bytes)  # fmt: skip
-        return dataclasses.replace(work, tp_collectives=tp_collectives(solved.collectives,
-                                                                       scale))  # fmt: skip
+        return dataclasses.replace(work, tp_collectives=tp_collectives(solved.collectives, scale),
+                                   **self._cut(cfg, b, gpu))  # fmt: skip
+
+    def _cut(self, cfg: ParallelConfig, b: int, gpu: GPU) -> dict[str, Any]:
+        """Step 4: what the compiled pipeline cuts a tp program's stages by
+        (`autopar.axes.pipeline.unit_costs`): the whole traced graph's unit seconds divided
+        by tp, its boundary bytes whole; nothing without pp."""
+        if cfg.pp == 1:
+            return {}
+        whole = dataclasses.replace(cfg, tp=1, cp=1, sequence_parallel=False)
+        work = self._graph_of(b).workload(whole, b, gpu)
+        units = (work.pre_s, work.layer_fwd_s + work.layer_bwd_s, work.post_s)
+        return {"cut_s": tuple(x / cfg.tp for x in units), "cut_bytes": work.boundary_bytes}
 
     def _graph_of(self, rows: int) -> GraphModel:
         """Step 1 on a trace of ``rows`` sequences when the model can be retraced (values
@@ -121,7 +134,7 @@ class SolvedModel:
             prog = self._compile(t, c, dataclasses.replace(traced, gm=copy_module(traced.gm)))
         except PlanError:
             return None
-        gm, model = local_parts(prog)
+        gm, model = local_parts(prog, _send_dtype(self._dtype))
         if model is None:
             return None
         return _Solved(model=model, collectives=tuple(prog.plan.collectives),
@@ -150,7 +163,14 @@ def _priced(traced: Traced, param_dtype: torch.dtype, name: str | None) -> Graph
 
     gm = copy_module(traced.gm)
     annotate_autocast(gm, param_dtype)
-    return GraphModel.from_traced(mark_run_dtypes(gm), name=name or traced.model_name)
+    return GraphModel.from_traced(mark_run_dtypes(gm), name=name or traced.model_name,
+                                  send_dtype=_send_dtype(param_dtype))  # fmt: skip
+
+
+def _send_dtype(param_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype the compiled pipeline sends activations in: ``param_dtype`` when 16-bit
+    (`passes.pipeline_split.boundary_dtype`), else each value's own."""
+    return param_dtype if param_dtype.itemsize < 4 else None
 
 
 def _ring_share(gm: Any, model: GraphModel, gpu: GPU, dtype: torch.dtype) -> dict[str, float]:

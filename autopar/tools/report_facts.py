@@ -260,8 +260,11 @@ def _zero_bars(est: Any) -> tuple[MemoryBar, ...]:
     """Step 4 for a priced configuration: `rank_memory` at each ZeRO stage, the
     configuration's own stage being exactly its recorded breakdown."""
     from cost.memory import rank_memory
+    from cost.step import pipeline_shares
 
     c, w = est.config, est.work
+    ranks = pipeline_shares(w, c, est.cluster, schedule=c.schedule, virtual=c.virtual_stages,
+                            micro_batches=est.micro_batches)  # fmt: skip
     bars = []
     for stage in (0, 1, 2, 3):
         m = est.memory if stage == c.zero else rank_memory(
@@ -269,7 +272,7 @@ def _zero_bars(est: Any) -> tuple[MemoryBar, ...]:
             dp_expert=c.data_parallel // c.ep, schedule=c.schedule,
             micro_batches=est.micro_batches, virtual=c.virtual_stages, recompute=c.recompute,
             capacity=est.memory.capacity, grad_bytes=c.grad_bytes,
-            weight_bytes=c.weight_bytes)  # fmt: skip
+            weight_bytes=c.weight_bytes, ranks=ranks)  # fmt: skip
         bars.append(MemoryBar(label=f"ZeRO-{stage}", weights=m.weights, grads=m.grads,
                               optimizer=m.optimizer, activations=m.activations,
                               reserve=m.reserved, chosen=stage == c.zero))  # fmt: skip

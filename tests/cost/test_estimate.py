@@ -15,6 +15,7 @@ from torch import nn
 
 from autopar import Cluster, ModelShape, ParallelConfig, estimate
 from cost.errors import CostInputError
+from cost.step import pipeline_shares
 
 PROPERTY = settings(max_examples=25, deadline=None)
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +53,15 @@ def test_issue_example_prices_and_prints():
     assert est.memory_per_rank == est.memory.total
     assert 0 < est.mfu < est.mfu_megatron < 1
     assert est.config.micro_batch in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96)
-    assert est.config.virtual_stages in (2, 5, 10)  # divisors of the 10 layers per stage
+    # the compiled pipeline's cut balances uneven chunks, so any v up to the 10 layers per
+    # rank can win (not only divisors of 10); the chosen v's cut keeps the even share,
+    # 80 / 8 = 10 blocks, on every rank
+    c = est.config
+    assert 2 <= c.virtual_stages <= 10
+    ranks = pipeline_shares(est.work, c, est.cluster, schedule=c.schedule,
+                            virtual=c.virtual_stages, micro_batches=est.micro_batches)  # fmt: skip
+    assert [r.blocks for r in ranks] == [10] * 8
+    assert all(r.chunks == c.virtual_stages for r in ranks)
     table = str(est)
     for needle in ("memory per rank", "activations", "fits", "exposed comm tp",
                    "pipeline bubble", "tokens/s", "TFLOP/s per GPU (PaLM)", "MFU = PaLM"):  # fmt: skip

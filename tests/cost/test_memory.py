@@ -79,19 +79,32 @@ def test_flash_attention_keeps_no_scores():
 
 
 def test_rank_memory_breakdown_and_fit():
+    """Two pipeline ranks, cut as the compiled pipeline cuts (the slowest stage least; with
+    no boundary priced, on compute alone): rank 0 the embedding and k blocks with p = 2
+    micro-batches in flight (1F1B), rank 1 the other blocks and the LM head with one
+    micro-batch and its logits; the memory is the fuller rank's."""
     gpu = GPU.preset("a100-40gb")
+    shape = ModelShape.gpt(layers=4, hidden=1024, heads=16, seq=2048, vocab=16384)
     cfg = ParallelConfig(tp=1, pp=2, dp=4, global_batch=64, micro_batch=2, schedule="1f1b",
                          virtual_stages=1, recompute="none")  # fmt: skip
-    work = shape_workload(GPT, cfg, 2, gpu)
+    work = shape_workload(shape, cfg, 2, gpu)
     mem = rank_memory(work, pp=2, zero=1, dp_dense=4, dp_expert=4, schedule="1f1b",
                       micro_batches=8, virtual=1, recompute="none", capacity=gpu.hbm_bytes)  # fmt: skip
-    params = 2 * GPT.layer_params + GPT.embedding_params  # two layers and one embedding end
+    layer = work.layer_fwd_s + work.layer_bwd_s
+    k = min(range(5), key=lambda k: max(work.pre_s + k * layer, (4 - k) * layer + work.post_s))
+    assert k == 3  # the epilogue (a 16384-entry head and its loss) outweighs a layer
+    assert work.post_act_bytes == 2 * shape.seq * shape.vocab * (2 + 4)
+    ranks = []
+    for blocks, held, logits in ((k, 2, 0.0), (4 - k, 1, work.post_act_bytes)):
+        params = blocks * shape.layer_params + shape.embedding_params  # an end's table each
+        acts = held * (blocks * work.act_bytes["none"] + logits)
+        ranks.append((params, acts, (2 + 4 + 12 / 4) * params + acts))  # ZeRO-1, d = 4
+    params, acts, _ = max(ranks, key=lambda r: r[2])
+    assert params == ranks[0][0]  # rank 0: three blocks, two micro-batches
     assert mem.weights == pytest.approx(2 * params)
+    assert mem.grads == pytest.approx(4 * params)
     assert mem.optimizer == pytest.approx(12 * params / 4)
-    first = 2 * work.act_bytes["none"] * 2  # 2 layers × p = 2 micro-batches in flight
-    last = 2 * work.act_bytes["none"] + work.post_act_bytes  # one micro-batch + fp32 logits
-    assert work.post_act_bytes == 2 * GPT.seq * GPT.vocab * (2 + 4)
-    assert mem.activations == pytest.approx(max(first, last))
+    assert mem.activations == pytest.approx(acts)
     assert mem.reserved == RESERVED_BYTES
     assert mem.total == pytest.approx(sum(v for k, v in mem.rows() if k != "total"))
     assert mem.fits == (mem.total <= gpu.hbm_bytes)

@@ -2,11 +2,12 @@
 
 A small HF Llama on the meta device, 16 H100: the search's step time and memory per rank
 (`cost.estimate` on `autopar.planner.solved.SolvedModel`: the traced graph, each tp and cp
-degree priced from the program the compiler builds for it) and the compiled plan's (its
-predicted step and its ZeRO row) agree within 2% for FSDP, FSDP with full recompute, tp x FSDP, tp x dp with full
-recompute and dp x cp (the runtime reserve left out of both); pp x dp and pp x tp x dp are
-strict xfails (`GAPS`).  Each mesh nests its axes as the search prices them
-(Megatron's order: pp outermost, then dp, cp, tp innermost).
+degree priced from the program the compiler builds for it; under pp the stages cut as the
+compiled pipeline cuts them) and the compiled plan's (its predicted step and its ZeRO row)
+agree within 2% for FSDP, FSDP with full recompute, tp x FSDP, tp x dp with full
+recompute, pp x dp, pp x tp x dp and dp x cp (the runtime reserve left out of both).  Each
+mesh nests its axes as the search prices them (Megatron's order: pp outermost, then dp, cp,
+tp innermost).
 """
 
 from __future__ import annotations
@@ -61,11 +62,7 @@ def _searched(priced, cluster: Cluster, degrees: dict, zero: int, recompute: str
     return estimate(priced, cluster, cfg)
 
 
-# not yet one count (strict: each fails today, and passes once fixed): under pp the search's
-# bottleneck stage is an average layer plus the larger end, and it sends every block input
-# in its run-time dtype (the compiled pipeline sends 16-bit activations and recomputes the
-# RoPE tables)
-GAPS = {"pp-dp", "pp-tp-dp"}
+GAPS: set[str] = set()  # configurations the two sides do not yet price alike (strict xfails)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True))

@@ -2,25 +2,28 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
 
 from cost.comm import collective_time, span_time
 from cost.compute import KERNEL_LAUNCH_S, MEMORY_BW_FRACTION
-from cost.config import ParallelConfig, stage_layers
+from cost.config import ParallelConfig
 from cost.hardware import Cluster
 from cost.model import ModelShape
 from cost.step import CP_MERGE_BWD, CP_MERGE_FWD, CP_STEP_KERNELS, ring_attention, step_time
 from cost.workload import shape_workload
 
 SHAPE = ModelShape.gpt(layers=16, hidden=4096, heads=32, seq=2048, vocab=51200)
+# the same layers with a small vocabulary: each end weighs less than a layer
+EVEN = ModelShape.gpt(layers=16, hidden=4096, heads=32, seq=2048, vocab=8192)
 CLUSTER = Cluster.preset("dgx-h100", nodes=8)
 
 
-def _step(cfg: ParallelConfig, m: int = 16, **over):
+def _step(cfg: ParallelConfig, m: int = 16, shape: ModelShape = SHAPE, **over):
     cfg = replace(cfg, **over)
-    work = shape_workload(SHAPE, cfg, cfg.micro_batch, CLUSTER.gpu)
+    work = shape_workload(shape, cfg, cfg.micro_batch, CLUSTER.gpu)
     return work, step_time(work, cfg, CLUSTER, micro_batches=m, schedule=cfg.schedule,
                            virtual=cfg.virtual_stages, recompute=cfg.recompute)  # fmt: skip
 
@@ -29,12 +32,37 @@ BASE = ParallelConfig(tp=8, pp=4, dp=2, global_batch=32, micro_batch=1, schedule
                       virtual_stages=1, recompute="none")  # fmt: skip
 
 
+def _best_cuts(work, stages: int) -> list[tuple[tuple[int, bool, bool], ...]]:
+    """Brute force over every cut of the units (the prologue, each block, the epilogue) into
+    ``stages`` contiguous stages: those whose slowest stage is least, a stage costing its
+    units' forward + backward seconds and, unless last, the send and receive of the
+    boundary activation on the pipeline axis (Megatron nesting of BASE: stride tp·dp = 16,
+    4 ranks).  Each as per stage (blocks, holds the prologue, holds the epilogue)."""
+    layers = work.layers
+    costs = [work.pre_s, *[work.layer_fwd_s + work.layer_bwd_s] * layers, work.post_s]
+    n = len(costs)
+    boundary = 2 * span_time("send_recv", work.boundary_bytes, CLUSTER, 8 * 2, 4)
+
+    def worst(bounds):
+        return max(sum(costs[a:b]) + (boundary if b < n else 0.0)
+                   for a, b in itertools.pairwise(bounds))  # fmt: skip
+
+    parts = [(0, *c, n) for c in itertools.combinations(range(1, n), stages - 1)]
+    least = min(worst(b) for b in parts)
+    return [tuple((sum(1 for u in range(a, b) if 1 <= u <= layers), a == 0, b == n)
+                  for a, b in itertools.pairwise(bounds))
+            for bounds in parts if worst(bounds) <= least * (1 + 1e-12)]  # fmt: skip
+
+
 def test_tp_exposes_two_all_reduces_per_layer_per_pass():
-    work, step = _step(BASE)
+    work, step = _step(BASE, shape=EVEN)
+    # the balanced cut puts L/p = 4 blocks on every rank (ends and boundary lighter than a
+    # layer: any other cut gives some stage 5 layers), so whichever rank is slowest runs 4
+    assert [[s[0] for s in cut] for cut in _best_cuts(work, 4)] == [[4, 4, 4, 4]]
     ar = collective_time("all_reduce", 2 * 2048 * 4096, 8, CLUSTER.intra)
     assert work.tp_bytes == 2 * 2048 * 4096
     assert step.comm["tp"] == pytest.approx(16 * (16 / 4) * 2 * 2 * ar)  # m · L/p · passes · 2
-    _, full = _step(BASE, recompute="full")
+    _, full = _step(BASE, shape=EVEN, recompute="full")
     assert full.comm["tp"] == pytest.approx(1.5 * step.comm["tp"])
 
 
@@ -64,11 +92,16 @@ def test_gradient_reduction_overlap_only_hides_time():
 
 
 def test_zero_stages_change_dp_traffic_not_compute():
-    _, ddp = _step(BASE, zero=0, overlap_grad_reduce=False)
-    _, z1 = _step(BASE, zero=1, overlap_grad_reduce=False)
-    work, z3 = _step(BASE, zero=3)
+    _, ddp = _step(BASE, shape=EVEN, zero=0, overlap_grad_reduce=False)
+    _, z1 = _step(BASE, shape=EVEN, zero=1, overlap_grad_reduce=False)
+    work, z3 = _step(BASE, shape=EVEN, zero=3)
     assert ddp.compute == z1.compute == z3.compute
-    params = 4 * work.layer_dense_params + work.edge_params  # 16 layers / 4 stages
+    # 4 blocks on every rank (test above); the slowest rank is the last: an end rank
+    # reduces its table besides its blocks (every other term no less than a middle rank's),
+    # and the epilogue outweighs the prologue (the tables alike: one end each)
+    assert [[s[0] for s in cut] for cut in _best_cuts(work, 4)] == [[4, 4, 4, 4]]
+    assert work.post_s > work.pre_s
+    params = 4 * work.layer_dense_params + work.edge_params  # 4 blocks and one end's table
     span = (8, 2)  # dp groups: stride tp = 8, two ranks
     assert ddp.comm["dp"] == pytest.approx(span_time("all_reduce", 4 * params, CLUSTER, *span))
     scatter = span_time("reduce_scatter", 4 * params, CLUSTER, *span)
@@ -77,14 +110,14 @@ def test_zero_stages_change_dp_traffic_not_compute():
     # ZeRO-3: per layer, a bf16 gather before the forward and before the backward, an fp32
     # reduce-scatter after it, each hidden only behind that layer's own pass; a stage's last
     # layer stays gathered into backward (no second gather); the first layer's gather is
-    # exposed; the tables stream behind the end-stage work
+    # exposed; the tables stream behind the end's own work (the last rank: the epilogue)
     g_layer = span_time("all_gather", 2 * work.layer_dense_params, CLUSTER, *span)
     r_layer = span_time("reduce_scatter", 4 * work.layer_dense_params, CLUSTER, *span)
     fwd = max(0.0, g_layer - work.layer_fwd_s)
     bwd = max(0.0, g_layer + r_layer - work.layer_bwd_s)
     ends = (2 * span_time("all_gather", 2 * work.edge_params, CLUSTER, *span)
             + span_time("reduce_scatter", 4 * work.edge_params, CLUSTER, *span))  # fmt: skip
-    tail = max(0.0, ends - work.pre_s - work.post_s)
+    tail = max(0.0, ends - work.post_s)
     last = max(0.0, r_layer - work.layer_bwd_s)
     assert z3.comm["dp"] == pytest.approx(g_layer + 16 * (4 * fwd + 3 * bwd + last + tail))
     assert z1.optimizer == pytest.approx(ddp.optimizer / 2)  # Adam on a 1/dp shard
@@ -112,16 +145,24 @@ def test_context_parallel_ring_overlaps_each_step_with_its_own_block():
 
 
 def test_uneven_pipeline_stages_price_the_most_loaded_stage():
-    assert stage_layers(126, 16) == 8
-    assert stage_layers(126, 16, 4) == 8  # 2 layers per chunk, 4 chunks
-    assert stage_layers(16, 4, 2) == 4
+    """18 layers on 4 ranks: the balanced cut (as the compiled pipeline cuts) gives the
+    heavy epilogue (the 51200-entry LM head and loss, ~1.4 layers) only 3 blocks and the
+    first three ranks 5 each; the most loaded is the first (5 blocks and the embedding),
+    not ⌈18/4⌉ = 5 layers plus the larger end."""
     shape = ModelShape.gpt(layers=18, hidden=4096, heads=32, seq=2048, vocab=51200)
     cfg = replace(BASE, pp=4)
     work = shape_workload(shape, cfg, 1, CLUSTER.gpu)
     step = step_time(work, cfg, CLUSTER, micro_batches=16, schedule="1f1b", virtual=1,
                      recompute="none")  # fmt: skip
     per_layer = work.layer_fwd_s + work.layer_bwd_s
-    assert step.compute == pytest.approx(16 * (5 * per_layer + max(work.pre_s, work.post_s)))
+    (cut,) = _best_cuts(work, 4)  # the one least-slowest-stage cut
+    assert cut == ((5, True, False), (5, False, False), (5, False, False), (3, False, True))
+    rank_s = [b * per_layer + work.pre_s * first + work.post_s * last for b, first, last in cut]
+    # the first rank's compute is the largest, and so are its tp collectives (5 blocks,
+    # tied), its tables' dp traffic and optimizer (an end): it is the slowest rank
+    assert max(rank_s) == rank_s[0]
+    assert step.compute == pytest.approx(16 * (5 * per_layer + work.pre_s))
+    assert step.compute < 16 * (5 * per_layer + max(work.pre_s, work.post_s))
 
 
 def test_ring_attention_never_hides_more_than_the_whole_attention_bound():
