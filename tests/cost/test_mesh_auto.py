@@ -37,13 +37,12 @@ def _check_compiled(prog, cluster: Cluster) -> None:
     text = str(search)
     assert f"compiled on {prog.mesh} ({cluster.world_size} of {cluster.world_size} GPUs)" in text
     # the walk's candidates are ordered by the compiler's own count, and the compiled plan's
-    # predicted step is the one its candidate was ordered by (one cost model; pp is not yet)
+    # predicted step is the one its candidate was ordered by (one cost model)
     order = [(not c.memory.fits, c.step_time_s if c.memory.fits else c.memory.total)
              for _, c in search.candidates]  # fmt: skip
     assert order == sorted(order) and search.best is search.candidates[0][1]
     assert search.compiled in [c for _, c in search.candidates]
-    if prog.mesh.size("pp") == 1:
-        assert plan.step.total == pytest.approx(search.compiled.step_time_s, rel=0.02)
+    assert plan.step.total == pytest.approx(search.compiled.step_time_s, rel=0.02)
 
 
 def _llama_8b(batch: int, seq: int):
