@@ -578,6 +578,18 @@ def _log_step_traffic(rank, groups, module, x, y):
     return moved
 
 
+def _assert_traffic_as_planned(prog, x, y) -> None:
+    """One dp x tp step on the pool moves, per (collective kind, dtype), exactly the bytes the
+    plan lists."""
+    jobs = [(prog.module(r), *(t.chunk(2)[prog.mesh.coordinates(r)["dp"]] for t in (x, y)))
+            for r in range(prog.mesh.world_size)]  # fmt: skip
+    measured = get_pool(prog.mesh.world_size).run(_log_step_traffic, prog.mesh.axes, jobs)
+    predicted: dict[tuple[str, str], int] = {}
+    for col in prog.collectives():
+        predicted[(col.kind, col.dtype)] = predicted.get((col.kind, col.dtype), 0) + col.bytes
+    assert all(m == predicted for m in measured), (measured[0], predicted)
+
+
 def test_bf16_prices_activations_and_collectives_in_their_autocast_dtype():
     c = Config(layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=48, seq=8, batch=4,
                bias=False)  # fmt: skip
@@ -595,13 +607,7 @@ def test_bf16_prices_activations_and_collectives_in_their_autocast_dtype():
     assert linears and all(meta.nbytes(n) == n.meta["val"].numel() * 2 for n in linears)
     assert {c.dtype for c in prog.collectives() if c.axis == "tp" and c.direction == "fwd"
             and c.kind == "all_reduce"} == {"bfloat16"}  # fmt: skip
-    jobs = [(prog.module(r), *(t.chunk(2)[prog.mesh.coordinates(r)["dp"]] for t in (x, y)))
-            for r in range(4)]  # fmt: skip
-    measured = get_pool(4).run(_log_step_traffic, prog.mesh.axes, jobs)
-    predicted: dict[tuple[str, str], int] = {}
-    for col in prog.collectives():
-        predicted[(col.kind, col.dtype)] = predicted.get((col.kind, col.dtype), 0) + col.bytes
-    assert all(m == predicted for m in measured), (measured[0], predicted)
+    _assert_traffic_as_planned(prog, x, y)
 
 
 def test_bf16_sequence_parallel_gathers_the_16_bit_copy():
@@ -627,13 +633,7 @@ def test_bf16_sequence_parallel_gathers_the_16_bit_copy():
             assert meta.dtype(node.args[0].args[0]) == torch.float32  # the norm's fp32 output
     assert sum(n.target is C.all_gather and n.args[0].target is torch.ops.aten._to_copy.default
                for n in module.graph.nodes) == len(gathers)  # fmt: skip
-    jobs = [(prog.module(r), *(t.chunk(2)[prog.mesh.coordinates(r)["dp"]] for t in (x, y)))
-            for r in range(4)]  # fmt: skip
-    measured = get_pool(4).run(_log_step_traffic, prog.mesh.axes, jobs)
-    predicted: dict[tuple[str, str], int] = {}
-    for col in prog.collectives():
-        predicted[(col.kind, col.dtype)] = predicted.get((col.kind, col.dtype), 0) + col.bytes
-    assert all(m == predicted for m in measured), (measured[0], predicted)
+    _assert_traffic_as_planned(prog, x, y)
     jobs = [(prog.module(r), *(t.chunk(2)[prog.mesh.coordinates(r)["dp"]] for t in (x, y)), 0, 3)
             for r in range(4)]  # fmt: skip
     bf16 = _autocast_losses(c, x, y, torch.bfloat16)
