@@ -189,7 +189,9 @@ def _candidates(cfg: ParallelConfig, model: Priced) -> Iterator[ParallelConfig]:
     for schedule in schedules:
         virtuals = [cfg.virtual_stages or 1] if schedule == "interleaved" else [1]
         if schedule == "interleaved" and not cfg.virtual_stages:
-            virtuals = list(range(2, min(per_stage, 16) + 1))  # chunks may be uneven
+            # chunks may be uneven, but every one of the pp·v stages holds a block (as the
+            # search's settings: the stage cut has no empty stage)
+            virtuals = [v for v in range(2, min(per_stage, 16) + 1) if cfg.pp * v <= model.layers]
         for b in micro:
             for v in virtuals:
                 for r in recomputes:
