@@ -91,7 +91,8 @@ class StageProgram:
         out = StageProgram(plan=plan, mesh=self.mesh, graph_module=self.graph_module,
                            traced=self.traced, history=self.history, recompute=recompute,
                            recompute_effect=effect)  # fmt: skip
-        out.__dict__.update({k: v for k, v in self.__dict__.items() if k == "materialized"})
+        if "materialized" in self.__dict__:  # already built: the copy shares it
+            out.materialized = self.materialized
         return out
 
     @cached_property
@@ -145,24 +146,22 @@ class Program:
 
     def __init__(self, *, mesh: Mesh, plan: Plan, stages: Sequence[StageProgram],
                  pipeline: Any = None, phases: Sequence[Phase] = (),
-                 stage_layers: tuple[tuple[Any, ...], ...] = (),
-                 capacity: float = 0.0) -> None:  # fmt: skip
+                 stage_layers: tuple[tuple[Any, ...], ...] = ()) -> None:  # fmt: skip
         self.mesh, self.plan = mesh, plan
         self.stages = tuple(stages)
         self.pipeline = pipeline
         self.phases = tuple(phases)
         self.stage_layers = stage_layers
-        self.capacity = capacity
         self._finals: dict[tuple[int, int], tuple[Materialized, list[PassRecord]]] = {}
         self._modules: dict[tuple[int, int], fx.GraphModule] = {}
 
     def then(self, mesh: Mesh, plan: Plan, phase: Phase | None = None, *, first: bool = False,
              **facts: Any) -> Program:  # fmt: skip
         """This program's stages on ``mesh`` with ``plan``, ``phase`` run after its phases (before
-        them: ``first``); ``facts`` replace the ep facts (``stage_layers``, ``capacity``)."""
+        them: ``first``); ``facts`` replace the ep facts (``stage_layers``)."""
         extra = () if phase is None else (phase,)
         phases = (*extra, *self.phases) if first else (*self.phases, *extra)
-        kept = {"stage_layers": self.stage_layers, "capacity": self.capacity, **facts}
+        kept = {"stage_layers": self.stage_layers, **facts}
         out = Program(mesh=mesh, plan=plan, stages=self.stages, pipeline=self.pipeline,
                       phases=phases, **kept)  # fmt: skip
         if not first:  # the same phases first: the stages already run through them are kept
@@ -298,12 +297,12 @@ class Program:
         return self.pipeline
 
     @cached_property
-    def distinct_programs(self) -> dict[str, list[int]]:
-        """Source text (without header) -> ranks running it (under pp: per stage)."""
-        out: dict[str, list[int]] = {}
+    def distinct_programs(self) -> dict[str, tuple[int, list[int]]]:
+        """Source text (without header) -> (its pipeline stage, the ranks running it)."""
+        out: dict[str, tuple[int, list[int]]] = {}
         for rank in range(self.mesh.world_size):
             for s in self.stages_of(self.mesh.coordinates(rank).get("pp", 0)):
-                out.setdefault(render(self.module(rank, s), ""), []).append(rank)
+                out.setdefault(render(self.module(rank, s), ""), (s, []))[1].append(rank)
         return out
 
     def save(self, directory: str | Path) -> list[Path]:
@@ -312,9 +311,8 @@ class Program:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         written = []
-        for i, (source, ranks) in enumerate(self.distinct_programs.items()):
+        for i, (stage, ranks) in enumerate(self.distinct_programs.values()):
             path = d / f"program_{i}.py"
-            stage = self._stage_of_source(ranks[0], source)
             module = self.module(ranks[0], stage)
             head = f"# pipeline stage {stage} of {len(self.stages)}\n" if self.pipeline else ""
             path.write_text(_preamble(module, ranks) + head + render(module, self.header(ranks[0])))
@@ -326,10 +324,6 @@ class Program:
             (d / "pipeline.txt").write_text(str(self.timeline()) + "\n")
             written.append(d / "pipeline.txt")
         return written
-
-    def _stage_of_source(self, rank: int, source: str) -> int:
-        stages = self.stages_of(self.mesh.coordinates(rank).get("pp", 0))
-        return next(s for s in stages if render(self.module(rank, s), "") == source)
 
     def report(self, path: str | Path, **options: Any) -> Path:
         """The plan drawn in one self-contained HTML file (`autopar.tools.report.write_report`:

@@ -17,19 +17,17 @@ import torch.nn.functional as F
 from autopar import Mesh, autoparallelize, verify
 from autopar.axes.context_parallel import ContextParallelError
 from autopar.ops import cp_ops
-from autopar.tools.testing import Config, MoEConfig, build, build_moe, lm_loss, tokens
+from autopar.tools.testing import (
+    Config,
+    MoEConfig,
+    build,
+    build_moe,
+    hf_tiny_llama,
+    lm_loss,
+    tokens,
+)
 
 SP_WEIGHT = 1e-9  # memory_weight at which the tp planner picks sequence parallelism here
-
-
-def _hf(name: str = "llama") -> nn.Module:
-    import transformers
-
-    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-              use_cache=False)  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
 
 
 def shifted_loss(out, labels: torch.Tensor) -> torch.Tensor:
@@ -61,13 +59,13 @@ def _sequence_scatters(prog, shape: tuple) -> list:
 def test_hf_llama_sequence_parallel_tp_under_cp(strategy):
     ids, labels = _hf_batch()
     kw = dict(memory_weight=SP_WEIGHT, cp_attention=strategy)
-    prog = autoparallelize(_hf("llama"), Mesh(cp=2, tp=2), (ids, labels), shifted_loss, **kw)
+    prog = autoparallelize(hf_tiny_llama(2), Mesh(cp=2, tp=2), (ids, labels), shifted_loss, **kw)
     rows = _sequence_scatters(prog, (2, 16, 64))  # after o_proj and down_proj, per layer
     assert sorted(c.where for c in rows) == sorted(
         f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.o_proj", "mlp.down_proj"))
     code = prog.code(0)
     assert "P(None, ('cp', 'tp'), None)" in code  # the residual: cp outer, tp inner
-    report = verify(_hf("llama"), Mesh(cp=2, tp=2), (ids, labels), shifted_loss, rtol=1e-5,
+    report = verify(hf_tiny_llama(2), Mesh(cp=2, tp=2), (ids, labels), shifted_loss, rtol=1e-5,
                     reference_dtype=reference(strategy), **kw)  # fmt: skip
     assert report.ok, report
 
@@ -90,7 +88,7 @@ class Tempered(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.lm = _hf("llama")
+        self.lm = hf_tiny_llama(2)
 
     def forward(self, ids: torch.Tensor, temp: torch.Tensor):
         return self.lm(inputs_embeds=self.lm.model.embed_tokens(ids) * temp[..., None])
@@ -130,12 +128,12 @@ def test_padded_causal_mask_gets_balanced_chunks(cp, strategy):
     mask = torch.ones(2, 32, dtype=torch.long)
     mask[1, 21:] = 0
     kwargs = {"attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-    prog = autoparallelize(_hf(), Mesh(cp=cp), (ids,), example_kwargs=kwargs,
+    prog = autoparallelize(hf_tiny_llama(2), Mesh(cp=cp), (ids,), example_kwargs=kwargs,
                            cp_attention=strategy)  # fmt: skip
     chunks = f"{2 * cp} chunks, rank i holds chunks i and {2 * cp - 1}-i"
     assert any(chunks in n for n in prog.plan.notes), prog.plan
     assert _ring_causal(prog) == ([True, True] if strategy == "ring" else [])
-    report = verify(_hf(), Mesh(cp=cp), (ids,), example_kwargs=kwargs, rtol=1e-5,
+    report = verify(hf_tiny_llama(2), Mesh(cp=cp), (ids,), example_kwargs=kwargs, rtol=1e-5,
                     cp_attention=strategy, reference_dtype=reference(strategy))  # fmt: skip
     assert report.ok, report
     assert len([r for r in report.rows if r.kind == "output"]) == 2

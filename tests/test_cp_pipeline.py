@@ -11,22 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar import Mesh, autoparallelize, verify
 from autopar.ops import cp_ops
-from autopar.tools.testing import Config, build, lm_loss, tokens
-
-
-def _hf(name: str = "llama") -> nn.Module:
-    import transformers
-
-    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-              use_cache=False)  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+from autopar.tools.testing import Config, build, hf_tiny_llama, lm_loss, tokens
 
 
 def _program(mesh: Mesh, **kw):
@@ -111,9 +100,9 @@ def shifted_loss(out, labels: torch.Tensor) -> torch.Tensor:
 def test_hf_llama_equals_single_device(axes, strategy):
     batch = _hf_batch(4)
     kw = dict(n_microbatches=2, cp_attention=strategy)
-    prog = autoparallelize(_hf("llama"), Mesh(**axes), batch, shifted_loss, **kw)
+    prog = autoparallelize(hf_tiny_llama(2), Mesh(**axes), batch, shifted_loss, **kw)
     mb = 4 // axes.get("dp", 1) // 2
     assert prog.pipeline.cut.boundary_bytes[0] == mb * 32 * 64 * 4 / 2 + mb * 32 * 8
-    report = verify(_hf("llama"), Mesh(**axes), batch, shifted_loss, rtol=1e-5,
+    report = verify(hf_tiny_llama(2), Mesh(**axes), batch, shifted_loss, rtol=1e-5,
                     reference_dtype=torch.float64 if strategy == "ring" else None, **kw)  # fmt: skip
     assert report.ok, report

@@ -446,8 +446,7 @@ def compile_expert_parallel(mesh: Mesh, batch: int, inner: Program, *, strict: b
     stage_layers = tuple(tuple(ls) for ls, _ in found_layers)
     micro = inner.pipeline.config.n_microbatches if inner.pipeline else 1
     phase = ep_phase(mesh, stage_layers, reduction, capacity, micro, model)
-    return inner.then(mesh, plan, phase, first=True, stage_layers=stage_layers,
-                      capacity=capacity)  # fmt: skip
+    return inner.then(mesh, plan, phase, first=True, stage_layers=stage_layers)
 
 
 def _micro_batch_note(inner: Any, samples: list[fx.GraphModule]) -> list[str]:
