@@ -440,10 +440,12 @@ def _message(node: fx.Node, size: int) -> torch.Tensor:
 
 def _shared_collectives(node: fx.Node, sizes: dict[str, int],
                         names: dict[str, str]) -> list[Collective]:  # fmt: skip
-    """A shared split's gradient sum: one backward all-reduce of the pieces side by side."""
+    """A shared split's gradient sum: one backward all-reduce of this rank's piece on the
+    sub-group of the ``rep`` ranks holding it (listed, and priced, on the axis: an upper
+    bound, the sub-group has fewer ranks)."""
     x, axis, rep = node.args
-    val = x.meta["val"].new_empty((sizes[axis] // rep, *x.meta["val"].shape), device="meta")
-    return [_record("all_reduce", axis, val, "bwd", _where(x, node, names), meta.dtype(x))]
+    return [_record("all_reduce", axis, x.meta["val"], "bwd", _where(x, node, names),
+                    meta.dtype(x))]  # fmt: skip
 
 
 def _ce_collectives(node: fx.Node) -> list[Collective]:

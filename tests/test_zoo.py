@@ -122,6 +122,7 @@ def test_hand_design_counts():
     assert hand("gptj").summary(0) == "1AR"
     assert hand("olmo2").summary(0) == "2AR+2ar"
     assert hand("llama").count() == 2 * 2 + 3
+    assert hand("llama").activation_count() == 2 * 2 + 1  # the loss statistics are not counted
 
 
 def test_sequence_parallel_pair_equals_the_all_reduce_it_replaces():
@@ -130,6 +131,16 @@ def test_sequence_parallel_pair_equals_the_all_reduce_it_replaces():
     for tp in (2, 4, 8):
         assert sp.traffic(tp) == pytest.approx(megatron.traffic(tp))
     assert sp.count() == megatron.count() == 2
+
+
+def test_statistics_all_reduces_are_not_activation_messages():
+    exp = hand("llama")  # a residual split on h: 2 [b,s,1] partial-statistics ARs per layer
+    stats = comm(*[(m.kind, m.numel, m.layer) for m in exp.messages],
+                 *[("all_reduce", BS, layer) for layer in (0, 1) for _ in range(2)])  # fmt: skip
+    assert zoo.CommCheck(actual=stats, expected=exp, tp=8).ok
+    wide = comm(*[(m.kind, m.numel, m.layer) for m in exp.messages],
+                ("all_gather", 128 * BS, 0))  # a lone K/V head [b,s,128] gathered: not statistics
+    assert not zoo.CommCheck(actual=wide, expected=exp, tp=8).ok
 
 
 def test_logits_all_gather_exceeds_the_hand_design():

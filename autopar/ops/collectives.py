@@ -13,7 +13,7 @@ the wire in both directions:
 - ``grad_all_reduce(x, axis)``: identity forward, all-reduce backward (Megatron's f).
 - ``grad_sum_shared(x, axis, rep)``: identity forward on a shared split (each piece held by
   ``rep`` consecutive ranks); backward sums the gradient over the ranks sharing the piece
-  (one all-reduce over the axis of the pieces laid side by side, zeros but this rank's).
+  (one all-reduce of the piece on the sub-group of those ``rep`` ranks, ``axis/rep``).
 - ``grad_partial(x, axis)``: identity forward; backward keeps a whole gradient on the axis'
   rank 0 only (zeros elsewhere), so it joins partial gradients one later reduction sums.
 - ``expert_dispatch(rows, offs, axis)``: rows grouped by expert -> this rank's experts' rows
@@ -25,13 +25,14 @@ the wire in both directions:
   (the global statistic).  Backward: the mean of the ranks' gradients (each rank's share).
 
 A split dim with ``blocks`` > 1 is viewed as ``[blocks, n/blocks]`` and each block is split.
-Groups are bound per axis with :func:`bind` (``autopar.runtime`` does it).
+Groups are bound per axis with :func:`bind` (``autopar.runtime`` does it); the sub-groups of
+the ranks sharing a piece are bound as ``"<axis>/<rep>"`` (:func:`shared_groups` lists them).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +56,31 @@ def group(axis: str) -> dist.ProcessGroup:
             "autopar.autoparallelize(model, device_mesh, ...) or autopar.runtime.bind_mesh()"
         )
     return _GROUPS[axis]
+
+
+def shared_key(axis: str, rep: int) -> str:
+    """The bound name of the sub-groups of ``rep`` consecutive ranks of ``axis``."""
+    return f"{axis}/{rep}"
+
+
+SHARED_AXES = ("tp",)  # the axes whose planner offers shared splits (K/V heads over tp)
+
+
+def shared_groups(name: str, axis_groups: Sequence[Sequence[int]]) -> list[tuple[str, list[int]]]:
+    """Every sub-group a shared split of axis ``name`` can reduce over: for each replication
+    count ``rep`` properly dividing the axis size, each group's ranks (in axis order) cut into
+    runs of ``rep`` (the ranks holding one piece).  Every worker creates them, in this order;
+    none for an axis outside ``SHARED_AXES``."""
+    out: list[tuple[str, list[int]]] = []
+    if name not in SHARED_AXES:
+        return out
+    for ranks in axis_groups:
+        size = len(ranks)
+        for rep in range(2, size):
+            if size % rep == 0:
+                out += [(shared_key(name, rep), list(ranks[i:i + rep]))
+                        for i in range(0, size, rep)]  # fmt: skip
+    return out
 
 
 def axis_rank(axis: str) -> int:
@@ -220,11 +246,9 @@ class _GradSumShared(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        piece = axis_rank(ctx.axis) // ctx.rep
-        side = g.new_zeros((axis_size(ctx.axis) // ctx.rep, *g.shape))
-        side[piece] = g
-        dist.all_reduce(side, group=group(ctx.axis))
-        return side[piece].clone(), None, None
+        total = g.contiguous().clone()
+        dist.all_reduce(total, group=group(shared_key(ctx.axis, ctx.rep)))
+        return total, None, None
 
 
 _PENDING: dict[str, tuple[int, torch.Tensor]] = {}  # bucket key -> (backwards seen, their sum)

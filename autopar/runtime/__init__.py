@@ -52,9 +52,26 @@ def bind_mesh(device_mesh: Any, mesh: Mesh, plan_collectives: Sequence[Any] = ()
     check_world(mesh)
     check_placement(device_mesh, mesh, plan_collectives, force=force_placement)
     names = device_mesh.mesh_dim_names
-    collectives.bind({name: device_mesh.get_group(name) for name in names})
+    groups = {name: device_mesh.get_group(name) for name in names}
+    groups.update(_shared_groups(device_mesh))
+    collectives.bind(groups)
     coords = {name: device_mesh.get_local_rank(name) for name in names}
     return mesh.rank_of(coords)
+
+
+def _shared_groups(device_mesh: Any) -> dict[str, Any]:
+    """This rank's sub-groups of every mesh dim (``collectives.shared_groups``; every rank
+    creates every one, in the same order)."""
+    from autopar.runtime.placement import axis_groups
+
+    layout = torch.as_tensor(device_mesh.mesh).cpu()
+    me, mine = dist.get_rank(), {}
+    for i, name in enumerate(device_mesh.mesh_dim_names):
+        for key, ranks in collectives.shared_groups(name, axis_groups(layout, i)):
+            group = dist.new_group(ranks)
+            if me in ranks:
+                mine[key] = group
+    return mine
 
 
 def check_world(mesh: Mesh) -> None:

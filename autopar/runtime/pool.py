@@ -234,6 +234,8 @@ def _mesh_groups(axes: tuple[tuple[str, int], ...], rank: int) -> dict:
 
     import torch.distributed as dist
 
+    from autopar.ops import collectives
+
     sizes = [s for _, s in axes]
     mine = {}
     for i, (name, _) in enumerate(axes):
@@ -247,6 +249,10 @@ def _mesh_groups(axes: tuple[tuple[str, int], ...], rank: int) -> dict:
             group = dist.new_group(ranks, backend="gloo")
             if rank in ranks:
                 mine[name] = group
+            for key, sub in collectives.shared_groups(name, [ranks]):
+                group = dist.new_group(sub, backend="gloo")
+                if rank in sub:
+                    mine[key] = group
     names = [name for name, _ in axes]
     if "dp" in names and "cp" in names:  # the data axis's ZeRO group under cp (dp x cp)
         mine["dp_cp"] = _flattened_group(sizes, [names.index("dp"), names.index("cp")], rank)

@@ -79,8 +79,14 @@ TINY = Dims(hidden=64, layers=2, heads=4, kv_heads=4, ffn=128, vocab=128, seq=16
             experts=4, top_k=2, expert_ffn=32)  # fmt: skip
 REALISTIC = Dims(hidden=2048, layers=2, heads=16, kv_heads=16, ffn=5632, vocab=32000, seq=2048,
                  batch=1, experts=8, top_k=2, expert_ffn=1408)  # fmt: skip
-KV_HEADS = {"mha": {"tiny": 4, "realistic": 16}, "gqa": {"tiny": 2, "realistic": 4},
-            "mqa": {"tiny": 1, "realistic": 1}}  # fmt: skip
+# One 8-GPU node's shape (issue 20's measurement): Llama-2 7B widths at b 4, s 2048; its K/V
+# heads are a parameter (8 = tp, 4 < tp) for every family that takes num_key_value_heads.
+NODE = Dims(hidden=4096, layers=2, heads=32, kv_heads=32, ffn=11008, vocab=32000, seq=2048,
+            batch=4, experts=8, top_k=2, expert_ffn=2816)  # fmt: skip
+KV_HEADS = {"mha": {"tiny": 4, "realistic": 16, "node": 32},
+            "gqa": {"tiny": 2, "realistic": 4, "node": 8},
+            "mqa": {"tiny": 1, "realistic": 1, "node": 1}}  # fmt: skip
+SIZES = {"tiny": TINY, "realistic": REALISTIC, "node": NODE}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +113,7 @@ class Message:
     layer: int | None
     shape: tuple[int, ...] = ()
     where: str = ""  # module path it was lowered at
+    bytes: int = 0  # of the full tensor, in the dtype it moves in
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,9 +127,18 @@ class Comm:
         """All-reduce equivalents: all-reduce 1, the others 1/2."""
         return sum(_WEIGHT[m.kind] for m in self._of(layer))
 
+    def activation_count(self, layer: int | None | str = "all") -> float:
+        """All-reduce equivalents of the messages larger than per-token statistics (more than
+        2 elements per token: activations, not a norm's or the loss's [b,s] values)."""
+        return sum(_WEIGHT[m.kind] for m in self._of(layer) if m.numel > 2 * self.tokens)
+
     def traffic(self, tp: int, layer: int | None | str = "all") -> float:
         """Elements each GPU sends (ring algorithms)."""
         return sum(_traffic(m, tp) for m in self._of(layer))
+
+    def traffic_bytes(self, tp: int, layer: int | None | str = "all") -> float:
+        """Bytes each GPU sends (ring algorithms)."""
+        return sum(_traffic(m, tp) * m.bytes / m.numel for m in self._of(layer) if m.numel)
 
     def summary(self, layer: int | None | str = "all") -> str:
         """'2AR+2ar' style: upper case for [b,s,h]-sized messages, lower for per-token ones."""
@@ -153,7 +169,9 @@ def _traffic(m: Message, tp: int) -> float:
 
 @dataclass(frozen=True, kw_only=True)
 class CommCheck:
-    """Forward collectives at the realistic shape against the hand-designed ones."""
+    """Forward collectives at the realistic shape against the hand-designed ones (issue 20's
+    criterion): no more all-reduce equivalents of activations than the hand design, nothing
+    else but per-token statistics, and no more per-GPU traffic."""
 
     actual: Comm
     expected: Comm
@@ -161,14 +179,15 @@ class CommCheck:
 
     @property
     def ok(self) -> bool:
-        count_ok = self.actual.count() <= self.expected.count() + 1e-9
+        count_ok = self.actual.activation_count() <= self.expected.activation_count() + 1e-9
         return count_ok and self.actual.traffic(self.tp) <= self.expected.traffic(self.tp) * 1.001
 
     def __str__(self) -> str:
         a, e, t = self.actual, self.expected, self.tp
         ratio = a.traffic(t) / e.traffic(t) if e.traffic(t) else float("inf")
         return (f"L0 {a.summary(0)} (hand {e.summary(0)}), other {a.summary(None)} "
-                f"(hand {e.summary(None)}), {a.count():g}/{e.count():g} AR-eq, "
+                f"(hand {e.summary(None)}), {a.activation_count():g}/{e.activation_count():g} "
+                f"activation AR-eq, "
                 f"traffic x{ratio:.2f}")  # fmt: skip
 
 
@@ -208,23 +227,27 @@ def family(name: str) -> Family:
     raise KeyError(f"no zoo family {name!r}; known: {', '.join(f.name for f in _FAMILIES)}")
 
 
-def dims(entry: Family, size: str) -> Dims:
-    """The sizes of ``entry`` at ``size`` ('tiny' or 'realistic')."""
-    if size not in ("tiny", "realistic"):
-        raise ValueError(f"size must be 'tiny' or 'realistic', not {size!r}")
-    base = TINY if size == "tiny" else REALISTIC
-    return replace(base, kv_heads=KV_HEADS[entry.attention][size])
+def dims(entry: Family, size: str, kv_heads: int | None = None) -> Dims:
+    """The sizes of ``entry`` at ``size`` ('tiny', 'realistic' or 'node'); ``kv_heads``
+    overrides the K/V heads of every family that is not multi-query (families whose config
+    has no K/V-head keyword keep one K/V head per query head whatever it says)."""
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {', '.join(map(repr, SIZES))}, not {size!r}")
+    kv = KV_HEADS[entry.attention][size]
+    if kv_heads is not None and entry.attention != "mqa":
+        kv = kv_heads
+    return replace(SIZES[size], kv_heads=kv)
 
 
-def build(entry: Family, size: str = "tiny", device: str = "cpu",
-          seed: int = 0) -> tuple[nn.Module, tuple, dict, None]:  # fmt: skip
+def build(entry: Family, size: str = "tiny", device: str = "cpu", seed: int = 0,
+          kv_heads: int | None = None) -> tuple[nn.Module, tuple, dict, None]:  # fmt: skip
     """``(model, example_inputs, example_kwargs, loss_fn)``: the model in eval mode (no
     dropout), token ids as the input, ``labels`` as a keyword (the model's own loss), no
     ``loss_fn``.  On the CPU, 1-D parameters (norm weights, biases) get random values so a
     wrong layout of them cannot hide behind ones and zeros."""
     import transformers
 
-    d = dims(entry, size)
+    d = dims(entry, size, kv_heads)
     tokens = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)  # inside the tiny vocab
     kwargs = {**tokens, **entry.config(d), "use_cache": False}
     cfg = getattr(transformers, entry.config_class)(**kwargs)
@@ -255,7 +278,7 @@ def forward_collectives(prog: Program) -> Comm:
     """The forward collectives of ``prog``'s step, each attributed to the layer whose module
     path it was lowered at (None: outside the layers)."""
     msgs = tuple(Message(kind=c.kind, numel=math.prod(c.shape), layer=_layer_of(c.where),
-                         shape=c.shape, where=c.where)
+                         shape=c.shape, where=c.where, bytes=c.bytes)
                  for c in prog.collectives() if c.direction == "fwd")  # fmt: skip
     b, s = _tokens_shape(prog)
     return Comm(messages=msgs, tokens=b * s)
@@ -268,15 +291,18 @@ def _tokens_shape(prog: Program) -> tuple[int, int]:
 
 
 def expected_collectives(entry: Family, d: Dims) -> Comm:
-    """The hand-designed forward collectives (module docstring, step 3)."""
+    """The hand-designed forward collectives (module docstring, step 3): the [b,s,h]
+    activations in bf16 (Megatron's ``--bf16``), the per-token statistics in fp32."""
     bsh, bs = d.batch * d.seq * d.hidden, d.batch * d.seq
+
+    def ar(numel: int, layer: int | None, size: int) -> Message:
+        return Message(kind="all_reduce", numel=numel, layer=layer, bytes=numel * size)
+
     msgs: list[Message] = []
     for layer in range(d.layers):
-        msgs += [Message(kind="all_reduce", numel=bsh, layer=layer)] * entry.layer_all_reduces
-        msgs += [Message(kind="all_reduce", numel=bs, layer=layer)] * entry.layer_small_all_reduces
-    msgs += [Message(kind="all_reduce", numel=bsh, layer=None),
-             Message(kind="all_reduce", numel=bs, layer=None),
-             Message(kind="all_reduce", numel=2 * bs, layer=None)]  # fmt: skip
+        msgs += [ar(bsh, layer, 2)] * entry.layer_all_reduces
+        msgs += [ar(bs, layer, 4)] * entry.layer_small_all_reduces
+    msgs += [ar(bsh, None, 2), ar(bs, None, 4), ar(2 * bs, None, 4)]
     return Comm(messages=tuple(msgs), tokens=bs)
 
 
@@ -299,8 +325,10 @@ def layer_param_fraction(prog: Program) -> float:
     return held / total if total else float("nan")
 
 
-def check(entry: Family, tp: int = 2, run_verify: bool = True) -> Row:
-    """One row of the zoo table (module docstring, steps 1-4); never raises."""
+def check(entry: Family, tp: int = 2, run_verify: bool = True, size: str = "realistic",
+          kv_heads: int | None = None) -> Row:  # fmt: skip
+    """One row of the zoo table (module docstring, steps 1-4) with the compiled shape at
+    ``size`` ('realistic' or 'node') and ``kv_heads`` (see `dims`); never raises."""
     from autopar.verify import verify
 
     start = time.perf_counter()
@@ -318,11 +346,11 @@ def check(entry: Family, tp: int = 2, run_verify: bool = True) -> Row:
                 verify_reason = _one_line(exc)
         comm, comm_reason, frac = None, "", None
         try:
-            model, args, kwargs, loss_fn = build(entry, "realistic", device="meta")
+            model, args, kwargs, loss_fn = build(entry, size, device="meta", kv_heads=kv_heads)
             prog = autoparallelize(model, Mesh(tp=tp), args, loss_fn, example_kwargs=kwargs,
                                    param_dtype=torch.bfloat16)  # fmt: skip
             comm = CommCheck(actual=forward_collectives(prog),
-                             expected=expected_collectives(entry, dims(entry, "realistic")),
+                             expected=expected_collectives(entry, dims(entry, size, kv_heads)),
                              tp=tp)  # fmt: skip
             frac = layer_param_fraction(prog)
         except Exception as exc:  # noqa: BLE001 - reported in the row
@@ -338,13 +366,13 @@ def table(rows: list[Row]) -> str:
     """The zoo table, then one line per failure with its reason."""
     head = (f"{'family':<26} {'traced':<6} {'verify tp=' + str(rows[0].tp) if rows else '':<12} "
             f"{'fwd layer 0 (hand)':<22} {'outside layers (hand)':<24} {'AR-eq':<9} "
-            f"{'traffic':<8} {'rank0':<6} {'s':>5}")  # fmt: skip
+            f"{'traffic':<8} {'fwd MiB/GPU (hand)':<19} {'rank0':<6} {'s':>5}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows:
         c = r.comm
         lines.append(
             f"{r.family:<26} {'yes' if r.traced else 'NO':<6} {_verify_cell(r):<12} "
-            f"{_comm_cells(r) if c else '-':<58} "
+            f"{_comm_cells(r) if c else '-':<58} {_bytes_cell(r) if c else '-':<19} "
             f"{f'{r.param_fraction:.3f}' if r.param_fraction is not None else '-':<6} "
             f"{r.seconds:5.1f}"
         )
@@ -360,13 +388,19 @@ def _verify_cell(r: Row) -> str:
     return f"{r.verify_error:.1e}" + ("" if r.verify_ok else " BAD")
 
 
+def _bytes_cell(r: Row) -> str:
+    a, e, t, mib = r.comm.actual, r.comm.expected, r.tp, 2.0**20
+    return f"{a.traffic_bytes(t) / mib:.0f} ({e.traffic_bytes(t) / mib:.0f})"
+
+
 def _comm_cells(r: Row) -> str:
     a, e, t = r.comm.actual, r.comm.expected, r.tp
     ratio = a.traffic(t) / e.traffic(t)
     mark = "" if r.comm.ok else " BAD"
     return (f"{a.summary(0) + ' (' + e.summary(0) + ')':<22} "
             f"{a.summary(None) + ' (' + e.summary(None) + ')':<24} "
-            f"{f'{a.count():g}/{e.count():g}':<9} {f'x{ratio:.2f}{mark}':<8}")  # fmt: skip
+            f"{f'{a.activation_count():g}/{e.activation_count():g}':<9} "
+            f"{f'x{ratio:.2f}{mark}':<8}")  # fmt: skip
 
 
 def _failure(r: Row) -> str:
