@@ -95,10 +95,16 @@ def test_shared_kv_heads_match_single_device(tp, heads, kv_heads, fused_qkv):
     assert report.ok, str(report)
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
-def test_gqa_families_meet_the_hand_design_at_tp8(name):
-    row = zoo.check(zoo.family(name), 8, run_verify=False)
+@pytest.mark.parametrize(("name", "size"), [("llama", "realistic"), ("mistral", "realistic"),
+                                          ("qwen2", "realistic"), ("llama", "node"),
+                                          ("mistral", "node"), ("qwen2", "node")])  # fmt: skip
+def test_gqa_families_meet_the_hand_design_at_tp8(name, size):
+    """4 K/V heads on 8 ranks (h 2048 / 16 heads, and one node's h 4096 / 32 heads, b 4):
+    no K/V message, the hand design's activation all-reduces and traffic, weights 1/8."""
+    row = zoo.check(zoo.family(name), 8, run_verify=False, size=size, kv_heads=4)
     assert row.comm is not None and row.comm.ok, zoo.table([row])
+    assert not [m for m in row.comm.actual.messages if m.where.endswith(("k_proj", "v_proj"))]
+    assert row.param_fraction == pytest.approx(1 / 8, rel=0.1)
 
 
 def test_shared_kv_gradients_sum_on_the_sub_groups_of_a_device_mesh():
