@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 from dataclasses import replace
 
 import pytest
@@ -16,6 +17,7 @@ _PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "fidelity.p
 def fidelity():
     spec = importlib.util.spec_from_file_location("fidelity", _PATH)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["fidelity"] = module
     spec.loader.exec_module(module)
     return module
 
