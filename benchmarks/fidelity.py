@@ -231,7 +231,8 @@ def source_name(row: Row) -> str:
 
 def predict(row: Row) -> Estimate:
     """Steps 1-2: the row's configuration priced by the cost model (never its figures)."""
-    return estimate(row.model, row.cluster, row.config)
+    config = replace(row.config, gemm_bytes=1) if row.precision == "fp8" else row.config
+    return estimate(row.model, row.cluster, config)
 
 
 def figure(row: Row, est: Estimate) -> float:
@@ -245,8 +246,8 @@ def missing(row: Row, error: float) -> str:
     """The component the model lacks for a row that misses (step 4)."""
     if row.sharding == "HSDP":
         return "HSDP priced as FSDP over all GPUs"
-    if row.precision == "fp8":
-        return "FP8 GEMMs priced at bf16"
+    if row.precision == "fp8" and error < 0:
+        return "FP8 GEMM efficiency / cast overhead (priced at the bf16 GEMM fraction)"
     if row.note:
         return row.note + " not modelled"
     if error > 0:

@@ -53,6 +53,7 @@ class ParallelConfig:
     tp_across_nodes: bool = False
     grad_bytes: int = 4  # gradient element size: fp32 (Megatron's default) or 2 (bf16)
     weight_bytes: int = 2  # 2: bf16 weights + fp32 master in the optimizer; 4: fp32 throughout
+    gemm_bytes: int = 2  # element size the linear layers' GEMMs run in: 2 bf16, 1 FP8 (scaled)
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULES)
@@ -62,6 +63,8 @@ class ParallelConfig:
             raise CostInputError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")
         if self.grad_bytes not in (2, 4):
             raise CostInputError(f"gradients are 2 (bf16) or 4 (fp32) bytes, got {self.grad_bytes}")
+        if self.gemm_bytes not in (1, 2):
+            raise CostInputError(f"GEMMs run in 1 (FP8) or 2 (bf16) bytes, got {self.gemm_bytes}")
         if self.weight_bytes not in (2, 4):
             raise CostInputError(f"weights are 2 (bf16) or 4 (fp32) bytes, got {self.weight_bytes}")
         degrees = {"tp": self.tp, "pp": self.pp, "dp": self.dp or 1, "cp": self.cp,
