@@ -184,11 +184,15 @@ ROWS: tuple[Row, ...] = (
     # IBM fms-fsdp, 128 A100 80GB, 400 Gb/s per node, seq 4096
     Row(name="fms Llama2 7B HSDP", source=FMS, model=_llama2("7b"),
         cluster=_cluster("dgx-a100", 128, inter=FMS_FABRIC),
-        config=_cfg(dp=128, gbs=256, mbs=2, zero=3, recompute="none"), published=3760,
+        config=_cfg(dp=128, gbs=256, mbs=2, zero=3, recompute="none", shard_group=8,
+                    grad_bytes=2),
+        published=3760,
         sharding="HSDP"),
     Row(name="fms Llama2 13B HSDP", source=FMS, model=_llama2("13b"),
         cluster=_cluster("dgx-a100", 128, inter=FMS_FABRIC),
-        config=_cfg(dp=128, gbs=128, mbs=1, zero=3, recompute="none"), published=1700,
+        config=_cfg(dp=128, gbs=128, mbs=1, zero=3, recompute="none", shard_group=8,
+                    grad_bytes=2),
+        published=1700,
         sharding="HSDP"),
     Row(name="fms Llama2 34B FSDP", source=FMS, model=_llama2("34b"),
         cluster=_cluster("dgx-a100", 128, inter=FMS_FABRIC),
@@ -245,7 +249,9 @@ def figure(row: Row, est: Estimate) -> float:
 def missing(row: Row, error: float) -> str:
     """The component the model lacks for a row that misses (step 4)."""
     if row.sharding == "HSDP":
-        return "HSDP priced as FSDP over all GPUs"
+        return "HSDP (shard in a node, replicate across): " + (
+            "compute efficiency too high at this local batch" if error > 0 else
+            "replica all-reduce or exposed gathers priced too high")
     if row.precision == "fp8" and error < 0:
         return "FP8 GEMM efficiency / cast overhead (priced at the bf16 GEMM fraction)"
     if row.note:

@@ -54,6 +54,9 @@ class ParallelConfig:
     grad_bytes: int = 4  # gradient element size: fp32 (Megatron's default) or 2 (bf16)
     weight_bytes: int = 2  # 2: bf16 weights + fp32 master in the optimizer; 4: fp32 throughout
     gemm_bytes: int = 2  # element size the linear layers' GEMMs run in: 2 bf16, 1 FP8 (scaled)
+    # HSDP: ZeRO-3 shards over groups of this many data-parallel ranks (consecutive, inside a
+    # node when it divides one) and all-reduces gradients across the replicas; None: one group
+    shard_group: int | None = None
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULES)
@@ -79,6 +82,11 @@ class ParallelConfig:
     def data_parallel(self) -> int:
         """Ranks that share a dense gradient: dp · cp."""
         return (self.dp or 1) * self.cp
+
+    @property
+    def shard_degree(self) -> int:
+        """Ranks a sharded (ZeRO) state is split over: dp · cp, or the HSDP shard group."""
+        return min(self.shard_group or self.data_parallel, self.data_parallel)
 
 
 def _choice(field: str, value: str | None, allowed: tuple[str, ...]) -> None:
