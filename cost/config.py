@@ -53,6 +53,10 @@ class ParallelConfig:
     tp_across_nodes: bool = False
     grad_bytes: int = 4  # gradient element size: fp32 (Megatron's default) or 2 (bf16)
     weight_bytes: int = 2  # 2: bf16 weights + fp32 master in the optimizer; 4: fp32 throughout
+    gemm_bytes: int = 2  # element size the linear layers' GEMMs run in: 2 bf16, 1 FP8 (scaled)
+    # HSDP: ZeRO-3 shards over groups of this many data-parallel ranks (consecutive, inside a
+    # node when it divides one) and all-reduces gradients across the replicas; None: one group
+    shard_group: int | None = None
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULES)
@@ -62,6 +66,8 @@ class ParallelConfig:
             raise CostInputError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")
         if self.grad_bytes not in (2, 4):
             raise CostInputError(f"gradients are 2 (bf16) or 4 (fp32) bytes, got {self.grad_bytes}")
+        if self.gemm_bytes not in (1, 2):
+            raise CostInputError(f"GEMMs run in 1 (FP8) or 2 (bf16) bytes, got {self.gemm_bytes}")
         if self.weight_bytes not in (2, 4):
             raise CostInputError(f"weights are 2 (bf16) or 4 (fp32) bytes, got {self.weight_bytes}")
         degrees = {"tp": self.tp, "pp": self.pp, "dp": self.dp or 1, "cp": self.cp,
@@ -76,6 +82,11 @@ class ParallelConfig:
     def data_parallel(self) -> int:
         """Ranks that share a dense gradient: dp · cp."""
         return (self.dp or 1) * self.cp
+
+    @property
+    def shard_degree(self) -> int:
+        """Ranks a sharded (ZeRO) state is split over: dp · cp, or the HSDP shard group."""
+        return min(self.shard_group or self.data_parallel, self.data_parallel)
 
 
 def _choice(field: str, value: str | None, allowed: tuple[str, ...]) -> None:

@@ -206,10 +206,10 @@ def price(model: Priced, cluster: Cluster, cfg: ParallelConfig,
     b = cfg.micro_batch
     work = work or model.workload(cfg, b, cluster.gpu)
     m = cfg.global_batch // (cfg.dp * b)
-    dp_expert = cfg.data_parallel // cfg.ep
+    dp_expert = cfg.shard_degree // cfg.ep if cfg.shard_group else cfg.data_parallel // cfg.ep
     ranks = pipeline_shares(work, cfg, cluster, schedule=cfg.schedule,
                             virtual=cfg.virtual_stages, micro_batches=m)  # fmt: skip
-    memory = rank_memory(work, pp=cfg.pp, zero=cfg.zero, dp_dense=cfg.data_parallel,
+    memory = rank_memory(work, pp=cfg.pp, zero=cfg.zero, dp_dense=cfg.shard_degree,
                          dp_expert=dp_expert, schedule=cfg.schedule, micro_batches=m,
                          virtual=cfg.virtual_stages, recompute=cfg.recompute,
                          capacity=cluster.gpu.hbm_bytes, grad_bytes=cfg.grad_bytes,

@@ -25,6 +25,8 @@ Algorithm (`step_time`):
    the same window) and reduce-scatters its gradients after, every micro-batch: each layer's
    traffic hides only behind that layer's own compute in that pass; the first layer's gather
    is exposed. Every collective pays alpha-beta with its group size, per layer.
+   HSDP (`shard_group`): ZeRO-3 over each shard group, then each shard's gradient
+   all-reduced across the replicas in the same backward window (`_replicas`).
    NIC sharing: when the dp group and the cp ring both leave the node they share each GPU's
    NIC, so the ring's time on the wire in a pass is subtracted from the window the dp traffic
    hides behind (pp sends are priced on the critical path, never inside a compute window).
@@ -65,8 +67,12 @@ def _spans(cfg: ParallelConfig) -> dict[str, tuple[int, int]]:
     """(stride, size) in global rank order of each communication group; mesh pp, dp, cp, tp
     (outermost first) with ep the inner part of dp."""
     t, c, d, e = cfg.tp, cfg.cp, cfg.dp or 1, cfg.ep
-    return {"tp": (1, t), "cp": (t, c), "ep": (t * c, e), "dp": (t, d * c),
-            "dp_expert": (t * c * e, d // e), "pp": (t * c * d, cfg.pp)}  # fmt: skip
+    spans = {"tp": (1, t), "cp": (t, c), "ep": (t * c, e), "dp": (t, d * c),
+             "dp_expert": (t * c * e, d // e), "pp": (t * c * d, cfg.pp)}  # fmt: skip
+    if cfg.shard_group and cfg.shard_degree < cfg.data_parallel:  # HSDP: shard, then replicate
+        k = cfg.shard_degree
+        spans |= {"dp": (t, k), "dp_replica": (t * k, d * c // k)}
+    return spans
 
 
 # (kind, nbytes, stride, size) -> seconds: prices one collective over a rank span
@@ -218,7 +224,8 @@ def _dp_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
     ring share the NIC."""
     tables = 1.0 if any(ends) else 0.0
     if cfg.zero == 3:
-        return _zero3(work, coll, spans, micro_batches, recompute, per_stage, ring, shared, ends)
+        return _zero3(work, coll, spans, micro_batches, recompute, per_stage, ring, shared, ends,
+                      cfg.grad_bytes)  # fmt: skip
     if not cfg.overlap_grad_reduce:
         return _reduce(coll, _groups(work, spans, per_stage, tables), cfg.zero)
     bucket = _reduce(coll, _groups(work, spans, 1, 0), cfg.zero)
@@ -230,7 +237,7 @@ def _dp_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
 
 def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, recompute: str,
            per_stage: int, ring: RingAttention, shared: bool,
-           ends: tuple[bool, bool] = (True, True)) -> float:  # fmt: skip
+           ends: tuple[bool, bool] = (True, True), grad_bytes: int = 4) -> float:  # fmt: skip
     """ZeRO-3 exposed seconds per step (step 6).
 
     Derivation, per layer per micro-batch: its bf16 gather G (alpha-beta over the dp group:
@@ -246,8 +253,9 @@ def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, re
     """
     layer, edge = _groups(work, spans, 1, 0), _groups(work, spans, 0, 1.0 if any(ends) else 0.0)
     gather = _each(coll, layer, "all_gather", 2)
-    scatter = _reduce(coll, layer, 3)
-    tables = 2 * _each(coll, edge, "all_gather", 2) + _reduce(coll, edge, 3)
+    scatter = _reduce(coll, layer, 3) + _replicas(work, coll, spans, 1, 0, grad_bytes)
+    tables = (2 * _each(coll, edge, "all_gather", 2) + _reduce(coll, edge, 3)
+              + _replicas(work, coll, spans, 0, 1.0 if any(ends) else 0.0, grad_bytes))  # fmt: skip
     busy_f, busy_b = (ring.wire_fwd, ring.wire_bwd) if shared else (0.0, 0.0)
     window = work.layer_bwd_s + work.recompute_s[recompute]
     fwd = exposed_behind(gather, work.layer_fwd_s, busy_f)
@@ -256,6 +264,17 @@ def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, re
     tail = exposed_behind(tables, work.pre_s * ends[0] + work.post_s * ends[1])
     layers = per_stage * fwd + max(per_stage - 1, 0) * bwd + (last if per_stage else 0.0)
     return gather + micro_batches * (layers + tail)
+
+
+def _replicas(work: Workload, coll: Collective, spans: dict, layers: float,
+              edges: float, grad_bytes: int = 4) -> float:  # fmt: skip
+    """HSDP: the all-reduce (`grad_bytes` per element) of each shard's reduced gradient
+    across the replicas (0 without a `dp_replica` span)."""
+    if "dp_replica" not in spans:
+        return 0.0
+    stride, size = spans["dp"]
+    params = (layers * work.layer_dense_params + edges * work.edge_params) / size
+    return coll("all_reduce", grad_bytes * params, *spans["dp_replica"])
 
 
 def bubble_time(micro_batch_s: float, pp: int, virtual: int = 1) -> float:
@@ -336,7 +355,7 @@ def _rank_step(work: Workload, cfg: ParallelConfig, cluster: Cluster, share: Ran
                                     collective=coll, ends=ends)  # fmt: skip
     params = (share.blocks * (work.layer_dense_params + work.layer_expert_params)
               + share.edges * work.edge_params)  # fmt: skip
-    shard = cfg.data_parallel if cfg.zero >= 1 else 1
+    shard = cfg.shard_degree if cfg.zero >= 1 else 1
     return StepBreakdown(compute=micro_batches * compute_mb, comm=comm,
                          bubble=bubble_time(per_mb, cfg.pp, v),
                          optimizer=optimizer_time(params, shard, cluster.gpu))  # fmt: skip

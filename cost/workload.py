@@ -91,11 +91,23 @@ class _Kernel:
     bwd: float = 2.0
     core: bool = False
     attn: bool = False
+    dtype: int = BF16
 
 
-def _gemm(m: float, n: float, k: float, count: float = 1.0) -> _Kernel:
-    nbytes = BF16 * count * (m * k + k * n + m * n)
-    return _Kernel(2.0 * m * n * k * count, nbytes, matmul_efficiency(m, n, k))
+FP8_CAST_BYTES = 5  # per cast element, current scaling: read bf16 for amax, read it again, write fp8
+
+
+def _gemm(m: float, n: float, k: float, count: float = 1.0, itemsize: int = BF16) -> list[_Kernel]:
+    """A GEMM [m,k]x[k,n] (`count` of them); at FP8 (`itemsize` 1) it runs at the FP8 peak on
+    1-byte operands and writes bf16, after casting its two inputs (amax + scale + cast,
+    `FP8_CAST_BYTES` per element; backward casts the output gradient likewise, so the
+    casts take the GEMM's backward factor)."""
+    if itemsize == BF16:
+        nbytes = BF16 * count * (m * k + k * n + m * n)
+        return [_Kernel(2.0 * m * n * k * count, nbytes, matmul_efficiency(m, n, k))]
+    nbytes = count * (m * k + k * n + BF16 * m * n)
+    gemm = _Kernel(2.0 * m * n * k * count, nbytes, matmul_efficiency(m, n, k), dtype=itemsize)
+    return [gemm, _stream(FP8_CAST_BYTES * count * (m * k + k * n))]
 
 
 def _stream(nbytes: float) -> _Kernel:
@@ -136,23 +148,24 @@ def layer_kernels(shape: ModelShape, cfg: ParallelConfig, b: int) -> list[_Kerne
     rows = routed * cfg.ep / shape.experts if shape.experts > 1 else tokens
     sp = t if cfg.sequence_parallel else 1
     drop = 1 if shape.dropout else 0
+    g = cfg.gemm_bytes
     kernels = [
-        _gemm(tokens, q_out + kv_out, h),
-        _gemm(tokens, h, q_out),
-        _gemm(rows, f_cols, h, local_experts),
-        _gemm(rows, h, shape.f // t, local_experts),
+        *_gemm(tokens, q_out + kv_out, h, itemsize=g),
+        *_gemm(tokens, h, q_out, itemsize=g),
+        *_gemm(rows, f_cols, h, local_experts, itemsize=g),
+        *_gemm(rows, h, shape.f // t, local_experts, itemsize=g),
         _stream(tokens * h * (2 * 2 * BF16 + 2 * (3 * BF16 + drop)) / sp),
         _stream(tokens * shape.top_k * (f_cols + shape.f // t) * BF16),
         _stream(tokens * 2 * BF16 * (q_out + kv_out + q_out)),
     ]  # fmt: skip
     if shape.experts > 1:
-        kernels.append(_gemm(tokens, shape.experts, h))
+        kernels.extend(_gemm(tokens, shape.experts, h))
     return kernels + _attention(shape, cfg, b)
 
 
 def _time(kernels: list[_Kernel], gpu: GPU, factor: bool = False) -> float:
     return sum(
-        ((k.bwd if factor else 1.0) * op_time(k.flops, k.nbytes, gpu, BF16, compute_efficiency=k.eff)
+        ((k.bwd if factor else 1.0) * op_time(k.flops, k.nbytes, gpu, k.dtype, compute_efficiency=k.eff)
          for k in kernels),
         0.0,
     )  # fmt: skip
@@ -163,7 +176,7 @@ def _edges(shape: ModelShape, cfg: ParallelConfig, b: int, gpu: GPU) -> tuple[fl
     tokens, h, v = b * shape.seq // cfg.cp, shape.hidden, shape.vocab // cfg.tp
     embed = [_stream(2 * BF16 * tokens * h)]
     head = [
-        _gemm(tokens, v, h),
+        *_gemm(tokens, v, h),
         _stream(tokens * v * (BF16 + 3 * 4)),  # loss: read bf16 logits, fp32 softmax round trip
         _stream(4 * BF16 * tokens * h),  # final norm
     ]

@@ -84,6 +84,8 @@ class Ranking:
         found = self.compare_rank()
         if found is not None and found[0] > self.top:
             lines += ["   ...", _row(found[0], found[1], r)]
+        lines += [f"MFU: PaLM convention (6N + 12·L·a·d·s FLOPs per token, recompute not "
+                  f"counted) over the {c.gpu.name}'s dense bf16 peak"]
         lines += ["", f"best: {self.best.describe()}", str(r.estimate(self.best)), ""]
         lines += self._link_lines()
         lines += self._compare_lines()

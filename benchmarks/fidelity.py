@@ -1,0 +1,313 @@
+"""Fidelity: the cost model's step time and memory against published training runs.
+
+Every row names its source (paper table, or repository file at a commit, transcribed from the
+stored copy of that file), hardware, precision, parallel configuration, batch, sequence,
+recompute, the FLOP convention and peak of its published figure, and the figure itself.
+
+Calibrate on a few, judge on the rest: the cost model's efficiency constants (`cost.compute`:
+MATMUL_PEAK_FRACTION, MATMUL_K_HALF, MEMORY_BW_FRACTION; `cost.hardware` link efficiencies) were
+chosen on the four runs of REFERENCE.md (Narayanan et al. 2021, 1.7B / 18.4B / 145.6B / 1008B:
+`FIT`); every other row is held out.  `predict` reads a row's configuration, never its
+published figure, so a held-out figure cannot move a prediction (tests/cost/test_fidelity.py).
+
+Algorithm:
+1. Build each row's model shape and cluster (the published hardware: GPU, HBM, fabric).
+2. Price the published configuration with `cost.estimate` (fields the source leaves open --
+   micro-batch, schedule, virtual stages, recompute -- chosen by the estimator, as the authors
+   tuned them).
+3. Compare in the row's own unit: tokens/s/GPU, or TFLOP/s/GPU under the row's FLOP
+   convention (Megatron-2021, or PaLM 6N + 12·L·a·d·s); memory in GiB where published.
+4. Print fit rows and held-out rows separately, each miss with the component the model lacks.
+
+Run: PYTHONPATH=. python benchmarks/fidelity.py
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from cost.config import ParallelConfig
+from cost.estimate import Estimate, estimate
+from cost.hardware import GPU, Cluster, Link
+from cost.model import ModelShape
+
+TIME_TOL, MEMORY_TOL = 0.10, 0.05
+GB, GiB = 1e9, 2**30
+
+# ---- sources (transcribed from the stored copies; commit where the source is a repository) ----
+NARAYANAN = ("Narayanan et al. 2021 (arXiv 2104.04473) Table 1; fit rows as in "
+             "/work/shared/REFERENCE.md")  # fmt: skip
+NARAYANAN_HELD = ("Narayanan et al. 2021 Table 1, rows as transcribed in benchmarks/"
+                  "calibration.py HELD_OUT (not re-verified against the paper this session)")  # fmt: skip
+TT_H100 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @31a17bf"
+TT_A100 = "pytorch/torchtitan docs/performance.md @0413364"
+FMS = "foundation-model-stack/fms-fsdp README.md @0d31998"
+LLAMA3 = ("Llama 3 paper (arXiv 2407.21783) Table 4, as reproduced at "
+          "glennklockwood.com/garden/llama-3.1 (SC'24 slide, same figures)")  # fmt: skip
+BRIDGE = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @00b7660 (25.11 container)"
+
+# ---- hardware ----
+# torchtitan's Grand Teton H100: 96 GB HBM2e at 2.4 TB/s, 500 W (peak between SXM and NVL,
+# not published: the SXM data sheet is used), 400 Gb/s RDMA per GPU.
+H100_GT = GPU(name="h100-96gb-hbm2e", bf16_flops=989e12, fp8_flops=1979e12, fp32_flops=67e12,
+              hbm_bytes=96 * GB, hbm_bw=2.4e12)  # fmt: skip
+FMS_FABRIC = Link(name="400Gb/s per node", bandwidth=400 / 8 / 8 * GB, latency=10e-6,
+                  efficiency=0.9)  # fmt: skip
+
+
+def _cluster(preset: str, gpus: int, *, gpu: GPU | None = None, inter: Link | None = None) -> Cluster:
+    c = Cluster.preset(preset, nodes=max(1, gpus // 8))
+    return replace(c, **({"gpu": gpu} if gpu else {}), **({"inter": inter} if inter else {}))
+
+
+def _gpt(layers: int, hidden: int, heads: int) -> ModelShape:
+    return ModelShape.gpt(name=f"gpt-{layers}x{hidden}", layers=layers, hidden=hidden,
+                          heads=heads, seq=2048, vocab=51200)  # fmt: skip
+
+
+def _llama2(size: str) -> ModelShape:
+    layers, hidden, heads, kv, ffn = {"7b": (32, 4096, 32, 32, 11008),
+                                      "13b": (40, 5120, 40, 40, 13824),
+                                      "34b": (48, 8192, 64, 8, 22016),
+                                      "70b": (80, 8192, 64, 8, 28672)}[size]  # fmt: skip
+    return ModelShape.llama(name=f"llama2-{size}", layers=layers, hidden=hidden, heads=heads,
+                            kv_heads=kv, ffn=ffn, seq=4096, vocab=32000)  # fmt: skip
+
+
+def _llama3(size: str, seq: int = 8192) -> ModelShape:
+    return ModelShape.preset(f"llama3-{size}").with_seq(seq)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    """One published run: its configuration (what `predict` reads) and its figures."""
+
+    name: str
+    source: str
+    model: ModelShape
+    cluster: Cluster
+    config: ParallelConfig
+    precision: str = "bf16"  # bf16, or fp8 (GEMMs in FP8; the rest bf16)
+    unit: str = "tok/s/GPU"  # or "TFLOP/s/GPU megatron" / "TFLOP/s/GPU palm"
+    peak: str = ""  # the peak an MFU of this row is normalised to
+    published: float
+    memory_gib: float | None = None  # published peak memory per GPU
+    fit: bool = False
+    sharding: str = ""  # e.g. HSDP: what the source ran, when the config prices it otherwise
+    note: str = ""
+
+
+def _cfg(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, *, gbs: int,
+         mbs: int | None = None, zero: int = 1, recompute: str | None = None,
+         schedule: str | None = None, vp: int | None = None, **kw) -> ParallelConfig:  # fmt: skip
+    return ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, global_batch=gbs,
+                          micro_batch=mbs, recompute=recompute, schedule=schedule,
+                          virtual_stages=vp, **kw)  # fmt: skip
+
+
+MEGATRON_2021 = {"attention": "unfused", "sequence_parallel": False, "overlap_grad_reduce": False}
+MEG_UNIT, A100_PEAK = "TFLOP/s/GPU megatron", "A100 312 TFLOP/s bf16"
+
+
+def _narayanan(name: str, shape: tuple[int, int, int], gpus: int, tp: int, pp: int, gbs: int,
+               published: float, fit: bool) -> Row:  # fmt: skip
+    return Row(name=name, source=NARAYANAN if fit else NARAYANAN_HELD, model=_gpt(*shape),
+               cluster=_cluster("dgx-a100", gpus),
+               config=_cfg(tp, pp, gpus // (tp * pp), gbs=gbs, zero=0, recompute="full",
+                           **MEGATRON_2021),
+               unit=MEG_UNIT, peak=A100_PEAK, published=published, fit=fit)  # fmt: skip
+
+
+ROWS: tuple[Row, ...] = (
+    # Narayanan et al. 2021: GPT, A100 DGX (HDR IB), fp16 mixed precision, full recompute, s=2048
+    _narayanan("Megatron 1.7B", (24, 2304, 24), 32, 1, 1, 512, 137, True),
+    _narayanan("Megatron 18.4B", (40, 6144, 48), 256, 8, 1, 1024, 135, True),
+    _narayanan("Megatron 145.6B", (80, 12288, 96), 1536, 8, 8, 2304, 148, True),
+    _narayanan("Megatron 1008B", (128, 25600, 160), 3072, 8, 64, 3072, 163, True),
+    _narayanan("Megatron 3.6B", (30, 3072, 32), 64, 2, 1, 512, 138, False),
+    _narayanan("Megatron 7.5B", (36, 4096, 32), 128, 4, 1, 512, 142, False),
+    _narayanan("Megatron 39.1B", (48, 8192, 64), 512, 8, 2, 1536, 138, False),
+    _narayanan("Megatron 76.1B", (60, 10240, 80), 1024, 8, 4, 1792, 140, False),
+    _narayanan("Megatron 310.1B", (96, 16384, 128), 1920, 8, 16, 2160, 155, False),
+    _narayanan("Megatron 529.6B", (105, 20480, 128), 2520, 8, 35, 2520, 163, False),
+    # Llama 3 405B, H100 80GB, 400 Gb/s RoCE, BF16, 16M tokens per batch; TFLOP/s/GPU (BF16 MFU
+    # over 989): 430 (43%), 400 (41%), 380 (38%)
+    Row(name="Llama3 405B 8K, 8192 GPU", source=LLAMA3, model=_llama3("405b"),
+        cluster=_cluster("dgx-h100", 8192), config=_cfg(8, 16, 64, gbs=2048),
+        unit="TFLOP/s/GPU palm", peak="H100 989 TFLOP/s bf16", published=430),
+    Row(name="Llama3 405B 8K, 16384 GPU", source=LLAMA3, model=_llama3("405b"),
+        cluster=_cluster("dgx-h100", 16384), config=_cfg(8, 16, 128, gbs=2048),
+        unit="TFLOP/s/GPU palm", peak="H100 989 TFLOP/s bf16", published=400),
+    Row(name="Llama3 405B 128K CP16", source=LLAMA3, model=_llama3("405b", 131072),
+        cluster=_cluster("dgx-h100", 16384), config=_cfg(8, 16, 8, 16, gbs=128),
+        unit="TFLOP/s/GPU palm", peak="H100 989 TFLOP/s bf16", published=380),
+    # torchtitan, H100 96GB HBM2e (Grand Teton), FSDP2, eager bf16 rows; memory published
+    Row(name="tt Llama3.1 8B FSDP8 eager", source=TT_H100 + " Table 1", model=_llama3("8b"),
+        cluster=_cluster("dgx-h100", 8, gpu=H100_GT),
+        config=_cfg(dp=8, gbs=16, mbs=2, zero=3, recompute="selective", grad_bytes=2),
+        published=5762, memory_gib=82.4, note="500 W power cap"),
+    Row(name="tt Llama3.1 8B FSDP128 eager", source=TT_H100 + " Table 3", model=_llama3("8b"),
+        cluster=_cluster("dgx-h100", 128, gpu=H100_GT),
+        config=_cfg(dp=128, gbs=256, mbs=2, zero=3, recompute="selective", grad_bytes=2),
+        published=5605, memory_gib=67.0, note="500 W power cap"),
+    Row(name="tt Llama3.1 70B FSDP32 TP8", source=TT_H100 + " Table 4", model=_llama3("70b"),
+        cluster=_cluster("dgx-h100", 256, gpu=H100_GT),
+        config=_cfg(8, 1, 32, gbs=512, mbs=16, zero=3, recompute="full", grad_bytes=2),
+        precision="fp8", published=829, memory_gib=71.9, note="torch.compile + Float8"),
+    Row(name="tt Llama3.1 405B 3D interl.", source=TT_H100 + " Table 5", model=_llama3("405b"),
+        cluster=_cluster("dgx-h100", 512, gpu=H100_GT),
+        config=_cfg(8, 8, 8, gbs=256, zero=3, recompute="full", schedule="interleaved",
+                    grad_bytes=2),
+        precision="fp8", published=128, memory_gib=72.7,
+        note="torch.compile + Float8 + AsyncTP"),
+    # torchtitan, 64 A100 80GB, FSDP2, local batch as published; WPS = tokens/s/GPU
+    Row(name="tt Llama3 8B sel. layer", source=TT_A100, model=_llama3("8b"),
+        cluster=_cluster("dgx-a100", 64),
+        config=_cfg(dp=64, gbs=64, mbs=1, zero=3, recompute="selective", grad_bytes=2),
+        published=2904),
+    Row(name="tt Llama3 70B full AC", source=TT_A100, model=_llama3("70b"),
+        cluster=_cluster("dgx-a100", 64),
+        config=_cfg(dp=64, gbs=64, mbs=1, zero=3, recompute="full", grad_bytes=2),
+        published=331),
+    Row(name="tt Llama2 13B no AC", source=TT_A100, model=_llama2("13b"),
+        cluster=_cluster("dgx-a100", 64),
+        config=_cfg(dp=64, gbs=128, mbs=2, zero=3, recompute="none", grad_bytes=2),
+        published=2162),
+    Row(name="tt Llama2 13B sel. layer", source=TT_A100, model=_llama2("13b"),
+        cluster=_cluster("dgx-a100", 64),
+        config=_cfg(dp=64, gbs=128, mbs=2, zero=3, recompute="selective", grad_bytes=2),
+        published=1914),
+    Row(name="tt Llama2 70B full AC", source=TT_A100, model=_llama2("70b"),
+        cluster=_cluster("dgx-a100", 64),
+        config=_cfg(dp=64, gbs=128, mbs=2, zero=3, recompute="full", grad_bytes=2),
+        published=353),
+    # IBM fms-fsdp, 128 A100 80GB, 400 Gb/s per node, seq 4096
+    Row(name="fms Llama2 7B HSDP", source=FMS, model=_llama2("7b"),
+        cluster=_cluster("dgx-a100", 128, inter=FMS_FABRIC),
+        config=_cfg(dp=128, gbs=256, mbs=2, zero=3, recompute="none", shard_group=8,
+                    grad_bytes=2),
+        published=3760,
+        sharding="HSDP"),
+    Row(name="fms Llama2 13B HSDP", source=FMS, model=_llama2("13b"),
+        cluster=_cluster("dgx-a100", 128, inter=FMS_FABRIC),
+        config=_cfg(dp=128, gbs=128, mbs=1, zero=3, recompute="none", shard_group=8,
+                    grad_bytes=2),
+        published=1700,
+        sharding="HSDP"),
+    Row(name="fms Llama2 34B FSDP", source=FMS, model=_llama2("34b"),
+        cluster=_cluster("dgx-a100", 128, inter=FMS_FABRIC),
+        config=_cfg(dp=128, gbs=1024, mbs=8, zero=3, recompute="full"), published=772),
+    Row(name="fms Llama2 70B FSDP", source=FMS, model=_llama2("70b"),
+        cluster=_cluster("dgx-a100", 128, inter=FMS_FABRIC),
+        config=_cfg(dp=128, gbs=768, mbs=6, zero=3, recompute="full"), published=380),
+    # Megatron-Bridge 25.11, FP8 current scaling, seq 8192; tokens/s/GPU
+    Row(name="MB Llama3 8B 8xH100 FP8", source=BRIDGE + " DGX-H100", model=_llama3("8b"),
+        cluster=_cluster("dgx-h100", 8), config=_cfg(dp=8, gbs=128, mbs=1, zero=3),
+        precision="fp8", published=14451),
+    Row(name="MB Llama3 70B 64xH100 FP8", source=BRIDGE + " DGX-H100", model=_llama3("70b"),
+        cluster=_cluster("dgx-h100", 64),
+        config=_cfg(4, 8, 2, gbs=128, mbs=1, schedule="interleaved", vp=5),
+        precision="fp8", published=1602),
+    Row(name="MB Llama3.1 405B 1024xH100 FP8", source=BRIDGE + " DGX-H100",
+        model=_llama3("405b"), cluster=_cluster("dgx-h100", 1024),
+        config=_cfg(8, 8, 8, 2, gbs=512, mbs=1, schedule="interleaved", vp=8),
+        precision="fp8", published=292),
+    Row(name="MB Llama3 8B 8xB200 FP8", source=BRIDGE + " DGX-B200", model=_llama3("8b"),
+        cluster=_cluster("dgx-b200", 8), config=_cfg(dp=8, gbs=128, mbs=2),
+        precision="fp8", published=30624),
+    Row(name="MB Llama3.1 405B 128xB200 FP8", source=BRIDGE + " DGX-B200",
+        model=_llama3("405b"), cluster=_cluster("dgx-b200", 128),
+        config=_cfg(4, 8, 2, 2, gbs=64, mbs=1, schedule="interleaved", vp=8),
+        precision="fp8", published=661),
+)  # fmt: skip
+
+
+def source_name(row: Row) -> str:
+    """The document a row comes from (a paper, or one file of a repository)."""
+    for prefix in ("Narayanan", "Llama 3 paper", "NVIDIA-NeMo", "foundation-model-stack",
+                   TT_H100, TT_A100):  # fmt: skip
+        if row.source.startswith(prefix):
+            return {"Narayanan": "Narayanan et al. 2021 (arXiv 2104.04473) Table 1",
+                    "Llama 3 paper": LLAMA3, "NVIDIA-NeMo": BRIDGE,
+                    "foundation-model-stack": FMS}.get(prefix, prefix)  # fmt: skip
+    return row.source
+
+
+def predict(row: Row) -> Estimate:
+    """Steps 1-2: the row's configuration priced by the cost model (never its figures)."""
+    config = replace(row.config, gemm_bytes=1) if row.precision == "fp8" else row.config
+    return estimate(row.model, row.cluster, config)
+
+
+def figure(row: Row, est: Estimate) -> float:
+    """Step 3: the prediction in the row's unit."""
+    if row.unit == "tok/s/GPU":
+        return est.tokens_per_s / row.cluster.world_size
+    return est.tflops_per_gpu_megatron if row.unit.endswith("megatron") else est.tflops_per_gpu
+
+
+def missing(row: Row, error: float) -> str:
+    """The component the model lacks for a row that misses (step 4)."""
+    if row.sharding == "HSDP":
+        return "HSDP (shard in a node, replicate across): " + (
+            "compute efficiency too high at this local batch" if error > 0 else
+            "replica all-reduce or exposed gathers priced too high")
+    if row.precision == "fp8" and error < 0:
+        return "FP8 GEMM efficiency / cast overhead (priced at the bf16 GEMM fraction)"
+    if row.note:
+        return row.note + " not modelled"
+    if error > 0:
+        return "compute efficiency too high (GEMM shape / small local batch)"
+    return "communication or bubble priced too high at scale"
+
+
+def _print(title: str, rows: tuple[Row, ...]) -> tuple[list[float], list[float]]:
+    head = (f"{'run':<31} {'unit':<20} {'published':>9} {'predicted':>9} {'error':>7}  "
+            f"{'mem GiB':>7} {'pred':>6} {'error':>7}  chosen / missing")  # fmt: skip
+    print(title)
+    print(head)
+    print("-" * len(head))
+    times, mems = [], []
+    for row in rows:
+        est = predict(row)
+        ours = figure(row, est)
+        err = ours / row.published - 1
+        times.append(err)
+        mem = est.memory_per_rank / GiB
+        if row.memory_gib:
+            mems.append(mem / row.memory_gib - 1)
+            mtxt = f"{row.memory_gib:7.1f} {mem:6.1f} {mems[-1]:+7.1%}"
+        else:
+            mtxt = f"{'-':>7} {mem:6.1f} {'':>7}"
+        c = est.config
+        chosen = f"b={c.micro_batch} {c.schedule} v={c.virtual_stages} {c.recompute}"
+        miss = "" if abs(err) <= TIME_TOL else f"  MISS: {missing(row, err)}"
+        print(f"{row.name:<31} {row.unit:<20} {row.published:9.0f} {ours:9.0f} {err:+7.1%}  "
+              f"{mtxt}  {chosen}{miss}")  # fmt: skip
+    return times, mems
+
+
+def main() -> None:
+    fit = tuple(r for r in ROWS if r.fit)
+    held = tuple(r for r in ROWS if not r.fit)
+    sources = {source_name(r) for r in ROWS}
+    print(f"{len(ROWS)} published runs from {len(sources)} sources; {len(fit)} fit rows.\n")
+    f_times, _ = _print("FIT rows (the constants were chosen on these)", fit)
+    print(f"fit rows: worst |error| {max(abs(e) for e in f_times):.1%}\n")
+    times, mems = _print("HELD-OUT rows", held)
+    inside = sum(abs(e) <= TIME_TOL for e in times)
+    print(f"held-out step time: {inside} of {len(times)} within ±{TIME_TOL:.0%}, "
+          f"mean |error| {sum(map(abs, times)) / len(times):.1%}, worst {max(map(abs, times)):.1%}")
+    if mems:
+        ok = sum(abs(e) <= MEMORY_TOL for e in mems)
+        print(f"published memory: {ok} of {len(mems)} within ±{MEMORY_TOL:.0%}, "
+              f"worst {max(map(abs, mems)):.1%}")
+    print("\nSources:")
+    for s in sorted(sources):
+        print(f"  {s}")
+    print("FLOP conventions: megatron = 96·B·s·L·h²(1 + s/6h + V/16Lh) per iteration (counts the "
+          "recompute forward); palm = 6N + 12·L·a·d·s per token. tok/s/GPU rows need none.")
+
+
+if __name__ == "__main__":
+    main()
