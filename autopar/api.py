@@ -54,6 +54,7 @@ def autoparallelize(
     cp_attention: str | None = None,
     capacity_factor: float | None = None,
     recompute: str | None = None,
+    compile: bool | str = False,
 ) -> Any:
     """Compile ``model`` for ``mesh``.
 
@@ -104,13 +105,17 @@ def autoparallelize(
     re-runs the block in backward (``checkpoint(layers_0, ...)`` in the code), "selective" re-runs
     only the unfused attention core (the [.., s, s] score ops; nothing under a fused SDPA).
     Default "none"; under ``Mesh.auto`` the search chooses unless ``recompute`` is given.
+
+    ``compile=True`` (or a torch.compile backend name, e.g. "aot_eager") runs every rank
+    program's repeated blocks under ``torch.compile``, one compile per distinct block
+    (``compiled(layers_0, ...)`` in the code; autopar.ops.compiled); plans are unchanged.
     """
     options = make_options(
         memory_limit=memory_limit, memory_weight=memory_weight, strict=strict, verbose=verbose,
         n_microbatches=n_microbatches, schedule=schedule, virtual_stages=virtual_stages,
         split_points=split_points, cluster=cluster, zero=zero, param_dtype=param_dtype,
         global_batch=global_batch, reduce_dtype=reduce_dtype, cp_attention=cp_attention,
-        capacity_factor=capacity_factor, recompute=recompute,
+        capacity_factor=capacity_factor, recompute=recompute, compile=compile,
     )  # fmt: skip
     example = example_of(example_inputs, example_kwargs)
     if isinstance(mesh, AutoMesh):

@@ -21,6 +21,8 @@ Algorithm (:func:`compile_model`):
    fit (autopar.axes.data_parallel).  Every step returns a Program: no axis wraps another's.
 6. A reloaded plan is honoured at every step: each axis's section decides that axis, and
    the compiled program must carry the saved decisions (else a PlanError names them).
+7. ``compile=``: a last phase puts every stage's repeated blocks under torch.compile
+   (passes/compile_blocks.py); the plan is the eager one.
 """
 
 from __future__ import annotations
@@ -97,6 +99,23 @@ def compile_model(model: nn.Module, mesh: Mesh, example: Example,
         raise PlanError(f"zero={options.zero} shards over the data axis, but {mesh} has no dp "
                         "axis; use e.g. Mesh(dp=2, tp=2)")  # fmt: skip
     options = _settled(options, mesh, plan)
+    return _compiled(_build(model, mesh, example, loss_fn, options, plan, log, traces), options)
+
+
+def _compiled(prog: Program, options: Options) -> Program:
+    """``compile=``: the blocks of every stage under torch.compile, after every other phase."""
+    if not options.compile:
+        return prog
+    from autopar.program import compile_phase
+
+    backend = "inductor" if options.compile is True else options.compile
+    return prog.then(prog.mesh, prog.plan, compile_phase(backend))
+
+
+def _build(model: nn.Module, mesh: Mesh, example: Example, loss_fn: Callable | None,
+           options: Options, plan: Plan | None, log: Progress,
+           traces: dict[int, Traced] | None) -> Program:  # fmt: skip
+    """Steps 1-6."""
     sliced, config = _slice(mesh, example, options)
     capture = _capture(model, sliced, loss_fn, log, traces)
     if "dp" not in mesh.sizes:

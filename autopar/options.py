@@ -44,6 +44,7 @@ class Options:
     cp_attention: str | None = None
     capacity_factor: float | None = None
     recompute: str | None = None
+    compile: bool | str = False  # True: inductor; or a torch.compile backend name
 
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **changes)
@@ -67,6 +68,9 @@ def make_options(*, split_points: Sequence[str] = (), **given: Any) -> Options:
         value = given.get(name)
         if value is not None and (not isinstance(value, int) or value < 1):
             raise InputError(f"{name}={value!r}: give a positive integer (or None to choose)")
+    if given.get("compile") not in (None, False, True) and not isinstance(given["compile"], str):
+        raise InputError(f"compile={given['compile']!r}: give True (inductor), False, or a "
+                         "torch.compile backend name such as 'aot_eager'")  # fmt: skip
     if isinstance(split_points, str):
         raise InputError(f"split_points={split_points!r}: give a list of module paths, "
                          f"e.g. [{split_points!r}]")  # fmt: skip

@@ -130,6 +130,18 @@ def recompute_phase(stages: Sequence[StageProgram]) -> Phase:
     return Phase(name="recompute", run=lambda i, m: m.recomputed(stages[i].recompute))
 
 
+def compile_phase(backend: str) -> Phase:
+    """The ``compile_blocks`` pass on each stage (``compile=``), after every other phase."""
+    def run(i: int, m: Materialized) -> tuple[Materialized, list[PassRecord]]:
+        from passes.compile_blocks import compile_blocks
+
+        ctx = PassContext(mesh=m.mesh, grad=frozenset(), traced=m.traced,
+                          sections={"compile": backend})
+        return m.rewritten(ctx, [compile_blocks])
+
+    return Phase(name="compile", run=run)
+
+
 class Program:
     """What :func:`autopar.autoparallelize` returns on a virtual mesh, whatever its axes.
 

@@ -17,7 +17,11 @@ Algorithm:
    prediction (which prices forward + backward): measured and predicted MFU (PaLM
    convention: 6·N·tokens + attention, N without the embedding).
 
-Run: python benchmarks/gpu_smoke.py [--shapes 8x2048x2048x4,4x4096x2048x4]
+5. ``--compile``: also the rank program with ``compile=True`` and the eager model with
+   torch.compile applied by hand per block, side by side (ms, tokens/s, MFU, the prediction).
+   (FP8, issue 21 item 3, is not built yet: no FP8 row.)
+
+Run: python benchmarks/gpu_smoke.py [--compile] [--shapes 8x2048x2048x4,4x4096x2048x4]
 (each shape is layers x hidden x seq x batch). Prints a few lines per shape; takes well under
 five minutes on an H100/H200.
 """
@@ -104,7 +108,31 @@ def _run(c: Config, device: torch.device, dtype: torch.dtype, args: argparse.Nam
               f"{flops / predicted / peak:.1%}")  # fmt: skip
     else:
         print(f"no bf16 peak known for {name}: MFU not computed")
+    if args.compile:
+        _compiled_rows(c, eager, loss_fn, mesh, device, (x, y),
+                       {"eager model": e_fb, "autopar eager": p_fb}, flops, peak, predicted)
     return 0
+
+
+def _compiled_rows(c: Config, eager: torch.nn.Module, loss_fn: Callable, mesh: Any,
+                   device: torch.device, batch: tuple, measured: dict[str, float],
+                   flops: float, peak: float | None, predicted: float) -> None:  # fmt: skip
+    """Step 5 (``--compile``): the eager model with torch.compile applied by hand per block
+    (torchtitan's way: each block of the largest ModuleList) and the rank program compiled by
+    autopar (``compile=True``), fwd+bwd next to the eager ones: tokens/s, MFU, prediction."""
+    x, y = batch
+    local = autoparallelize(eager, mesh, tokens(c), loss_fn=loss_fn, compile=True).to(device)
+    measured["autopar compile=True"] = _time(lambda: local(x, y), local.parameters(), device)[0]
+    blocks = max((m for m in eager.modules() if isinstance(m, torch.nn.ModuleList)), key=len)
+    for block in blocks:
+        block.compile()
+    measured["torch.compile by hand"] = _time(lambda: loss_fn(eager(x), y), eager.parameters(),
+                                              device)[0]  # fmt: skip
+    print(f"{'fwd+bwd, bf16':<24} {'ms':>8} {'tokens/s':>10} {'MFU':>6} {'predicted ms':>13}")
+    for label, s in measured.items():
+        mfu = f"{flops / s / peak:.1%}" if peak else "-"
+        print(f"{label:<24} {s * 1e3:>8.1f} {c.batch * c.seq / s:>10,.0f} {mfu:>6} "
+              f"{predicted * 1e3:>13.1f}")  # fmt: skip
 
 
 def _model(kind: str, c: Config) -> tuple[torch.nn.Module, Callable]:
@@ -182,6 +210,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--cluster", default="dgx-h100", help="cost-model preset for the prediction")
     p.add_argument("--model", default="llama", choices=("llama", "hf-llama"),
                    help="autopar.tools.testing's Llama or transformers' LlamaForCausalLM")
+    p.add_argument("--compile", action="store_true",
+                   help="also time compile=True and torch.compile applied by hand per block")
     p.add_argument("--shapes", default="8x2048x2048x4",
                    help="comma-separated layers x hidden x seq x batch")
     return p.parse_args()

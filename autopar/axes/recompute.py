@@ -77,19 +77,23 @@ def check_mode(mode: str) -> str:
 def block_targets(gm: fx.GraphModule) -> list[str]:
     """The submodules a program calls as blocks: ``call_module`` targets and the regions of
     its top-level ``checkpoint`` calls, in call order."""
+    from autopar.ops.compiled import compiled
+
     out = []
     for n in gm.graph.nodes:
         if n.op == "call_module":
             out.append(n.target)
-        elif n.op == "call_function" and n.target is checkpoint and n.args[0].op == "get_attr":
+        elif (n.op == "call_function" and n.target in (checkpoint, compiled)
+              and n.args[0].op == "get_attr"):  # fmt: skip
             out.append(n.args[0].target)
     return out
 
 
 def blocks_outlined(gm: torch.nn.Module) -> bool:
-    """Whether ``gm`` is a "full" recompute program: its blocks already outlined, each
-    called under ``checkpoint`` (:func:`block_targets`)."""
-    return isinstance(gm, fx.GraphModule) and getattr(gm, "meta", {}).get("recompute") == "full"
+    """Whether ``gm``'s blocks are already outlined: a "full" recompute program (each block
+    called under ``checkpoint``) or a compiled one (``compiled``; :func:`block_targets`)."""
+    facts = getattr(gm, "meta", {}) if isinstance(gm, fx.GraphModule) else {}
+    return facts.get("recompute") == "full" or bool(facts.get("compile"))
 
 
 def _no_blocks(model: str) -> str:

@@ -1,0 +1,82 @@
+"""What a program compiled with ``autoparallelize(..., compile=True)`` calls: one repeated block
+under ``torch.compile``, as torchtitan compiles a model (per block, so a 32-layer model compiles
+one block).
+
+Algorithm (:func:`compiled`, on a block's first call in a process):
+1. The block's structural signature: each node's op, target and arguments (other nodes by
+   position), its parameter reads by their names relative to the block.  Blocks with equal
+   signatures compute the same function of their own parameters.
+2. The first block of a signature gets its class's ``forward`` replaced by
+   ``torch.compile(forward, backend=...)``; every later block of that signature takes the
+   first one's class, so dynamo's guards (the type of ``self``) hold and the compiled code is
+   reused: one compile per distinct block.
+3. The block is then called as a module (``region(*args)``), so module hooks (FSDP2's
+   per-block gathers) run eagerly around the compiled forward.  ``recompute=True`` compiles
+   the forward wrapped in non-reentrant ``torch.utils.checkpoint`` (dynamo traces the
+   checkpoint as one region; a compiled frame entered under checkpoint's saved-tensor hooks
+   would run eagerly), as torchtitan compiles an activation-checkpointed block.
+The collectives inside a block (autograd Functions over c10d, autopar.ops.collectives) are
+traced by dynamo without graph breaks (tests/test_compile.py counts them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils.checkpoint
+
+_CLASSES: dict[tuple[str, bool, tuple], type] = {}  # (backend, signature) -> the compiled class
+
+
+def compiled(region: torch.nn.Module, *args: Any, backend: str = "inductor",
+             recompute: bool = False) -> Any:  # fmt: skip
+    """``region(*args)`` with ``region``'s forward compiled (steps 1-3)."""
+    _prepare(region, backend, recompute)
+    return region(*args)
+
+
+def _prepare(region: torch.nn.Module, backend: str, recompute: bool) -> None:
+    """Steps 1-2, once per block object."""
+    if getattr(region, "_autopar_compiled", False):
+        return
+    key = (backend, recompute, signature(region))
+    cls = _CLASSES.get(key)
+    if cls is None:
+        cls = type(region)
+        cls.forward = torch.compile(_checkpointed(cls.forward) if recompute else cls.forward,
+                                    backend=backend)  # fmt: skip
+        _CLASSES[key] = cls
+    else:
+        region.__class__ = cls
+    region._autopar_compiled = True
+
+
+def _checkpointed(forward: Any) -> Any:
+    def run(self: torch.nn.Module, *args: Any) -> Any:
+        return torch.utils.checkpoint.checkpoint(forward, self, *args, use_reentrant=False)
+
+    return run
+
+
+def signature(region: torch.nn.Module) -> tuple:
+    """Step 1: what makes two blocks the same function (names of values aside)."""
+    if not isinstance(region, fx.GraphModule):
+        return (id(region),)
+    index = {n: i for i, n in enumerate(region.graph.nodes)}
+
+    def norm(a: Any) -> str:
+        return repr(fx.node.map_arg(a, lambda n: f"%{index[n]}"))
+
+    return tuple((n.op, "" if n.op == "placeholder" else str(n.target), norm(n.args),
+                  norm(n.kwargs)) for n in region.graph.nodes)  # fmt: skip
+
+
+def compile_stats(*_: Any) -> dict[str, int]:
+    """What dynamo counted in this process so far: graph breaks, distinct graphs compiled
+    (arguments ignored, so a worker pool can run it as a job)."""
+    from torch._dynamo.utils import counters
+
+    return {"graph_breaks": sum(counters["graph_break"].values()),
+            "unique_graphs": counters["stats"]["unique_graphs"]}  # fmt: skip
