@@ -342,11 +342,13 @@ class Watchdog:
     ranks may take unequal times to compile.  ``timeout`` seconds without a peer's heartbeat, or stuck in a collective, end the process
     with :data:`EXIT_CODE`.  Call :meth:`step` once per training step (names the step in the
     error) and :meth:`stop` at the end.  ``store_host``: the rank whose exit closes the job's
-    store (default: :func:`_store_host`).
+    store (default: :func:`_store_host`).  ``on_failure(message)`` runs on the watchdog thread
+    just before the exit (an elastic driver records why the attempt ended: autopar.elastic).
     """
 
     def __init__(self, timeout: float = 30.0, interval: float = 0.25, store: Any = None,
-                 store_host: int | None = None) -> None:  # fmt: skip
+                 store_host: int | None = None,
+                 on_failure: Callable[[str], None] | None = None) -> None:  # fmt: skip
         from torch.distributed import distributed_c10d as c10d
 
         self.timeout, self.interval = timeout, interval
