@@ -28,8 +28,11 @@ def main() -> None:
         start = time.perf_counter()
         prog = autoparallelize(model, Mesh.auto(Cluster.preset("dgx-h100", nodes=nodes)), (x,),
                                example_kwargs={"labels": x}, param_dtype=torch.bfloat16)  # fmt: skip
-        print(f"{nodes} nodes ({nodes * 8} GPUs): re-plan {time.perf_counter() - start:.2f} s "
-              f"-> {prog.search.mesh} (zero={prog.search.compiled.config.zero})", flush=True)
+        print(
+            f"{nodes} nodes ({nodes * 8} GPUs): re-plan {time.perf_counter() - start:.2f} s "
+            f"-> {prog.search.mesh} (zero={prog.search.compiled.config.zero})",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

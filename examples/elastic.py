@@ -179,8 +179,10 @@ def main() -> int:
     code = launch(root, "evict" if "--evict" in sys.argv else "kill")
     print(f"agent a exited with {code}; logs in {root}")
     for r in replans(root):
-        print(f"re-plan {r['old_mesh']} -> {r['new_mesh']}: {r['reason']} (re-plan "
-              f"{r['replan_s']:.2f} s, resume {r['resume_s']:.2f} s, from step {r['resumed_step']})")
+        print(
+            f"re-plan {r['old_mesh']} -> {r['new_mesh']}: {r['reason']} (re-plan "
+            f"{r['replan_s']:.2f} s, resume {r['resume_s']:.2f} s, from step {r['resumed_step']})"
+        )
     ok = compare_losses(single_device(), curve(root), "elastic", TOLERANCE)
     return 0 if code == 0 and ok else 1
 
