@@ -228,7 +228,13 @@ class Elastic:
 
     def train(self) -> dict[int, float]:
         """Steps 1-7; returns {step: loss} of the steps this attempt ran."""
-        from autopar.runtime.resilience import StragglerMonitor, Watchdog, enable_flight_recorder
+        from autopar.runtime.resilience import (
+            EXIT_CODE,
+            RankFailure,
+            StragglerMonitor,
+            Watchdog,
+            enable_flight_recorder,
+        )
 
         enable_flight_recorder()
         if not dist.is_initialized():
@@ -254,6 +260,10 @@ class Elastic:
                                                       "mesh": str(mesh)})  # fmt: skip
                     self._maybe_evict(monitor, watchdog)
                 self.checkpointer.wait()
+        except RankFailure as e:  # a peer died or hung: the exit torchrun restarts on
+            self._failed(str(e))
+            print(f"[autopar elastic] rank {dist.get_rank()}: {e}", file=sys.stderr, flush=True)
+            os._exit(EXIT_CODE)
         except Exception as e:
             self._failed(f"{type(e).__name__}: {e}")
             raise
