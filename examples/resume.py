@@ -52,6 +52,7 @@ def train_rank(root: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar import autoparallelize
+    from autopar.elastic import init_attempt_group
     from autopar.runtime.checkpoints import Checkpointer
     from autopar.runtime.resilience import Watchdog, enable_flight_recorder
     from autopar.tools.testing import build, lm_loss
@@ -90,21 +91,6 @@ def train_rank(root: Path) -> None:
         ckpt.wait()
     watchdog.stop()
     dist.destroy_process_group()
-
-
-def init_attempt_group() -> None:
-    """The job's Gloo group, its rendezvous keys prefixed by the restart count: torchrun's agent
-    keeps one store across restarts, and a restarted worker reading the previous attempt's
-    addresses would dial dead processes."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=timedelta(seconds=120))  # fmt: skip
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"autopar/attempt_{RESTART}", store),
-                            rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]))  # fmt: skip
 
 
 def single_device() -> list[float]:

@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -342,11 +342,13 @@ class Watchdog:
     ranks may take unequal times to compile.  ``timeout`` seconds without a peer's heartbeat, or stuck in a collective, end the process
     with :data:`EXIT_CODE`.  Call :meth:`step` once per training step (names the step in the
     error) and :meth:`stop` at the end.  ``store_host``: the rank whose exit closes the job's
-    store (default: :func:`_store_host`).
+    store (default: :func:`_store_host`).  ``on_failure(message)`` runs on the watchdog thread
+    just before the exit (an elastic driver records why the attempt ended: autopar.elastic).
     """
 
     def __init__(self, timeout: float = 30.0, interval: float = 0.25, store: Any = None,
-                 store_host: int | None = None) -> None:  # fmt: skip
+                 store_host: int | None = None,
+                 on_failure: Callable[[str], None] | None = None) -> None:  # fmt: skip
         from torch.distributed import distributed_c10d as c10d
 
         self.timeout, self.interval = timeout, interval
@@ -359,6 +361,7 @@ class Watchdog:
         self._observer = _Observer(self.world, time.monotonic())
         self._last: tuple[Heartbeat, list[Heartbeat | None]] | None = None
         self.failure: str | None = None
+        self.on_failure = on_failure
         self._publish()
         self._thread = threading.Thread(target=self._loop, name="autopar-watchdog", daemon=True)
         self._thread.start()
@@ -453,6 +456,9 @@ class Watchdog:
               file=sys.stderr, flush=True)  # fmt: skip
         if verdict.kind != "store":
             self._acknowledge(verdict)
+        if self.on_failure is not None:
+            with contextlib.suppress(Exception):
+                self.on_failure(self.failure)
         self._ended.set()
         time.sleep(2 * self.interval)  # let guard() raise it on the training thread first
         os._exit(EXIT_CODE)
@@ -569,12 +575,18 @@ class StragglerMonitor:
     all-gather their medians over ``group`` (one tiny collective) and :attr:`reports` gains a
     :class:`StragglerReport` (the same on every rank).  With ``expert_load=True`` each step
     also takes the rows this rank's experts processed (``autopar.axes.expert_parallel``'s record,
-    which it resets), so the report shows which ranks' experts ran hot.
+    which it resets), so the report shows which ranks' experts ran hot.  With ``evict_after=n``
+    a rank named slow in compute in ``n`` consecutive reports is to be evicted
+    (:meth:`to_evict`; :mod:`autopar.elastic` removes its node and re-plans).
     """
 
     def __init__(self, every: int = 5, margin: float = 0.5, min_s: float = 0.01,
-                 group: Any = None, expert_load: bool = False) -> None:  # fmt: skip
+                 group: Any = None, expert_load: bool = False,
+                 evict_after: int | None = None) -> None:  # fmt: skip
+        if evict_after is not None and evict_after < 1:
+            raise ValueError(f"evict_after must be a positive number of reports, got {evict_after}")
         self.every, self.margin, self.min_s, self.group = every, margin, min_s, group
+        self.evict_after = evict_after
         self.expert_load = expert_load
         self._expert_rows()  # the first window starts now: drop dispatches recorded before
         self.clock = _CollectiveClock()
@@ -621,6 +633,23 @@ class StragglerMonitor:
 
     def slow_ranks(self) -> set[int]:
         return {r for rep in self.reports for r, _ in rep.slow}
+
+    def to_evict(self) -> tuple[int, str] | None:
+        """(rank, why) of a rank slow in compute in the last ``evict_after`` reports (the same
+        on every rank: the reports are), or None."""
+        n = self.evict_after
+        if n is None or len(self.reports) < n:
+            return None
+        last = self.reports[-n:]
+        slow = set.intersection(*({r for r, k in rep.slow if k == "compute"} for rep in last))
+        if not slow:
+            return None
+        rank = min(slow)
+        compute = ", ".join(f"{rep.compute_s[rank] * 1e3:.0f} ms" for rep in last)
+        return rank, (f"rank {rank} was slow in compute in {n} consecutive straggler reports "
+                      f"(steps {', '.join(str(rep.step) for rep in last)}; its median compute "
+                      f"{compute} vs the median rank's "
+                      f"{statistics.median(last[-1].compute_s) * 1e3:.0f} ms)")  # fmt: skip
 
 
 # ---------------------------------------------------------------- numerics
