@@ -1,0 +1,234 @@
+"""Models that are not causal LMs (issue 20.5): a registry and one check per model.
+
+Each entry builds a Hugging Face model from a config with random weights (nothing is
+downloaded) and trains it with the model's own loss (``labels=``): an image classifier
+(ViT), encoder classifiers (BERT, DistilBERT) and encoder-decoders (T5, BART).
+
+Algorithm of :func:`check` (one row of the table):
+1. Build the tiny config on the CPU and ``verify`` it at ``Mesh(tp=t)`` on the Gloo pool:
+   max relative error over the loss, the outputs and every parameter gradient.
+2. Build the realistic config (ViT-B / BERT-base widths: hidden 768, 12 heads, 2 layers) on the
+   meta device and ``autoparallelize`` it with ``param_dtype=torch.bfloat16``.
+3. Read its forward collectives (zoo.forward_collectives) and count the weight all-gathers:
+   forward all-gathers whose full shape is the shape of a parameter (Megatron gathers none).
+4. Rank 0's share of the layers' parameter bytes (zoo.layer_param_fraction; ideally 1/t).
+Each step's exception is caught into the row with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autopar.api import autoparallelize
+from autopar.mesh import Mesh
+from autopar.program import Program
+from autopar.tools import zoo
+
+
+@dataclass(frozen=True, kw_only=True)
+class Model:
+    """One non-causal-LM model of the installed transformers."""
+
+    name: str
+    model_class: str
+    config_class: str
+    config: Callable[[str], dict[str, Any]]  # config keywords at 'tiny' or 'realistic'
+    inputs: Callable[[str, Any, torch.Generator], tuple[tuple, dict]]  # (args, kwargs)
+    tags: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    """One model at one tensor-parallel degree (see the module docstring)."""
+
+    model: str
+    tp: int
+    verify_error: float | None
+    verify_reason: str  # '' when verify passed
+    comm: zoo.Comm | None
+    weight_gathers: tuple[str, ...]  # 'AG[768,3,16,16]@where' per weight all-gather
+    comm_reason: str
+    param_fraction: float | None
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        frac_ok = self.param_fraction is not None and abs(self.param_fraction * self.tp - 1) < 0.1
+        return (not self.verify_reason and self.comm is not None and not self.weight_gathers
+                and frac_ok)  # fmt: skip
+
+
+_SIZES = {"tiny": dict(hidden=64, heads=4, ffn=128, vocab=128, seq=16, batch=2, image=32,
+                       patch=8),
+          "realistic": dict(hidden=768, heads=12, ffn=3072, vocab=32000, seq=512, batch=4,
+                            image=224, patch=16)}  # fmt: skip
+
+
+def _bert(size: str) -> dict[str, Any]:
+    d = _SIZES[size]
+    return dict(vocab_size=d["vocab"], hidden_size=d["hidden"], num_hidden_layers=2,
+                num_attention_heads=d["heads"], intermediate_size=d["ffn"],
+                max_position_embeddings=d["seq"], num_labels=4)  # fmt: skip
+
+
+def _distilbert(size: str) -> dict[str, Any]:
+    d = _SIZES[size]
+    return dict(vocab_size=d["vocab"], dim=d["hidden"], n_layers=2, n_heads=d["heads"],
+                hidden_dim=d["ffn"], max_position_embeddings=d["seq"], num_labels=4)  # fmt: skip
+
+
+def _vit(size: str) -> dict[str, Any]:
+    d = _SIZES[size]
+    return dict(hidden_size=d["hidden"], num_hidden_layers=2, num_attention_heads=d["heads"],
+                intermediate_size=d["ffn"], image_size=d["image"], patch_size=d["patch"],
+                num_labels=10)  # fmt: skip
+
+
+def _t5(size: str) -> dict[str, Any]:
+    d = _SIZES[size]
+    return dict(vocab_size=d["vocab"], d_model=d["hidden"], d_kv=d["hidden"] // d["heads"],
+                d_ff=d["ffn"], num_layers=2, num_decoder_layers=2, num_heads=d["heads"],
+                decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)  # fmt: skip
+
+
+def _bart(size: str) -> dict[str, Any]:
+    d = _SIZES[size]
+    return dict(vocab_size=d["vocab"], d_model=d["hidden"], encoder_layers=2, decoder_layers=2,
+                encoder_attention_heads=d["heads"], decoder_attention_heads=d["heads"],
+                encoder_ffn_dim=d["ffn"], decoder_ffn_dim=d["ffn"],
+                max_position_embeddings=d["seq"], pad_token_id=1, bos_token_id=0,
+                eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)  # fmt: skip
+
+
+def _text_cls(size: str, device: Any, g: torch.Generator) -> tuple[tuple, dict]:
+    d = _SIZES[size]
+    ids = torch.randint(3, d["vocab"], (d["batch"], d["seq"]), generator=g).to(device)
+    return (ids,), {"labels": torch.randint(0, 4, (d["batch"],), generator=g).to(device)}
+
+
+def _image_cls(size: str, device: Any, g: torch.Generator) -> tuple[tuple, dict]:
+    d = _SIZES[size]
+    pixels = torch.randn(d["batch"], 3, d["image"], d["image"], generator=g).to(device)
+    return (pixels,), {"labels": torch.randint(0, 10, (d["batch"],), generator=g).to(device)}
+
+
+def _seq2seq(size: str, device: Any, g: torch.Generator) -> tuple[tuple, dict]:
+    d = _SIZES[size]
+    ids = torch.randint(3, d["vocab"], (d["batch"], d["seq"]), generator=g).to(device)
+    labels = torch.randint(3, d["vocab"], (d["batch"], d["seq"]), generator=g).to(device)
+    return (ids,), {"labels": labels}
+
+
+_MODELS: tuple[Model, ...] = (
+    Model(name="hf_vit", model_class="ViTForImageClassification", config_class="ViTConfig",
+          config=_vit, inputs=_image_cls, tags=("vision", "conv-patch", "cls-token", "head")),
+    Model(name="hf_bert_cls", model_class="BertForSequenceClassification",
+          config_class="BertConfig", config=_bert, inputs=_text_cls,
+          tags=("encoder", "pooler", "head")),
+    Model(name="hf_distilbert_cls", model_class="DistilBertForSequenceClassification",
+          config_class="DistilBertConfig", config=_distilbert, inputs=_text_cls,
+          tags=("encoder", "head")),
+    Model(name="hf_t5", model_class="T5ForConditionalGeneration", config_class="T5Config",
+          config=_t5, inputs=_seq2seq, tags=("encoder-decoder", "cross-attention", "rel-bias")),
+    Model(name="hf_bart", model_class="BartForConditionalGeneration", config_class="BartConfig",
+          config=_bart, inputs=_seq2seq, tags=("encoder-decoder", "cross-attention")),
+)  # fmt: skip
+
+
+def models() -> list[Model]:
+    """The registry."""
+    return list(_MODELS)
+
+
+def model(name: str) -> Model:
+    """The registry entry called ``name``."""
+    for m in _MODELS:
+        if m.name == name:
+            return m
+    raise KeyError(f"no model {name!r}; known: {', '.join(m.name for m in _MODELS)}")
+
+
+def build(entry: Model, size: str = "tiny", device: str = "cpu",
+          seed: int = 0) -> tuple[nn.Module, tuple, dict]:  # fmt: skip
+    """``(model, args, kwargs)`` in eval mode; on the CPU 1-D parameters get random values."""
+    import transformers
+
+    if size not in _SIZES:
+        raise ValueError(f"size must be 'tiny' or 'realistic', not {size!r}")
+    cfg = getattr(transformers, entry.config_class)(**entry.config(size), use_cache=False)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        net = getattr(transformers, entry.model_class)(cfg)
+    net.eval()
+    if device != "meta":
+        with torch.no_grad():
+            for p in net.parameters():
+                if p.dim() == 1:
+                    p.add_(0.1 * torch.randn_like(p))
+    args, kwargs = entry.inputs(size, device, torch.Generator().manual_seed(seed + 1))
+    return net, args, kwargs
+
+
+def weight_gathers(prog: Program) -> tuple[str, ...]:
+    """Forward all-gathers whose full shape is a parameter's shape (module docstring, 3)."""
+    shapes = {tuple(t.shape) for t in prog.traced.tensors.values() if t.dim() >= 2}
+    return tuple(f"AG[{','.join(map(str, c.shape))}]@{c.where or '<top>'}"
+                 for c in prog.collectives()
+                 if c.direction == "fwd" and c.kind == "all_gather"
+                 and tuple(c.shape) in shapes)  # fmt: skip
+
+
+def check(entry: Model, tp: int = 2, run_verify: bool = True) -> Row:
+    """One row of the table (module docstring, steps 1-4); never raises."""
+    from autopar.verify import verify
+
+    start = time.perf_counter()
+    error, verify_reason = None, "not run"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if run_verify:
+            try:
+                net, args, kwargs = build(entry, "tiny")
+                report = verify(net, Mesh(tp=tp), args, None, example_kwargs=kwargs)
+                error = report.max_rel_error
+                verify_reason = "" if report.ok else zoo._worst(report)
+            except Exception as exc:  # noqa: BLE001 - reported in the row
+                verify_reason = zoo._one_line(exc)
+        comm, gathers, comm_reason, frac = None, (), "", None
+        try:
+            net, args, kwargs = build(entry, "realistic", device="meta")
+            prog = autoparallelize(net, Mesh(tp=tp), args, None, example_kwargs=kwargs,
+                                   param_dtype=torch.bfloat16)  # fmt: skip
+            comm, gathers = zoo.forward_collectives(prog), weight_gathers(prog)
+            frac = zoo.layer_param_fraction(prog)
+        except Exception as exc:  # noqa: BLE001 - reported in the row
+            comm_reason = zoo._one_line(exc)
+    return Row(model=entry.name, tp=tp, verify_error=error, verify_reason=verify_reason,
+               comm=comm, weight_gathers=gathers, comm_reason=comm_reason,
+               param_fraction=frac, seconds=time.perf_counter() - start)  # fmt: skip
+
+
+def table(rows: list[Row]) -> str:
+    """One line per row, then the weight all-gathers and failure reasons."""
+    lines = [f"{'model':<20} {'tp':>2} {'verify err':>10} {'fwd collectives':<22} "
+             f"{'weight AG':>9} {'L0 share':>8} {'s':>5}"]  # fmt: skip
+    for r in rows:
+        err = f"{r.verify_error:.1e}" if r.verify_error is not None else "-"
+        comm = r.comm.summary() if r.comm is not None else "-"
+        frac = f"{r.param_fraction:.3f}" if r.param_fraction is not None else "-"
+        lines.append(f"{r.model:<20} {r.tp:>2} {err:>10} {comm:<22} {len(r.weight_gathers):>9} "
+                     f"{frac:>8} {r.seconds:>5.0f}")  # fmt: skip
+    for r in rows:
+        for why in (r.verify_reason, r.comm_reason):
+            if why and why != "not run":
+                lines.append(f"  {r.model} tp={r.tp}: {why}")
+        if r.weight_gathers:
+            lines.append(f"  {r.model} tp={r.tp} weight gathers: {', '.join(r.weight_gathers)}")
+    return "\n".join(lines)
