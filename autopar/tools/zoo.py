@@ -86,7 +86,7 @@ NODE = Dims(hidden=4096, layers=2, heads=32, kv_heads=32, ffn=11008, vocab=32000
 KV_HEADS = {"mha": {"tiny": 4, "realistic": 16, "node": 32},
             "gqa": {"tiny": 2, "realistic": 4, "node": 8},
             "mqa": {"tiny": 1, "realistic": 1, "node": 1}}  # fmt: skip
-SIZES = {"tiny": TINY, "realistic": REALISTIC, "node": NODE}
+SIZES = ("tiny", "realistic", "node")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,7 +236,8 @@ def dims(entry: Family, size: str, kv_heads: int | None = None) -> Dims:
     kv = KV_HEADS[entry.attention][size]
     if kv_heads is not None and entry.attention != "mqa":
         kv = kv_heads
-    return replace(SIZES[size], kv_heads=kv)
+    base = {"tiny": TINY, "realistic": REALISTIC, "node": NODE}[size]  # read now: tests patch
+    return replace(base, kv_heads=kv)
 
 
 def build(entry: Family, size: str = "tiny", device: str = "cpu", seed: int = 0,
