@@ -2,13 +2,13 @@
 
 Algorithm (one mesh axis; ``pg`` = the consumers make the gradient partial):
 1. R -> R with pg: ``grad_all_reduce`` (identity forward, all-reduce backward).
-2. P -> R: ``all_reduce`` (backward all-reduce when pg, else identity).  A sum over a shared
-   split (``Px{rep}``: each summand on ``rep`` ranks) is then divided by ``rep``.
+2. P -> R: ``all_reduce`` (backward all-reduce when pg, else identity).
 3. S -> R: ``all_gather`` (backward reduce-scatter when pg, else the local slice).
 4. R -> S: ``split`` (local; backward all-gather).  P -> S: ``reduce_scatter``.
 5. S(i) -> S(j): ``all_to_all`` when neither dim is blocked, else all_gather then split.
    A shared split read as it is with pg (a parameter): ``grad_sum_shared`` (identity forward;
-   backward sums the gradient over the ranks sharing the piece).
+   backward sums the gradient over the ranks sharing the piece).  A shared split read as the
+   plain split of its dim: ``unshare`` (local: each sharer keeps its 1/rep of the piece).
 6. Hoist each ``grad_all_reduce`` above the replicated op feeding it while that op has no other
    user, one input that needs a gradient, and that input is not larger: a partial gradient
    stays partial through any op every rank repeats (its backward is linear in the gradient),
@@ -34,7 +34,6 @@ Algorithm (one mesh axis; ``pg`` = the consumers make the gradient partial):
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from autopar.frontend.trace import tensor_args
@@ -64,19 +63,21 @@ def _lower(graph: fx.Graph, node: fx.Node, x: fx.Node, axis: str, src: Placement
             _become(node, C.grad_all_reduce, (x, axis))
         elif isinstance(src, Partial):
             _become(node, C.all_reduce, (x, axis, "all_reduce" if pg else "identity"))
-            if src.rep > 1:
-                _divide_after(graph, node, src.rep)
         else:
             grad = "reduce_scatter" if pg else "split"
             _become(node, C.all_gather, (x, axis, src.dim, src.blocks, grad))
         return
     if not isinstance(dst, Shard):
         raise NodeError(node, f"cannot re-lay {src} as {dst}: nothing turns a value partial")
-    if isinstance(src, Partial) and src.rep > 1:
-        raise NodeError(node, f"cannot re-lay {src} as {dst}: a sum over a shared split is "
-                              "only all-reduced")  # fmt: skip
     if src == dst and dst.rep > 1 and pg:
         _become(node, C.grad_sum_shared, (x, axis, dst.rep))
+    elif _unshares(src, dst):
+        if pg:  # a parameter: its sharers' parts of the gradient are summed first
+            with graph.inserting_before(node):
+                x = graph.call_function(C.grad_sum_shared, (x, axis, src.rep))
+            x.meta.update(node.meta)
+            meta.update(x, layout=meta.layout(node.args[0]), origin="lower_collectives")
+        _become(node, C.unshare, (x, axis, dst.dim, src.rep))
     elif isinstance(src, Replicate):
         _become(node, C.split, (x, axis, dst.dim, dst.blocks))
     elif isinstance(src, Partial):
@@ -91,15 +92,10 @@ def _lower(graph: fx.Graph, node: fx.Node, x: fx.Node, axis: str, src: Placement
         _become(node, C.split, (full, axis, dst.dim, dst.blocks))
 
 
-def _divide_after(graph: fx.Graph, node: fx.Node, rep: int) -> None:
-    """Step 2b: the all-reduce of a ``Partial(rep)`` summed each summand ``rep`` times (the
-    ranks sharing a piece hold the same one): divide by ``rep``.  Its backward divides the
-    gradient alike, so the ``rep`` sharers' partial gradients of the piece add up to one."""
-    with graph.inserting_after(node):
-        div = graph.call_function(torch.ops.aten.div.Scalar, (node, rep))
-    div.meta.update(node.meta)
-    meta.update(div, origin="lower_collectives")
-    node.replace_all_uses_with(div, delete_user_cb=lambda user: user is not div)
+def _unshares(src: Placement, dst: Shard) -> bool:
+    """Step 5b: a shared split read as the plain split of its dim (a local narrow)."""
+    return (isinstance(src, Shard) and src.rep > 1 and dst.rep == 1 and src.dim == dst.dim
+            and src.blocks == dst.blocks == 1)  # fmt: skip
 
 
 def _become(node: fx.Node, target: object, args: tuple) -> None:

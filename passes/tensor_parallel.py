@@ -8,7 +8,7 @@ Algorithm:
 3. ``replicated_kv_heads``: attention with fewer KV heads than ranks reads, on each rank, the
    KV head its query heads use (``local_kv_heads``), with ``enable_gqa``.
 4. ``partial_mean``: a mean over a split dim becomes the local sum divided by the global
-   count, a partial sum of the mean (on a shared split, each summand held ``rep`` times).
+   count, a partial sum of the mean.
 5. ``distributed_norm``: rms_norm / layer_norm over a split normalized dim, written out in
    ATen ops: local sums over the normalized dims, one ``all_reduce`` of the [..., 1] sum of
    squares (layer_norm: first of the sum, for the mean), then the local normalisation with
@@ -93,9 +93,8 @@ def _partial_mean(graph: fx.Graph, node: fx.Node, axis: str) -> None:
     else:
         count = math.prod(x.shape[d] for d in _mean_dims(node, x.dim()))
         node.target = aten.sum.default if node.target is aten.mean.default else aten.sum.dim_IntList
-    summed = meta.layout(node).placement(axis)  # Partial(rep) on a shared split
     with graph.inserting_after(node):
-        out = _emit(graph, node, aten.div.Scalar, (node, count), node.meta["val"], summed, axis)
+        out = _emit(graph, node, aten.div.Scalar, (node, count), node.meta["val"], PARTIAL, axis)
     node.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
 
 

@@ -15,9 +15,7 @@ per-axis view of a layout):
 1. ``Replicate()`` -- every rank along the axis holds the whole value.
 2. ``Shard(dim, blocks, rep)`` -- dim ``dim`` is split evenly along the axis (per block);
    with ``rep`` > 1 into size/rep pieces, each on ``rep`` consecutive ranks.
-3. ``Partial(rep)`` -- every rank holds a summand; the value is their sum.  With ``rep`` > 1
-   (a sum over a shared split) each summand is held by ``rep`` consecutive ranks, so the sum
-   over the axis counts it ``rep`` times: reducing it divides by ``rep``.
+3. ``Partial()`` -- every rank holds a summand; the value is their sum.
 
 :class:`Layout` is the per-dim form stored on graph nodes and printed in plans and code.
 """
@@ -53,13 +51,10 @@ class Shard:
 
 @dataclass(frozen=True)
 class Partial:
-    """Every rank holds a summand; the value is the sum over the axis (``rep`` > 1: each
-    summand on ``rep`` consecutive ranks, the sum over the axis divided by ``rep``)."""
-
-    rep: int = 1
+    """Every rank holds a summand; the value is the sum over the axis."""
 
     def __str__(self) -> str:
-        return "P" if self.rep == 1 else f"Px{self.rep}"
+        return "P"
 
 
 Placement = Replicate | Shard | Partial
@@ -95,8 +90,6 @@ class Layout:
                     shared.append((axis, p.rep))
             elif isinstance(p, Partial):
                 partial.append(axis)
-                if p.rep > 1:
-                    shared.append((axis, p.rep))
         return Layout(dims=tuple(dims), blocks=tuple(blocks), partial=tuple(partial),
                       shared=tuple(shared))  # fmt: skip
 
@@ -107,7 +100,7 @@ class Layout:
     def placement(self, axis: str) -> Placement:
         """The per-axis view of this layout."""
         if axis in self.partial:
-            return Partial(self.rep(axis))
+            return PARTIAL
         for d, axes in enumerate(self.dims):
             if axis in axes:
                 return Shard(d, self.blocks[d], self.rep(axis))
@@ -142,24 +135,21 @@ class Layout:
             reps = [f"x{self.rep(a)}" for a in axes if self.rep(a) > 1]
             parts.append(text + "".join(reps))
         if self.partial:
-            named = [repr(a) + (f"x{self.rep(a)}" if self.rep(a) > 1 else "") for a in self.partial]
-            parts.append(f"partial=({', '.join(named)},)")
+            parts.append(f"partial={self.partial!r}")
         return f"P({', '.join(parts)})"
 
     __repr__ = __str__
 
 
 def parse_placement(text: str) -> Placement:
-    """Inverse of ``str(placement)``: 'R', 'P', 'Px2', 'S(2)', 'S(2:3)' or 'S(1)x2'."""
+    """Inverse of ``str(placement)``: 'R', 'P', 'S(2)', 'S(2:3)' or 'S(1)x2'."""
     if text == "R":
         return R
     if text == "P":
         return PARTIAL
-    if text.startswith("Px") and text[2:].isdigit():
-        return Partial(int(text[2:]))
     body, _, rep = text.partition(")x")
     body = body + ")" if rep else body
     if body.startswith("S(") and body.endswith(")"):
         dim, _, blocks = body[2:-1].partition(":")
         return Shard(int(dim), int(blocks or 1), int(rep or 1))
-    raise ValueError(f"not a placement: {text!r} (expected R, P, Pxrep, S(d), S(d:blocks) or S(d)xrep)")
+    raise ValueError(f"not a placement: {text!r} (expected R, P, S(d), S(d:blocks) or S(d)xrep)")

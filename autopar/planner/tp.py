@@ -295,7 +295,7 @@ def pieces(s: Strategy, size: int) -> int:
     over the replication count of a shared output split (attention reading shared K/V heads
     still computes its own query heads: ``size`` pieces)."""
     outs = s.output if isinstance(s.output, tuple) else (s.output,)
-    reps = [p.rep for p in outs if isinstance(p, (Shard, Partial))]
+    reps = [p.rep for p in outs if isinstance(p, Shard)]
     return size // max(reps, default=1)
 
 
@@ -466,10 +466,11 @@ class _Pricer:
         """Forward + backward seconds of a re-layout; None when impossible."""
         if have == want:
             return 0.0
-        if isinstance(have, Partial) and have.rep > 1 and isinstance(want, Replicate):
-            return self.t("all_reduce", nbytes)  # then divided by rep (lower_collectives)
+        if (isinstance(have, Shard) and have.rep > 1 and isinstance(want, Shard) and want.rep == 1
+                and have.dim == want.dim and have.blocks == want.blocks == 1):
+            return 0.0  # unshare: each sharer keeps its part of the piece, locally
         if isinstance(want, Partial) or _rep(have) > 1 or _rep(want) > 1:
-            return None  # a shared split is only read as it is
+            return None  # a shared split is otherwise only read as it is
         bwd = 1.0 if grad else 0.0
         if isinstance(have, Replicate):  # local slice; backward all-gathers the gradient
             return bwd * self.t("all_gather", nbytes)
@@ -489,7 +490,7 @@ class _Pricer:
 
 
 def _rep(p: Placement) -> int:
-    return p.rep if isinstance(p, (Shard, Partial)) else 1
+    return p.rep if isinstance(p, Shard) else 1
 
 
 def _source(arg: fx.Node) -> tuple[fx.Node, int | None]:

@@ -17,10 +17,9 @@ Algorithm of :func:`strategies`:
    structure (pointwise broadcasting, view dim groups, matmul batch/m/n/k dims, ...).
 3. Shared splits (``ctx.reps``, set where grouped-query attention has fewer K/V heads than
    ranks): a strategy on an axis of size/rep ranks also runs on the whole axis with each piece
-   held by rep consecutive ranks (they repeat its computation), when it splits or sums its
-   output and has no collectives of its own; every split becomes shared, every partial sum
-   ``Partial(rep)`` (each summand held rep times: its all-reduce divides by rep, so a norm
-   over a shared split reduces [..., 1] statistics), replicated inputs stay replicated.
+   held by rep consecutive ranks (they repeat its computation), when it splits its output
+   and makes nothing partial (a partial summand would be counted rep times); every split
+   becomes shared, replicated inputs stay replicated.
 4. Drop strategies whose split dims do not divide evenly by the axis size (times blocks,
    over rep for shared splits).
 """
@@ -127,28 +126,18 @@ def strategies(node: fx.Node, ctx: RuleContext, strict: bool = False) -> list[St
 
 
 def _shared(s: Strategy, rep: int) -> Strategy | None:
-    """Step 3: ``s`` with every split shared by ``rep`` ranks and every partial sum counted
-    ``rep`` times (``Partial(rep)``: its reduction divides by ``rep``); None when it does not
-    apply (a lowering with collectives of its own, an already shared split, nothing split)."""
+    """Step 3: ``s`` with every split shared by ``rep`` ranks (None when it does not apply)."""
     outs = s.output if isinstance(s.output, tuple) else (s.output,)
     places = (*s.inputs, *outs)
-    if s.lowering not in _SHARED_LOWERINGS or s.comm:
+    if s.lowering or s.comm or any(isinstance(p, Partial) for p in places):
         return None
-    if any(isinstance(p, (Shard, Partial)) and p.rep > 1 for p in places):
+    if any(isinstance(p, Shard) and p.rep > 1 for p in places):
         return None  # already shared (grouped-query attention's own strategy)
-    if not any(isinstance(p, (Shard, Partial)) for p in outs):
+    if not any(isinstance(p, Shard) and p.rep == 1 for p in outs):
         return None
-
-    def lift(p: Placement) -> Placement:
-        if isinstance(p, Shard):
-            return Shard(p.dim, p.blocks, rep)
-        return Partial(rep) if isinstance(p, Partial) else p
-
+    lift = lambda p: Shard(p.dim, p.blocks, rep) if isinstance(p, Shard) else p  # noqa: E731
     out = tuple(map(lift, outs)) if isinstance(s.output, tuple) else lift(s.output)
-    return Strategy(tuple(map(lift, s.inputs)), out, s.lowering)
-
-
-_SHARED_LOWERINGS = (None, "partial_mean")  # lowerings that run alike on a shared split
+    return Strategy(tuple(map(lift, s.inputs)), out)
 
 
 def _op_name(node: fx.Node) -> str:

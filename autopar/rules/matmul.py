@@ -100,16 +100,43 @@ def sdpa(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
 
 
 def shared_kv_reps(nodes: list[fx.Node], size: int) -> tuple[int, ...]:
-    """The replication counts of :func:`sdpa`'s shared K/V splits in a graph (size/g for every
-    grouped-query attention with 1 < g < size K/V heads dividing size; multi-query attention's
-    one head is replicated, ``replicated_kv_heads``: one piece is no split)."""
+    """The replication counts of shared K/V splits in a graph: size/g for every grouped-query
+    attention with 1 < g < size K/V heads dividing size (:func:`sdpa`; multi-query
+    attention's one head is replicated, ``replicated_kv_heads``: one piece is no split), and
+    for every head repeat written out (HF's ``repeat_kv`` before eager attention: ``expand``
+    of [b, g, 1, s, d] to [b, g, n, s, d], reshaped to [b, g*n, s, d]): the shared piece is
+    then read by its sharers as the plain split of the repeated heads (``unshare``)."""
     found = set()
     for n in nodes:
         if n.target is aten.scaled_dot_product_attention.default:
             q, k = _shape(n.args[0]), _shape(n.args[1])
             if 1 < k[1] < size and size % k[1] == 0 and q[1] % size == 0:
                 found.add(size // k[1])
+        elif (g := _repeated_groups(n)) is not None and 1 < g[0] < size and size % g[0] == 0 \
+                and g[0] * g[1] % size == 0:
+            found.add(size // g[0])
     return tuple(sorted(found))
+
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _repeated_groups(n: fx.Node) -> tuple[int, int] | None:
+    """(g, n) when ``n`` merges dims (d, d+1) of an ``expand`` that repeats a size-1 dim d+1
+    n times (a head repeat: [.., g, 1, ..] -> [.., g, n, ..] -> [.., g*n, ..])."""
+    if n.op != "call_function" or n.target not in _VIEWS:
+        return None
+    src = n.args[0]
+    if not isinstance(src, fx.Node) or src.target is not aten.expand.default:
+        return None
+    before, after, out = _shape(src.args[0]), _shape(src), _shape(n)
+    if len(before) != len(after) or len(out) != len(after) - 1:
+        return None
+    for d in range(len(after) - 1):
+        if (before[d + 1] == 1 and after[d + 1] > 1 and out[d] == after[d] * after[d + 1]
+                and list(out[:d]) == list(after[:d]) and list(out[d + 1:]) == list(after[d + 2:])):
+            return after[d], after[d + 1]
+    return None
 
 
 def _mask_placements(masks: list[torch.Size], d: int) -> tuple[Placement, ...]:
