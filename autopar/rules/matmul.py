@@ -26,7 +26,8 @@ def linear(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     for b in ctx.blocks:
         found.append(Strategy((R, Shard(0, b)) + bias(Shard(0, b)), Shard(nd - 1, b)))
     if not has_bias:  # trace.py splits biases off, so row splits add the bias after reducing
-        found.append(Strategy((Shard(nd - 1), Shard(1)), PARTIAL))
+        for b in (1, *ctx.groups):  # blocked: an interleaved head layout's output projection
+            found.append(Strategy((Shard(nd - 1, b), Shard(1, b)), PARTIAL))
         found.append(Strategy((PARTIAL, R), PARTIAL))
     return found
 
@@ -88,7 +89,8 @@ def sdpa(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     args = tensor_args(node)
     q, k = _shape(args[0]), _shape(args[1])
     masks = [_shape(m) for m in args[3:]]
-    found = [Strategy((Shard(d),) * 3 + _mask_placements(masks, d), Shard(d)) for d in (0, 1)]
+    found = [Strategy((Shard(d, b),) * 3 + _mask_placements(masks, d, b), Shard(d, b))
+             for d in (0, 1) for b in (1, *ctx.groups)]  # heads blocked: interleaved groups
     heads_q, heads_kv = q[1], k[1]
     if heads_kv % ctx.size and ctx.size % heads_kv == 0 and heads_q % ctx.size == 0:
         ins = (Shard(1), R, R) + _mask_placements(masks, 1)
@@ -139,12 +141,12 @@ def _repeated_groups(n: fx.Node) -> tuple[int, int] | None:
     return None
 
 
-def _mask_placements(masks: list[torch.Size], d: int) -> tuple[Placement, ...]:
+def _mask_placements(masks: list[torch.Size], d: int, b: int = 1) -> tuple[Placement, ...]:
     """An attention mask broadcasts against [b, heads, s, s]: split it where it is not 1."""
     out: list[Placement] = []
     for m in masks:
         md = d - (4 - len(m))
-        out.append(R if md < 0 or m[md] == 1 else Shard(md))
+        out.append(R if md < 0 or m[md] == 1 else Shard(md, b))
     return tuple(out)
 
 
