@@ -4,7 +4,8 @@ Algorithm:
 1. Every node's ``meta["val"]`` becomes a meta tensor of its local shape (global shape divided
    along the split dims of its layout), so printed programs show what each rank holds.
 2. Ops that carry sizes as arguments get their local sizes: view / reshape / expand /
-   broadcast_to take the local output shape (no -1 left); split and split_with_sizes on a split
+   broadcast_to and new_empty / new_zeros / new_ones / new_full take the local output shape
+   (no -1 left); split and split_with_sizes on a split
    dim divide the piece sizes by the axis size.  A ``view`` stays a ``view``: every collective
    returns a fresh row-major tensor (``autopar.ops.collectives``), so a view valid on the global
    tensor's strides is valid on the local one.
@@ -24,8 +25,9 @@ from passes import NodeError, PassContext
 aten = torch.ops.aten
 _SHAPE_ARG = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
               aten.expand.default, aten.broadcast_to.default)  # fmt: skip
-_SIZED = (aten.new_ones.default, aten.new_zeros.default, aten.new_full.default,
-          aten.new_empty.default, aten.repeat.default)  # fmt: skip
+_NEW = (aten.new_ones.default, aten.new_zeros.default, aten.new_full.default,
+        aten.new_empty.default)  # fmt: skip
+_SIZED = (aten.repeat.default,)
 
 
 def localize(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -53,6 +55,9 @@ def _local_val(val: object, lay: Layout | tuple, sizes: dict[str, int]) -> objec
 def _rewrite_args(node: fx.Node, lay: Layout | tuple, sizes: dict[str, int],
                   ctx: PassContext) -> None:  # fmt: skip
     if node.target in _SHAPE_ARG and isinstance(lay, Layout):
+        local = list(lay.local_shape(node.meta["val"].shape, sizes))
+        node.args = (node.args[0], local, *node.args[2:])
+    elif node.target in _NEW and isinstance(lay, Layout):
         local = list(lay.local_shape(node.meta["val"].shape, sizes))
         node.args = (node.args[0], local, *node.args[2:])
     elif node.target in (aten.split.Tensor, aten.split_with_sizes.default):
