@@ -253,6 +253,57 @@ def test_complex_rope_keeps_heads_split():
     assert report.max_rel_error < 1e-5
 
 
+img = torch.randn(2, 4, 6, 6)
+CONVS = {  # (fn, inputs, op); every channel split but the grouped conv's
+    "3x3 padded, bias": (lambda x, w, b: F.conv2d(x, w, b, padding=1),
+                         (img, torch.randn(6, 4, 3, 3), torch.randn(6)), aten.conv2d.default),
+    "2x2 stride 2": (lambda x, w: F.conv2d(x, w, stride=2), (img, torch.randn(6, 4, 2, 2)),
+                     aten.conv2d.default),
+    "same padding": (lambda x, w: F.conv2d(x, w, padding="same"), (img, torch.randn(6, 4, 3, 3)),
+                     aten.conv2d.padding),
+    "1-d": (lambda x, w: F.conv1d(x, w, dilation=2), (x4[0], torch.randn(6, 6, 3)),
+            aten.conv1d.default),
+    "grouped": (lambda x, w: F.conv2d(x, w, groups=2), (img, torch.randn(6, 2, 3, 3)),
+                aten.conv2d.default),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(CONVS))
+def test_every_strategy_of_a_convolution_reassembles_the_single_device_value(name):
+    fn, inputs, op = CONVS[name]
+    seen = check_strategies(fn, *inputs, op=op, blocks=(1, 2))
+    column = [s for s in seen if s.endswith("->S(1)")]
+    row = [s for s in seen if s.endswith("->P")]  # a bias would be added on every rank
+    assert (len(column), len(row)) == {"grouped": (0, 0), "3x3 padded, bias": (1, 0)}.get(
+        name, (1, 2)
+    ), seen
+
+
+class ConvStack(nn.Module):
+    """Two overlapping 3x3 convolutions: column-parallel, then row-parallel (bias added once)."""
+
+    def __init__(self, c: int = 8, hidden: int = 32) -> None:
+        super().__init__()
+        self.up = nn.Conv2d(c, hidden, 3, padding=1)
+        self.down = nn.Conv2d(hidden, c, 3, padding=1, bias=False)
+        self.bias = nn.Parameter(torch.randn(c, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x))) + self.bias
+
+
+def test_conv_stack_splits_channels_megatron_style():
+    torch.manual_seed(0)
+    model, x = ConvStack(), (torch.randn(2, 8, 6, 6),)
+    prog = autoparallelize(model, Mesh(tp=2), x, memory_weight=MEMORY)
+    fwd = [(c.kind, c.shape) for c in prog.plan.collectives if c.direction == "fwd"]
+    assert len(fwd) == 1 and fwd[0][1] == (2, 8, 6, 6), fwd  # only the row conv's partial sum
+    assert fwd[0][0] in ("all_reduce", "reduce_scatter"), fwd
+    report = verify(model, Mesh(tp=2), x, memory_weight=MEMORY)
+    assert report.ok, str(report)
+    assert report.max_rel_error < 1e-5
+
+
 # ---------------------------------------------------------------- HF families
 
 transformers = pytest.importorskip("transformers")

@@ -19,10 +19,7 @@ pytest.importorskip("transformers")
 
 TP = 2
 NAMES = [m.name for m in zoo_models.models()]
-KNOWN_GAPS: dict[tuple[str, str], str] = {
-    ("hf_vit", "weights"): "conv2d patch embedding and position embedding are all-gathered "
-    "(conv2d has no sharding rule; NOTES.md, beyond causal LMs)",
-}
+KNOWN_GAPS: dict[tuple[str, str], str] = {}
 
 
 @functools.cache
