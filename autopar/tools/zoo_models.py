@@ -10,7 +10,8 @@ Algorithm of :func:`check` (one row of the table):
    max relative error over the loss, the outputs and every parameter gradient.
 2. Build the realistic config (ViT-B / BERT-base widths: hidden 768, 12 heads, 2 layers) on the
    meta device and ``autoparallelize`` it with ``param_dtype=torch.bfloat16``.
-3. Read its forward collectives (zoo.forward_collectives) and count the weight all-gathers:
+3. Read its forward collectives (zoo.forward_collectives, with :func:`tokens`: messages of at
+   most 2 elements per token print in lower case) and count the weight all-gathers:
    forward all-gathers whose full shape is the shape of a parameter (Megatron gathers none).
 4. Rank 0's share of the layers' parameter bytes (zoo.layer_param_fraction; ideally 1/t).
 Each step's exception is caught into the row with a one-line reason.
@@ -18,6 +19,7 @@ Each step's exception is caught into the row with a one-line reason.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -290,6 +292,17 @@ def build(entry: Model, size: str = "tiny", device: str = "cpu",
     return net, args, kwargs
 
 
+def tokens(entry: Model, size: str = "realistic") -> int:
+    """Batch times sequence length of the realistic build: image patches for vision models
+    (the zoo reads ``[b, s]`` off the first input, which is an image here)."""
+    d = _SIZES[size]
+    if "diffusion" in entry.tags:
+        return d["batch"] * (d["latent"] // d["latent_patch"]) ** 2
+    if "vision" in entry.tags:
+        return d["batch"] * ((d["image"] // d["patch"]) ** 2 + 1)  # + the class token
+    return d["batch"] * d["seq"]
+
+
 def weight_gathers(prog: Program) -> tuple[str, ...]:
     """Forward all-gathers whose full shape is a parameter's shape (module docstring, 3)."""
     shapes = {tuple(t.shape) for t in prog.traced.tensors.values() if t.dim() >= 2}
@@ -320,7 +333,8 @@ def check(entry: Model, tp: int = 2, run_verify: bool = True) -> Row:
             net, args, kwargs = build(entry, "realistic", device="meta")
             prog = autoparallelize(net, Mesh(tp=tp), args, None, example_kwargs=kwargs,
                                    param_dtype=torch.bfloat16)  # fmt: skip
-            comm, gathers = zoo.forward_collectives(prog), weight_gathers(prog)
+            comm = dataclasses.replace(zoo.forward_collectives(prog), tokens=tokens(entry))
+            gathers = weight_gathers(prog)
             frac = zoo.layer_param_fraction(prog)
         except Exception as exc:  # noqa: BLE001 - reported in the row
             comm_reason = zoo._one_line(exc)
