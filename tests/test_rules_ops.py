@@ -78,13 +78,21 @@ def _run_strategy(node: torch.fx.Node, s: Strategy, env: dict, gen) -> None:
     outs = []
     for r in range(T):
         local = torch.fx.node.map_arg((node.args, node.kwargs), lambda a, r=r: cut[a][r])
-        outs.append(node.target(*local[0], **local[1]))
+        outs.append(node.target(*_local_groups(node, s, local[0]), **local[1]))
     ref = env[node]
     if isinstance(ref, (tuple, list)):
         for i, p in enumerate(s.output):
             torch.testing.assert_close(_join([o[i] for o in outs], p), ref[i])
     else:
         torch.testing.assert_close(_join(outs, s.output), ref, atol=1e-5, rtol=1e-5)
+
+
+def _local_groups(node: torch.fx.Node, s: Strategy, args: tuple) -> tuple:
+    """A grouped conv split over its channels runs 1/T of its groups (as ``localize`` does)."""
+    if "conv" in str(node.target) and len(args) > 6 and args[6] > 1 and s.inputs[0] != Replicate():
+        if getattr(s.inputs[0], "dim", None) == 1:
+            return (*args[:6], args[6] // T, *args[7:])
+    return args
 
 
 def check_strategies(fn, *inputs: torch.Tensor, op: object, blocks=(1,)) -> list[str]:
@@ -274,19 +282,21 @@ def test_every_strategy_of_a_convolution_reassembles_the_single_device_value(nam
     seen = check_strategies(fn, *inputs, op=op, blocks=(1, 2))
     column = [s for s in seen if s.endswith("->S(1)")]
     row = [s for s in seen if s.endswith("->P")]  # tracing moved a bias into an add after it
-    assert (len(column), len(row)) == ((0, 0) if name == "grouped" else (1, 2)), seen
+    assert (len(column), len(row)) == ((1, 0) if name == "grouped" else (1, 2)), seen
 
 
 class ConvStack(nn.Module):
-    """Two overlapping 3x3 convolutions: column-parallel, then row-parallel (bias added once)."""
+    """Two overlapping 3x3 convolutions: column-parallel, then row-parallel (bias added once);
+    between them a depthwise 3x3 (ConvNeXt / MobileNet) on this rank's channels."""
 
     def __init__(self, c: int = 8, hidden: int = 32) -> None:
         super().__init__()
         self.up = nn.Conv2d(c, hidden, 3, padding=1)
+        self.depthwise = nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden)
         self.down = nn.Conv2d(hidden, c, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(x)))
+        return x + self.down(F.gelu(self.depthwise(F.gelu(self.up(x)))))
 
 
 def test_conv_stack_splits_channels_megatron_style():

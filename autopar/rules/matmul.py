@@ -63,15 +63,18 @@ def conv(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
 
     Batch (x dim 0), output channels (w dim 0, the bias, output dim 1: column-parallel) and,
     without a bias, input channels (x dim 1, w dim 1: row-parallel, a partial sum; with a bias
-    each rank would add it) or a partial x.  Channel splits need ``groups == 1``: a grouped
-    conv's local call would need its ``groups`` argument divided.  Spatial dims never split
-    (a kernel wider than its stride reads across the cut).
+    each rank would add it) or a partial x.  A grouped conv (depthwise: groups == channels)
+    splits its groups when the ranks divide them: x dim 1, w dim 0 and output dim 1 together,
+    each rank convolving whole groups (``localize`` divides the ``groups`` argument).  Spatial
+    dims never split (a kernel wider than its stride reads across the cut).
     """
     has_bias = len(tensor_args(node)) == 3
     bias = lambda p: (p,) if has_bias else ()  # noqa: E731
     found = [Strategy((Shard(0), R) + bias(R), Shard(0))]
     groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
     if groups != 1:
+        if groups % ctx.size == 0:
+            found.append(Strategy((Shard(1), Shard(0)) + bias(Shard(0)), Shard(1)))
         return found
     found += [Strategy((R, Shard(0, b)) + bias(Shard(0, b)), Shard(1, b)) for b in ctx.blocks]
     if not has_bias:
