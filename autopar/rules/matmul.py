@@ -1,6 +1,6 @@
-"""The matmul family (linear, mm/bmm/matmul, baddbmm, addmm), attention (SDPA), embedding and
-cross-entropy: Megatron's column/row splits, head-parallel attention, vocab-parallel
-embedding and loss."""
+"""The matmul family (linear, mm/bmm/matmul, baddbmm, addmm, convolutions), attention (SDPA),
+embedding and cross-entropy: Megatron's column/row splits, head-parallel attention,
+vocab-parallel embedding and loss."""
 
 from __future__ import annotations
 
@@ -50,6 +50,37 @@ def matmul(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
         for n in ctx.blocks:
             pa, pb = (_broadcast_placement(s[:-2], out[:-2], d, n) for s in (a, b))
             found.append(Strategy((pa, pb), Shard(d, n)))
+    return found
+
+
+_CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
+          aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding)  # fmt: skip
+
+
+@rule(*_CONVS)
+def conv(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """x[b, c_in, *space] * w[c_out, c_in / groups, *kernel] (+ bias[c_out]): a linear over
+    the channels at every output position, so it splits like one.
+
+    Batch (x dim 0), output channels (w dim 0, the bias, output dim 1: column-parallel) and,
+    without a bias, input channels (x dim 1, w dim 1: row-parallel, a partial sum; with a bias
+    each rank would add it) or a partial x.  A grouped conv (depthwise: groups == channels)
+    splits its groups when the ranks divide them: x dim 1, w dim 0 and output dim 1 together,
+    each rank convolving whole groups (``localize`` divides the ``groups`` argument).  Spatial
+    dims never split (a kernel wider than its stride reads across the cut).
+    """
+    has_bias = len(tensor_args(node)) == 3
+    bias = lambda p: (p,) if has_bias else ()  # noqa: E731
+    found = [Strategy((Shard(0), R) + bias(R), Shard(0))]
+    groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+    if groups != 1:
+        if groups % ctx.size == 0:
+            found.append(Strategy((Shard(1), Shard(0)) + bias(Shard(0)), Shard(1)))
+        return found
+    found += [Strategy((R, Shard(0, b)) + bias(Shard(0, b)), Shard(1, b)) for b in ctx.blocks]
+    if not has_bias:
+        found.append(Strategy((Shard(1), Shard(1)), PARTIAL))
+        found.append(Strategy((PARTIAL, R), PARTIAL))
     return found
 
 
