@@ -227,3 +227,32 @@ def test_fp8_option_is_checked():
     x, y = tokens(LLAMA)
     with pytest.raises(InputError, match="fp8='e4m3'.*'tensorwise', 'rowwise'"):
         autoparallelize(build("llama", LLAMA), Mesh(tp=2), (x, y), lm_loss, fp8="e4m3")
+
+
+def test_plan_prices_fp8_gemms_and_is_otherwise_the_plan_without_fp8():
+    # large enough that the GEMMs are not at the launch-latency floor of the cost model
+    c = Config(layers=2, hidden=1024, heads=8, kv_heads=8, ffn=4096, vocab=512, seq=512, batch=4,
+               bias=False)  # fmt: skip
+    with torch.device("meta"):
+        model = build("llama", c)
+    x, y = tokens(c)
+    plain = autoparallelize(model, Mesh(tp=2), (x, y), lm_loss)
+    prog = autoparallelize(model, Mesh(tp=2), (x, y), lm_loss, fp8="tensorwise")
+    assert prog.plan.hash == plain.plan.hash and "fp8" not in str(plain.plan)
+    assert prog.plan.compute_s < plain.plan.compute_s
+    assert f"fp8: compute {plain.plan.compute_s * 1e3:.3f} ms -> " in str(prog.plan)
+
+
+def test_router_and_unaligned_linears_stay_in_high_precision():
+    from autopar.tools.testing import MoEConfig, build_moe
+
+    c = MoEConfig()
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, c.vocab, (c.batch, c.seq), generator=g) for _ in range(2))
+    text = str(autoparallelize(build_moe(c), Mesh(tp=1), (x, y), lm_loss, fp8="rowwise").plan)
+    kept = next(line for line in text.splitlines() if "kept in high precision" in line)
+    assert "the MoE router" in kept, text
+    small = Config(layers=1, hidden=24, heads=2, kv_heads=2, ffn=48, vocab=32, seq=8, batch=2)
+    x, y = tokens(small)
+    text = str(autoparallelize(build("llama", small), Mesh(tp=1), (x, y), lm_loss, fp8="rowwise").plan)
+    assert "0 of 8 linears run float8" in text and "not all multiples of 16" in text, text

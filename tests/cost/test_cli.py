@@ -53,3 +53,17 @@ def test_custom_shape_names_missing_dimensions(capsys):
 def test_missing_model_lists_presets(capsys):
     assert main(["estimate", "--global-batch", "8"]) == 2
     assert "--model is required: one of gpt3-175b, llama3-405b" in capsys.readouterr().err
+
+
+def _compute_s(out: str) -> float:
+    return float(next(line for line in out.splitlines() if line.strip().startswith("compute")).split()[-1])
+
+
+def test_fp8_flag_prices_the_gemms_at_the_fp8_peak(capsys):
+    argv = ["estimate", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "1",
+            "--tp", "2", "--global-batch", "64"]  # fmt: skip
+    assert main(argv) == 0
+    bf16 = _compute_s(capsys.readouterr().out)
+    assert main([*argv, "--fp8"]) == 0
+    fp8 = _compute_s(capsys.readouterr().out)
+    assert 0.5 * bf16 < fp8 < 0.9 * bf16  # the GEMMs at 2x the peak; attention, casts and the rest not
