@@ -111,10 +111,11 @@ def _fp8(prog: Program, options: Options) -> Program:
     if options.fp8 is None:
         return prog
     from autopar.program import fp8_phase
-    from passes.fp8 import fp8_plan
+    from passes.fp8 import fp8_plan, head_paths
 
     batch = tuple(a for a in ("dp", "ep") if a in prog.mesh.sizes)
-    out = prog.then(prog.mesh, prog.plan, fp8_phase(options.fp8, batch))
+    heads = head_paths(prog.final(len(prog.stages) - 1).module)
+    out = prog.then(prog.mesh, prog.plan, fp8_phase(options.fp8, heads, batch))
     rows = [row for i in range(len(out.stages)) for row in out.final(i).module.meta["fp8"][1]]
     return out.then(out.mesh, fp8_plan(out.plan, options.fp8, rows))
 

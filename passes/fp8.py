@@ -5,8 +5,9 @@ training GEMMs in float8 by torchao's recipe (autopar.ops.fp8.fp8_linear).
 Algorithm:
 1. Find the linears (``aten.linear``) of the program and of the blocks a pass outlined into
    submodules (recompute="full").
-2. Keep in high precision, with the reason: the output head (a root-graph linear with no
-   linear after it: the LM head), an MoE router (its output reaches ``topk``), a linear whose
+2. Keep in high precision, with the reason: the output head (``Fp8Decisions.heads``: the
+   module paths of the last stage's root-graph linears no linear follows, the LM head; found
+   by :func:`head_paths`), an MoE router (its output reaches ``topk``), a linear whose
    local dims (tokens M, in K, out N) are not all multiples of 16 (``torch._scaled_mm``'s
    alignment), and one whose input or weight is still a pending partial sum (an amax of a
    partial sum is not the sum's).
@@ -47,10 +48,12 @@ ALIGN = 16
 
 @dataclass(frozen=True, kw_only=True)
 class Fp8Decisions:
-    """``PassContext.sections["fp8"]``: the torchao recipe, the program's batch axes (step 3)
-    and the GPU the savings are priced on (None: not priced)."""
+    """``PassContext.sections["fp8"]``: the torchao recipe, the output head (step 2), the
+    program's batch axes (step 3) and the GPU the savings are priced on (None: not
+    priced)."""
 
     recipe: str
+    heads: frozenset[str] = frozenset()  # module paths of the output head's linears
     batch: tuple[str, ...] = ()
     gpu: object = None  # cost.hardware.GPU
 
@@ -70,10 +73,9 @@ def fp8(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Steps 1-4 (``gm`` rewritten in place, blocks included)."""
     decided: Fp8Decisions = ctx.sections["fp8"]
     rows: list[Fp8Row] = []
-    for owner, root in _graph_modules(gm):
-        heads = _heads(owner.graph) if root else set()
+    for owner in _graph_modules(gm):
         for node in [n for n in owner.graph.nodes if n.target is LINEAR]:
-            reason = _kept(node, heads)
+            reason = _kept(node, decided.heads)
             rows.append(Fp8Row(path=meta.module_path(node) or node.name, fp8=not reason,
                                reason=reason, saved_s=0.0 if reason else _saved(node, decided)))  # fmt: skip
             if not reason:
@@ -84,28 +86,30 @@ def fp8(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-def _graph_modules(gm: fx.GraphModule) -> Iterator[tuple[fx.GraphModule, bool]]:
-    """Step 1: the program (True) and every graph submodule (its outlined blocks)."""
-    yield gm, True
+def _graph_modules(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
+    """Step 1: the program and every graph submodule (its outlined blocks)."""
+    yield gm
     for name, sub in gm.named_modules():
         if name and isinstance(sub, fx.GraphModule):
-            yield sub, False
+            yield sub
 
 
-def _heads(graph: fx.Graph) -> set[fx.Node]:
-    """The linears no other linear (or outlined block, checkpointed or not) follows."""
+def head_paths(gm: fx.GraphModule) -> frozenset[str]:
+    """Module paths of the root-graph linears of ``gm`` (the last stage's program) that no
+    other linear (nor an outlined block, checkpointed or not) follows."""
     from autopar.axes.recompute import checkpoint
 
     below: dict[fx.Node, bool] = {}
-    for node in reversed(graph.nodes):
+    for node in reversed(gm.graph.nodes):
         below[node] = any(u.target in (LINEAR, checkpoint) or u.op == "call_module"
                           or below.get(u, False) for u in node.users)  # fmt: skip
-    return {n for n in graph.nodes if n.target is LINEAR and not below[n]}
+    return frozenset(meta.module_path(n) for n in gm.graph.nodes
+                     if n.target is LINEAR and not below[n])  # fmt: skip
 
 
-def _kept(node: fx.Node, heads: set[fx.Node]) -> str:
+def _kept(node: fx.Node, heads: frozenset[str]) -> str:
     """Step 2: why ``node`` stays in high precision ('' if it runs FP8)."""
-    if node in heads:
+    if meta.module_path(node) in heads:
         return "the output head (LM head)"
     if _routes(node):
         return "the MoE router"

@@ -121,20 +121,23 @@ def _count_rank(rank, groups, module, x, y, zero, steps):
     return spy.call_count
 
 
-@pytest.mark.parametrize(("axes", "zero"), MESHES)
-def test_rank_programs_run_scaled_mm_for_every_layer_linear(axes, zero):
+@pytest.mark.parametrize(("axes", "zero", "recompute"), [(*m, None) for m in MESHES]
+                         + [({"tp": 2}, None, "full")])  # fmt: skip
+def test_rank_programs_run_scaled_mm_for_every_layer_linear(axes, zero, recompute):
     x, y = tokens(LLAMA)
     prog = autoparallelize(build("llama", LLAMA), Mesh(**axes), (x, y), lm_loss, fp8="tensorwise",
-                           zero=zero)  # fmt: skip
+                           zero=zero, recompute=recompute)  # fmt: skip
     code = prog.code(0)
     linears = 7 * LLAMA.layers  # wq wk wv wo w1 w3 w2 per layer; lm_head stays
-    assert code.count("fp8_linear(") == linears
-    assert code.count("torch.ops.aten.linear.default(") == 1  # the LM head
+    if recompute is None:  # (under "full" the blocks' code is in their submodules)
+        assert code.count("fp8_linear(") == linears
+        assert code.count("torch.ops.aten.linear.default(") == 1  # the LM head
     text = str(prog.plan)
     assert f"{linears} of {linears + 1} linears run float8 GEMMs" in text
     assert "kept in high precision: lm_head (the output head (LM head))" in text
     counts = get_pool(2).run(_count_rank, prog.mesh.axes, _jobs(prog, x, y, zero, 1))
-    assert counts == [3 * linears] * 2  # output, input-gradient and weight-gradient GEMMs
+    # output, input-gradient and weight-gradient GEMMs (and the forward again, recomputed)
+    assert counts == [(4 if recompute else 3) * linears] * 2
 
 
 def _cast_rank(rank, groups, t, which, dim, axes, recipe):
@@ -241,6 +244,14 @@ def test_plan_prices_fp8_gemms_and_is_otherwise_the_plan_without_fp8():
     assert prog.plan.hash == plain.plan.hash and "fp8" not in str(plain.plan)
     assert prog.plan.compute_s < plain.plan.compute_s
     assert f"fp8: compute {plain.plan.compute_s * 1e3:.3f} ms -> " in str(prog.plan)
+
+
+def test_only_the_last_stage_has_the_head():
+    x, y = tokens(LLAMA)
+    prog = autoparallelize(build("llama", LLAMA), Mesh(pp=2), (x, y), lm_loss, fp8="rowwise",
+                           n_microbatches=2)  # fmt: skip
+    assert prog.code(0).count("fp8_linear(") == 7 and prog.code(1).count("fp8_linear(") == 7
+    assert "14 of 15 linears run float8" in str(prog.plan)
 
 
 def test_router_and_unaligned_linears_stay_in_high_precision():
