@@ -133,7 +133,11 @@ def _fp8_rows(c: Config, args: argparse.Namespace, eager: torch.nn.Module, loss_
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     x, y = batch
+    from autopar.ops.fp8 import fp8_linear
+
     local = autoparallelize(eager, mesh, tokens(c), loss_fn=loss_fn, fp8=args.fp8).to(device)
+    print(f"autopar fp8={args.fp8}: {sum(n.target is fp8_linear for n in local.graph.nodes)} "
+          "fp8_linear calls in the rank program")  # fmt: skip
     fp8_pred = _predicted_step(args.model, c, args.cluster, fp8=args.fp8)
     measured[f"autopar fp8={args.fp8}"] = (_time(lambda: local(x, y), local.parameters(),
                                                  device)[0], fp8_pred)  # fmt: skip
