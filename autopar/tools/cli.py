@@ -80,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
         help="the fabric is not rail-optimised (one leaf switch per node group)",
     )
     plan.add_argument("--grad-dtype", choices=("fp32", "bf16"), default="fp32")
+    plan.add_argument("--fp8", action="store_true",
+                      help="price the linear layers' GEMMs in FP8 (a preset or shape's model)")
     _report_args(plan)
     return parser
 
@@ -188,7 +190,8 @@ def _plan(args: argparse.Namespace) -> int:
                             compare=parse_degrees(args.compare) if args.compare else None,
                             zero=zero, attention=args.attention, nest=not args.no_nest,
                             rails=not args.no_rails,
-                            grad_bytes=4 if args.grad_dtype == "fp32" else 2)  # fmt: skip
+                            grad_bytes=4 if args.grad_dtype == "fp32" else 2,
+                            gemm_bytes=1 if args.fp8 else 2)  # fmt: skip
     except (CostInputError, ValueError) as err:
         print(f"autopar plan: error: {err}", file=sys.stderr)
         return 2
