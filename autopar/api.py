@@ -55,6 +55,7 @@ def autoparallelize(
     capacity_factor: float | None = None,
     recompute: str | None = None,
     compile: bool | str = False,
+    fp8: str | None = None,
 ) -> Any:
     """Compile ``model`` for ``mesh``.
 
@@ -109,13 +110,20 @@ def autoparallelize(
     ``compile=True`` (or a torch.compile backend name, e.g. "aot_eager") runs every rank
     program's repeated blocks under ``torch.compile``, one compile per distinct block
     (``compiled(layers_0, ...)`` in the code; autopar.ops.compiled); plans are unchanged.
+
+    ``fp8="tensorwise"`` or ``"rowwise"`` (torchao's float8 training recipes; needs torchao)
+    runs every layer linear's three GEMMs in float8 with dynamic scaling (``fp8_linear(...)``
+    in the code; passes/fp8.py): scales of split tensors are reduced over the mesh axes that
+    split them, so each rank scales as one device would.  The LM head, MoE routers and
+    linears whose local dims are not multiples of 16 stay in high precision; the plan lists
+    which linears run FP8 and prices their GEMMs at the GPU's FP8 peak.
     """
     options = make_options(
         memory_limit=memory_limit, memory_weight=memory_weight, strict=strict, verbose=verbose,
         n_microbatches=n_microbatches, schedule=schedule, virtual_stages=virtual_stages,
         split_points=split_points, cluster=cluster, zero=zero, param_dtype=param_dtype,
         global_batch=global_batch, reduce_dtype=reduce_dtype, cp_attention=cp_attention,
-        capacity_factor=capacity_factor, recompute=recompute, compile=compile,
+        capacity_factor=capacity_factor, recompute=recompute, compile=compile, fp8=fp8,
     )  # fmt: skip
     example = example_of(example_inputs, example_kwargs)
     if isinstance(mesh, AutoMesh):

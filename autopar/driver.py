@@ -21,7 +21,9 @@ Algorithm (:func:`compile_model`):
    fit (autopar.axes.data_parallel).  Every step returns a Program: no axis wraps another's.
 6. A reloaded plan is honoured at every step: each axis's section decides that axis, and
    the compiled program must carry the saved decisions (else a PlanError names them).
-7. ``compile=``: a last phase puts every stage's repeated blocks under torch.compile
+7. ``fp8=``: a phase rewrites every stage's eligible linears to float8 GEMMs (passes/fp8.py);
+   the plan lists them and prices them at the FP8 peak.
+8. ``compile=``: a last phase puts every stage's repeated blocks under torch.compile
    (passes/compile_blocks.py); the plan is the eager one.
 """
 
@@ -99,7 +101,23 @@ def compile_model(model: nn.Module, mesh: Mesh, example: Example,
         raise PlanError(f"zero={options.zero} shards over the data axis, but {mesh} has no dp "
                         "axis; use e.g. Mesh(dp=2, tp=2)")  # fmt: skip
     options = _settled(options, mesh, plan)
-    return _compiled(_build(model, mesh, example, loss_fn, options, plan, log, traces), options)
+    prog = _build(model, mesh, example, loss_fn, options, plan, log, traces)
+    return _compiled(_fp8(prog, options), options)
+
+
+def _fp8(prog: Program, options: Options) -> Program:
+    """``fp8=``: every stage's eligible linears in float8 (passes/fp8.py), run now so the
+    plan says which linears run FP8, which stay and why, and prices their GEMMs."""
+    if options.fp8 is None:
+        return prog
+    from autopar.program import fp8_phase
+    from passes.fp8 import fp8_plan, head_paths
+
+    batch = tuple(a for a in ("dp", "ep") if a in prog.mesh.sizes)
+    heads = head_paths(prog.final(len(prog.stages) - 1).module)
+    out = prog.then(prog.mesh, prog.plan, fp8_phase(options.fp8, heads, batch))
+    rows = [row for i in range(len(out.stages)) for row in out.final(i).module.meta["fp8"][1]]
+    return out.then(out.mesh, fp8_plan(out.plan, options.fp8, rows))
 
 
 def _compiled(prog: Program, options: Options) -> Program:

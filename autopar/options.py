@@ -2,8 +2,8 @@
 
 Algorithm (:func:`make_options`):
 1. Check every option whose value alone can be wrong (recompute mode, attention choice,
-   capacity factor, micro-batch and stage counts, split points), naming the option and what
-   to give instead.
+   capacity factor, micro-batch and stage counts, split points, compile backend, fp8
+   recipe), naming the option and what to give instead.
 2. Freeze them into :class:`Options`; the driver and every axis read this record (the sub-mesh
    programs get ``dataclasses.replace`` copies, e.g. with the plan's own section removed).
 """
@@ -45,6 +45,7 @@ class Options:
     capacity_factor: float | None = None
     recompute: str | None = None
     compile: bool | str = False  # True: inductor; or a torch.compile backend name
+    fp8: str | None = None  # a torchao float8 recipe: "tensorwise" | "rowwise"
 
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **changes)
@@ -71,7 +72,24 @@ def make_options(*, split_points: Sequence[str] = (), **given: Any) -> Options:
     if given.get("compile") not in (None, False, True) and not isinstance(given["compile"], str):
         raise InputError(f"compile={given['compile']!r}: give True (inductor), False, or a "
                          "torch.compile backend name such as 'aot_eager'")  # fmt: skip
+    _check_fp8(given.get("fp8"))
     if isinstance(split_points, str):
         raise InputError(f"split_points={split_points!r}: give a list of module paths, "
                          f"e.g. [{split_points!r}]")  # fmt: skip
     return Options(split_points=tuple(split_points), **given)
+
+
+def _check_fp8(recipe: Any) -> None:
+    """``fp8=``: a torchao recipe name, and torchao importable."""
+    from autopar.ops.fp8 import RECIPES
+
+    if recipe is None:
+        return
+    if recipe not in RECIPES:
+        raise InputError(f"fp8={recipe!r}: give one of torchao's float8 training recipes "
+                         f"{', '.join(map(repr, RECIPES))}, or None for no FP8")  # fmt: skip
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as exc:
+        raise InputError(f"fp8={recipe!r} runs torchao's float8 recipes, but torchao does not "
+                         f"import ({exc}): pip install --no-deps torchao==0.18.0") from exc

@@ -142,6 +142,21 @@ def compile_phase(backend: str) -> Phase:
     return Phase(name="compile", run=run)
 
 
+def fp8_phase(recipe: str, heads: frozenset[str], batch: tuple[str, ...]) -> Phase:
+    """The ``fp8`` pass on each stage (``fp8=``; ``heads``: the output head's linears,
+    ``batch``: the program's batch axes), after the batch axes' and recompute phases, before
+    ``compile``; its savings priced on the stage mesh's GPU."""
+    def run(i: int, m: Materialized) -> tuple[Materialized, list[PassRecord]]:
+        from passes.fp8 import Fp8Decisions, fp8
+
+        decided = Fp8Decisions(recipe=recipe, heads=heads, batch=batch, gpu=m.mesh.cluster.gpu)
+        ctx = PassContext(mesh=m.mesh, grad=frozenset(), traced=m.traced,
+                          sections={"fp8": decided})
+        return m.rewritten(ctx, [fp8])
+
+    return Phase(name="fp8", run=run)
+
+
 class Program:
     """What :func:`autopar.autoparallelize` returns on a virtual mesh, whatever its axes.
 

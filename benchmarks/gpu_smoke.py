@@ -19,9 +19,12 @@ Algorithm:
 
 5. ``--compile``: also the rank program with ``compile=True`` and the eager model with
    torch.compile applied by hand per block, side by side (ms, tokens/s, MFU, the prediction).
-   (FP8, issue 21 item 3, is not built yet: no FP8 row.)
+6. ``--fp8 tensorwise|rowwise``: also the rank program with ``fp8=`` (eager) and the eager
+   model converted by hand with torchao's ``convert_to_float8_training`` (same recipe, the
+   LM head kept), fwd+bwd side by side with the bf16 ones and the cost model's FP8
+   prediction; the loss of both FP8 runs against the bf16 eager one.
 
-Run: python benchmarks/gpu_smoke.py [--compile] [--shapes 8x2048x2048x4,4x4096x2048x4]
+Run: python benchmarks/gpu_smoke.py [--compile] [--fp8 tensorwise] [--shapes 8x2048x2048x4,4x4096x2048x4]
 (each shape is layers x hidden x seq x batch). Prints a few lines per shape; takes well under
 five minutes on an H100/H200.
 """
@@ -111,7 +114,50 @@ def _run(c: Config, device: torch.device, dtype: torch.dtype, args: argparse.Nam
     if args.compile:
         _compiled_rows(c, eager, loss_fn, mesh, device, (x, y),
                        {"eager model": e_fb, "autopar eager": p_fb}, flops, peak, predicted)
+    if args.fp8:
+        _fp8_rows(c, args, eager, loss_fn, mesh, device, (x, y),
+                  {"eager model": (e_fb, predicted), "autopar eager": (p_fb, predicted)}, flops,
+                  peak)  # fmt: skip
     return 0
+
+
+def _fp8_rows(c: Config, args: argparse.Namespace, eager: torch.nn.Module, loss_fn: Callable,
+              mesh: Any, device: torch.device, batch: tuple,
+              measured: dict[str, tuple[float, float]], flops: float,
+              peak: float | None) -> None:  # fmt: skip
+    """Step 6 (``--fp8``): autopar's ``fp8=`` program and torchao applied by hand to a copy of
+    the eager model, fwd+bwd next to the bf16 ones (ms, ratio, tokens/s, MFU against the bf16
+    peak, prediction)."""
+    import copy
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    x, y = batch
+    from autopar.ops.fp8 import fp8_linear
+
+    local = autoparallelize(eager, mesh, tokens(c), loss_fn=loss_fn, fp8=args.fp8).to(device)
+    print(f"autopar fp8={args.fp8}: {sum(n.target is fp8_linear for n in local.graph.nodes)} "
+          "fp8_linear calls in the rank program")  # fmt: skip
+    fp8_pred = _predicted_step(args.model, c, args.cluster, fp8=args.fp8)
+    measured[f"autopar fp8={args.fp8}"] = (_time(lambda: local(x, y), local.parameters(),
+                                                 device)[0], fp8_pred)  # fmt: skip
+    head = "lm_head"
+    by_hand = convert_to_float8_training(copy.deepcopy(eager),
+                                         config=Float8LinearConfig.from_recipe_name(args.fp8),
+                                         module_filter_fn=lambda _m, fqn: head not in fqn)  # fmt: skip
+    measured["torchao by hand"] = (_time(lambda: loss_fn(by_hand(x), y), by_hand.parameters(),
+                                         device)[0], fp8_pred)  # fmt: skip
+    with torch.no_grad():
+        ref = loss_fn(eager(x), y).float()
+        rel = [(abs(f().float() - ref) / ref).item() for f in (lambda: local(x, y),
+                                                               lambda: loss_fn(by_hand(x), y))]
+    print(f"loss vs bf16 eager: autopar fp8 {rel[0]:.2e}, torchao by hand {rel[1]:.2e}")
+    base = measured["eager model"][0]
+    print(f"{'fwd+bwd':<24} {'ms':>8} {'/eager':>7} {'tokens/s':>10} {'MFU':>6} {'predicted ms':>13}")
+    for label, (s, pred) in measured.items():
+        mfu = f"{flops / s / peak:.1%}" if peak else "-"
+        print(f"{label:<24} {s * 1e3:>8.1f} {s / base:>7.3f} {c.batch * c.seq / s:>10,.0f} "
+              f"{mfu:>6} {pred * 1e3:>13.1f}")  # fmt: skip
 
 
 def _compiled_rows(c: Config, eager: torch.nn.Module, loss_fn: Callable, mesh: Any,
@@ -196,11 +242,12 @@ def _time(step: Callable, params: Any, device: torch.device) -> tuple[float, flo
     return timed(False), timed(True)
 
 
-def _predicted_step(kind: str, c: Config, cluster: str) -> float:
+def _predicted_step(kind: str, c: Config, cluster: str, fp8: str | None = None) -> float:
     with torch.device("meta"):
         model, loss_fn = _model(kind, c)
         model = model.to(torch.bfloat16)
-    prog = autoparallelize(model, Mesh(Cluster.preset(cluster), tp=1), tokens(c), loss_fn=loss_fn)
+    prog = autoparallelize(model, Mesh(Cluster.preset(cluster), tp=1), tokens(c), loss_fn=loss_fn,
+                           fp8=fp8)  # fmt: skip
     return prog.plan.step_s
 
 
@@ -212,6 +259,8 @@ def _args() -> argparse.Namespace:
                    help="autopar.tools.testing's Llama or transformers' LlamaForCausalLM")
     p.add_argument("--compile", action="store_true",
                    help="also time compile=True and torch.compile applied by hand per block")
+    p.add_argument("--fp8", choices=("tensorwise", "rowwise"),
+                   help="also time fp8= and torchao's convert_to_float8_training by hand")
     p.add_argument("--shapes", default="8x2048x2048x4",
                    help="comma-separated layers x hidden x seq x batch")
     return p.parse_args()

@@ -71,6 +71,7 @@ class SearchSpace:
     overlap_grad_reduce: bool = True
     grad_bytes: int = 4
     weight_bytes: int = 2  # 4: fp32 weights (no bf16 copy beside an fp32 master)
+    gemm_bytes: int = 2  # 1: the linear layers' GEMMs in FP8 (ParallelConfig.gemm_bytes)
     accumulate: bool = True  # False: without pp one micro-batch per step (no accumulation)
 
 
@@ -466,7 +467,8 @@ def _base(degrees: tuple[int, ...], global_batch: int, sp: bool, space: SearchSp
                           overlap_grad_reduce=space.overlap_grad_reduce,
                           tp_across_nodes=tp > cluster.gpus_per_node,
                           grad_bytes=space.grad_bytes,
-                          weight_bytes=space.weight_bytes)  # fmt: skip
+                          weight_bytes=space.weight_bytes,
+                          gemm_bytes=space.gemm_bytes)  # fmt: skip
 
 
 def _search_unit(model: Priced, cluster: Cluster, global_batch: int, space: SearchSpace,

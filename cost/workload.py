@@ -110,6 +110,13 @@ def _gemm(m: float, n: float, k: float, count: float = 1.0, itemsize: int = BF16
     return [gemm, _stream(FP8_CAST_BYTES * count * (m * k + k * n))]
 
 
+def fp8_gemm_seconds(m: float, n: float, k: float, gpu: GPU) -> float:
+    """Forward + backward seconds of one linear [m,k]x[k,n] whose three GEMMs run in FP8 (at
+    the FP8 peak, with the casts of `_gemm`): what an ``fp8=`` program's linears cost."""
+    kernels = _gemm(m, n, k, itemsize=1)
+    return _time(kernels, gpu) + _time(kernels, gpu, factor=True)
+
+
 def _stream(nbytes: float) -> _Kernel:
     return _Kernel(0.0, nbytes, MATMUL_PEAK_FRACTION)
 

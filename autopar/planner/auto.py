@@ -155,10 +155,13 @@ def parse_degrees(text: str, global_batch: int = 1) -> ParallelConfig:
 def plan_shape(model, cluster: Cluster, global_batch: int, *, top: int = 10,
                compare: ParallelConfig | None = None, zero: tuple[int, ...] = (0, 1, 2, 3),
                attention: str = "flash", nest: bool = True, rails: bool = True,
-               grad_bytes: int = 4, space: SearchSpace | None = None) -> Ranking:  # fmt: skip
-    """Search `model` (a ModelShape, preset name or traced graph) on `cluster` (steps 1-2)."""
+               grad_bytes: int = 4, gemm_bytes: int = 2,
+               space: SearchSpace | None = None) -> Ranking:  # fmt: skip
+    """Search `model` (a ModelShape, preset name or traced graph) on `cluster` (steps 1-2);
+    `gemm_bytes` 1 prices the linear layers' GEMMs in FP8 (a shape's analytic workload)."""
     topology = Topology(cluster=cluster, rails=rails)
-    space = space or SearchSpace(zero=zero, attention=attention, nest=nest, grad_bytes=grad_bytes)
+    space = space or SearchSpace(zero=zero, attention=attention, nest=nest, grad_bytes=grad_bytes,
+                                 gemm_bytes=gemm_bytes)  # fmt: skip
     keep = None
     if compare is not None:
         keep = ParallelConfig(tp=compare.tp, pp=compare.pp, dp=compare.dp, cp=compare.cp,

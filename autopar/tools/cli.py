@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
         default="fp32",
         help="gradient precision (Megatron: fp32, 18 B/param; bf16: 16 B/param)",
     )
+    est.add_argument("--fp8", action="store_true",
+                     help="the linear layers' GEMMs in FP8 (priced at the GPU's FP8 peak, "
+                     "casts included; autoparallelize(..., fp8=...))")  # fmt: skip
     est.add_argument("--explain", action="store_true", help="also print the closed formulas")
     _report_args(est)
     plan = sub.add_parser("plan", help="search every configuration; print the ranking")
@@ -77,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
         help="the fabric is not rail-optimised (one leaf switch per node group)",
     )
     plan.add_argument("--grad-dtype", choices=("fp32", "bf16"), default="fp32")
+    plan.add_argument("--fp8", action="store_true",
+                      help="price the linear layers' GEMMs in FP8 (a preset or shape's model)")
     _report_args(plan)
     return parser
 
@@ -125,6 +130,7 @@ def _config(args: argparse.Namespace) -> ParallelConfig:
         virtual_stages=args.virtual_stages, recompute=args.recompute, attention=args.attention,
         sequence_parallel=not args.no_sequence_parallel, overlap_grad_reduce=not args.no_overlap,
         tp_across_nodes=args.tp_across_nodes, grad_bytes=4 if args.grad_dtype == "fp32" else 2,
+        gemm_bytes=1 if args.fp8 else 2,
     )  # fmt: skip
 
 
@@ -184,7 +190,8 @@ def _plan(args: argparse.Namespace) -> int:
                             compare=parse_degrees(args.compare) if args.compare else None,
                             zero=zero, attention=args.attention, nest=not args.no_nest,
                             rails=not args.no_rails,
-                            grad_bytes=4 if args.grad_dtype == "fp32" else 2)  # fmt: skip
+                            grad_bytes=4 if args.grad_dtype == "fp32" else 2,
+                            gemm_bytes=1 if args.fp8 else 2)  # fmt: skip
     except (CostInputError, ValueError) as err:
         print(f"autopar plan: error: {err}", file=sys.stderr)
         return 2

@@ -53,3 +53,28 @@ def test_custom_shape_names_missing_dimensions(capsys):
 def test_missing_model_lists_presets(capsys):
     assert main(["estimate", "--global-batch", "8"]) == 2
     assert "--model is required: one of gpt3-175b, llama3-405b" in capsys.readouterr().err
+
+
+def _compute_s(out: str) -> float:
+    return float(next(line for line in out.splitlines() if line.strip().startswith("compute")).split()[-1])
+
+
+def test_fp8_flag_prices_the_gemms_at_the_fp8_peak(capsys):
+    argv = ["estimate", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "1",
+            "--tp", "2", "--global-batch", "64"]  # fmt: skip
+    assert main(argv) == 0
+    bf16 = _compute_s(capsys.readouterr().out)
+    assert main([*argv, "--fp8"]) == 0
+    fp8 = _compute_s(capsys.readouterr().out)
+    assert 0.5 * bf16 < fp8 < 0.9 * bf16  # the GEMMs at 2x the peak; attention, casts and the rest not
+
+
+def test_plan_fp8_flag_searches_with_fp8_gemms(capsys):
+    argv = ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "1",
+            "--global-batch", "64", "--top", "1"]  # fmt: skip
+    best = []
+    for extra in ([], ["--fp8"]):
+        assert main([*argv, *extra]) == 0
+        row = next(line for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["1"])
+        best.append(float(row.split()[1]))
+    assert best[1] < 0.9 * best[0]
