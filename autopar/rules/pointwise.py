@@ -101,8 +101,8 @@ def new_like(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     piece: ``localize`` gives it the local size).  DeepSeek's MLA fills a ``new_empty`` key
     buffer made from the head-split ``kv_b`` output; reading that output whole would gather it."""
     src, out = _shape(node.args[0]), _shape(node)
-    ins = [R, *[Shard(d, b) for d in range(len(src)) for b in ctx.blocks]]
-    outs = [Shard(d, b) for d in range(len(out)) for b in ctx.blocks]
+    ins = [R, *[Shard(d) for d in range(len(src))]]  # plain splits: blocked ones only add ties
+    outs = [Shard(d) for d in range(len(out))]
     found = [Strategy((p,), R) for p in ins[1:]] + [Strategy((R,), q) for q in outs]
     found += [Strategy((p,), p) for p in ins[1:] if p.dim < len(out)]  # the same dims split
     return found
