@@ -49,6 +49,7 @@ def autoparallelize(
     cluster: Cluster | None = None,
     zero: int | None = None,
     param_dtype: torch.dtype = torch.float32,
+    mixed_precision: str = "cast",
     global_batch: int | None = None,
     reduce_dtype: torch.dtype = torch.float32,
     cp_attention: str | None = None,
@@ -114,7 +115,7 @@ def autoparallelize(
         memory_limit=memory_limit, memory_weight=memory_weight, strict=strict, verbose=verbose,
         n_microbatches=n_microbatches, schedule=schedule, virtual_stages=virtual_stages,
         split_points=split_points, cluster=cluster, zero=zero, param_dtype=param_dtype,
-        global_batch=global_batch, reduce_dtype=reduce_dtype, cp_attention=cp_attention,
+        mixed_precision=mixed_precision, global_batch=global_batch, reduce_dtype=reduce_dtype, cp_attention=cp_attention,
         capacity_factor=capacity_factor, recompute=recompute, compile=compile,
     )  # fmt: skip
     example = example_of(example_inputs, example_kwargs)
@@ -135,7 +136,7 @@ def autoparallelize(
         return prog
     from autopar.runtime import bind
 
-    return bind(prog, device_mesh, virtual, param_dtype)
+    return bind(prog, device_mesh, virtual, param_dtype, options.mixed_precision)
 
 
 def _reused(plan: Plan | None, mesh: Mesh) -> Plan | None:
