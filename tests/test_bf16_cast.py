@@ -7,29 +7,37 @@ loss) fp32, fp32 master weights and Adam state.  The plan prices each value in t
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from autopar import InputError, Mesh, autoparallelize
 from autopar.runtime.pool import get_pool
-from autopar.tools.testing import hf_tiny_llama, token_batch
+from autopar.tools.testing import Config, build, hf_tiny_llama, lm_loss, token_batch, tokens
 
 LR, STEPS = 3e-3, 20
 BF16 = torch.bfloat16
 
 
-def fsdp2_style_losses(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor,
+def lm_loss32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``lm_loss`` with the logits upcast first, as HF's loss does (a bf16 cross-entropy would
+    round the loss itself to bf16)."""
+    return lm_loss(logits.float(), targets)
+
+
+def fsdp2_style_losses(model: torch.nn.Module, loss_of: Callable[[dict], torch.Tensor],
                        steps: int) -> list[float]:  # fmt: skip
     """One device as FSDP2's MixedPrecisionPolicy(param_dtype=bf16) trains: each step the fp32
-    master weights are cast to a bf16 copy, forward and backward run on the copy (the model's
-    own code decides what it upcasts), the copy's bf16 gradients are cast to fp32 onto the
-    masters, and AdamW steps the fp32 masters (its moments fp32)."""
+    master weights are cast to a bf16 copy, forward and backward run on the copy
+    (``loss_of(copy)``; the model's own code decides what it upcasts), the copy's bf16
+    gradients are cast to fp32 onto the masters, and AdamW steps the fp32 masters (its
+    moments fp32)."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for _ in range(steps):
         low = {n: p.detach().to(BF16).requires_grad_() for n, p in model.named_parameters()}
-        loss = torch.func.functional_call(model, low, (ids,), {"labels": labels}).loss
+        loss = loss_of(low)
         loss.backward()
         for n, p in model.named_parameters():
             p.grad = low[n].grad.float()
@@ -104,7 +112,9 @@ def test_dp_tp_bf16_loss_curve_equals_one_device_fsdp2_style(zero):
              labels.chunk(2)[prog.mesh.coordinates(r)["dp"]], zero, STEPS)
             for r in range(4)]  # fmt: skip
     results = get_pool(4).run(_train_cast, prog.mesh.axes, jobs)
-    ref = fsdp2_style_losses(hf_tiny_llama(2), ids, labels, STEPS)
+    hf = hf_tiny_llama(2)
+    ref = fsdp2_style_losses(hf, lambda low: torch.func.functional_call(
+        hf, low, (ids,), {"labels": labels}).loss, STEPS)  # fmt: skip
     model = hf_tiny_llama(2)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     fp32 = []
@@ -178,3 +188,80 @@ def test_hf_llama_h2048_tp4_moves_and_saves_16_bit_on_meta():
     assert moved == {"bfloat16"}, found
     assert 1.0 <= ratio < 1.10, found
     assert found["autocast"][0] == {"bfloat16", "float32"} and found["autocast"][1] > 1.10, found
+
+
+def _train_pp_cast(rank, groups, share, x, y, zero, steps):
+    """``steps`` AdamW steps of a bf16 "cast" pipeline rank (DDP / FSDP2 over dp when the
+    mesh has it): the losses, the dtypes matrix products saw, what the first stage returned
+    per micro-batch (dtype, bytes: what it sends on), and the parameters', gradients' and Adam
+    moments' dtypes."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.ops import collectives
+    from autopar.runtime import DataAxis, PipelineRunner
+
+    class Matmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm,
+                                       torch.ops.aten.bmm):  # fmt: skip
+                seen.update(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
+            return func(*args, **(kwargs or {}))
+
+    collectives.bind({a: g for a, g in groups.items() if a != "dp"})
+    data = None
+    if "dp" in groups:
+        dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
+        data = DataAxis(group=groups["dp"], mesh=dp_mesh, zero=zero, reduction="mean")
+    runner = PipelineRunner(share, groups["pp"], data=data)
+    sent = []
+    if 0 in runner.modules and share.n_stages > 1:
+        runner.modules[0].register_forward_hook(lambda mod, i, out: sent.append(
+            [(str(t.dtype), t.numel() * t.element_size()) for t in out]))
+    opt = runner.optimizer(torch.optim.AdamW, lr=LR)
+    losses, seen = [], set()
+    for _ in range(steps):
+        with Matmuls():
+            loss = runner.step(x, y)
+        grads = {str(p.grad.dtype) for p in runner.parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    state = getattr(opt, "optim", opt).state.values()
+    moments = {str(t.dtype) for s in state for t in s.values() if t.dim()}
+    params = {str(p.dtype) for p in runner.parameters()}
+    return losses, seen, sent[-1] if sent else None, (params, grads, moments)
+
+
+@pytest.mark.parametrize(("axes", "zero"), [({"pp": 2}, None), ({"dp": 2, "pp": 2}, 3)])
+def test_pipeline_bf16_sends_bf16_and_tracks_one_device_fsdp2_style(axes, zero):
+    """Mesh(pp=2) and Mesh(dp=2, pp=2) ZeRO-3 under bf16 "cast": stage 0 sends the residual
+    stream in bf16, exactly the bytes the cut priced (the model's fp32 RoPE tables stay
+    fp32); every matrix product runs
+    in bf16 on fp32 masters; the losses track one device's FSDP2-style bf16 training."""
+    c = Config(layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=48, seq=8, batch=8,
+               bias=False)  # fmt: skip
+    x, y = tokens(c)
+    kw = {"zero": zero} if zero is not None else {}
+    prog = autoparallelize(build("llama", c), Mesh(**axes), (x, y), loss_fn=lm_loss32,
+                           n_microbatches=2, param_dtype=BF16, **kw)  # fmt: skip
+    fp32 = autoparallelize(build("llama", c), Mesh(**axes), (x, y), loss_fn=lm_loss32,
+                           n_microbatches=2, **kw)  # fmt: skip
+    assert "stages compute in bfloat16 (weights cast once per step" in str(prog.plan)
+    dp = axes.get("dp", 1)
+    hidden = (c.batch // dp // 2) * c.seq * c.hidden  # the residual stream of a micro-batch
+    assert fp32.pipeline.cut.boundary_bytes[0] - prog.pipeline.cut.boundary_bytes[0] == 2 * hidden
+    jobs = [(prog.share(r),
+             *(t.chunk(dp)[prog.mesh.coordinates(r).get("dp", 0)] for t in (x, y)), zero or 0, 5)
+            for r in range(prog.mesh.world_size)]  # fmt: skip
+    results = get_pool(prog.mesh.world_size).run(_train_pp_cast, prog.mesh.axes, jobs)
+    model = build("llama", c)
+    ref = fsdp2_style_losses(model, lambda low: lm_loss32(
+        torch.func.functional_call(model, low, (x,)), y), 5)  # fmt: skip
+    for rank, (losses, seen, sent, (params, grads, moments)) in enumerate(results):
+        assert seen == {"torch.bfloat16"}, rank
+        assert params == grads == moments == {"torch.float32"}, rank
+        if sent is not None:
+            assert "torch.bfloat16" in {d for d, _ in sent}, sent
+            assert sum(n for _, n in sent) == prog.pipeline.cut.boundary_bytes[0]
+        assert losses == pytest.approx(ref, rel=2e-3), (rank, losses, ref)
