@@ -265,3 +265,73 @@ def test_pipeline_bf16_sends_bf16_and_tracks_one_device_fsdp2_style(axes, zero):
             assert "torch.bfloat16" in {d for d, _ in sent}, sent
             assert sum(n for _, n in sent) == prog.pipeline.cut.boundary_bytes[0]
         assert losses == pytest.approx(ref, rel=2e-3), (rank, losses, ref)
+
+
+def _one_step_cast(rank, groups, module, x, y):
+    """One forward and backward of this rank's program as ``bind`` runs it without dp or pp
+    (``runtime.cast_forward``): the loss, and the dtypes of the linear layers' operands, of
+    every c10d message and ring exchange, and of the parameters' gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from autopar.ops import collectives, cp_ops
+    from autopar.runtime import cast_forward
+
+    seen: dict[str, set[str]] = {"matmul": set(), "c10d": set(), "ring fwd": set(),
+                                 "ring bwd": set()}  # fmt: skip
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ts = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):  # the linears
+                seen["matmul"].update(str(t.dtype) for t in ts)
+            if str(func.overloadpacket).startswith("c10d.") and ts:
+                big = max(ts, key=lambda t: t.numel())
+                if big.dim() >= 3:  # activations, K/V blocks (not per-token statistics)
+                    seen["c10d"].add(str(big.dtype))
+            return func(*args, **(kwargs or {}))
+
+    collectives.bind(groups)
+    init = cp_ops._Exchange.__init__
+
+    def exchange(self, tensors, axis, direction):  # ring steps go by batch_isend_irecv
+        seen[f"ring {direction}"].update(str(t.dtype) for t in tensors)
+        init(self, tensors, axis, direction)
+
+    cp_ops._Exchange.__init__ = exchange
+    module = cast_forward(module, BF16)
+    with Watch():
+        loss = module(x, y)
+        loss.backward()
+    grads = {str(p.grad.dtype) for p in module.parameters() if p.grad is not None}
+    return loss.item(), seen, grads
+
+
+@pytest.mark.parametrize("axes", [{"tp": 2}, {"cp": 2}])
+def test_tp_and_cp_alone_run_bf16_with_16_bit_messages(axes):
+    """Mesh(tp=2) and Mesh(cp=2, ring attention) under bf16 "cast", as ``bind`` runs them: every
+    linear layer bf16, every tp message and ring K/V exchange bf16 (the ring's block products
+    accumulate in fp32, as flash attention does, and its dK/dV partial sums travel in that
+    accumulator: NOTES.md), fp32 gradients on the fp32 weights, and the
+    loss equals one device's bf16-cast forward within bf16 rounding."""
+    c = Config(layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=48, seq=16, batch=2,
+               bias=False)  # fmt: skip
+    x, y = tokens(c)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = autoparallelize(build("llama", c), Mesh(**axes), (x, y), loss_fn=lm_loss32,
+                               param_dtype=BF16)  # fmt: skip
+    jobs = [(prog.module(r), x, y) for r in range(2)]
+    results = get_pool(2).run(_one_step_cast, prog.mesh.axes, jobs)
+    model = build("llama", c)
+    low = {n: p.detach().to(BF16) for n, p in model.named_parameters()}
+    ref = lm_loss32(torch.func.functional_call(model, low, (x,)), y).item()
+    for loss, seen, grads in results:
+        assert seen["matmul"] == {"torch.bfloat16"}, seen
+        if "cp" in axes:  # K/V bf16 both ways; the dK/dV partial sums in their fp32 accumulator
+            assert seen["ring fwd"] == {"torch.bfloat16"}, seen
+            assert seen["ring bwd"] == {"torch.bfloat16", "torch.float32"}, seen
+        else:
+            assert seen["c10d"] == {"torch.bfloat16"}, seen
+        assert grads == {"torch.float32"}
+        assert loss == pytest.approx(ref, rel=2e-3)
