@@ -335,3 +335,57 @@ def test_tp_and_cp_alone_run_bf16_with_16_bit_messages(axes):
             assert seen["c10d"] == {"torch.bfloat16"}, seen
         assert grads == {"torch.float32"}
         assert loss == pytest.approx(ref, rel=2e-3)
+
+
+def _ep_step_cast(rank, groups, module, x, y):
+    """One forward and backward of an ep rank's program under ``cast_forward`` on its batch
+    slice: the loss, the dtypes of the linear layers' and grouped GEMMs' operands and of the
+    all-to-all messages (the dispatched token rows and their return)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from autopar.ops import collectives
+    from autopar.runtime import cast_forward
+
+    seen: dict[str, set[str]] = {"matmul": set(), "all_to_all": set()}
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ts = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            name = str(func.overloadpacket)
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) or "grouped_mm" in name:
+                seen["matmul"].update(str(t.dtype) for t in ts if t.is_floating_point())
+            if "alltoall" in name:
+                seen["all_to_all"].update(str(t.dtype) for t in ts if t.dim() == 2
+                                          and t.is_floating_point())  # fmt: skip
+            return func(*args, **(kwargs or {}))
+
+    collectives.bind(groups)
+    module = cast_forward(module, BF16)
+    with Watch():
+        loss = module(x, y)
+        loss.backward()
+    return loss.item(), seen
+
+
+def test_ep_dispatch_moves_bf16_token_rows():
+    """Mesh(ep=2) on the reference MoE under bf16 "cast": the experts' GEMMs run bf16, the
+    dispatch and return all-to-alls move bf16 rows (the plan lists them so), and the ranks'
+    mean loss equals one device's bf16-cast forward within bf16 rounding."""
+    from autopar.tools.testing import MoEConfig, build_moe
+
+    c = MoEConfig(batch=4, seq=8)
+    x, y = tokens(c)
+    prog = autoparallelize(build_moe(c), Mesh(ep=2), (x, y), loss_fn=lm_loss32, param_dtype=BF16)
+    rows = {col.dtype for col in prog.collectives() if col.kind == "all_to_all"
+            and len(col.shape) == 2 and col.shape[-1] == c.hidden}  # fmt: skip
+    assert rows == {"bfloat16"}, prog.collectives()
+    jobs = [(prog.module(r), x.chunk(2)[r], y.chunk(2)[r]) for r in range(2)]
+    results = get_pool(2).run(_ep_step_cast, prog.mesh.axes, jobs)
+    model = build_moe(c)
+    low = {n: p.detach().to(BF16) for n, p in model.named_parameters()}
+    ref = lm_loss32(torch.func.functional_call(model, low, (x,)), y).item()
+    for _, seen in results:
+        assert seen["matmul"] == {"torch.bfloat16"}, seen
+        assert seen["all_to_all"] == {"torch.bfloat16"}, seen
+    assert sum(loss for loss, _ in results) / 2 == pytest.approx(ref, rel=2e-3)
