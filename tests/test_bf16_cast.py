@@ -233,12 +233,13 @@ def _train_pp_cast(rank, groups, share, x, y, zero, steps):
     return losses, seen, sent[-1] if sent else None, (params, grads, moments)
 
 
-@pytest.mark.parametrize(("axes", "zero"), [({"pp": 2}, None), ({"dp": 2, "pp": 2}, 3)])
+@pytest.mark.parametrize(("axes", "zero"), [({"pp": 2}, None), ({"dp": 2, "pp": 2}, 0),
+                                            ({"dp": 2, "pp": 2}, 3)])  # fmt: skip
 def test_pipeline_bf16_sends_bf16_and_tracks_one_device_fsdp2_style(axes, zero):
-    """Mesh(pp=2) and Mesh(dp=2, pp=2) ZeRO-3 under bf16 "cast": stage 0 sends the residual
-    stream in bf16, exactly the bytes the cut priced (the model's fp32 RoPE tables stay
-    fp32); every matrix product runs
-    in bf16 on fp32 masters; the losses track one device's FSDP2-style bf16 training."""
+    """Mesh(pp=2) and Mesh(dp=2, pp=2) ZeRO-0 (DDP) / ZeRO-3 (FSDP2) under bf16 "cast": stage 0
+    sends the residual stream in bf16, exactly the bytes the cut priced (the model's fp32 RoPE
+    tables stay fp32); every matrix product runs in bf16 on fp32 masters; the losses track one
+    device's FSDP2-style bf16 training."""
     c = Config(layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=48, seq=8, batch=8,
                bias=False)  # fmt: skip
     x, y = tokens(c)
