@@ -53,6 +53,7 @@ _CANONICAL = {
     "native_group_norm": "group_norm", "_softmax": "softmax", "_log_softmax": "log_softmax",
     "native_dropout": "dropout", "nll_loss_forward": "nll_loss", "_unsafe_view": "view",
 }  # fmt: skip
+_CONVS = {"conv1d", "conv2d", "conv3d"}
 _NORMS = {"layer_norm": 8.0, "rms_norm": 4.0, "group_norm": 8.0}
 _SOFTMAX = {"softmax": 5.0, "log_softmax": 5.0}
 _LOSSES = {"cross_entropy_loss": 6.0, "nll_loss": 1.0}
@@ -93,6 +94,9 @@ def node_flops_bytes(node: torch.fx.Node) -> tuple[float, float]:
         return _matmul_flops(name, node, out[0]), moved
     if name == "scaled_dot_product_attention":
         return _sdpa_flops(node), moved
+    if name in _CONVS and len(ins) >= 2:  # a GEMM per output position: k = c_in/groups * kernel
+        weight = ins[1]
+        return 2.0 * out_elems * weight.numel() / max(weight.shape[0], 1), moved
     if name == "embedding":
         return 0.0, 2.0 * _nbytes(out[0]) + _nbytes(ins[1])
     for table in (_NORMS, _SOFTMAX, _LOSSES):

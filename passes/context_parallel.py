@@ -60,7 +60,8 @@ _MEAN, _SUM = 1, 2  # aten's cross-entropy reduction enum
 _CE = aten.cross_entropy_loss.default
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _TP_DIM_OPS = (C.all_gather, C.reduce_scatter, C.split, C.all_to_all)
-_TP_OPS = (*_TP_DIM_OPS, C.all_reduce, C.grad_all_reduce, C.grad_partial, parallel_ops.local_kv_heads,
+_TP_OPS = (*_TP_DIM_OPS, C.all_reduce, C.grad_all_reduce, C.grad_partial, C.unshare,
+           parallel_ops.local_kv_heads,
            parallel_ops.vocab_parallel_embedding)  # fmt: skip
 
 

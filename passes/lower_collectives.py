@@ -7,7 +7,8 @@ Algorithm (one mesh axis; ``pg`` = the consumers make the gradient partial):
 4. R -> S: ``split`` (local; backward all-gather).  P -> S: ``reduce_scatter``.
 5. S(i) -> S(j): ``all_to_all`` when neither dim is blocked, else all_gather then split.
    A shared split read as it is with pg (a parameter): ``grad_sum_shared`` (identity forward;
-   backward sums the gradient over the ranks sharing the piece).
+   backward sums the gradient over the ranks sharing the piece).  A shared split read as the
+   plain split of its dim: ``unshare`` (local: each sharer keeps its 1/rep of the piece).
 6. Hoist each ``grad_all_reduce`` above the replicated op feeding it while that op has no other
    user, one input that needs a gradient, and that input is not larger: a partial gradient
    stays partial through any op every rank repeats (its backward is linear in the gradient),
@@ -70,6 +71,13 @@ def _lower(graph: fx.Graph, node: fx.Node, x: fx.Node, axis: str, src: Placement
         raise NodeError(node, f"cannot re-lay {src} as {dst}: nothing turns a value partial")
     if src == dst and dst.rep > 1 and pg:
         _become(node, C.grad_sum_shared, (x, axis, dst.rep))
+    elif _unshares(src, dst):
+        if pg:  # a parameter: its sharers' parts of the gradient are summed first
+            with graph.inserting_before(node):
+                x = graph.call_function(C.grad_sum_shared, (x, axis, src.rep))
+            x.meta.update(node.meta)
+            meta.update(x, layout=meta.layout(node.args[0]), origin="lower_collectives")
+        _become(node, C.unshare, (x, axis, dst.dim, src.rep))
     elif isinstance(src, Replicate):
         _become(node, C.split, (x, axis, dst.dim, dst.blocks))
     elif isinstance(src, Partial):
@@ -82,6 +90,12 @@ def _lower(graph: fx.Graph, node: fx.Node, x: fx.Node, axis: str, src: Placement
         full.meta.update(node.meta)
         meta.update(full, layout=Layout.replicate(x.meta["val"].dim()))
         _become(node, C.split, (full, axis, dst.dim, dst.blocks))
+
+
+def _unshares(src: Placement, dst: Shard) -> bool:
+    """Step 5b: a shared split read as the plain split of its dim (a local narrow)."""
+    return (isinstance(src, Shard) and src.rep > 1 and dst.rep == 1 and src.dim == dst.dim
+            and src.blocks == dst.blocks == 1)  # fmt: skip
 
 
 def _become(node: fx.Node, target: object, args: tuple) -> None:

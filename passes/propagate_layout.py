@@ -110,7 +110,8 @@ def _requirements(node: fx.Node, ctx: PassContext, have: dict) -> list:
     out = []
     for a, want in zip(args, strat.inputs, strict=True):
         pg = isinstance(want, Replicate) and not strat.redundant and a.name in ctx.grad
-        pg = pg or (_shared(want) and a.op == "placeholder" and a.name in ctx.grad)
+        shared = _shared(want) or _shared(have.get(a))  # read as it is, or unshared
+        pg = pg or (shared and a.op == "placeholder" and a.name in ctx.grad)
         if a.target is redistribute and a.args[4]:
             pg = False  # already reads through a partial-gradient re-layout (idempotence)
         out.append((a, want, pg) if a in have else (None, None, False))

@@ -5,6 +5,8 @@ of a piece is summed over the ranks sharing it (``grad_sum_shared``)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -97,7 +99,8 @@ def test_shared_kv_heads_match_single_device(tp, heads, kv_heads, fused_qkv):
 
 @pytest.mark.parametrize(("name", "size"), [("llama", "realistic"), ("mistral", "realistic"),
                                           ("qwen2", "realistic"), ("llama", "node"),
-                                          ("mistral", "node"), ("qwen2", "node")])  # fmt: skip
+                                          ("mistral", "node"), ("qwen2", "node"),
+                                          ("olmo2", "node"), ("gemma2", "node")])  # fmt: skip
 def test_gqa_families_meet_the_hand_design_at_tp8(name, size):
     """4 K/V heads on 8 ranks (h 2048 / 16 heads, and one node's h 4096 / 32 heads, b 4):
     no K/V message, the hand design's activation all-reduces and traffic, weights 1/8."""
@@ -105,6 +108,47 @@ def test_gqa_families_meet_the_hand_design_at_tp8(name, size):
     assert row.comm is not None and row.comm.ok, zoo.table([row])
     assert not [m for m in row.comm.actual.messages if m.where.endswith(("k_proj", "v_proj"))]
     assert row.param_fraction == pytest.approx(1 / 8, rel=0.1)
+
+
+def _reads_shared_heads_locally(prog, hidden: int) -> bool:
+    """The shared K/V pieces read by each sharer as its own part (``unshare``, local), and
+    no K/V-shaped message in attention's forward: only [b,s,1] norm statistics and the
+    [b,s,h] activation messages of the residual stream."""
+    unshared = [n for n in prog.graph_module.graph.nodes if n.target is C.unshare]
+    fwd = [c for c in prog.collectives() if c.direction == "fwd" and "self_attn" in c.where]
+    return bool(unshared) and all(c.shape[-1] in (1, hidden) for c in fwd)
+
+
+@pytest.mark.parametrize("name", ["olmo2", "gemma2"])
+def test_shared_k_heads_through_norms_and_eager_attention_match_single_device(name):
+    """2 K/V heads shared by 4 ranks, read past SDPA's ``enable_gqa``: OLMo2's k_norm over
+    the whole K projection reads each sharer's half of its piece (``unshare``, local) and
+    all-reduces the [b,s,1] partial sum of squares; Gemma-2's eager attention after
+    ``repeat_kv`` reads the repeated heads as each sharer's own query heads' (``unshare``).  The plan is chosen at
+    a shape where that wins (h 512, s 2048, b 4) and reused on the tiny build, whose outputs and
+    every gradient must equal one device's."""
+    entry = zoo.family(name)
+    big = dataclasses.replace(zoo.TINY, hidden=512, heads=8, kv_heads=2, ffn=1024, seq=2048,
+                              batch=4)
+    small = dataclasses.replace(zoo.TINY, heads=8, kv_heads=2)
+    with _tiny(big):
+        model, args, kwargs, loss_fn = zoo.build(entry, "tiny", kv_heads=2)
+        plan = autoparallelize(model, Mesh(tp=4), args, loss_fn, example_kwargs=kwargs).plan
+    with _tiny(small):
+        model, args, kwargs, loss_fn = zoo.build(entry, "tiny", kv_heads=2)
+    prog = autoparallelize(model, Mesh(tp=4), args, loss_fn, example_kwargs=kwargs, plan=plan)
+    assert _reads_shared_heads_locally(prog, model.config.hidden_size), str(prog.plan)
+    report = verify(model, Mesh(tp=4), args, loss_fn, example_kwargs=kwargs, plan=plan)
+    assert report.ok, str(report)
+
+
+@contextlib.contextmanager
+def _tiny(dims: zoo.Dims):
+    saved, zoo.TINY = zoo.TINY, dims
+    try:
+        yield
+    finally:
+        zoo.TINY = saved
 
 
 def test_shared_kv_gradients_sum_on_the_sub_groups_of_a_device_mesh():

@@ -157,6 +157,19 @@ def test_thirty_two_identical_layers_are_solved_once():
     assert lays == {"S(0)"}
 
 
+def test_blocks_are_the_layers_not_a_longer_small_sequential():
+    """DiT's timestep MLP is an nn.Sequential of 3 modules beside 2 blocks: the blocks (many
+    more nodes) are what repeats and what is tied."""
+    from autopar.tools import zoo_models
+
+    net, args, kwargs = zoo_models.build(zoo_models.model("dit"), "tiny")
+    traced = trace(net, args, example_kwargs=kwargs)
+    blocks = find_blocks(list(traced.gm.graph.nodes), traced)
+    assert len(blocks) == 2
+    assert all(traced.params.get(n.name, "blocks.").startswith("blocks.")
+               for b in blocks for n in b if n.op == "placeholder")  # fmt: skip
+
+
 def test_mesh_size_that_divides_nothing_has_no_valid_plan():
     c = Config(layers=1, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=100, seq=16)
     model = build("gpt", c)

@@ -78,13 +78,21 @@ def _run_strategy(node: torch.fx.Node, s: Strategy, env: dict, gen) -> None:
     outs = []
     for r in range(T):
         local = torch.fx.node.map_arg((node.args, node.kwargs), lambda a, r=r: cut[a][r])
-        outs.append(node.target(*local[0], **local[1]))
+        outs.append(node.target(*_local_groups(node, s, local[0]), **local[1]))
     ref = env[node]
     if isinstance(ref, (tuple, list)):
         for i, p in enumerate(s.output):
             torch.testing.assert_close(_join([o[i] for o in outs], p), ref[i])
     else:
         torch.testing.assert_close(_join(outs, s.output), ref, atol=1e-5, rtol=1e-5)
+
+
+def _local_groups(node: torch.fx.Node, s: Strategy, args: tuple) -> tuple:
+    """A grouped conv split over its channels runs 1/T of its groups (as ``localize`` does)."""
+    if "conv" in str(node.target) and len(args) > 6 and args[6] > 1 and s.inputs[0] != Replicate():
+        if getattr(s.inputs[0], "dim", None) == 1:
+            return (*args[:6], args[6] // T, *args[7:])
+    return args
 
 
 def check_strategies(fn, *inputs: torch.Tensor, op: object, blocks=(1,)) -> list[str]:
@@ -249,6 +257,56 @@ def test_complex_rope_keeps_heads_split():
     prog = autoparallelize(model, Mesh(tp=2), x)
     assert {c.kind for c in prog.plan.collectives} == {"all_reduce"}, prog.plan.collectives
     report = verify(model, Mesh(tp=2), x)
+    assert report.ok, str(report)
+    assert report.max_rel_error < 1e-5
+
+
+img = torch.randn(2, 4, 6, 6)
+CONVS = {  # (fn, inputs, op); every channel split but the grouped conv's
+    "3x3 padded, bias": (lambda x, w, b: F.conv2d(x, w, b, padding=1),
+                         (img, torch.randn(6, 4, 3, 3), torch.randn(6)), aten.conv2d.default),
+    "2x2 stride 2": (lambda x, w: F.conv2d(x, w, stride=2), (img, torch.randn(6, 4, 2, 2)),
+                     aten.conv2d.default),
+    "same padding": (lambda x, w: F.conv2d(x, w, padding="same"), (img, torch.randn(6, 4, 3, 3)),
+                     aten.conv2d.padding),
+    "1-d": (lambda x, w: F.conv1d(x, w, dilation=2), (x4[0], torch.randn(6, 6, 3)),
+            aten.conv1d.default),
+    "grouped": (lambda x, w: F.conv2d(x, w, groups=2), (img, torch.randn(6, 2, 3, 3)),
+                aten.conv2d.default),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(CONVS))
+def test_every_strategy_of_a_convolution_reassembles_the_single_device_value(name):
+    fn, inputs, op = CONVS[name]
+    seen = check_strategies(fn, *inputs, op=op, blocks=(1, 2))
+    column = [s for s in seen if s.endswith("->S(1)")]
+    row = [s for s in seen if s.endswith("->P")]  # tracing moved a bias into an add after it
+    assert (len(column), len(row)) == ((1, 0) if name == "grouped" else (1, 2)), seen
+
+
+class ConvStack(nn.Module):
+    """Two overlapping 3x3 convolutions: column-parallel, then row-parallel (bias added once);
+    between them a depthwise 3x3 (ConvNeXt / MobileNet) on this rank's channels."""
+
+    def __init__(self, c: int = 8, hidden: int = 32) -> None:
+        super().__init__()
+        self.up = nn.Conv2d(c, hidden, 3, padding=1)
+        self.depthwise = nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden)
+        self.down = nn.Conv2d(hidden, c, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.depthwise(F.gelu(self.up(x)))))
+
+
+def test_conv_stack_splits_channels_megatron_style():
+    torch.manual_seed(0)
+    model, x = ConvStack(), (torch.randn(2, 8, 6, 6),)
+    prog = autoparallelize(model, Mesh(tp=2), x, memory_weight=MEMORY)
+    fwd = [(c.kind, c.shape) for c in prog.plan.collectives if c.direction == "fwd"]
+    assert len(fwd) == 1 and fwd[0][1] == (2, 8, 6, 6), fwd  # only the row conv's partial sum
+    assert fwd[0][0] in ("all_reduce", "reduce_scatter"), fwd
+    report = verify(model, Mesh(tp=2), x, memory_weight=MEMORY)
     assert report.ok, str(report)
     assert report.max_rel_error < 1e-5
 

@@ -4,6 +4,7 @@ Per model (one ``zoo_models.check`` shared by its tests): verify of the tiny con
 the single device (loss, logits, every gradient; rtol 1e-4); the realistic config compiled on
 the meta device all-gathers no weight; rank 0 holds ~1/2 of the layers' parameter bytes.
 KNOWN_GAPS are strict xfails: they fail the suite once fixed, so the list only shrinks.
+The DiT also meets the hand design's forward communication per block, and verifies at tp=4.
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ import logging
 
 import pytest
 
+from autopar.mesh import Mesh
 from autopar.tools import zoo_models
+from autopar.verify import verify
 
 pytest.importorskip("transformers")
 
 TP = 2
+R = zoo_models._SIZES["realistic"]
 NAMES = [m.name for m in zoo_models.models()]
-KNOWN_GAPS: dict[tuple[str, str], str] = {
-    ("hf_vit", "weights"): "conv2d patch embedding and position embedding are all-gathered "
-    "(conv2d has no sharding rule; NOTES.md, beyond causal LMs)",
-}
+KNOWN_GAPS: dict[tuple[str, str], str] = {}
 
 
 @functools.cache
@@ -64,3 +65,24 @@ def test_rank0_holds_its_share_of_layer_parameters(name, request):
     r = row(name)
     assert r.param_fraction is not None, r.comm_reason
     assert r.param_fraction == pytest.approx(1 / TP, rel=0.1)
+
+
+def test_dit_blocks_meet_the_hand_design():
+    """Per block: the attention and MLP outputs' all-reduces of [b, tokens, h] (row-parallel
+    proj / fc2, gated while partial) and one all-gather of the column-split modulation's
+    [b, 6h] (shift, scale, gate per sub-block, each chunk split over the ranks); nothing else."""
+    r = row("dit")
+    assert r.comm is not None, r.comm_reason
+    tokens = (R["latent"] // R["latent_patch"]) ** 2
+    b, h = R["batch"], R["hidden"]
+    for layer in (0, 1):
+        got = sorted((m.kind, m.shape) for m in r.comm.messages if m.layer == layer)
+        assert got == [("all_gather", (b, 6 * h)), ("all_reduce", (b, tokens, h)),
+                       ("all_reduce", (b, tokens, h))], got  # fmt: skip
+
+
+def test_dit_verifies_at_tp4():
+    net, args, kwargs = zoo_models.build(zoo_models.model("dit"), "tiny")
+    report = verify(net, Mesh(tp=4), args, None, example_kwargs=kwargs)
+    assert report.ok, str(report)
+    assert report.max_rel_error < 1e-4

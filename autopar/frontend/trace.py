@@ -29,8 +29,8 @@ Algorithm:
    only during the export; ``Traced.tensors`` keeps the model's own (fp32 master) tensors.
 4. Drop unused parameter placeholders (the second name of a tied weight), drop
    ``_assert_tensor_metadata`` checks (they assert global metadata) and split each
-   biased ``linear`` into ``linear`` + ``add``: a row-split linear must add its bias once, after
-   the reduction, and as separate nodes the planner prices exactly that.  Per-expert loops
+   biased ``linear`` (and convolution) into ``linear`` + ``add``: a row-split linear must add
+   its bias once, after the reduction, and as separate nodes the planner prices exactly that.  Per-expert loops
    become stacked experts (``autopar.frontend.moe_loop``).  Then ``autopar.frontend.canonical``: inference-mode dropout goes, and a sum of several matmul outputs
    adds them first (parallel attention + MLP blocks reduce once).
 5. Record, per placeholder, which parameter, buffer or user input it is.
@@ -67,6 +67,9 @@ from autopar.ir.meta import update as meta_update
 from autopar.ir.printing import lazy_module
 
 _ASSERT_OPS = (torch.ops.aten._assert_tensor_metadata.default,)
+_CONVS = (torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default,
+          torch.ops.aten.conv3d.default, torch.ops.aten.conv1d.padding,
+          torch.ops.aten.conv2d.padding, torch.ops.aten.conv3d.padding)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -256,6 +259,8 @@ def _collect(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str,
             _split_bias(gm.graph, node)
         elif node.target is torch.ops.aten.addmm.default and _plain_addmm(node):
             _split_addmm(gm.graph, node)
+        elif node.target in _CONVS and _arg(node, 2, "bias") is not None:
+            _split_conv_bias(gm.graph, node)
     for node in gm.graph.nodes:  # after the splits: their new nodes copied unstripped paths
         if prefix and "nn_module_stack" in node.meta:
             node.meta["nn_module_stack"] = {
@@ -351,6 +356,28 @@ def _plain_addmm(node: fx.Node) -> bool:
 def _split_addmm(graph: fx.Graph, node: fx.Node) -> None:
     """addmm(b, x, w) -> add(mm(x, w), b): like a linear's bias, added once after a row split."""
     _bias_after(graph, node, torch.ops.aten.mm.default, node.args[1:3], node.args[0])
+
+
+def _split_conv_bias(graph: fx.Graph, node: fx.Node) -> None:
+    """conv(x, w, b, ...) -> add(conv(x, w, None, ...), b.view(c, 1, ...)): a conv split over
+    its input channels adds the bias once, after the reduction, as a split linear does."""
+    bias = _arg(node, 2, "bias")
+    spatial = node.meta["val"].dim() - 2
+    with graph.inserting_before(node):
+        view = graph.call_function(torch.ops.aten.view.default, (bias, [-1] + [1] * spatial))
+    view.meta.update({k: v for k, v in node.meta.items() if k != "autopar"})
+    view.meta["val"] = bias.meta["val"].view(-1, *[1] * spatial)
+    args = (*node.args[:2], None, *node.args[3:])
+    kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
+    with graph.inserting_after(node):
+        conv = graph.call_function(node.target, args, kwargs)
+    with graph.inserting_after(conv):
+        add = graph.call_function(torch.ops.aten.add.Tensor, (conv, view))
+    for new in (conv, add):
+        new.meta.update({k: v for k, v in node.meta.items() if k != "autopar"})
+    node.replace_all_uses_with(add)
+    graph.erase_node(node)
+    conv.name = node.name
 
 
 def _bias_after(graph: fx.Graph, node: fx.Node, matmul: object, operands: tuple,

@@ -79,7 +79,8 @@ def tie_blocks(nodes: list[fx.Node], traced: Traced) -> dict[fx.Node, fx.Node]:
 
 
 def find_blocks(nodes: list[fx.Node], traced: Traced) -> list[list[fx.Node]]:
-    """The nodes of each repeated sibling module of the largest indexed container, in order."""
+    """The nodes of each repeated sibling module of the largest indexed container (most nodes:
+    a model's 2 layers, not the 3 modules of a small ``nn.Sequential`` beside them), in order."""
     members: dict[str, dict[int, list[fx.Node]]] = defaultdict(lambda: defaultdict(list))
     seen: dict[tuple[str, ...], set[tuple[str, int]]] = {}  # a block's nodes share their paths
     for n in nodes:
@@ -92,7 +93,8 @@ def find_blocks(nodes: list[fx.Node], traced: Traced) -> list[list[fx.Node]]:
             members[container][idx].append(n)
     if not members:
         return []
-    container = max(members, key=lambda c: (len(members[c]), -len(c)))
+    nodes_in = lambda c: sum(map(len, members[c].values()))  # noqa: E731
+    container = max(members, key=lambda c: (nodes_in(c), len(members[c]), -len(c)))
     by_index = members[container]
     return [by_index[i] for i in sorted(by_index)]
 

@@ -14,6 +14,10 @@ the wire in both directions:
 - ``grad_sum_shared(x, axis, rep)``: identity forward on a shared split (each piece held by
   ``rep`` consecutive ranks); backward sums the gradient over the ranks sharing the piece
   (one all-reduce of the piece on the sub-group of those ``rep`` ranks, ``axis/rep``).
+- ``unshare(x, axis, dim, rep)``: a shared split (each piece on ``rep`` consecutive ranks) ->
+  the plain split of the same dim, locally: each sharer keeps its 1/rep of the piece (HF's
+  ``repeat_kv`` of a shared K/V head into this rank's query heads).  Backward: the gradient
+  padded with zeros (each sharer's part of the piece's gradient; their sum is whole).
 - ``grad_partial(x, axis)``: identity forward; backward keeps a whole gradient on the axis'
   rank 0 only (zeros elsewhere), so it joins partial gradients one later reduction sums.
 - ``expert_dispatch(rows, offs, axis)``: rows grouped by expert -> this rank's experts' rows
@@ -213,6 +217,23 @@ class _Split(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         return _gather(g, *ctx.args), None, None, None
+
+
+class _Unshare(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: str, dim: int, rep: int) -> torch.Tensor:
+        n = x.shape[dim] // rep
+        ctx.args = (dim, axis_rank(axis) % rep * n, x.shape[dim])
+        return x.narrow(dim, ctx.args[1], n).contiguous()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        dim, start, whole = ctx.args
+        shape = list(g.shape)
+        shape[dim] = whole
+        out = g.new_zeros(shape)
+        out.narrow(dim, start, g.shape[dim]).copy_(g)
+        return out, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -443,6 +464,13 @@ def reduce_scatter(x: torch.Tensor, axis: str, dim: int, blocks: int = 1) -> tor
 def split(x: torch.Tensor, axis: str, dim: int, blocks: int = 1) -> torch.Tensor:
     """Keep this rank's slice of dim ``dim`` of a replicated value; backward all-gathers."""
     return _Split.apply(x, axis, dim, blocks)
+
+
+@graph_op
+def unshare(x: torch.Tensor, axis: str, dim: int, rep: int) -> torch.Tensor:
+    """A shared split of dim ``dim`` (each piece on ``rep`` ranks) -> its plain split: keep
+    this rank's 1/rep of the local piece; backward pads the gradient with zeros."""
+    return _Unshare.apply(x, axis, dim, rep)
 
 
 @graph_op

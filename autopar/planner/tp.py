@@ -195,8 +195,9 @@ def _solve(traced: Traced, axis: str, size: int, link: Link, gpu: GPU, options: 
            in_place: frozenset[str]) -> AxisSolution:  # fmt: skip
     graph_nodes = list(traced.gm.graph.nodes)
     grad = needs_grad(traced)
-    ctx = RuleContext(size=size, blocks=block_counts(graph_nodes),
-                      reps=shared_kv_reps(graph_nodes, size))  # fmt: skip
+    groups = head_groups(graph_nodes, size)
+    ctx = RuleContext(size=size, blocks=block_counts(graph_nodes, groups),
+                      reps=shared_kv_reps(graph_nodes, size), groups=groups)  # fmt: skip
     rep = tie_blocks(graph_nodes, traced)
     cands = _candidates(graph_nodes, rep, traced, ctx, options.strict, dict(options.arrive))
     if axis == "tp" and size > 1:
@@ -242,8 +243,10 @@ def _picked(x: np.ndarray, xvar: dict, node: fx.Node, cands: dict) -> int:
 # ---------------------------------------------------------------- step 1: candidates
 
 
-def block_counts(nodes: list[fx.Node]) -> tuple[int, ...]:
-    """Block counts worth considering: 1 plus the piece count of equal splits and cats."""
+def block_counts(nodes: list[fx.Node], groups: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """Block counts worth considering: 1 plus the piece count of equal splits and cats and of
+    leading view groups; with interleaved head ``groups`` (:func:`head_groups`) those too,
+    alone and times the piece counts (CodeGen's 4 groups x q, v, k = 12 column blocks)."""
     found = {1}
     for n in nodes:
         if n.op != "call_function":
@@ -254,6 +257,18 @@ def block_counts(nodes: list[fx.Node]) -> tuple[int, ...]:
             if len(shapes) == 1 and len(n.meta["val"]) > 1:
                 found.add(len(n.meta["val"]))
         found |= view_block_counts(n)
+    return tuple(sorted(found | set(groups) | {g * b for g in groups for b in found}))
+
+
+def head_groups(nodes: list[fx.Node], size: int) -> tuple[int, ...]:
+    """Group counts that a view splits out of an inner dim ([.., g*n] <-> [.., g, n]) and
+    that ``size`` does not divide: an interleaved layout (CodeGen's 4 groups of heads, each
+    with its q, v and k columns) whose every group is split over the axis, so the heads and
+    the output projection's rows split blocked by g."""
+    if size == 1:
+        return ()
+    found = {g for n in nodes if n.op == "call_function"
+             for g in view_block_counts(n, inner=True) if g % size}  # fmt: skip
     return tuple(sorted(found))
 
 
@@ -466,8 +481,11 @@ class _Pricer:
         """Forward + backward seconds of a re-layout; None when impossible."""
         if have == want:
             return 0.0
+        if (isinstance(have, Shard) and have.rep > 1 and isinstance(want, Shard) and want.rep == 1
+                and have.dim == want.dim and have.blocks == want.blocks == 1):
+            return 0.0  # unshare: each sharer keeps its part of the piece, locally
         if isinstance(want, Partial) or _rep(have) > 1 or _rep(want) > 1:
-            return None  # a shared split is only read as it is
+            return None  # a shared split is otherwise only read as it is
         bwd = 1.0 if grad else 0.0
         if isinstance(have, Replicate):  # local slice; backward all-gathers the gradient
             return bwd * self.t("all_gather", nbytes)

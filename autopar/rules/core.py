@@ -78,6 +78,7 @@ class RuleContext:
     size: int
     blocks: tuple[int, ...] = (1,)
     reps: tuple[int, ...] = ()  # shared-split replication counts in play (step 3)
+    groups: tuple[int, ...] = ()  # head groups the axis size does not divide (interleaved)
 
 
 Rule = Callable[[fx.Node, RuleContext], list[Strategy]]

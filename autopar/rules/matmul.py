@@ -1,6 +1,6 @@
-"""The matmul family (linear, mm/bmm/matmul, baddbmm, addmm), attention (SDPA), embedding and
-cross-entropy: Megatron's column/row splits, head-parallel attention, vocab-parallel
-embedding and loss."""
+"""The matmul family (linear, mm/bmm/matmul, baddbmm, addmm, convolutions), attention (SDPA),
+embedding and cross-entropy: Megatron's column/row splits, head-parallel attention,
+vocab-parallel embedding and loss."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def linear(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     for b in ctx.blocks:
         found.append(Strategy((R, Shard(0, b)) + bias(Shard(0, b)), Shard(nd - 1, b)))
     if not has_bias:  # trace.py splits biases off, so row splits add the bias after reducing
-        found.append(Strategy((Shard(nd - 1), Shard(1)), PARTIAL))
+        for b in (1, *ctx.groups):  # blocked: an interleaved head layout's output projection
+            found.append(Strategy((Shard(nd - 1, b), Shard(1, b)), PARTIAL))
         found.append(Strategy((PARTIAL, R), PARTIAL))
     return found
 
@@ -49,6 +50,37 @@ def matmul(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
         for n in ctx.blocks:
             pa, pb = (_broadcast_placement(s[:-2], out[:-2], d, n) for s in (a, b))
             found.append(Strategy((pa, pb), Shard(d, n)))
+    return found
+
+
+_CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
+          aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding)  # fmt: skip
+
+
+@rule(*_CONVS)
+def conv(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """x[b, c_in, *space] * w[c_out, c_in / groups, *kernel] (+ bias[c_out]): a linear over
+    the channels at every output position, so it splits like one.
+
+    Batch (x dim 0), output channels (w dim 0, the bias, output dim 1: column-parallel) and,
+    without a bias, input channels (x dim 1, w dim 1: row-parallel, a partial sum; with a bias
+    each rank would add it) or a partial x.  A grouped conv (depthwise: groups == channels)
+    splits its groups when the ranks divide them: x dim 1, w dim 0 and output dim 1 together,
+    each rank convolving whole groups (``localize`` divides the ``groups`` argument).  Spatial
+    dims never split (a kernel wider than its stride reads across the cut).
+    """
+    has_bias = len(tensor_args(node)) == 3
+    bias = lambda p: (p,) if has_bias else ()  # noqa: E731
+    found = [Strategy((Shard(0), R) + bias(R), Shard(0))]
+    groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+    if groups != 1:
+        if groups % ctx.size == 0:
+            found.append(Strategy((Shard(1), Shard(0)) + bias(Shard(0)), Shard(1)))
+        return found
+    found += [Strategy((R, Shard(0, b)) + bias(Shard(0, b)), Shard(1, b)) for b in ctx.blocks]
+    if not has_bias:
+        found.append(Strategy((Shard(1), Shard(1)), PARTIAL))
+        found.append(Strategy((PARTIAL, R), PARTIAL))
     return found
 
 
@@ -88,7 +120,8 @@ def sdpa(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     args = tensor_args(node)
     q, k = _shape(args[0]), _shape(args[1])
     masks = [_shape(m) for m in args[3:]]
-    found = [Strategy((Shard(d),) * 3 + _mask_placements(masks, d), Shard(d)) for d in (0, 1)]
+    found = [Strategy((Shard(d, b),) * 3 + _mask_placements(masks, d, b), Shard(d, b))
+             for d in (0, 1) for b in (1, *ctx.groups)]  # heads blocked: interleaved groups
     heads_q, heads_kv = q[1], k[1]
     if heads_kv % ctx.size and ctx.size % heads_kv == 0 and heads_q % ctx.size == 0:
         ins = (Shard(1), R, R) + _mask_placements(masks, 1)
@@ -100,24 +133,51 @@ def sdpa(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
 
 
 def shared_kv_reps(nodes: list[fx.Node], size: int) -> tuple[int, ...]:
-    """The replication counts of :func:`sdpa`'s shared K/V splits in a graph (size/g for every
-    grouped-query attention with 1 < g < size K/V heads dividing size; multi-query attention's
-    one head is replicated, ``replicated_kv_heads``: one piece is no split)."""
+    """The replication counts of shared K/V splits in a graph: size/g for every grouped-query
+    attention with 1 < g < size K/V heads dividing size (:func:`sdpa`; multi-query
+    attention's one head is replicated, ``replicated_kv_heads``: one piece is no split), and
+    for every head repeat written out (HF's ``repeat_kv`` before eager attention: ``expand``
+    of [b, g, 1, s, d] to [b, g, n, s, d], reshaped to [b, g*n, s, d]): the shared piece is
+    then read by its sharers as the plain split of the repeated heads (``unshare``)."""
     found = set()
     for n in nodes:
         if n.target is aten.scaled_dot_product_attention.default:
             q, k = _shape(n.args[0]), _shape(n.args[1])
             if 1 < k[1] < size and size % k[1] == 0 and q[1] % size == 0:
                 found.add(size // k[1])
+        elif (g := _repeated_groups(n)) is not None and 1 < g[0] < size and size % g[0] == 0 \
+                and g[0] * g[1] % size == 0:
+            found.add(size // g[0])
     return tuple(sorted(found))
 
 
-def _mask_placements(masks: list[torch.Size], d: int) -> tuple[Placement, ...]:
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _repeated_groups(n: fx.Node) -> tuple[int, int] | None:
+    """(g, n) when ``n`` merges dims (d, d+1) of an ``expand`` that repeats a size-1 dim d+1
+    n times (a head repeat: [.., g, 1, ..] -> [.., g, n, ..] -> [.., g*n, ..])."""
+    if n.op != "call_function" or n.target not in _VIEWS:
+        return None
+    src = n.args[0]
+    if not isinstance(src, fx.Node) or src.target is not aten.expand.default:
+        return None
+    before, after, out = _shape(src.args[0]), _shape(src), _shape(n)
+    if len(before) != len(after) or len(out) != len(after) - 1:
+        return None
+    for d in range(len(after) - 1):
+        if (before[d + 1] == 1 and after[d + 1] > 1 and out[d] == after[d] * after[d + 1]
+                and list(out[:d]) == list(after[:d]) and list(out[d + 1:]) == list(after[d + 2:])):
+            return after[d], after[d + 1]
+    return None
+
+
+def _mask_placements(masks: list[torch.Size], d: int, b: int = 1) -> tuple[Placement, ...]:
     """An attention mask broadcasts against [b, heads, s, s]: split it where it is not 1."""
     out: list[Placement] = []
     for m in masks:
         md = d - (4 - len(m))
-        out.append(R if md < 0 or m[md] == 1 else Shard(md))
+        out.append(R if md < 0 or m[md] == 1 else Shard(md, b))
     return tuple(out)
 
 

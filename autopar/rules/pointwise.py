@@ -92,3 +92,17 @@ def _partial_pointwise(node: fx.Node, n_in: int) -> list[Strategy]:
             Strategy(tuple(PARTIAL if i == j else R for i in range(n_in)), PARTIAL) for j in firsts
         ]
     return []
+
+
+@rule(aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default)
+def new_like(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """``x.new_empty(size)`` and its kin read only ``x``'s dtype and device: ``x`` is taken as
+    it lies, and the constant output is made whole or split (each rank makes its own local
+    piece: ``localize`` gives it the local size).  DeepSeek's MLA fills a ``new_empty`` key
+    buffer made from the head-split ``kv_b`` output; reading that output whole would gather it."""
+    src, out = _shape(node.args[0]), _shape(node)
+    ins = [R, *[Shard(d, b) for d in range(len(src)) for b in ctx.blocks]]
+    outs = [Shard(d, b) for d in range(len(out)) for b in ctx.blocks]
+    found = [Strategy((p,), R) for p in ins[1:]] + [Strategy((R,), q) for q in outs]
+    found += [Strategy((p,), p) for p in ins[1:] if p.dim < len(out)]  # the same dims split
+    return found

@@ -11,7 +11,6 @@ from autopar.rules.core import RULES, aten
 _REPLICATED_ONLY = [
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default,
     aten.ones.default, aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default,
-    aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
     aten.pad.default, aten.index_select.default, aten.gather.default,
     aten.nll_loss_forward.default, aten.nll_loss.default, aten.nll_loss_nd.default,
     aten.item.default, aten._local_scalar_dense.default, aten.constant_pad_nd.default,

@@ -235,18 +235,20 @@ def split(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     return found
 
 
-def view_block_counts(node: fx.Node) -> set[int]:
+def view_block_counts(node: fx.Node, inner: bool = False) -> set[int]:
     """Block counts a view or unbind puts in play: a split of an inner dim of a merged leading
     group (heads in [batch * heads], sequence in [batch * seq]) is a blocked split of the
-    merge; unbinding n pieces (a ViT's [3, heads, ...]) makes n blocks of the fused dim."""
+    merge; unbinding n pieces (a ViT's [3, heads, ...]) makes n blocks of the fused dim.
+    ``inner``: the counts of groups that do not lead ([.., g, n] <-> [.., g*n]: head groups);
+    the planner keeps those that the axis size does not divide."""
     if node.target is aten.unbind.int and len(node.meta.get("val", ())) > 1:
-        return {len(node.meta["val"])}
+        return set() if inner else {len(node.meta["val"])}
     if node.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
         return set()
     found = set()
     for side in _view_groups(_shape(node.args[0]), _shape(node)):
         for dims, shape in zip(side, (_shape(node.args[0]), _shape(node)), strict=True):
-            if not dims or dims[0] != 0:
+            if not dims or (dims[0] != 0) != inner:
                 continue  # inner merges ([heads, d] -> [h]) only offer splits inside a head
             prefix = (math.prod(shape[k] for k in dims[:i]) for i in range(1, len(dims)))
             found.update(p for p in prefix if p > 1)

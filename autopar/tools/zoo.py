@@ -882,7 +882,9 @@ _GENERIC = dict(vocab_size=128, hidden_size=64, intermediate_size=128, ffn_dim=1
                 n_shared_experts=1, shared_expert_intermediate_size=32, ffn_hidden_size=128,
                 n_group=1, topk_group=1, first_k_dense_replace=1, moe_topk=2, layer_types=None,
                 sliding_window=8, window_size=8, attention_types=[[["global", "local"], 1]],
-                pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False)  # fmt: skip
+                linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                linear_num_value_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                use_cache=False)  # fmt: skip
 
 
 def build_generic(model_type: str, seed: int = 0) -> tuple[nn.Module, tuple, dict]:

@@ -1,15 +1,17 @@
 """Models that are not causal LMs (issue 20.5): a registry and one check per model.
 
-Each entry builds a Hugging Face model from a config with random weights (nothing is
-downloaded) and trains it with the model's own loss (``labels=``): an image classifier
-(ViT), encoder classifiers (BERT, DistilBERT) and encoder-decoders (T5, BART).
+Each entry builds a model with random weights (nothing is downloaded) and trains it with the
+model's own loss: Hugging Face models from a config (``labels=``): an image classifier (ViT),
+encoder classifiers (BERT, DistilBERT) and encoder-decoders (T5, BART); and plain modules
+written here: a diffusion transformer (:class:`DiT`, noise-prediction MSE).
 
 Algorithm of :func:`check` (one row of the table):
 1. Build the tiny config on the CPU and ``verify`` it at ``Mesh(tp=t)`` on the Gloo pool:
    max relative error over the loss, the outputs and every parameter gradient.
 2. Build the realistic config (ViT-B / BERT-base widths: hidden 768, 12 heads, 2 layers) on the
    meta device and ``autoparallelize`` it with ``param_dtype=torch.bfloat16``.
-3. Read its forward collectives (zoo.forward_collectives) and count the weight all-gathers:
+3. Read its forward collectives (zoo.forward_collectives, with :func:`tokens`: messages of at
+   most 2 elements per token print in lower case) and count the weight all-gathers:
    forward all-gathers of a value that reads a parameter through views and casts only
    (Megatron gathers none).
 4. Rank 0's share of the layers' parameter bytes (zoo.layer_param_fraction; ideally 1/t).
@@ -18,6 +20,8 @@ Each step's exception is caught into the row with a one-line reason.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -26,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from autopar.api import autoparallelize
 from autopar.mesh import Mesh
@@ -38,9 +43,10 @@ class Model:
     """One non-causal-LM model of the installed transformers."""
 
     name: str
-    model_class: str
+    model_class: str  # a transformers class, or '' for ``module``
     config_class: str
     config: Callable[[str], dict[str, Any]]  # config keywords at 'tiny' or 'realistic'
+    module: Callable[..., nn.Module] | None = None  # built from the config keywords instead
     inputs: Callable[[str, Any, torch.Generator], tuple[tuple, dict]]  # (args, kwargs)
     tags: tuple[str, ...]
 
@@ -67,9 +73,98 @@ class Row:
 
 
 _SIZES = {"tiny": dict(hidden=64, heads=4, ffn=128, vocab=128, seq=16, batch=2, image=32,
-                       patch=8),
+                       patch=8, latent=16, latent_patch=4),
           "realistic": dict(hidden=768, heads=12, ffn=3072, vocab=32000, seq=512, batch=4,
-                            image=224, patch=16)}  # fmt: skip
+                            image=224, patch=16, latent=32, latent_patch=2)}  # fmt: skip
+
+
+def _timestep_frequencies(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """[b] timesteps -> [b, dim] cosines and sines at geometric frequencies (transformer
+    positions, for diffusion time)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device) / half)
+    angles = t.float()[:, None] * freqs[None]
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
+
+
+def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+class DiTBlock(nn.Module):
+    """A transformer block conditioned by adaLN-Zero: SiLU + Linear(c) -> 6 vectors (shift,
+    scale, gate for attention and for the MLP), LayerNorms without affine, gated residuals."""
+
+    def __init__(self, hidden: int, heads: int, ffn: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.norm2 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        self.fc1 = nn.Linear(hidden, ffn)
+        self.fc2 = nn.Linear(ffn, hidden)
+        self.modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 6 * hidden))
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, h = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(out.transpose(1, 2).reshape(b, n, h))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.modulation(c).chunk(6, dim=1)
+        x = x + gate1.unsqueeze(1) * self.attention(_modulate(self.norm1(x), shift1, scale1))
+        mlp = self.fc2(F.gelu(self.fc1(_modulate(self.norm2(x), shift2, scale2)), approximate="tanh"))
+        return x + gate2.unsqueeze(1) * mlp
+
+
+class DiT(nn.Module):
+    """A class-conditional diffusion transformer on latents [b, c, s, s] (Peebles & Xie's DiT):
+    conv2d patchify + fixed 2-D sine-cosine positions, timestep embedding (frequencies ->
+    MLP) plus label embedding as the condition, adaLN-Zero blocks, a modulated final layer,
+    unpatchify; ``forward(x, t, y, target)`` returns the noise prediction's MSE.
+
+    Weights keep PyTorch's default initialisation (DiT zeroes the modulation and output
+    layers, which would make most gradients zero and a verify vacuous).
+    """
+
+    def __init__(self, *, latent: int, patch: int, channels: int, hidden: int, heads: int,
+                 ffn: int, layers: int, classes: int, freq_dim: int = 256) -> None:  # fmt: skip
+        super().__init__()
+        self.patch, self.channels, self.freq_dim, self.grid = patch, channels, freq_dim, latent // patch
+        self.patchify = nn.Conv2d(channels, hidden, patch, stride=patch)
+        self.register_buffer("pos", self._positions(self.grid, hidden), persistent=False)
+        self.time = nn.Sequential(nn.Linear(freq_dim, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+        self.label = nn.Embedding(classes, hidden)
+        self.blocks = nn.ModuleList(DiTBlock(hidden, heads, ffn) for _ in range(layers))
+        self.norm = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        self.final_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden))
+        self.out = nn.Linear(hidden, patch * patch * channels)
+
+    @staticmethod
+    def _positions(grid: int, hidden: int) -> torch.Tensor:
+        """[1, grid*grid, hidden]: half the channels encode the row, half the column."""
+        axis = torch.arange(grid, dtype=torch.float32)
+        rows, cols = torch.meshgrid(axis, axis, indexing="ij")
+        quarter = hidden // 4
+        freqs = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float32) / quarter)
+        parts = [f(pos.reshape(-1, 1) * freqs) for pos in (rows, cols) for f in (torch.sin, torch.cos)]
+        return torch.cat(parts, dim=1).unsqueeze(0)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor,
+                target: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        b = x.shape[0]
+        tokens = self.patchify(x).flatten(2).transpose(1, 2) + self.pos
+        c = self.time(_timestep_frequencies(t, self.freq_dim)) + self.label(y)
+        for block in self.blocks:
+            tokens = block(tokens, c)
+        shift, scale = self.final_modulation(c).chunk(2, dim=1)
+        patches = self.out(_modulate(self.norm(tokens), shift, scale))
+        g, p = self.grid, self.patch
+        image = patches.reshape(b, g, g, p, p, self.channels).permute(0, 5, 1, 3, 2, 4)
+        return F.mse_loss(image.reshape(b, self.channels, g * p, g * p), target)
 
 
 def _bert(size: str) -> dict[str, Any]:
@@ -108,6 +203,21 @@ def _bart(size: str) -> dict[str, Any]:
                 eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)  # fmt: skip
 
 
+def _dit(size: str) -> dict[str, Any]:
+    d = _SIZES[size]
+    return dict(latent=d["latent"], patch=d["latent_patch"], channels=4, hidden=d["hidden"],
+                heads=d["heads"], ffn=d["ffn"], layers=2, classes=10)  # fmt: skip
+
+
+def _denoise(size: str, device: Any, g: torch.Generator) -> tuple[tuple, dict]:
+    d = _SIZES[size]
+    shape = (d["batch"], 4, d["latent"], d["latent"])
+    x, noise = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    t = torch.randint(0, 1000, (d["batch"],), generator=g)
+    y = torch.randint(0, 10, (d["batch"],), generator=g)
+    return (x.to(device), t.to(device), y.to(device)), {"target": noise.to(device)}
+
+
 def _text_cls(size: str, device: Any, g: torch.Generator) -> tuple[tuple, dict]:
     d = _SIZES[size]
     ids = torch.randint(3, d["vocab"], (d["batch"], d["seq"]), generator=g).to(device)
@@ -140,6 +250,8 @@ _MODELS: tuple[Model, ...] = (
           config=_t5, inputs=_seq2seq, tags=("encoder-decoder", "cross-attention", "rel-bias")),
     Model(name="hf_bart", model_class="BartForConditionalGeneration", config_class="BartConfig",
           config=_bart, inputs=_seq2seq, tags=("encoder-decoder", "cross-attention")),
+    Model(name="dit", model_class="", config_class="", config=_dit, inputs=_denoise,
+          module=DiT, tags=("vision", "diffusion", "conv-patch", "adaln", "mse")),
 )  # fmt: skip
 
 
@@ -159,14 +271,18 @@ def model(name: str) -> Model:
 def build(entry: Model, size: str = "tiny", device: str = "cpu",
           seed: int = 0) -> tuple[nn.Module, tuple, dict]:  # fmt: skip
     """``(model, args, kwargs)`` in eval mode; on the CPU 1-D parameters get random values."""
-    import transformers
-
     if size not in _SIZES:
         raise ValueError(f"size must be 'tiny' or 'realistic', not {size!r}")
-    cfg = getattr(transformers, entry.config_class)(**entry.config(size), use_cache=False)
     torch.manual_seed(seed)
-    with torch.device(device):
-        net = getattr(transformers, entry.model_class)(cfg)
+    if entry.module is not None:
+        with torch.device(device):
+            net = entry.module(**entry.config(size))
+    else:
+        import transformers
+
+        cfg = getattr(transformers, entry.config_class)(**entry.config(size), use_cache=False)
+        with torch.device(device):
+            net = getattr(transformers, entry.model_class)(cfg)
     net.eval()
     if device != "meta":
         with torch.no_grad():
@@ -175,6 +291,17 @@ def build(entry: Model, size: str = "tiny", device: str = "cpu",
                     p.add_(0.1 * torch.randn_like(p))
     args, kwargs = entry.inputs(size, device, torch.Generator().manual_seed(seed + 1))
     return net, args, kwargs
+
+
+def tokens(entry: Model, size: str = "realistic") -> int:
+    """Batch times sequence length of the realistic build: image patches for vision models
+    (the zoo reads ``[b, s]`` off the first input, which is an image here)."""
+    d = _SIZES[size]
+    if "diffusion" in entry.tags:
+        return d["batch"] * (d["latent"] // d["latent_patch"]) ** 2
+    if "vision" in entry.tags:
+        return d["batch"] * ((d["image"] // d["patch"]) ** 2 + 1)  # + the class token
+    return d["batch"] * d["seq"]
 
 
 _READS = {"view", "reshape", "t", "transpose", "permute", "_to_copy", "to", "alias", "clone",
@@ -226,7 +353,8 @@ def check(entry: Model, tp: int = 2, run_verify: bool = True) -> Row:
             net, args, kwargs = build(entry, "realistic", device="meta")
             prog = autoparallelize(net, Mesh(tp=tp), args, None, example_kwargs=kwargs,
                                    param_dtype=torch.bfloat16)  # fmt: skip
-            comm, gathers = zoo.forward_collectives(prog), weight_gathers(prog)
+            comm = dataclasses.replace(zoo.forward_collectives(prog), tokens=tokens(entry))
+            gathers = weight_gathers(prog)
             frac = zoo.layer_param_fraction(prog)
         except Exception as exc:  # noqa: BLE001 - reported in the row
             comm_reason = zoo._one_line(exc)

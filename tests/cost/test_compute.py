@@ -89,6 +89,20 @@ def test_node_flops_bytes_hand_values(nodes, name, flops, nbytes):
     assert node_flops_bytes(nodes[name]) == (pytest.approx(flops), pytest.approx(nbytes))
 
 
+def test_conv_flops_are_a_gemm_per_output_position():
+    x, w, b = torch.randn(2, 3, 8, 8), torch.randn(6, 3, 4, 4), torch.randn(6)
+    conv = next(n for n in torch.export.export(_Conv(), (x, w, b), strict=False)
+                .graph_module.graph.nodes if n.op == "call_function")  # fmt: skip
+    out = 2 * 6 * 2 * 2  # [2, 6, 2, 2]
+    assert node_flops_bytes(conv) == (pytest.approx(2 * out * 3 * 4 * 4),
+                                      pytest.approx((x.numel() + w.numel() + 6 + out) * F32))
+
+
+class _Conv(nn.Module):
+    def forward(self, x, w, b):
+        return F.conv2d(x, w, b, stride=4)
+
+
 def test_node_time_is_zero_for_views_and_positive_for_kernels(nodes):
     gpu = GPU.preset("h100-sxm")
     assert node_time(nodes["reshape"], gpu) == 0.0
