@@ -49,6 +49,7 @@ def autoparallelize(
     cluster: Cluster | None = None,
     zero: int | None = None,
     param_dtype: torch.dtype = torch.float32,
+    mixed_precision: str = "cast",
     global_batch: int | None = None,
     reduce_dtype: torch.dtype = torch.float32,
     cp_attention: str | None = None,
@@ -86,12 +87,18 @@ def autoparallelize(
 
     A mesh with a ``dp`` axis splits the batch (dim 0 of the inputs) over dp and runs the
     program of the other axes on each slice (autopar.axes.data_parallel): ``zero`` forces a ZeRO
-    stage (default: the lowest whose per-rank memory fits ``memory_limit`` or the GPU);
-    ``param_dtype=torch.bfloat16`` computes in bf16 (autocast) with fp32 master weights and
-    optimizer state, gradients reduced in ``reduce_dtype`` (fp32), and prices the model state,
-    activations and collectives so (on a mesh with pp too: stage activations cross in bf16).
+    stage (default: the lowest whose per-rank memory fits ``memory_limit`` or the GPU).
     With a DeviceMesh this returns this rank's DataParallelModule (DDP or FSDP2 over the dp
     group).
+
+    ``param_dtype=torch.bfloat16`` trains with fp32 master weights and optimizer state,
+    gradients reduced in ``reduce_dtype`` (fp32), and prices the model state, activations and
+    collectives in the dtypes they run in.  ``mixed_precision="cast"`` (default) runs as
+    FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``: traced with bf16 weights and inputs,
+    the weights cast once per step, activations, the residual stream and every message bf16,
+    what the model's code upcasts (norm statistics, the loss) fp32; any mesh.
+    ``mixed_precision="autocast"`` runs the fp32-traced program under ``torch.autocast``
+    (residual stream and norms fp32; needs a dp or pp axis).
 
     ``Mesh.auto(cluster)`` searches the degrees on the traced model (``global_batch``
     sequences per step, default the example batch) and compiles the best configuration, every
@@ -122,8 +129,9 @@ def autoparallelize(
         memory_limit=memory_limit, memory_weight=memory_weight, strict=strict, verbose=verbose,
         n_microbatches=n_microbatches, schedule=schedule, virtual_stages=virtual_stages,
         split_points=split_points, cluster=cluster, zero=zero, param_dtype=param_dtype,
-        global_batch=global_batch, reduce_dtype=reduce_dtype, cp_attention=cp_attention,
-        capacity_factor=capacity_factor, recompute=recompute, compile=compile, fp8=fp8,
+        mixed_precision=mixed_precision, global_batch=global_batch, reduce_dtype=reduce_dtype,
+        cp_attention=cp_attention, capacity_factor=capacity_factor, recompute=recompute,
+        compile=compile, fp8=fp8,
     )  # fmt: skip
     example = example_of(example_inputs, example_kwargs)
     if isinstance(mesh, AutoMesh):
@@ -143,7 +151,7 @@ def autoparallelize(
         return prog
     from autopar.runtime import bind
 
-    return bind(prog, device_mesh, virtual, param_dtype)
+    return bind(prog, device_mesh, virtual, param_dtype, options.mixed_precision)
 
 
 def _reused(plan: Plan | None, mesh: Mesh) -> Plan | None:

@@ -5,7 +5,9 @@ Algorithm (:func:`compile_model`):
    divide by dp, times the micro-batch count when one is given), B/(dp·ep) per expert rank,
    and under pp one micro-batch of that (the schedule and micro-batch count are settled
    first, :func:`autopar.axes.pipeline.pipeline_config`).
-2. Trace the slice once (torch.export, autopar.frontend.trace); a trace the caller already holds at
+2. Trace the slice once (torch.export, autopar.frontend.trace; under ``param_dtype`` 16-bit
+   with ``mixed_precision="cast"`` in that dtype, so every value carries the dtype it runs
+   in and the planner prices it so); a trace the caller already holds at
    that slice (the whole-cluster search's) is reused.  Every program below is built from
    copies of this one graph: nothing re-traces, nothing calls the front door.
 3. Build the program of the mesh without the batch axes (:func:`_core`): pp cuts stages and
@@ -135,7 +137,7 @@ def _build(model: nn.Module, mesh: Mesh, example: Example, loss_fn: Callable | N
            traces: dict[int, Traced] | None) -> Program:  # fmt: skip
     """Steps 1-6."""
     sliced, config = _slice(mesh, example, options)
-    capture = _capture(model, sliced, loss_fn, log, traces)
+    capture = _capture(model, sliced, loss_fn, log, traces, options.cast_dtype)
     if "dp" not in mesh.sizes:
         return _experts(capture, mesh, options, plan, config, example.batch)
     from autopar.axes.data_parallel import compile_data_parallel
@@ -151,6 +153,7 @@ def _build(model: nn.Module, mesh: Mesh, example: Example, loss_fn: Callable | N
     prog = compile_data_parallel(mesh, example.batch, inner, zero=options.zero,
                                  memory_limit=options.memory_limit,
                                  param_dtype=options.param_dtype,
+                                 mixed_precision=options.mixed_precision,
                                  reduce_dtype=options.reduce_dtype,
                                  refit=plan is None)  # fmt: skip
     return honoured(plan, prog)
@@ -195,19 +198,22 @@ def _slice(mesh: Mesh, example: Example, options: Options) -> tuple[Example, Any
     from autopar.axes.pipeline import batch_size, microbatch, pipeline_config
 
     config = pipeline_config(mesh, batch_size(args, kwargs), options.n_microbatches,
-                             options.schedule, options.virtual_stages, options.param_dtype)  # fmt: skip
+                             options.schedule, options.virtual_stages, options.param_dtype,
+                             options.mixed_precision)  # fmt: skip
     args, kwargs = microbatch(args, kwargs, config.n_microbatches)
     return Example(args=args, kwargs=kwargs), config
 
 
 def _capture(model: nn.Module, sliced: Example, loss_fn: Callable | None,
-             log: Callable[[str], None], traces: dict[int, Traced] | None) -> Capture:  # fmt: skip
-    """Step 2: the one trace of the slice.  A held trace (``traces``) is kept pristine: this
-    compile rewrites a copy."""
+             log: Callable[[str], None], traces: dict[int, Traced] | None,
+             cast: torch.dtype | None = None) -> Capture:  # fmt: skip
+    """Step 2: the one trace of the slice (``cast``: in that dtype, weights and inputs cast as
+    FSDP2's MixedPrecisionPolicy runs the model; autopar.frontend.trace step 3).  A held trace
+    (``traces``, made with the same ``cast``) is kept pristine: this compile rewrites a copy."""
     rows = sliced.batch
     held = traces is not None and rows in traces
     if not held:
-        traced = trace(model, sliced.args, sliced.kwargs or None, loss_fn)
+        traced = trace(model, sliced.args, sliced.kwargs or None, loss_fn, cast=cast)
         log(f"traced {traced.model_name} on {rows or 'unbatched'} rows: "
             f"{len(traced.gm.graph.nodes)} nodes")  # fmt: skip
         if traces is None:
@@ -241,7 +247,7 @@ def _core(capture: Capture, mesh: Mesh, options: Options, plan: Plan | None,
 
     solver = PlanOptions(memory_limit=options.memory_limit, memory_weight=options.memory_weight,
                          strict=options.strict, fixed=plan.choice if plan else (),
-                         param_dtype=options.param_dtype)  # fmt: skip
+                         param_dtype=options.autocast_dtype)  # fmt: skip
     check_attention(options.cp_attention, plan)
     traced, log = capture.traced, capture.log
     pipeline = None

@@ -178,7 +178,8 @@ class Elastic:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dm = init_device_mesh(device, tuple(n for _, n in mesh.axes),
                               mesh_dim_names=tuple(a for a, _ in mesh.axes))  # fmt: skip
-        module = bind(prog, dm, mesh, self.options.get("param_dtype", torch.float32))
+        module = bind(prog, dm, mesh, self.options.get("param_dtype", torch.float32),
+                      self.options.get("mixed_precision", "cast"))  # fmt: skip
         self.coords = {a: dm.get_local_rank(a) for a, _ in mesh.axes}
         return module, mesh, time.perf_counter() - start
 

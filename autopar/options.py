@@ -21,6 +21,7 @@ from autopar.errors import InputError
 from cost.hardware import Cluster
 
 ATTENTION = ("ring", "all_to_all")
+MIXED_PRECISION = ("cast", "autocast")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +40,7 @@ class Options:
     cluster: Cluster | None = None
     zero: int | None = None
     param_dtype: torch.dtype = torch.float32
+    mixed_precision: str = "cast"  # how a 16-bit param_dtype runs: MIXED_PRECISION
     global_batch: int | None = None
     reduce_dtype: torch.dtype = torch.float32
     cp_attention: str | None = None
@@ -49,6 +51,19 @@ class Options:
 
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def cast_dtype(self) -> torch.dtype | None:
+        """The dtype the weights and inputs are cast to and the graph is traced in ("cast":
+        FSDP2's MixedPrecisionPolicy), or None (fp32, or "autocast")."""
+        low = self.param_dtype != torch.float32 and self.mixed_precision == "cast"
+        return self.param_dtype if low else None
+
+    @property
+    def autocast_dtype(self) -> torch.dtype:
+        """The dtype an fp32-traced graph runs under autocast to ("autocast"), else fp32 (the
+        graph's own dtypes are what runs: autopar.frontend.precision has nothing to add)."""
+        return self.param_dtype if self.mixed_precision == "autocast" else torch.float32
 
 
 def make_options(*, split_points: Sequence[str] = (), **given: Any) -> Options:
@@ -73,6 +88,8 @@ def make_options(*, split_points: Sequence[str] = (), **given: Any) -> Options:
         raise InputError(f"compile={given['compile']!r}: give True (inductor), False, or a "
                          "torch.compile backend name such as 'aot_eager'")  # fmt: skip
     _check_fp8(given.get("fp8"))
+    check_precision(given.get("param_dtype", torch.float32),
+                    given.get("mixed_precision", "cast"))  # fmt: skip
     if isinstance(split_points, str):
         raise InputError(f"split_points={split_points!r}: give a list of module paths, "
                          f"e.g. [{split_points!r}]")  # fmt: skip
@@ -93,3 +110,16 @@ def _check_fp8(recipe: Any) -> None:
     except ImportError as exc:
         raise InputError(f"fp8={recipe!r} runs torchao's float8 recipes, but torchao does not "
                          f"import ({exc}): pip install --no-deps torchao==0.18.0") from exc
+
+
+def check_precision(param_dtype: Any, mixed_precision: Any) -> None:
+    """``param_dtype`` a floating dtype of 16 or 32 bits; ``mixed_precision`` one of
+    :data:`MIXED_PRECISION` (what each does: README, "Mixed precision")."""
+    if mixed_precision not in MIXED_PRECISION:
+        raise InputError(f"mixed_precision={mixed_precision!r}: use 'cast' (weights and inputs "
+                         "cast to param_dtype once per step, the whole forward in it, as FSDP2's "
+                         "MixedPrecisionPolicy) or 'autocast' (fp32 weights, torch.autocast "
+                         "around the forward)")  # fmt: skip
+    if param_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise InputError(f"param_dtype={param_dtype!r}: use torch.float32, torch.bfloat16 or "
+                         "torch.float16")  # fmt: skip

@@ -109,6 +109,7 @@ class DpSection:
     memory_limit: float = fact(0.0)
     links: tuple[str, ...] = fact(())  # per mesh axis: "dp=2 over ib", ...
     param_dtype: str = fact("float32")  # compute (and ZeRO-3 all-gather) dtype
+    mixed_precision: str = fact("cast")  # how a 16-bit param_dtype runs (autopar.options)
     reduce_dtype: str = fact("float32")  # gradient reduction dtype
     step: PlanStep | None = fact()  # predicted step time, the search's functions
     notes: tuple[str, ...] = fact(())  # why this stage (and engine)
@@ -338,12 +339,14 @@ def wire_bytes(c: Collective, size: int) -> float:
     return factor * (size - 1) / size * c.bytes
 
 
-def _precision_line(param_dtype: str, reduce_dtype: str) -> str:
+def _precision_line(param_dtype: str, reduce_dtype: str, mode: str = "cast") -> str:
     if param_dtype == "float32":
         return "precision: fp32 throughout"
-    return (f"mixed precision: {param_dtype} compute (weights cast per step, gathered in "
-            f"{param_dtype}), fp32 master weights and optimizer state, gradients reduced in "
-            f"{reduce_dtype}")  # fmt: skip
+    how = ("weights and inputs cast once per step, activations and the residual stream in "
+           f"{param_dtype}, the statistics the model upcasts in fp32" if mode == "cast"
+           else "torch.autocast, weights cast per step")  # fmt: skip
+    return (f"mixed precision: {param_dtype} compute ({how}; gathered in {param_dtype}), fp32 "
+            f"master weights and optimizer state, gradients reduced in {reduce_dtype}")  # fmt: skip
 
 
 def _dp_lines(plan: Plan) -> list[str]:
@@ -357,7 +360,7 @@ def _dp_lines(plan: Plan) -> list[str]:
            f"data axis: dp={n}, global batch {dp.batch} -> {dp.batch // n} per rank; loss is "
            f"a {dp.reduction} over the batch: gradients "
            f"{'averaged' if dp.reduction == 'mean' else 'summed'} over dp",
-           _precision_line(dp.param_dtype, dp.reduce_dtype),
+           _precision_line(dp.param_dtype, dp.reduce_dtype, dp.mixed_precision),
            f"ZeRO group {' x '.join(dp.zero_axes)} = {group} ranks"
            + (" (the cp ranks join the gradient reduction: no separate cp all-reduce)"
               if "cp" in dp.zero_axes else ""),

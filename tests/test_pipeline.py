@@ -185,7 +185,8 @@ def test_stage_prices_follow_the_autocast_dtype():
     mesh = Mesh(pp=2, tp=1)
     kw = {"loss_fn": lm_loss, "n_microbatches": 2}
     fp32 = autoparallelize(model, mesh, tokens(c), **kw)
-    bf16 = autoparallelize(model, mesh, tokens(c), **kw, param_dtype=torch.bfloat16)
+    bf16 = autoparallelize(model, mesh, tokens(c), **kw, param_dtype=torch.bfloat16,
+                           mixed_precision="autocast")
     assert bf16.pipeline.cut.slowest_s < fp32.pipeline.cut.slowest_s / 4
     traced = trace(model, tuple(t[:2] for t in tokens(c)), loss_fn=lm_loss)
     annotate_autocast(traced.gm, torch.bfloat16)

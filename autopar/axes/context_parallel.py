@@ -440,8 +440,8 @@ def _plan(traced: Traced, gm: fx.GraphModule, mesh: Mesh, lay: SeqLayout,
     found = collectives_of(gm, set(grad), mesh.sizes, names) + _cp_collectives(gm, lay, grad)
     rings = ring_comm_s(gm, mesh, param_dtype)  # K/V exchanges, overlapped as the search prices
     comm = _comm_s([c for c in found if c.kind != "send_recv"], mesh) + rings
-    param_bytes = sum(_nbytes(n.meta["val"]) for n in gm.graph.nodes
-                      if n.op == "placeholder" and n.name in traced.params)  # fmt: skip
+    state = sum(meta.state_bytes(n) for n in gm.graph.nodes
+                if n.op == "placeholder" and n.name in traced.params)  # fmt: skip
     act = activation_bytes(gm, traced)
     chunks = (f"{lay.chunks} chunks, rank i holds chunks i and {lay.chunks - 1}-i (causal: equal "
               "attention work)" if lay.balanced else f"{lay.size} chunks, rank i holds chunk i")  # fmt: skip
@@ -456,7 +456,7 @@ def _plan(traced: Traced, gm: fx.GraphModule, mesh: Mesh, lay: SeqLayout,
                 params=params, collectives=tuple(found), choice=tp_choice,
                 cp=CpSection(attention=tuple((p.node, p.chosen) for p in prices)),
                 compute_s=compute_time(gm, grad, mesh.cluster.gpu, param_dtype), comm_s=comm,
-                memory_bytes=4.0 * param_bytes + act, notes=(*notes, *tp_notes))  # fmt: skip
+                memory_bytes=state + act, notes=(*notes, *tp_notes))  # fmt: skip
 
 
 def compute_time(gm: fx.GraphModule, grad: frozenset[str], gpu: Any,
@@ -471,7 +471,7 @@ def compute_time(gm: fx.GraphModule, grad: frozenset[str], gpu: Any,
         if n.target in _RING_STEPS:
             continue  # priced whole at ring_attention_out
         if n.target in (cp_ops.ring_attention, cp_ops.ring_attention_out):
-            t = ring_forward_s(n, gpu, _compute_bytes(param_dtype)) * (
+            t = ring_forward_s(n, gpu, _compute_bytes(param_dtype, n)) * (
                 1 + backward_factor(_SDPA_NAME, n.name in grad))
         else:
             t = run_node_time(n, gpu) * train_factor(n, n.name in grad)
@@ -494,8 +494,11 @@ def ring_forward_s(n: fx.Node, gpu: Any, compute_bytes: int = 2) -> float:
     return attention_time(flops, moved, gpu, compute_bytes, seq, seq, d)
 
 
-def _compute_bytes(param_dtype: torch.dtype) -> int:
-    return min(max(param_dtype.itemsize, 2), 4)
+def _compute_bytes(param_dtype: torch.dtype, n: fx.Node | None = None) -> int:
+    """Element size a ring attention's block matmuls compute in: the autocast dtype, else
+    (no autocast: fp32, or a graph traced in its 16-bit dtype) its query's own dtype."""
+    dtype = meta.dtype(n.args[0]) if n is not None and param_dtype == torch.float32 else param_dtype
+    return min(max(dtype.itemsize, 2), 4)
 
 
 def ring_comm_s(gm: fx.GraphModule, mesh: Mesh, param_dtype: torch.dtype = torch.float32,
@@ -509,7 +512,7 @@ def ring_comm_s(gm: fx.GraphModule, mesh: Mesh, param_dtype: torch.dtype = torch
     total = 0.0
     for n in _rings(gm):
         kv = meta.nbytes(n.args[1]) + meta.nbytes(n.args[2])
-        work = AttentionWork(attn_fwd_s=ring_forward_s(n, gpu, _compute_bytes(param_dtype)),
+        work = AttentionWork(attn_fwd_s=ring_forward_s(n, gpu, _compute_bytes(param_dtype, n)),
                              attn_out_bytes=meta.nbytes(n.args[0]))  # fmt: skip
         ring = ring_attention(work, c, collective_time("send_recv", kv, 2, link),
                               collective_time("send_recv", 2 * kv, 2, link), gpu.hbm_bw)  # fmt: skip
@@ -531,7 +534,7 @@ def ring_work(gm: fx.GraphModule, work: Any, gpu: Any,
     rings, per = _rings(gm), work.layers
     if not rings:
         return work
-    fwd = sum(ring_forward_s(n, gpu, _compute_bytes(param_dtype)) for n in rings) / per
+    fwd = sum(ring_forward_s(n, gpu, _compute_bytes(param_dtype, n)) for n in rings) / per
     kv = sum(meta.nbytes(n.args[1]) + meta.nbytes(n.args[2]) for n in rings) / per
     out = sum(meta.nbytes(n.args[0]) for n in rings) / per
     return dataclasses.replace(

@@ -251,6 +251,7 @@ def compile_data_parallel(mesh: Mesh, batch: int,
                           zero: int | None, memory_limit: float | None,
                           param_dtype: torch.dtype = torch.float32,
                           reduce_dtype: torch.dtype = torch.float32,
+                          mixed_precision: str = "cast",
                           refit: bool = True) -> Program:  # fmt: skip
     """Steps 2-6 (see the module docstring) for a global batch of ``batch`` rows; the driver
     sliced and traced it (step 1) and ``compile_inner(limit)`` builds the program of the mesh
@@ -272,7 +273,7 @@ def compile_data_parallel(mesh: Mesh, batch: int,
         zero=stage, reduction=loss_reduction(_graph(inner), _model_name(inner)), batch=batch,
         zero_axes=axes, memory=table, memory_limit=limit, links=tuple(mesh.describe()),
         param_dtype=_dtype_name(param_dtype), reduce_dtype=_dtype_name(reduce_dtype),
-        step=predict_step(inner, mesh, stage, axes, param_dtype),
+        mixed_precision=mixed_precision, step=predict_step(inner, mesh, stage, axes, param_dtype),
         notes=(why, *([resolved] if resolved else []), *_engine_note(stage, axes)),
     )  # fmt: skip
     traffic = dp_collectives(_grad_shapes(inner), stage, param_dtype, reduce_dtype,

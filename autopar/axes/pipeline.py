@@ -104,7 +104,14 @@ class PipelineConfig:
     n_microbatches: int
     schedule: str
     virtual_stages: int
-    param_dtype: torch.dtype = torch.float32  # stage compute (autocast) and boundary dtype
+    param_dtype: torch.dtype = torch.float32  # weights' compute dtype (mixed precision)
+    mixed_precision: str = "cast"  # how a 16-bit param_dtype runs (autopar.options)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype:
+        """The dtype stages compute under autocast and send activations in ("autocast"), else
+        fp32: a "cast" graph is traced in ``param_dtype`` and sends what it traced."""
+        return self.param_dtype if self.mixed_precision == "autocast" else torch.float32
 
     def in_flight(self, stage: int, stages: int) -> float:
         """Micro-batches of activations ``stage`` of ``stages`` holds at its peak: GPipe all
@@ -139,7 +146,7 @@ def choose_cuts(traced: Traced, units: list[Unit], mesh: Mesh, config: PipelineC
             f"{p} pipeline stages but {traced.model_name} has only {len(units)} cuttable units "
             f"({', '.join(u.name for u in units)}); use fewer stages or virtual stages"
         )
-    costs, boundary, sent = unit_costs(traced, units, mesh, config.param_dtype)
+    costs, boundary, sent = unit_costs(traced, units, mesh, config.autocast_dtype)
     if saved is not None:
         return _stage_cut(saved_cuts(units, saved, p, traced), units, costs, boundary, sent)
     pinned = [_pin_index(units, name, traced) for name in split_points]
@@ -283,10 +290,14 @@ def loss_output(traced: Traced) -> fx.Node:
     return scalars[0]
 
 
-def _precision(param_dtype: torch.dtype) -> list[str]:
-    if param_dtype == torch.float32:
+def _precision(config: PipelineConfig) -> list[str]:
+    if config.param_dtype == torch.float32:
         return []
-    name = str(param_dtype).replace("torch.", "")
+    name = str(config.param_dtype).replace("torch.", "")
+    if config.mixed_precision == "cast":
+        return [f"mixed precision: stages compute in {name} (weights cast once per step, fp32 "
+                f"masters); activations and their gradients cross stage boundaries in {name} "
+                "(values the model keeps in fp32 cross in fp32)"]  # fmt: skip
     return [f"mixed precision: stages compute under {name} autocast (fp32 weights); "
             f"activations and their gradients cross stage boundaries in {name}"]  # fmt: skip
 
@@ -358,7 +369,7 @@ def pipeline_plan(mesh: Mesh, layout: PipelineLayout, stages: Sequence[Plan]) ->
                         bubble=layout.timeline(p, len(stages)).bubble,
                         formula_bubble=_formula(c, p), slowest_s=cut.slowest_s,
                         tied=tuple(sorted(layout.tied)),
-                        precision=tuple(_precision(c.param_dtype)))  # fmt: skip
+                        precision=tuple(_precision(c)))  # fmt: skip
     stages = tuple(stages)
     return Plan(model=layout.model_name, mesh=mesh.axes, hardware=stages[0].hardware,
                 params=tuple(dict.fromkeys(x for s in stages for x in s.params)),
@@ -402,8 +413,8 @@ class TrainStepPreview:
 
 
 def pipeline_config(mesh: Mesh, batch: int, n_microbatches: int | None, schedule: str,
-                    virtual_stages: int | None,
-                    param_dtype: torch.dtype = torch.float32) -> PipelineConfig:  # fmt: skip
+                    virtual_stages: int | None, param_dtype: torch.dtype = torch.float32,
+                    mixed_precision: str = "cast") -> PipelineConfig:  # fmt: skip
     """Step 1 before tracing: the schedule, its virtual stages and the micro-batch count for a
     per-rank batch of ``batch`` rows (the micro-batch is what the driver traces)."""
     if schedule not in SCHEDULES:
@@ -423,7 +434,7 @@ def pipeline_config(mesh: Mesh, batch: int, n_microbatches: int | None, schedule
             f"({p}); got n_microbatches={m} (GPipe has no such limit)"
         )
     return PipelineConfig(n_microbatches=m, schedule=schedule, virtual_stages=v,
-                          param_dtype=param_dtype)  # fmt: skip
+                          param_dtype=param_dtype, mixed_precision=mixed_precision)  # fmt: skip
 
 
 def compile_pipeline(traced: Traced, mesh: Mesh, config: PipelineConfig, options: PlanOptions,
@@ -438,7 +449,7 @@ def compile_pipeline(traced: Traced, mesh: Mesh, config: PipelineConfig, options
     the pipeline's layout (the driver prices their recompute mode and makes the Program)."""
     from autopar.axes.tensor_parallel import compile_traced
 
-    param_dtype = config.param_dtype
+    param_dtype = config.autocast_dtype
     annotate_autocast(traced.gm, param_dtype)  # stage memory priced in the runtime dtype
     loss = loss_output(traced)
     units = cuttable_units(traced)

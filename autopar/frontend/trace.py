@@ -20,6 +20,13 @@ Algorithm:
    copied: the same fresh tensor, but a range the planner can read (a list index becomes a
    constant tensor whose values are lost on the meta device; Falcon's fused QKV reads K and V
    that way).
+   ``cast`` (a 16-bit dtype; ``param_dtype`` under ``mixed_precision="cast"``): the export sees
+   the model as FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` runs it, every floating
+   parameter a ``cast`` copy and every floating model input cast (the loss's target and the
+   buffers keep their dtype, as FSDP2 leaves them): the graph's values then carry the dtypes
+   the model's own code gives them (HF RMSNorm's ``.to(float32)`` statistics, an fp32
+   softmax, the loss's upcast stay fp32; the residual stream is ``cast``).  The copies exist
+   only during the export; ``Traced.tensors`` keeps the model's own (fp32 master) tensors.
 4. Drop unused parameter placeholders (the second name of a tied weight), drop
    ``_assert_tensor_metadata`` checks (they assert global metadata) and split each
    biased ``linear`` (and convolution) into ``linear`` + ``add``: a row-split linear must add
@@ -56,6 +63,7 @@ from autopar.frontend.lean_export import lean_export
 from autopar.frontend.moe_loop import LoopProblem, stack_expert_loops
 from autopar.frontend.stack import shown_frames
 from autopar.ir.meta import source
+from autopar.ir.meta import update as meta_update
 from autopar.ir.printing import lazy_module
 
 _ASSERT_OPS = (torch.ops.aten._assert_tensor_metadata.default,)
@@ -109,8 +117,9 @@ def trace(
     example_inputs: Sequence[Any],
     example_kwargs: dict[str, Any] | None = None,
     loss_fn: Callable[..., torch.Tensor] | None = None,
+    cast: torch.dtype | None = None,
 ) -> Traced:
-    """Export ``model`` (plus ``loss_fn``) into a :class:`Traced` graph."""
+    """Export ``model`` (plus ``loss_fn``) into a :class:`Traced` graph (``cast``: step 3)."""
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     if loss_fn is not None and not args:
         raise InputError(
@@ -120,8 +129,11 @@ def trace(
     root = _WithLoss(model, loss_fn) if loss_fn is not None else model
     if any(p.is_meta for p in model.parameters()):
         args, kwargs = pytree.tree_map_only(torch.Tensor, _to_meta, (args, kwargs))
+    if cast is not None:
+        args, kwargs = _cast_inputs(args, kwargs, cast, loss_fn is not None)
     try:
         with (
+            _cast_parameters(model, cast),
             _quiet_fake_tensor_log(),
             _RunIndexAsSlice(),
             _use_lazy_graph_module(True),
@@ -201,6 +213,35 @@ def _run_as_slice(x: Any, index: Any) -> tuple | None:
     return (*items[:at], slice(vals[0], vals[0] + len(vals)), *items[at + 1 :])
 
 
+def _cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype,
+                 has_target: bool) -> tuple[tuple, dict]:  # fmt: skip
+    """Step 3, ``cast``: the model's floating inputs in ``dtype`` (a loss target keeps its own)."""
+    low = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+    model_args = args[:-1] if has_target else args
+    cast_args = pytree.tree_map_only(torch.Tensor, low, model_args)
+    return (*cast_args, *args[len(model_args):]), pytree.tree_map_only(torch.Tensor, low, kwargs)
+
+
+@contextlib.contextmanager
+def _cast_parameters(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """Step 3, ``cast``: every floating parameter of ``model`` a ``dtype`` copy (tied weights one
+    copy) while the context is open; the model's own parameters are back afterwards."""
+    if dtype is None:
+        yield
+        return
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    copies: dict[int, nn.Parameter] = {}
+    swapped = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.is_floating_point() and p.dtype != dtype:
+            if id(p) not in copies:
+                copies[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+            swapped[name] = copies[id(p)]
+    with _reparametrize_module(model, swapped, tie_weights=True):
+        yield
+
+
 def _to_meta(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, device="meta") if not t.is_meta else t
 
@@ -244,6 +285,9 @@ def _collect(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str,
     for fqn in sig.inputs_to_lifted_tensor_constants.values():
         tensors.setdefault(strip(fqn), ep.constants[fqn])
     trainable = frozenset(f for f in params.values() if named[f].requires_grad)
+    for n in gm.graph.nodes:  # step 3, cast: the fp32 master behind each cast placeholder
+        if n.name in params and n.meta["val"].dtype != named[params[n.name]].dtype:
+            meta_update(n, master=named[params[n.name]].dtype)
     return Traced(
         gm=gm,
         params=params,

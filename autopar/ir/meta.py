@@ -25,7 +25,9 @@ class NodeInfo:
     ``strategy`` names the sharding strategy chosen for the op; ``origin`` the pass that
     created the node (``None`` for traced nodes); ``stage`` the pipeline stage; ``dtype`` the
     dtype the value has under mixed precision (autocast) when it differs from the traced one
-    (autopar.frontend.precision).
+    (autopar.frontend.precision); ``master`` the dtype of the optimizer's master copy of a
+    parameter placeholder traced in a cast dtype (``mixed_precision="cast"``: an fp32 weight
+    the graph reads cast to bf16), None when the placeholder's own dtype is the master's.
     """
 
     layout: Layout | tuple[Layout, ...] | None = None
@@ -34,6 +36,7 @@ class NodeInfo:
     stage: int | None = None
     cost_s: float | None = None
     dtype: torch.dtype | None = None
+    master: torch.dtype | None = None
 
 
 _EMPTY = NodeInfo()  # frozen: one shared record for every node without one
@@ -60,6 +63,16 @@ def dtype(node: fx.Node) -> torch.dtype:
 def nbytes(node: fx.Node) -> float:
     """Bytes of ``node``'s tensor when the program runs."""
     return float(node.meta["val"].numel() * dtype(node).itemsize)
+
+
+def state_bytes(node: fx.Node) -> float:
+    """Bytes a trainable parameter placeholder costs with Adam: weight, gradient and two
+    moments in its master dtype, plus the cast copy the graph reads when that differs
+    (``master``; REFERENCE.md's 16-bit 18 bytes per parameter counts 2 + 4 + 12)."""
+    master = info(node).master
+    if master is None:
+        return 4 * nbytes(node)
+    return float(node.meta["val"].numel() * (4 * master.itemsize + dtype(node).itemsize))
 
 
 def layout(node: fx.Node) -> Layout | tuple[Layout, ...] | None:

@@ -224,7 +224,8 @@ def compile_auto(model: Any, mesh: AutoMesh, example: Any, loss_fn: Callable[...
     1. Trace once and price the graph (`cost.graph`).
     2. Search the cluster as the compiler will build it: model state in the dtype the program
        keeps (fp32 weights are their own master; 16-bit ones have an fp32 master), saved
-       activations in the dtype each value runs in (autocast under `param_dtype`), one
+       activations in the dtype each value runs in (the graph traced in `param_dtype`, or
+       autocast under `mixed_precision="autocast"`), one
        micro-batch per step outside a pipeline (the data axis does not accumulate), capacity
        `memory_limit` when given, ZeRO stage and recompute fixed when the user fixes them.
     3. Price the ranking's first `MAX_REFUSALS + 1` configurations again as the compiler
@@ -252,16 +253,17 @@ def compile_auto(model: Any, mesh: AutoMesh, example: Any, loss_fn: Callable[...
 
     _check_decided(options)
     examples = _example_batch(example.args)
-    traced = trace(model, example.args, example.kwargs or None, loss_fn)
+    traced = trace(model, example.args, example.kwargs or None, loss_fn, cast=options.cast_dtype)
     traces = {examples: traced}
-    annotate_autocast(traced.gm, options.param_dtype)
+    annotate_autocast(traced.gm, options.autocast_dtype)
     priced = GraphModel.from_traced(mark_run_dtypes(traced.gm), name=type(model).__name__)
     plan = plan_shape(priced, _capacity(mesh.cluster, options.memory_limit),
                       options.global_batch or mesh.global_batch or examples,
                       space=_auto_space(mesh, options))  # fmt: skip
-    solved = SolvedModel(traced, plan.result.cluster, options.param_dtype,
+    solved = SolvedModel(traced, plan.result.cluster, options.autocast_dtype,
                          name=type(model).__name__,
-                         retrace=_retrace(model, example, loss_fn, examples, traces))  # fmt: skip
+                         retrace=_retrace(model, example, loss_fn, examples, traces,
+                                          options.cast_dtype))  # fmt: skip
     candidates = repriced(plan, solved)
     refused: list[tuple[Choice, str]] = []
     for _, choice in candidates:
@@ -295,7 +297,7 @@ def repriced(plan: Ranking, model: Any) -> list[tuple[Choice, Choice]]:
 
 
 def _retrace(model: Any, example: Any, loss_fn: Callable[..., Any] | None, examples: int,
-             traces: dict[int, Any]) -> Callable[[int], Any]:  # fmt: skip
+             traces: dict[int, Any], cast: Any = None) -> Callable[[int], Any]:  # fmt: skip
     """A trace of ``rows`` sequences of the example batch (the per-rank slice the compiler
     traces), shared with the driver's ``traces``; where ``rows`` does not divide the example
     batch, the whole example's (the pricing scales it)."""
@@ -306,7 +308,7 @@ def _retrace(model: Any, example: Any, loss_fn: Callable[..., Any] | None, examp
         rows = rows if rows <= examples and examples % rows == 0 else examples
         if rows not in traces:
             args, kwargs = split_batch(example.args, example.kwargs, examples // rows)
-            traces[rows] = trace(model, args, kwargs or None, loss_fn)
+            traces[rows] = trace(model, args, kwargs or None, loss_fn, cast=cast)
         return traces[rows]
 
     return retrace

@@ -75,7 +75,6 @@ from cost.compute import (
 )
 from cost.hardware import GPU, Link
 
-ADAM_STATE_FACTOR = 4  # parameter + gradient + two Adam moments, per parameter element
 COLLECTIVE_OVERHEAD_S = 10e-6  # launch + stream synchronisation per collective call
 SMALL_MATRIX_RATIO = 8  # a matrix 8x smaller than its block's median one may stay whole
 # GEMMs priced at their local shape; a grouped GEMM's tiles depend on the rows each expert
@@ -410,9 +409,10 @@ def _memory(n: fx.Node, s: Strategy, size: int, grad: set) -> float:
     val = n.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return 0.0
-    local = runtime_bytes(n) / (size if isinstance(s.output, Shard) else 1)
+    split = size if isinstance(s.output, Shard) else 1
+    local = runtime_bytes(n) / split
     if n.op == "placeholder":
-        return local * ADAM_STATE_FACTOR if n in grad else local
+        return meta.state_bytes(n) / split if n in grad else local
     return local if n in grad else 0.0
 
 

@@ -28,8 +28,11 @@ from autopar.mesh import Mesh
 from autopar.ops import collectives
 
 
-def bind(prog: Any, device_mesh: Any, mesh: Mesh, param_dtype: torch.dtype) -> Any:
-    """This rank's runnable form of ``prog`` on ``device_mesh`` (the mesh ``mesh`` names)."""
+def bind(prog: Any, device_mesh: Any, mesh: Mesh, param_dtype: torch.dtype,
+         mixed_precision: str = "cast") -> Any:  # fmt: skip
+    """This rank's runnable form of ``prog`` on ``device_mesh`` (the mesh ``mesh`` names).
+    Without a dp or pp axis, a 16-bit ``param_dtype`` under ``mixed_precision="cast"`` is
+    applied here (:func:`cast_forward`)."""
     from autopar.errors import PlanError
 
     if "dp" in mesh.sizes:
@@ -37,10 +40,48 @@ def bind(prog: Any, device_mesh: Any, mesh: Mesh, param_dtype: torch.dtype) -> A
     rank = bind_mesh(device_mesh, mesh, prog.collectives())
     if "pp" in mesh.sizes:
         return PipelineRunner(prog.share(rank), device_mesh.get_group("pp"))
+    if param_dtype != torch.float32 and mixed_precision == "cast":
+        return cast_forward(prog.module(rank), param_dtype)
     if "ep" not in mesh.sizes and param_dtype != torch.float32:
-        raise PlanError(f"param_dtype={param_dtype} is applied by the data-parallel and pipeline "
-                        f"runtimes; on {mesh} compile without it, or add a dp or pp axis")  # fmt: skip
+        raise PlanError(f"param_dtype={param_dtype} with mixed_precision='autocast' is applied by "
+                        f"the data-parallel and pipeline runtimes; on {mesh} use "
+                        "mixed_precision='cast' (the default), or add a dp or pp axis")  # fmt: skip
     return prog.module(rank)
+
+
+def cast_forward(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Make ``module`` (a program traced in ``dtype``: ``mixed_precision="cast"``) run as FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=dtype)`` runs a module it does not shard: each call casts
+    every floating parameter to ``dtype`` once (the cast's backward returns the gradient to the
+    fp32 parameter, the optimizer's master) and every floating input, then runs the body with
+    the casts in the parameters' places.  Replaces the instance's ``forward`` (DDP's hooks and
+    the parameter names stay the module's); returns ``module``."""
+    body = module.forward
+    low = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, low, (args, kwargs))
+        return cast_call(module, body, dtype, args, kwargs)
+
+    module.forward = forward
+    return module
+
+
+def cast_call(module: torch.nn.Module, body: Any, dtype: torch.dtype, args: tuple,
+              kwargs: dict) -> Any:  # fmt: skip
+    """``body(*args, **kwargs)`` with every floating parameter of ``module`` replaced by its
+    ``dtype`` cast (one cast per tensor: tied weights share it)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    casts: dict[int, torch.Tensor] = {}
+    swapped = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if p.is_floating_point() and p.dtype != dtype:
+            if id(p) not in casts:
+                casts[id(p)] = p.to(dtype)
+            swapped[name] = casts[id(p)]
+    with _reparametrize_module(module, swapped, tie_weights=True):
+        return body(*args, **kwargs)
 
 
 def bind_mesh(device_mesh: Any, mesh: Mesh, plan_collectives: Sequence[Any] = (),
@@ -95,10 +136,13 @@ class PipelineRunner:
        micro-batches and runs forward and backward; the last stage's output is the loss.
     2. Gradients of a weight held by several stages (tied embeddings) are summed across them.
     3. The mean micro-batch loss is broadcast from the last stage, so every rank returns it.
-    4. Mixed precision (the config's ``param_dtype`` 16-bit): each stage module computes under
-       autocast with fp32 weights (:func:`mixed_precision_stage`); the activations it sends
-       on, and their gradients coming back, cross in ``param_dtype``
-       (``passes.pipeline_split.boundary_dtype``, as the cut's boundary bytes are priced).
+    4. Mixed precision (the config's ``param_dtype`` 16-bit; :func:`mixed_precision_stage`):
+       under ``mixed_precision="cast"`` each stage (traced in ``param_dtype``) runs with its
+       weights cast once per step (by FSDP2 under ZeRO-2/3, else by the stage itself) and
+       sends its values in the dtypes they were traced in; under "autocast" each stage
+       computes under autocast with fp32 weights and the activations it sends on, and their
+       gradients coming back, cross in ``param_dtype`` (``passes.pipeline_split.boundary_dtype``,
+       as the cut's boundary bytes are priced).
     With a data axis each stage module is wrapped by DDP / FSDP2 over its ZeRO group (dp, or
     dp x cp flattened: :class:`DataAxis`); under FSDP2 over dp x cp the last stage's loss
     gradient is scaled by cp (FSDP2 averages, cp's partial sums must be summed).
@@ -118,16 +162,19 @@ class PipelineRunner:
         if data is not None and data.zero >= 2 and share.tied_shapes:
             raise MeshError("ZeRO-2/3 with pipeline stages that share a tied weight is not "
                             "supported yet; use zero=0 or 1, or untie the weights")  # fmt: skip
-        dtype = share.config.param_dtype
+        dtype, mode = share.config.param_dtype, share.config.mixed_precision
+        sharded = data is not None and data.zero >= 2  # FSDP2 casts the gathered weights
         wrapped = {s: data.wrap(m, dtype) if data else m for s, m in self.modules.items()}
         self.modules = {s: _unwrapped(m) for s, m in wrapped.items()}  # ZeRO-2/3 run per-block
         last = share.n_stages - 1
         if data is not None and data.grad_scale != 1 and last in wrapped:
             wrapped[last] = _ScaledLoss(wrapped[last], data.grad_scale)
-        io = {s: tuple(_on_wire(specs, dtype) for specs in share.io[s]) for s in self.stage_ids}
+        io = {s: tuple(_on_wire(specs, share.config.autocast_dtype) for specs in share.io[s])
+              for s in self.stage_ids}  # fmt: skip
         if dtype != torch.float32:
             for s in self.stage_ids:
-                mixed_precision_stage(self.modules[s], share.io[s], io[s], dtype, device)
+                mixed_precision_stage(self.modules[s], share.io[s], io[s], dtype, device,
+                                      mode=mode, cast_weights=not sharded)  # fmt: skip
         self.stages = [
             PipelineStage(
                 wrapped[s],
@@ -261,20 +308,28 @@ def _on_wire(specs: list, param_dtype: torch.dtype) -> list:
 
 def mixed_precision_stage(module: torch.nn.Module, traced: tuple[list, list],
                           wire: tuple[list, list], param_dtype: torch.dtype,
-                          device: str) -> None:  # fmt: skip
+                          device: str, *, mode: str = "autocast",
+                          cast_weights: bool = True) -> None:  # fmt: skip
     """Make ``module`` (a stage program, its fp32 weights kept) run as a mixed-precision stage:
-    received activations are cast back to their traced dtype, the body runs under
-    ``param_dtype`` autocast, and the outputs are cast to their wire dtype (each cast's
-    backward casts the gradient the other way, so gradients cross in ``param_dtype`` too).
-    Replaces the instance's ``forward``, so DDP / FSDP2 wrappers and their hooks stay outside."""
+    received values (and the first stage's inputs) are cast to their traced dtype; the body
+    runs under ``param_dtype`` autocast (``mode="autocast"``), or with its weights cast to
+    ``param_dtype`` once per call (``mode="cast"``, the stage traced in it; not when
+    ``cast_weights`` is off: FSDP2 gathers them cast); the outputs are cast to their wire dtype
+    (each cast's backward casts the gradient the other way, so gradients cross in the wire
+    dtype too).  Replaces the instance's ``forward``, so DDP / FSDP2 wrappers and their hooks
+    stay outside."""
     body = module.forward
     ins = [dtype for _, dtype, _ in traced[0]]
     sent = [dtype for _, dtype, _ in wire[1]]
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         args = tuple(_cast(a, d) for a, d in zip(args, ins, strict=False)) + args[len(ins):]
-        with torch.autocast(device, dtype=param_dtype):
-            out = body(*args, **kwargs)
+        if mode == "cast":
+            out = (cast_call(module, body, param_dtype, args, kwargs) if cast_weights
+                   else body(*args, **kwargs))  # fmt: skip
+        else:
+            with torch.autocast(device, dtype=param_dtype):
+                out = body(*args, **kwargs)
         leaves, spec = torch.utils._pytree.tree_flatten(out)
         cast = [_cast(x, d) for x, d in zip(leaves, sent, strict=True)]
         return torch.utils._pytree.tree_unflatten(cast, spec)
@@ -366,17 +421,19 @@ class DataParallelModule(torch.nn.Module):
        waits for it only when its value is read (:class:`PendingScalar`), so it overlaps
        backward and the optimizer step.
     4. Mixed precision (``param_dtype`` 16-bit): the parameters stay fp32 (the optimizer's
-       master weights) and forward runs under autocast to ``param_dtype`` (matrix products
-       in 16-bit, reductions and norms as autocast keeps them).  FSDP2 also gathers the
-       weights in 16-bit (``MixedPrecisionPolicy``); under DDP autocast casts them per use.
-       Gradients reach the fp32 parameters and are reduced in ``reduce_dtype`` (fp32 by
-       default).
+       master weights).  ``mixed_precision="cast"`` (the program traced in ``param_dtype``):
+       FSDP2 gathers the weights cast and casts the inputs (``MixedPrecisionPolicy``); under
+       DDP the module casts its weights and inputs once per forward (:func:`cast_forward`).
+       ``"autocast"``: forward runs under autocast to ``param_dtype`` (matrix products in
+       16-bit, reductions and norms as autocast keeps them); FSDP2 also gathers the weights in
+       16-bit; under DDP autocast casts them per use.  Gradients reach the fp32 parameters and
+       are reduced in ``reduce_dtype`` (fp32 by default).
     """
 
     def __init__(self, module: torch.nn.Module, *, group: Any, dp_mesh: Any, zero: int,
                  reduction: str, param_dtype: torch.dtype = torch.float32,
                  reduce_dtype: torch.dtype = torch.float32,
-                 shard_group: Any = None) -> None:  # fmt: skip
+                 shard_group: Any = None, mixed_precision: str = "cast") -> None:  # fmt: skip
         super().__init__()
         self.group, self.zero, self.reduction = group, zero, reduction
         self.shard_group = group if shard_group is None else shard_group
@@ -384,6 +441,9 @@ class DataParallelModule(torch.nn.Module):
         self.param_dtype = param_dtype
         mixed = _is_mixed(module, param_dtype)
         divisor = self.dp if reduction == "mean" else 1
+        cast = mixed and mixed_precision == "cast"
+        if cast and zero <= 1:
+            cast_forward(module, param_dtype)
         if zero <= 1:
             self.engine = _ddp(module, self.shard_group, divisor, param_dtype if mixed else None,
                                reduce_dtype, bucket_view=True)  # fmt: skip
@@ -395,7 +455,7 @@ class DataParallelModule(torch.nn.Module):
         # gradients are scaled by group size / divisor instead (exact for powers of two)
         size = dist.get_world_size(self.shard_group)
         self.grad_scale = size // divisor if zero >= 2 else 1
-        self.autocast = param_dtype if mixed else None
+        self.autocast = param_dtype if mixed and not cast else None
         self.device_type = next(iter(module.parameters()), torch.empty(())).device.type
 
     @property
@@ -599,7 +659,8 @@ def wrap_data_parallel(device_mesh: Any, prog: Any, mesh: Mesh) -> Any:
     return DataParallelModule(prog.module(rank), group=device_mesh.get_group("dp"),
                               dp_mesh=zero_mesh, zero=dp.zero, reduction=dp.reduction,
                               param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                              shard_group=zero_mesh.get_group())  # fmt: skip
+                              shard_group=zero_mesh.get_group(),
+                              mixed_precision=dp.mixed_precision)  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)

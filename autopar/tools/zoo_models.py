@@ -12,7 +12,8 @@ Algorithm of :func:`check` (one row of the table):
    meta device and ``autoparallelize`` it with ``param_dtype=torch.bfloat16``.
 3. Read its forward collectives (zoo.forward_collectives, with :func:`tokens`: messages of at
    most 2 elements per token print in lower case) and count the weight all-gathers:
-   forward all-gathers whose full shape is the shape of a parameter (Megatron gathers none).
+   forward all-gathers of a value that reads a parameter through views and casts only
+   (Megatron gathers none).
 4. Rank 0's share of the layers' parameter bytes (zoo.layer_param_fraction; ideally 1/t).
 Each step's exception is caught into the row with a one-line reason.
 """
@@ -303,13 +304,32 @@ def tokens(entry: Model, size: str = "realistic") -> int:
     return d["batch"] * d["seq"]
 
 
+_READS = {"view", "reshape", "t", "transpose", "permute", "_to_copy", "to", "alias", "clone",
+          "contiguous", "unsqueeze", "squeeze", "expand"}  # ops that only move a value
+
+
 def weight_gathers(prog: Program) -> tuple[str, ...]:
-    """Forward all-gathers whose full shape is a parameter's shape (module docstring, 3)."""
-    shapes = {tuple(t.shape) for t in prog.traced.tensors.values() if t.dim() >= 2}
+    """Forward all-gathers of a parameter (module docstring, 3): the plan's forward all-gather
+    messages of the shape of a gathered value that reads a parameter placeholder through
+    views and casts only (an activation that happens to share a weight's shape, BERT's pooled
+    [b, h] beside a [labels, h] classifier at b = labels, is not one)."""
+    from autopar.ops import collectives
+
+    gathered = {tuple(n.meta["val"].shape) for st in prog.stages
+                for n in st.graph_module.graph.nodes
+                if n.target is collectives.all_gather
+                and _reads_parameter(n.args[0], st.traced.params)}  # fmt: skip
     return tuple(f"AG[{','.join(map(str, c.shape))}]@{c.where or '<top>'}"
                  for c in prog.collectives()
                  if c.direction == "fwd" and c.kind == "all_gather"
-                 and tuple(c.shape) in shapes)  # fmt: skip
+                 and tuple(c.shape) in gathered)  # fmt: skip
+
+
+def _reads_parameter(node: Any, params: dict[str, str]) -> bool:
+    while getattr(node, "op", None) == "call_function" and node.args and (
+            getattr(node.target, "__name__", "").split(".")[0] in _READS):  # fmt: skip
+        node = node.args[0]
+    return getattr(node, "op", None) == "placeholder" and node.name in params
 
 
 def check(entry: Model, tp: int = 2, run_verify: bool = True) -> Row:

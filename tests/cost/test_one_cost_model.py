@@ -47,8 +47,10 @@ def setup():
         model = LlamaForCausalLM(cfg)
     x = torch.randint(0, VOCAB, (BATCH, SEQ), device="meta")
     cluster = Cluster.preset("dgx-h100", nodes=2)
-    priced = SolvedModel(trace(model, (x, x), None, _loss), cluster, torch.bfloat16,
-                         retrace=lambda rows: trace(model, (x[:rows], x[:rows]), None, _loss))  # fmt: skip
+    bf16 = torch.bfloat16  # traced in bf16 (mixed_precision="cast"), as Mesh.auto prices it
+    priced = SolvedModel(trace(model, (x, x), None, _loss, cast=bf16), cluster, torch.float32,
+                         retrace=lambda rows: trace(model, (x[:rows], x[:rows]), None, _loss,
+                                                    cast=bf16))  # fmt: skip
     return model, x, priced, cluster
 
 
