@@ -45,6 +45,7 @@ class Options:
     capacity_factor: float | None = None
     recompute: str | None = None
     compile: bool | str = False  # True: inductor; or a torch.compile backend name
+    plan_cache: Any = None  # Mesh.auto: a folder of world-independent prices (planner/cache.py)
 
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **changes)

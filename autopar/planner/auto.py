@@ -229,7 +229,9 @@ def compile_auto(model: Any, mesh: AutoMesh, example: Any, loss_fn: Callable[...
        degree from the tp planner's own solution of a trace of its per-rank slice, the count
        the compiled plan reports) and order them by that price: what fits first, fastest
        first.  The search's formula ranks the whole space quickly; the compiler's own count
-       decides among the few it compiles.
+       decides among the few it compiles.  With ``plan_cache=DIR`` those prices' traces and
+       sub-mesh solutions are read from DIR when an earlier run made them
+       (`autopar.planner.cache`: keyed by the graph, shapes, dtype, cluster shape, compiler).
     4. Walk those best first: compile every chosen degree (dp, pp, cp, ep, tp) in the
        chosen nesting on every GPU of the cluster, with its ZeRO stage, schedule, micro-batch
        count and recompute mode, through the one driver (`autopar.driver`), which reuses the
@@ -256,9 +258,15 @@ def compile_auto(model: Any, mesh: AutoMesh, example: Any, loss_fn: Callable[...
     plan = plan_shape(priced, _capacity(mesh.cluster, options.memory_limit),
                       options.global_batch or mesh.global_batch or examples,
                       space=_auto_space(mesh, options))  # fmt: skip
+    cache = None
+    if options.plan_cache is not None:
+        from autopar.planner.cache import PlanCache
+
+        cache = PlanCache(options.plan_cache, traced, plan.result.cluster, options.param_dtype)
     solved = SolvedModel(traced, plan.result.cluster, options.param_dtype,
                          name=type(model).__name__,
-                         retrace=_retrace(model, example, loss_fn, examples, traces))  # fmt: skip
+                         retrace=_retrace(model, example, loss_fn, examples, traces),
+                         cache=cache)  # fmt: skip
     candidates = repriced(plan, solved)
     refused: list[tuple[Choice, str]] = []
     for _, choice in candidates:
