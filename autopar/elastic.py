@@ -61,7 +61,7 @@ STOP_GRACE_S = 2.0  # a watchdog verdict waits this long for torchrun's own SIGT
 
 def init_attempt_group(timeout_s: float = 120.0) -> int:
     """Step 1: the job's Gloo group, its rendezvous keys prefixed by this round's generation;
-    returns the generation (0 on the job's first start, then one more per (re)start).
+    returns the generation (0 on a fresh store, then one more per round that shares it).
 
     torchrun's agents keep one worker store across restarts, so a restarted worker reading the
     previous round's addresses would dial dead processes.  ``TORCHELASTIC_RESTART_COUNT`` cannot

@@ -102,3 +102,24 @@ def test_records_carry_every_field() -> None:
     assert (back.arrays["flops"] == g.arrays["flops"]).all() and back.comm == g.comm
     assert {f.name: getattr(back, f.name) for f in dataclasses.fields(g) if f.name != "arrays"} \
         == {f.name: getattr(g, f.name) for f in dataclasses.fields(g) if f.name != "arrays"}
+
+
+def test_a_refusal_is_read_back_for_the_same_mesh_and_options(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from autopar.frontend.trace import trace
+    from autopar.options import make_options
+    from cost.config import ParallelConfig
+
+    c = Config(batch=8)
+    cache = plan_cache.PlanCache(tmp_path, trace(build("llama", c), tokens(c), None, lm_loss),
+                                 NODE, torch.float32)  # fmt: skip
+    choice = SimpleNamespace(config=ParallelConfig(tp=2, dp=2, global_batch=8),
+                             order=("dp", "tp"), micro_batches=1)  # fmt: skip
+    options, mesh = make_options(), Mesh.ordered((("dp", 2), ("tp", 2)), NODE)
+    assert cache.refusal(mesh, choice, options) is None
+    cache.put_refusal(mesh, choice, options, "PlanError: no")
+    assert cache.refusal(mesh, choice, options) == "PlanError: no"
+    assert cache.refusal(Mesh.ordered((("tp", 2), ("dp", 2)), NODE), choice, options) is None
+    assert cache.refusal(mesh, choice, options.replace(zero=3)) is None
+    assert cache.refusal(mesh, choice, options.replace(plan_cache=tmp_path)) == "PlanError: no"

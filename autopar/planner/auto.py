@@ -238,7 +238,9 @@ def compile_auto(model: Any, mesh: AutoMesh, example: Any, loss_fn: Callable[...
        search's trace when the configuration's per-rank slice is the whole example batch (and
        each trace it makes for the next configurations).  A configuration the compiler
        refuses (its memory count is what runs; some axis combinations it cannot build for
-       this model) is recorded with the compiler's reason and the next is tried.
+       this model) is recorded with the compiler's reason and the next is tried (with
+       ``plan_cache``, a refusal of the same mesh, configuration and options is read back
+       instead of compiled again).
     5. `prog.search` (AutoChoice) holds the ranking, the candidates as repriced, the best,
        the compiled one and refusals.
     """
@@ -271,12 +273,17 @@ def compile_auto(model: Any, mesh: AutoMesh, example: Any, loss_fn: Callable[...
     refused: list[tuple[Choice, str]] = []
     for _, choice in candidates:
         concrete = auto_mesh(choice, mesh.cluster)
+        chosen = _choice_options(concrete, choice, examples, options)
+        known = None if cache is None else cache.refusal(concrete, choice, chosen)
+        if known is not None:  # the compiler refused exactly this before (same key)
+            refused.append((choice, known))
+            continue
         try:
-            prog = compile_model(model, concrete, example, loss_fn,
-                                 _choice_options(concrete, choice, examples, options),
-                                 traces=traces)  # fmt: skip
+            prog = compile_model(model, concrete, example, loss_fn, chosen, traces=traces)
         except PlanError as exc:
             refused.append((choice, f"{type(exc).__name__}: {exc}"))
+            if cache is not None:
+                cache.put_refusal(concrete, choice, chosen, refused[-1][1])
             continue
         prog.search = AutoChoice(plan=plan, best=candidates[0][1], compiled=choice, mesh=concrete,
                                  refused=tuple(refused), candidates=tuple(candidates))  # fmt: skip

@@ -15,7 +15,9 @@ Algorithm (:class:`PlanCache`):
 2. Entries, one JSON file each under ``DIR/<namespace>/``, written atomically (a temporary file
    renamed): the priced graph of a trace of ``rows`` sequences (`cost.graph.GraphModel`) and
    the sub-mesh solution of (tp, cp, rows) (`SolvedModel`'s ``_Solved``, or null when the
-   compiler refused the degrees).
+   compiler refused the degrees), and the reason the compiler refused a configuration on a
+   whole mesh (``refused_<hash of mesh, configuration, options>``: world-dependent, but keyed
+   by the world, so a restart on a world seen before skips that compile).
 3. Loading parses JSON and checks every field's type: no pickle, nothing runs.  An entry that
    does not read back is recomputed and rewritten, with a warning naming the file.
 """
@@ -110,6 +112,28 @@ class PlanCache:
         """``solved``: (GraphModel, collectives, ring) or None."""
         data = None if solved is None else _solved_to(*solved)
         self._write(f"solved_tp{t}_cp{c}_rows{rows}", data)
+
+    def refusal(self, mesh: Any, choice: Any, options: Any) -> str | None:
+        """Why the compiler refused ``choice`` compiled on ``mesh`` with ``options`` before,
+        or None (never tried, or compiled)."""
+        name = self._refusal_name(mesh, choice, options)
+        data = self._read(name)
+        if data is MISS or isinstance(data, str):
+            return None if data is MISS else data
+        warnings.warn(f"plan cache {self._path(name)}: not a refusal's text; compiling again",
+                      stacklevel=2)  # fmt: skip
+        return None
+
+    def put_refusal(self, mesh: Any, choice: Any, options: Any, why: str) -> None:
+        self._write(self._refusal_name(mesh, choice, options), why)
+
+    @staticmethod
+    def _refusal_name(mesh: Any, choice: Any, options: Any) -> str:
+        """The whole mesh (its world too), the configuration, its nesting and micro-batches,
+        and every option the compile reads."""
+        key = repr((str(mesh), mesh.axes, choice.config, choice.order, choice.micro_batches,
+                    dataclasses.replace(options, plan_cache=None)))  # fmt: skip
+        return "refused_" + hashlib.sha256(key.encode()).hexdigest()[:24]
 
     # ------------------------------------------------------------ files (steps 2-3)
 
