@@ -15,6 +15,7 @@ Algorithm:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,6 +58,7 @@ def autoparallelize(
     recompute: str | None = None,
     compile: bool | str = False,
     fp8: str | None = None,
+    plan_cache: str | os.PathLike | None = None,
 ) -> Any:
     """Compile ``model`` for ``mesh``.
 
@@ -104,6 +106,10 @@ def autoparallelize(
     sequences per step, default the example batch) and compiles the best configuration, every
     axis of it, on every GPU of the cluster (or, if the compiler's memory count refuses it,
     the best it accepts, saying so); ``prog.search`` holds the ranked plan (autopar.planner.auto).
+    ``plan_cache=DIR`` keeps the search's world-independent pricing (priced traces of per-rank
+    slices, the tp / cp sub-mesh solutions) in DIR as JSON, so a later ``Mesh.auto`` on the same
+    model, shapes and kind of cluster, with any node count, re-traces and re-solves none of
+    them (autopar.planner.cache; an elastic job's re-plan).  The plan chosen is the same.
 
     A mesh with a ``cp`` axis splits the sequence (autopar.axes.context_parallel); attention runs
     as ring or all-to-all attention, chosen by cost unless ``cp_attention`` forces one.
@@ -131,7 +137,7 @@ def autoparallelize(
         split_points=split_points, cluster=cluster, zero=zero, param_dtype=param_dtype,
         mixed_precision=mixed_precision, global_batch=global_batch, reduce_dtype=reduce_dtype,
         cp_attention=cp_attention, capacity_factor=capacity_factor, recompute=recompute,
-        compile=compile, fp8=fp8,
+        compile=compile, fp8=fp8, plan_cache=plan_cache,
     )  # fmt: skip
     example = example_of(example_inputs, example_kwargs)
     if isinstance(mesh, AutoMesh):

@@ -5,11 +5,15 @@
     run.train()                                          # under torchrun --nnodes MIN:MAX
 
 Algorithm (:meth:`Elastic.train`, on every (re)start of the workers):
-1. The job's Gloo group, its keys prefixed by the restart count (torchrun's agent keeps one
-   store across restarts: :func:`init_attempt_group`); the cluster from the environment
+1. The job's Gloo group, its keys prefixed by a generation the round's workers agree on
+   (torchrun's agents keep one store across restarts: :func:`init_attempt_group`); the
+   attempt is the number of starts ``root/elastic/replans.jsonl`` records (torchrun's restart
+   count differs between agents); the cluster from the environment
    (``LOCAL_WORLD_SIZE`` GPUs per node, ``WORLD_SIZE / LOCAL_WORLD_SIZE`` nodes).
 2. Plan for that world: the user's rule (``"tp=2, dp=*"``: tp 2, dp the rest; a callable
-   world -> Mesh) or ``Mesh.auto`` (the whole-cluster search, global batch fixed), compile and
+   world -> Mesh) or ``Mesh.auto`` (the whole-cluster search, global batch fixed; its
+   world-independent prices kept in ``root/elastic/plan_cache`` for the next start:
+   autopar.planner.cache), compile and
    bind to a DeviceMesh in the chosen axis order.  The re-plan time (trace + search + compile)
    is measured.
 3. Load the newest committed checkpoint resharded to the new plan (model, optimizer incl. ZeRO
@@ -19,7 +23,10 @@ Algorithm (:meth:`Elastic.train`, on every (re)start of the workers):
    rank feeds its dp (then ep) slice of it, in ``accumulate`` chunks when fewer ranks must
    hold more rows (``micro_rows``), so the loss curve is an uninterrupted run's.
 5. A rank lost: the watchdog ends every survivor with ``EXIT_CODE`` (non-zero: torchrun
-   restarts the workers with the new world) after recording why in ``root/elastic/``.
+   restarts the workers with the new world) after recording why in ``root/elastic/`` (unless
+   torchrun's own SIGTERM ends it within ``STOP_GRACE_S``: the agent stopping the workers for
+   a node that joins is no failure).  A start with no failure recorded and a larger world
+   than the checkpoint's reads "the world is now N ranks".
 6. A straggler slow in compute for ``evict_after`` consecutive reports is evicted: its node's
    agent is sent SIGTERM (torchrun then leaves the rendezvous open for the others) and the
    survivors exit with ``EXIT_CODE``, the reason recorded; they re-plan and resume as after a
@@ -49,17 +56,68 @@ from autopar.mesh import KNOWN_AXES, Mesh
 from cost.hardware import Cluster
 
 REASON = "reason.txt"
+STOP_GRACE_S = 2.0  # a watchdog verdict waits this long for torchrun's own SIGTERM (step 5)
 
 
-def init_attempt_group(timeout_s: float = 120.0) -> None:
-    """Step 1: the job's Gloo group, its rendezvous keys prefixed by the restart count (a
-    restarted worker reading the previous attempt's addresses would dial dead processes)."""
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+def init_attempt_group(timeout_s: float = 120.0) -> int:
+    """Step 1: the job's Gloo group, its rendezvous keys prefixed by this round's generation;
+    returns the generation (0 on a fresh store, then one more per round that shares it).
+
+    torchrun's agents keep one worker store across restarts, so a restarted worker reading the
+    previous round's addresses would dial dead processes.  ``TORCHELASTIC_RESTART_COUNT`` cannot
+    name the round: a membership change (a node joining) restarts the workers without counting,
+    and a node that joins late starts its count at 0.  The generation is agreed on instead
+    (:func:`agree_generation`).  Under ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (needed for a
+    node to join a running job with torch 2.13: a late agent waits for a store address the
+    first agent published only in round 0) rank 0 hosts a fresh store each round."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=timedelta(seconds=timeout_s))  # fmt: skip
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"autopar/attempt_{restart}", store),
-                            rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]))  # fmt: skip
+                          world_size=world, is_master=rank == 0 and not agent_store,
+                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)  # fmt: skip
+    generation = agree_generation(store, rank, world, timeout_s)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"autopar/round_{generation}", store),
+                            rank=rank, world_size=world)  # fmt: skip
+    return generation
+
+
+def agree_generation(store: Any, rank: int, world: int, timeout_s: float = 120.0) -> int:
+    """A number every worker of this rendezvous round agrees on and no earlier round on the same
+    store used (the store keeps the keys of dead rounds, so nothing already in it is trusted).
+
+    Algorithm:
+    1. Rank 0 takes the next value of the counter ``autopar/generation`` (only rank 0 of each
+       round adds to it).
+    2. Every other rank posts a fresh random nonce under ``autopar/ask/<rank>`` and waits for
+       ``autopar/answer/<nonce>``; rank 0 answers every nonce it reads there (a stale one from
+       a dead round is answered too, harmlessly) until each rank has acknowledged this
+       generation under ``autopar/ack/<generation>/<rank>``, keys no earlier round wrote."""
+    import uuid
+
+    if rank != 0:
+        nonce = uuid.uuid4().hex
+        store.set(f"autopar/ask/{rank}", nonce)
+        generation = int(store.get(f"autopar/answer/{nonce}"))
+        store.set(f"autopar/ack/{generation}/{rank}", "1")
+        return generation - 1
+    generation = store.add("autopar/generation", 1)
+    waiting, answered = set(range(1, world)), set()
+    deadline = time.monotonic() + timeout_s
+    while waiting:
+        for r in sorted(waiting):
+            if store.check([f"autopar/ack/{generation}/{r}"]):
+                waiting.discard(r)
+            elif store.check([f"autopar/ask/{r}"]):
+                nonce = store.get(f"autopar/ask/{r}").decode()
+                if nonce not in answered:
+                    store.set(f"autopar/answer/{nonce}", str(generation))
+                    answered.add(nonce)
+        if waiting and time.monotonic() > deadline:
+            raise MeshError(f"ranks {sorted(waiting)} of a world of {world} did not join the "
+                            f"elastic group within {timeout_s:.0f} s (rank 0's generation "
+                            f"{generation}); check that every agent runs the same job")  # fmt: skip
+        time.sleep(0.01)
+    return generation - 1
 
 
 def cluster_from_env(preset: str = "dgx-h100") -> Cluster:
@@ -114,11 +172,13 @@ class Replan:
     replan_s: float  # trace + search + compile + bind
     resume_s: float  # loading the checkpoint resharded
     resumed_step: int
+    chunks: int = 1  # gradient accumulation: each step's global batch in this many forwards
 
     def __str__(self) -> str:
         return (f"[autopar elastic] attempt {self.attempt}: {self.old_mesh} -> {self.new_mesh} "
                 f"(world {self.world}); reason: {self.reason}; re-plan {self.replan_s:.2f} s, "
-                f"resume {self.resume_s:.2f} s from step {self.resumed_step}")  # fmt: skip
+                f"resume {self.resume_s:.2f} s from step {self.resumed_step}"
+                + (f"; {self.chunks} accumulated chunks per step" if self.chunks > 1 else ""))  # fmt: skip
 
 
 class Elastic:
@@ -150,7 +210,7 @@ class Elastic:
         self.rule = mesh_rule(mesh) if isinstance(mesh, str) else mesh
         self.watchdog_timeout, self.gpu, self.on_step = watchdog_timeout, gpu, on_step
         self.straggler_every, self.evict_after, self.options = straggler_every, evict_after, options
-        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.attempt = 0  # starts recorded before this one (read in train)
         self.losses: dict[int, float] = {}
         self.checkpointer: Any = None
 
@@ -169,9 +229,15 @@ class Elastic:
         self.chunks = self.accumulate(world, wanted)
         model, example = self.model_fn(), self.example()
         if wanted is None:
+            options = {"plan_cache": self.root / "elastic" / "plan_cache", **self.options}
             prog = autoparallelize(model, Mesh.auto(cluster, global_batch=self.global_rows),
-                                   example, loss_fn=self.loss_fn, **self.options)  # fmt: skip
+                                   example, loss_fn=self.loss_fn, **options)  # fmt: skip
             mesh = prog.search.mesh
+            if "pp" in mesh.sizes and self.chunks > 1:
+                raise InputError(f"Mesh.auto chose {mesh} for a world of {world}: a pipeline "
+                                 "runs its own micro-batches, so micro_rows cannot accumulate "
+                                 "chunks as well; give micro_rows=None or a mesh rule "
+                                 "without pp")  # fmt: skip
         else:
             mesh = wanted
             prog = autoparallelize(model, mesh, example, loss_fn=self.loss_fn, **self.options)
@@ -194,14 +260,13 @@ class Elastic:
         if self.micro_rows is None or (mesh is not None and "pp" in mesh.sizes):
             return 1
         splitting = world if mesh is None else mesh.size("dp") * mesh.size("ep")
-        rows, k = self.global_rows, 1
-        while rows % (k * splitting) == 0 and rows // (k * splitting) > self.micro_rows:
-            k += 1
-        if rows % (k * splitting):
-            raise InputError(f"the global batch of {rows} rows does not split into chunks of at "
-                             f"most micro_rows={self.micro_rows} rows on each of {splitting} "
-                             "batch-splitting ranks; pick a global batch with more divisors")  # fmt: skip
-        return k
+        rows = self.global_rows
+        for k in range(1, rows // splitting + 1):  # the fewest equal chunks that are small enough
+            if rows % (k * splitting) == 0 and rows // (k * splitting) <= self.micro_rows:
+                return k
+        raise InputError(f"the global batch of {rows} rows does not split into equal chunks of "
+                         f"at most micro_rows={self.micro_rows} rows on each of {splitting} "
+                         "batch-splitting ranks; pick a global batch with more divisors")  # fmt: skip
 
     def example(self) -> tuple:
         """The first chunk of step 1's global batch: what the program is compiled for."""
@@ -240,12 +305,13 @@ class Elastic:
         enable_flight_recorder()
         if not dist.is_initialized():
             init_attempt_group()
+        self.attempt = len(replans(self.root))  # rank 0 appends this start's after a barrier
         module, mesh, replan_s = self.plan()
         opt = self._optimizer(module)
         resumed, resume_s = self._resume(module, opt)
         self._record(mesh, replan_s, resume_s, resumed)
         dist.barrier()
-        watchdog = Watchdog(timeout=self.watchdog_timeout, on_failure=self._failed)
+        watchdog = Watchdog(timeout=self.watchdog_timeout, on_failure=self._peer_lost)
         monitor = StragglerMonitor(every=self.straggler_every, evict_after=self.evict_after)
         step_fn = self._step_fn(module, opt, mesh)
         try:
@@ -257,8 +323,8 @@ class Elastic:
                             self.on_step(step, self)
                         self.losses[step] = step_fn(step)
                     if step % self.save_every == 0:
-                        self.checkpointer.save(step, {"data_position": step,
-                                                      "mesh": str(mesh)})  # fmt: skip
+                        self.checkpointer.save(step, {"data_position": step, "mesh": str(mesh),
+                                                      "world": dist.get_world_size()})  # fmt: skip
                     self._maybe_evict(monitor, watchdog)
                 self.checkpointer.wait()
         except RankFailure as e:  # a peer died or hung: the exit torchrun restarts on
@@ -287,6 +353,7 @@ class Elastic:
         self.checkpointer = Checkpointer(self.root / "ckpt", module, opt)
         resumed = self.checkpointer.load()
         self.previous_mesh = resumed.extra.get("mesh", "?") if resumed else "none"
+        self.previous_world = resumed.extra.get("world") if resumed else None
         return (resumed.extra["data_position"] if resumed else 0), time.perf_counter() - start
 
     def _step_fn(self, module: Any, opt: Any, mesh: Mesh) -> Callable[[int], float]:
@@ -297,13 +364,13 @@ class Elastic:
             chunks = self.local(n, mesh)
             if isinstance(module, PipelineRunner):
                 loss = module.step(*chunks[0][:-1], target=chunks[0][-1])
-                total = float(loss)
+                total = float(loss.detach())
             else:
                 total = 0.0
                 for chunk in chunks:
                     loss = module(*chunk)
                     (loss / len(chunks)).backward()
-                    total += float(loss) / len(chunks)
+                    total += float(loss.detach()) / len(chunks)
             opt.step()
             opt.zero_grad(set_to_none=True)
             return total
@@ -314,6 +381,13 @@ class Elastic:
 
     def _reason_file(self) -> Path:
         return self.root / "elastic" / REASON
+
+    def _peer_lost(self, message: str) -> None:
+        """Step 5 for the watchdog's verdict, after STOP_GRACE_S: when torchrun stops the
+        workers itself (a node joined), it signals them one by one, and a rank that sees a
+        stopped peer first must not record that as a failure; its own SIGTERM ends it first."""
+        time.sleep(STOP_GRACE_S)
+        self._failed(message)
 
     def _failed(self, message: str) -> None:
         """Step 5: why this attempt ends (the first rank to write it wins)."""
@@ -348,13 +422,18 @@ class Elastic:
     def _record(self, mesh: Mesh, replan_s: float, resume_s: float, resumed: int) -> None:
         """Step 7: one Replan, printed by rank 0 and appended to replans.jsonl."""
         path = self._reason_file()
-        reason = path.read_text() if path.exists() else "first start"
-        if self.previous_mesh not in ("none", "?") and self.previous_mesh != str(mesh) and \
-                not path.exists():  # fmt: skip
-            reason = f"the world is now {dist.get_world_size()} ranks"
-        report = Replan(attempt=self.attempt, world=dist.get_world_size(),
-                        old_mesh=self.previous_mesh, new_mesh=str(mesh), reason=reason,
-                        replan_s=replan_s, resume_s=resume_s, resumed_step=resumed)  # fmt: skip
+        world = dist.get_world_size()
+        if path.exists():
+            reason = path.read_text()
+        elif self.previous_mesh == "none":
+            reason = "first start"
+        elif self.previous_world not in (None, world):  # restarted by torchrun: a node joined
+            reason = f"the world is now {world} ranks (was {self.previous_world})"
+        else:
+            reason = "restarted with no failure recorded"
+        report = Replan(attempt=self.attempt, world=world, old_mesh=self.previous_mesh,
+                        new_mesh=str(mesh), reason=reason, replan_s=replan_s,
+                        resume_s=resume_s, resumed_step=resumed, chunks=self.chunks)  # fmt: skip
         self.replan = report
         dist.barrier()
         if dist.get_rank() == 0:
@@ -363,6 +442,12 @@ class Elastic:
             with open(self.root / "elastic" / "replans.jsonl", "a") as f:
                 f.write(json.dumps(asdict(report)) + "\n")
             path.unlink(missing_ok=True)
+
+
+def replans(root: str | Path) -> list[dict[str, Any]]:
+    """The :class:`Replan` records of every start of the run in ``root``, oldest first."""
+    path = Path(root) / "elastic" / "replans.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 _OPT_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "alpha", "amsgrad", "foreach")

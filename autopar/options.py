@@ -48,6 +48,7 @@ class Options:
     recompute: str | None = None
     compile: bool | str = False  # True: inductor; or a torch.compile backend name
     fp8: str | None = None  # a torchao float8 recipe: "tensorwise" | "rowwise"
+    plan_cache: Any = None  # Mesh.auto: a folder of world-independent prices (planner/cache.py)
 
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **changes)

@@ -4,6 +4,7 @@ re-plan, resume from the last checkpoint and finish with the loss curve of one d
 
     python examples/elastic.py            # launch, kill a node, watch it resume
     python examples/elastic.py --evict    # rank 3 sleeps in its steps: evicted, not killed
+    python examples/elastic.py --grow     # start on one node, a second joins, then is lost
 
 Algorithm:
 1. The launcher starts two agents (own process groups), each running this file's workers:
@@ -11,6 +12,10 @@ Algorithm:
 2. Fault: at step KILL_AT on attempt 0, agent b's workers wait for the checkpoint in flight,
    kill their agent (SIGKILL) and exit: a lost node.  ``--evict``: rank 3 sleeps SLOW_S in
    every step; the straggler report names it for EVICT_AFTER windows and its node leaves.
+   ``--grow``: agent a starts alone (world 2, MICRO_ROWS rows per forward: gradient
+   accumulation); at step GROW_AT its workers wait with the checkpoint committed and the
+   launcher starts agent b: torchrun restarts a's workers for the larger world (4), they
+   re-plan and resume, and node b is lost at step KILL_AT as above (world 2 again).
 3. Rank 0 appends each step's loss to losses.jsonl; the launcher compares the last value of
    every step with one device and prints each re-plan (old mesh -> new mesh, reason, times).
 """
@@ -31,6 +36,7 @@ import torch.nn.functional as F
 
 STEPS, SAVE_EVERY, KILL_AT, LR, TOLERANCE = 12, 3, 7, 3e-3, 1e-5
 BATCH, SEQ, VOCAB, SLOW_S, EVICT_AFTER = 4, 16, 128, 0.4, 2
+GROW_AT, MICRO_ROWS, JOIN = 4, 1, "join.ready"
 
 
 def loss_fn(out, labels: torch.Tensor) -> torch.Tensor:
@@ -58,7 +64,13 @@ def fault(step: int, run) -> None:  # noqa: ANN001
     import torch.distributed as dist
 
     mode, node = os.environ.get("AUTOPAR_FAULT", ""), os.environ.get("AUTOPAR_NODE", "")
-    if mode == "kill" and node == "b" and run.attempt == 0 and step == KILL_AT:
+    if mode == "grow" and run.attempt == 0 and step == GROW_AT:
+        run.checkpointer.wait()
+        if dist.get_rank() == 0:
+            (run.root / JOIN).touch()  # the launcher starts agent b
+        time.sleep(120)  # until agent a stops this worker for the larger world
+    lost = {"kill": 0, "grow": 1}.get(mode)  # the attempt node b is lost in
+    if node == "b" and run.attempt == lost and step == KILL_AT:
         run.checkpointer.wait()
         print(f"[node b] rank {dist.get_rank()}: losing the node at step {step}", flush=True)
         if int(os.environ["LOCAL_RANK"]) == 0:
@@ -77,9 +89,10 @@ def worker(root: Path) -> None:
     from autopar.elastic import Elastic
 
     torch.set_num_threads(1)
-    evict = os.environ.get("AUTOPAR_FAULT") == "evict"
+    evict, grow = (os.environ.get("AUTOPAR_FAULT") == m for m in ("evict", "grow"))
     run = Elastic(root, model=model, batch=batch, loss_fn=loss_fn, optimizer=optimizer,
                   steps=STEPS, save_every=SAVE_EVERY, mesh="tp=*" if evict else None,
+                  micro_rows=MICRO_ROWS if grow else None,
                   evict_after=EVICT_AFTER if evict else None, straggler_every=2,
                   on_step=fault, watchdog_timeout=10)  # fmt: skip
     original = run._step_fn
@@ -119,11 +132,13 @@ def agent(root: Path, node: str, port: int, fault_mode: str) -> subprocess.Popen
     env = {**os.environ, "AUTOPAR_ELASTIC_DIR": str(root), "AUTOPAR_NODE": node,
            "AUTOPAR_FAULT": fault_mode, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}  # fmt: skip
+    if fault_mode == "grow":  # a node joining needs a fresh store each round (autopar.elastic)
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
            "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
            f"127.0.0.1:{port}", "--rdzv-id", "autopar-elastic", "--max-restarts", "3",
            "--monitor-interval", "0.5", "--rdzv-conf",
-           "join_timeout=120,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
+           "join_timeout=120,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=10",
            __file__]  # fmt: skip
     log = open(root / f"agent_{node}.log", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -131,17 +146,22 @@ def agent(root: Path, node: str, port: int, fault_mode: str) -> subprocess.Popen
 
 
 def launch(root: Path, fault_mode: str, timeout: float = 300) -> int:
-    """Steps 1-2: both agents until agent a ends; every process group killed after."""
+    """Steps 1-2: both agents (b once a's workers ask for it under ``grow``) until agent a
+    ends; every process group killed after."""
     from autopar.runtime.pool import free_port
 
-    port = free_port()
-    a = agent(root, "a", port, fault_mode)
-    time.sleep(1.0)  # a hosts the rendezvous store
-    b = agent(root, "b", port, fault_mode)
+    port, deadline = free_port(), time.monotonic() + timeout
+    agents = [agent(root, "a", port, fault_mode)]
     try:
-        return a.wait(timeout=timeout)
+        time.sleep(1.0)  # a hosts the rendezvous store
+        while fault_mode == "grow" and not (root / JOIN).exists() and agents[0].poll() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"agent a's workers never reached step {GROW_AT} ({root})")
+            time.sleep(0.2)
+        agents.append(agent(root, "b", port, fault_mode))
+        return agents[0].wait(timeout=max(deadline - time.monotonic(), 1.0))
     finally:
-        for p in (a, b):
+        for p in agents:
             with_group_killed(p)
 
 
@@ -165,8 +185,9 @@ def curve(root: Path) -> list[float]:
 
 
 def replans(root: Path) -> list[dict]:
-    path = root / "elastic" / "replans.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    from autopar.elastic import replans as recorded
+
+    return recorded(root)
 
 
 def main() -> int:
@@ -176,7 +197,8 @@ def main() -> int:
     from autopar.tools.testing import compare_losses
 
     root = Path(tempfile.mkdtemp(prefix="autopar-elastic-"))
-    code = launch(root, "evict" if "--evict" in sys.argv else "kill")
+    mode = next((m for m in ("evict", "grow") if f"--{m}" in sys.argv), "kill")
+    code = launch(root, mode)
     print(f"agent a exited with {code}; logs in {root}")
     for r in replans(root):
         print(

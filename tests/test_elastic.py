@@ -1,6 +1,6 @@
-"""Elastic training (autopar.elastic): torchrun agents on a c10d rendezvous lose a node, or
-evict a straggler's node; the survivors re-plan, resume resharded and finish with the loss curve
-of one device (examples/elastic.py is the job; no process is left behind)."""
+"""Elastic training (autopar.elastic): torchrun agents on a c10d rendezvous gain a node, lose
+one, or evict a straggler's node; the workers re-plan, resume resharded and finish with the loss
+curve of one device (examples/elastic.py is the job; no process is left behind)."""
 
 from __future__ import annotations
 
@@ -39,39 +39,39 @@ def _alive(root: Path) -> list[str]:
     return out
 
 
-def _run(tmp_path: Path, mode: str):
+def _job(tmp_path: Path, mode: str) -> list[dict]:
+    """examples/elastic.py's job in ``mode``: agent a ends with 0, no process is left behind and
+    the losses of steps 1-12 equal one device's; returns the re-plan reports."""
     ex = _example()
     code = ex.launch(tmp_path, mode, timeout=400)
     left = _alive(tmp_path)
     for pid in left:
         os.kill(int(pid), signal.SIGKILL)
-    return ex, code, left
-
-
-def test_node_lost_replans_and_resumes(tmp_path: Path) -> None:
-    ex, code, left = _run(tmp_path, "kill")
     assert code == 0, (tmp_path / "agent_a.log").read_text()[-3000:]
     assert not left
-    plans = ex.replans(tmp_path)
-    assert [p["world"] for p in plans] == [4, 2]
-    first, second = plans
-    assert second["old_mesh"] == first["new_mesh"] != second["new_mesh"]
-    assert second["resumed_step"] == 6
-    assert "dead" in second["reason"]
     single, elastic = ex.single_device(), ex.curve(tmp_path)
     assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(single, elastic, strict=True))
+    return ex.replans(tmp_path)
+
+
+def test_world_grows_then_a_node_is_lost(tmp_path: Path) -> None:
+    """Agent a alone (world 2, micro_rows=1: 2 accumulated chunks); agent b joins at step 4:
+    world 4 from step 3's checkpoint; b is lost at step 7: world 2 from step 6."""
+    start, grown, lost = _job(tmp_path, "grow")
+    assert [p["world"] for p in (start, grown, lost)] == [2, 4, 2]
+    assert grown["reason"] == "the world is now 4 ranks (was 2)"
+    assert grown["old_mesh"] == start["new_mesh"] != grown["new_mesh"]
+    assert grown["resumed_step"] == 3
+    assert lost["old_mesh"] == grown["new_mesh"] != lost["new_mesh"]
+    assert lost["resumed_step"] == 6 and "dead" in lost["reason"]
+    assert [p["chunks"] for p in (start, grown, lost)] == [2, 1, 2]
 
 
 def test_straggler_is_evicted_and_the_rest_resume(tmp_path: Path) -> None:
-    ex, code, left = _run(tmp_path, "evict")
-    assert code == 0, (tmp_path / "agent_a.log").read_text()[-3000:]
-    assert not left
-    plans = ex.replans(tmp_path)
+    plans = _job(tmp_path, "evict")
     assert [p["world"] for p in plans] == [4, 2]
     assert plans[1]["old_mesh"] == "Mesh(tp=4)" and plans[1]["new_mesh"] == "Mesh(tp=2)"
     assert "evicted node 1" in plans[1]["reason"] and "rank 3" in plans[1]["reason"]
-    single, elastic = ex.single_device(), ex.curve(tmp_path)
-    assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(single, elastic, strict=True))
 
 
 def test_mesh_rule() -> None:
@@ -83,6 +83,29 @@ def test_mesh_rule() -> None:
     for bad in ("tp=two", "xx=2", "tp=*, dp=*", "tp=2, tp=4"):
         with pytest.raises(InputError):
             mesh_rule(bad)
+
+
+def test_micro_rows_chunks_each_step(tmp_path: Path) -> None:
+    """How many accumulated forwards a step takes so no rank feeds more than micro_rows rows
+    (the torchrun job above checks the accumulated steps' losses against one device)."""
+    import torch
+
+    from autopar import Mesh
+    from autopar.elastic import Elastic
+
+    def run(rows: int, micro: int | None) -> Elastic:
+        return Elastic(tmp_path, model=torch.nn.Identity, loss_fn=None, steps=1, save_every=1,
+                       batch=lambda _: (torch.zeros(rows, 3), torch.zeros(rows)),
+                       micro_rows=micro)  # fmt: skip
+
+    assert run(8, 2).accumulate(2, None) == 2  # Mesh.auto: every rank assumed to split
+    assert run(8, 2).accumulate(4, Mesh(dp=4)) == 1
+    assert run(8, 2).accumulate(2, Mesh(tp=2)) == 4  # tp ranks all feed the whole chunk
+    assert run(8, 3).accumulate(2, Mesh(dp=2)) == 2
+    assert run(8, 1).accumulate(4, Mesh(pp=2, dp=2)) == 1  # the pipeline's micro-batches
+    assert run(8, None).accumulate(1, Mesh(tp=1)) == 1
+    with pytest.raises(InputError, match="global batch of 6 rows does not split into equal"):
+        run(6, 1).accumulate(4, Mesh(dp=4))
 
 
 def _report(step: int, compute: tuple[float, ...]) -> StragglerReport:

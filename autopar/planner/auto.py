@@ -233,14 +233,18 @@ def compile_auto(model: Any, mesh: AutoMesh, example: Any, loss_fn: Callable[...
        degree from the tp planner's own solution of a trace of its per-rank slice, the count
        the compiled plan reports) and order them by that price: what fits first, fastest
        first.  The search's formula ranks the whole space quickly; the compiler's own count
-       decides among the few it compiles.
+       decides among the few it compiles.  With ``plan_cache=DIR`` those prices' traces and
+       sub-mesh solutions are read from DIR when an earlier run made them
+       (`autopar.planner.cache`: keyed by the graph, shapes, dtype, cluster shape, compiler).
     4. Walk those best first: compile every chosen degree (dp, pp, cp, ep, tp) in the
        chosen nesting on every GPU of the cluster, with its ZeRO stage, schedule, micro-batch
        count and recompute mode, through the one driver (`autopar.driver`), which reuses the
        search's trace when the configuration's per-rank slice is the whole example batch (and
        each trace it makes for the next configurations).  A configuration the compiler
        refuses (its memory count is what runs; some axis combinations it cannot build for
-       this model) is recorded with the compiler's reason and the next is tried.
+       this model) is recorded with the compiler's reason and the next is tried (with
+       ``plan_cache``, a refusal of the same mesh, configuration and options is read back
+       instead of compiled again).
     5. `prog.search` (AutoChoice) holds the ranking, the candidates as repriced, the best,
        the compiled one and refusals.
     """
@@ -260,20 +264,31 @@ def compile_auto(model: Any, mesh: AutoMesh, example: Any, loss_fn: Callable[...
     plan = plan_shape(priced, _capacity(mesh.cluster, options.memory_limit),
                       options.global_batch or mesh.global_batch or examples,
                       space=_auto_space(mesh, options))  # fmt: skip
+    cache = None
+    if options.plan_cache is not None:
+        from autopar.planner.cache import PlanCache
+
+        cache = PlanCache(options.plan_cache, traced, plan.result.cluster, options.param_dtype)
     solved = SolvedModel(traced, plan.result.cluster, options.autocast_dtype,
                          name=type(model).__name__,
                          retrace=_retrace(model, example, loss_fn, examples, traces,
-                                          options.cast_dtype))  # fmt: skip
+                                          options.cast_dtype),
+                         cache=cache)  # fmt: skip
     candidates = repriced(plan, solved)
     refused: list[tuple[Choice, str]] = []
     for _, choice in candidates:
         concrete = auto_mesh(choice, mesh.cluster)
+        chosen = _choice_options(concrete, choice, examples, options)
+        known = None if cache is None else cache.refusal(concrete, choice, chosen)
+        if known is not None:  # the compiler refused exactly this before (same key)
+            refused.append((choice, known))
+            continue
         try:
-            prog = compile_model(model, concrete, example, loss_fn,
-                                 _choice_options(concrete, choice, examples, options),
-                                 traces=traces)  # fmt: skip
+            prog = compile_model(model, concrete, example, loss_fn, chosen, traces=traces)
         except PlanError as exc:
             refused.append((choice, f"{type(exc).__name__}: {exc}"))
+            if cache is not None:
+                cache.put_refusal(concrete, choice, chosen, refused[-1][1])
             continue
         prog.search = AutoChoice(plan=plan, best=candidates[0][1], compiled=choice, mesh=concrete,
                                  refused=tuple(refused), candidates=tuple(candidates))  # fmt: skip

@@ -25,6 +25,9 @@ Algorithm (`SolvedModel.workload`):
 4. Under pp, the units the compiled pipeline cuts by (`Workload.cut_s`, `cut_bytes`): the
    whole trace's seconds divided by tp, as `autopar.axes.pipeline.unit_costs` prices them.
 Degrees the compiler refuses (a PlanError: nothing splits evenly) keep the formulas.
+With ``cache`` (`autopar.planner.cache.PlanCache`), the priced traces of steps 1 and 4 and the
+solutions of step 2 are read from (and written to) its folder: another run on the same model,
+input shapes and cluster shape, whatever its node count, re-traces and re-solves none of them.
 """
 
 from __future__ import annotations
@@ -60,13 +63,24 @@ class SolvedModel:
     own solutions (module docstring)."""
 
     def __init__(self, traced: Traced, cluster: Cluster, param_dtype: torch.dtype,
-                 name: str | None = None,
-                 retrace: Callable[[int], Traced] | None = None) -> None:  # fmt: skip
-        self._cluster, self._dtype, self._retrace = cluster, param_dtype, retrace
-        self.graph = _priced(traced, param_dtype, name)
+                 name: str | None = None, retrace: Callable[[int], Traced] | None = None,
+                 cache: Any = None) -> None:  # fmt: skip
+        self._cluster, self._dtype, self._retrace, self._cache = cluster, param_dtype, retrace, cache
+        self.graph = self._whole(traced, name)
         self._traces: dict[int, Traced] = {self.graph.batch: traced}
         self._graphs: dict[int, GraphModel] = {self.graph.batch: self.graph}
         self._solved: dict[tuple[int, int, int], _Solved | None] = {}
+
+    def _whole(self, traced: Traced, name: str | None) -> GraphModel:
+        """Step 1's graph of the trace itself (through the cache)."""
+        from autopar.planner.cache import MISS
+
+        found = MISS if self._cache is None else self._cache.graph("traced")
+        if found is MISS:
+            found = _priced(traced, self._dtype, name)
+            if self._cache is not None:
+                self._cache.put_graph("traced", found)
+        return found
 
     def __getattr__(self, key: str) -> Any:  # shape facts, FLOPs: the traced graph's
         if key.startswith("_") or key == "graph":
@@ -110,7 +124,14 @@ class SolvedModel:
         if self._retrace is None:
             return self.graph
         if rows not in self._graphs:
-            self._graphs[rows] = _priced(self._trace(rows), self._dtype, self.graph.name)
+            from autopar.planner.cache import MISS
+
+            found = MISS if self._cache is None else self._cache.graph(rows)
+            if found is MISS:
+                found = _priced(self._trace(rows), self._dtype, self.graph.name)
+                if self._cache is not None:
+                    self._cache.put_graph(rows, found)
+            self._graphs[rows] = found
         return self._graphs[rows]
 
     def _trace(self, rows: int) -> Traced:
@@ -124,8 +145,23 @@ class SolvedModel:
         trace; None when the compiler refuses it."""
         rows = rows if self._retrace is not None and rows else self.graph.batch
         if (t, c, rows) not in self._solved:
-            self._solved[t, c, rows] = self._solve(t, c, self._trace(rows))
+            self._solved[t, c, rows] = self._cached(t, c, rows)
         return self._solved[t, c, rows]
+
+    def _cached(self, t: int, c: int, rows: int) -> _Solved | None:
+        """Step 2 through the cache: read back, else solved and written."""
+        from autopar.planner.cache import MISS
+
+        if self._cache is None:
+            return self._solve(t, c, self._trace(rows))
+        found = self._cache.solved(t, c, rows)
+        if found is not MISS:
+            return None if found is None else _Solved(model=found[0], collectives=found[1],
+                                                      ring=found[2])  # fmt: skip
+        solved = self._solve(t, c, self._trace(rows))
+        self._cache.put_solved(t, c, rows, None if solved is None else
+                               (solved.model, solved.collectives, solved.ring))  # fmt: skip
+        return solved
 
     def _solve(self, t: int, c: int, traced: Traced) -> _Solved | None:
         from autopar.axes.data_parallel import local_parts
