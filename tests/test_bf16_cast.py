@@ -14,7 +14,15 @@ import torch
 
 from autopar import InputError, Mesh, autoparallelize
 from autopar.runtime.pool import get_pool
-from autopar.tools.testing import Config, build, hf_tiny_llama, lm_loss, token_batch, tokens
+from autopar.tools.testing import (
+    Config,
+    build,
+    hf_tiny_llama,
+    lm_loss,
+    token_batch,
+    tokens,
+    train_pipeline_rank,
+)
 
 LR, STEPS = 3e-3, 20
 BF16 = torch.bfloat16
@@ -190,49 +198,6 @@ def test_hf_llama_h2048_tp4_moves_and_saves_16_bit_on_meta():
     assert found["autocast"][0] == {"bfloat16", "float32"} and found["autocast"][1] > 1.10, found
 
 
-def _train_pp_cast(rank, groups, share, x, y, zero, steps):
-    """``steps`` AdamW steps of a bf16 "cast" pipeline rank (DDP / FSDP2 over dp when the
-    mesh has it): the losses, the dtypes matrix products saw, what the first stage returned
-    per micro-batch (dtype, bytes: what it sends on), and the parameters', gradients' and Adam
-    moments' dtypes."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from autopar.ops import collectives
-    from autopar.runtime import DataAxis, PipelineRunner
-
-    class Matmuls(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm,
-                                       torch.ops.aten.bmm):  # fmt: skip
-                seen.update(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
-            return func(*args, **(kwargs or {}))
-
-    collectives.bind({a: g for a, g in groups.items() if a != "dp"})
-    data = None
-    if "dp" in groups:
-        dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
-        data = DataAxis(group=groups["dp"], mesh=dp_mesh, zero=zero, reduction="mean")
-    runner = PipelineRunner(share, groups["pp"], data=data)
-    sent = []
-    if 0 in runner.modules and share.n_stages > 1:
-        runner.modules[0].register_forward_hook(lambda mod, i, out: sent.append(
-            [(str(t.dtype), t.numel() * t.element_size()) for t in out]))
-    opt = runner.optimizer(torch.optim.AdamW, lr=LR)
-    losses, seen = [], set()
-    for _ in range(steps):
-        with Matmuls():
-            loss = runner.step(x, y)
-        grads = {str(p.grad.dtype) for p in runner.parameters() if p.grad is not None}
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    state = getattr(opt, "optim", opt).state.values()
-    moments = {str(t.dtype) for s in state for t in s.values() if t.dim()}
-    params = {str(p.dtype) for p in runner.parameters()}
-    return losses, seen, sent[-1] if sent else None, (params, grads, moments)
-
-
 @pytest.mark.parametrize(("axes", "zero"), [({"pp": 2}, None), ({"dp": 2, "pp": 2}, 0),
                                             ({"dp": 2, "pp": 2}, 3)])  # fmt: skip
 def test_pipeline_bf16_sends_bf16_and_tracks_one_device_fsdp2_style(axes, zero):
@@ -253,9 +218,9 @@ def test_pipeline_bf16_sends_bf16_and_tracks_one_device_fsdp2_style(axes, zero):
     hidden = (c.batch // dp // 2) * c.seq * c.hidden  # the residual stream of a micro-batch
     assert fp32.pipeline.cut.boundary_bytes[0] - prog.pipeline.cut.boundary_bytes[0] == 2 * hidden
     jobs = [(prog.share(r),
-             *(t.chunk(dp)[prog.mesh.coordinates(r).get("dp", 0)] for t in (x, y)), zero or 0, 5)
+             *(t.chunk(dp)[prog.mesh.coordinates(r).get("dp", 0)] for t in (x, y)), zero or 0, 5, LR)
             for r in range(prog.mesh.world_size)]  # fmt: skip
-    results = get_pool(prog.mesh.world_size).run(_train_pp_cast, prog.mesh.axes, jobs)
+    results = get_pool(prog.mesh.world_size).run(train_pipeline_rank, prog.mesh.axes, jobs)
     model = build("llama", c)
     ref = fsdp2_style_losses(model, lambda low: lm_loss32(
         torch.func.functional_call(model, low, (x,)), y), 5)  # fmt: skip

@@ -22,7 +22,7 @@ from autopar.ir import meta
 from autopar.ops import collectives as C
 from autopar.plan import wire_bytes
 from autopar.runtime.pool import get_pool
-from autopar.tools.testing import Config, build, lm_loss, tokens, train_loop
+from autopar.tools.testing import Config, build, lm_loss, tokens, train_loop, train_pipeline_rank
 
 MESHES = [{"dp": 2}, {"dp": 4}, {"dp": 2, "tp": 2}]
 # fp32.  With tp, a key bias's gradient is zero in exact arithmetic and the tp program alone
@@ -475,49 +475,6 @@ def test_gradients_reduced_in_bf16_by_option(zero, mode):
         assert torch.equal(grads[0][name], grads[1][name])
 
 
-def _train_pp_bf16(rank, groups, share, x, y, zero, steps):
-    """AdamW steps of a bf16 pipeline rank (under DDP / FSDP2 when the mesh has dp): losses,
-    the dtypes matrix products saw, the dtype and bytes of what each stage module returned
-    per micro-batch (what it sends on), and the dtypes of parameters, gradients, Adam state."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from autopar.ops import collectives
-    from autopar.runtime import DataAxis, PipelineRunner
-
-    class Matmuls(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm,
-                                       torch.ops.aten.bmm):  # fmt: skip
-                seen.update(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
-            return func(*args, **(kwargs or {}))
-
-    collectives.bind({a: g for a, g in groups.items() if a != "dp"})
-    data = None
-    if "dp" in groups:
-        dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
-        data = DataAxis(group=groups["dp"], mesh=dp_mesh, zero=zero, reduction="mean")
-    runner = PipelineRunner(share, groups["pp"], data=data)
-    sent = []
-    for s, m in runner.modules.items():
-        if s < share.n_stages - 1:
-            m.register_forward_hook(lambda mod, i, out: sent.append(
-                [(str(t.dtype), t.numel() * t.element_size()) for t in out]))
-    opt = runner.optimizer(torch.optim.AdamW, lr=1e-2)
-    losses, seen = [], set()
-    for i in range(steps):
-        with Matmuls() if i == steps - 1 else contextlib.nullcontext():
-            loss = runner.step(x, y)
-        grads = {str(p.grad.dtype) for p in runner.parameters() if p.grad is not None}
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    state = getattr(opt, "optim", opt).state.values()
-    moments = {str(t.dtype) for s in state for t in s.values() if t.dim()}
-    params = {str(p.dtype) for p in runner.parameters()}
-    return losses, seen, sent[-1] if sent else None, (params, grads, moments)
-
-
 @pytest.mark.parametrize(("axes", "zero"), [({"dp": 2, "pp": 2}, 0), ({"dp": 2, "pp": 2}, 3),
                                             ({"pp": 2}, None)])  # fmt: skip
 def test_bf16_pipeline_matches_single_device_autocast(axes, zero):
@@ -536,9 +493,9 @@ def test_bf16_pipeline_matches_single_device_autocast(axes, zero):
     assert pipe32.cut.boundary_bytes[0] - pipe.cut.boundary_bytes[0] == 2 * hidden
     dp = axes.get("dp", 1)
     jobs = [(prog.share(r),
-             *(t.chunk(dp)[prog.mesh.coordinates(r).get("dp", 0)] for t in (x, y)), zero or 0, 3)
+             *(t.chunk(dp)[prog.mesh.coordinates(r).get("dp", 0)] for t in (x, y)), zero or 0, 3, 1e-2)
             for r in range(prog.mesh.world_size)]  # fmt: skip
-    results = get_pool(prog.mesh.world_size).run(_train_pp_bf16, prog.mesh.axes, jobs)
+    results = get_pool(prog.mesh.world_size).run(train_pipeline_rank, prog.mesh.axes, jobs)
 
     bf16, ref32 = (_autocast_losses(c, x, y, d) for d in (torch.bfloat16, torch.float32))
     for rank, (losses, seen, sent, (params, grads, moments)) in enumerate(results):

@@ -5,22 +5,12 @@ the output projection's rows blocked by 4, and the layer keeps Megatron's one al
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import warnings
 
 from autopar import Mesh, autoparallelize
 from autopar.tools import zoo
 from autopar.verify import verify
-
-
-@contextlib.contextmanager
-def _tiny(dims: zoo.Dims):
-    saved, zoo.TINY = zoo.TINY, dims
-    try:
-        yield
-    finally:
-        zoo.TINY = saved
 
 
 def test_codegen_groups_split_over_eight_ranks_match_single_device():
@@ -32,14 +22,14 @@ def test_codegen_groups_split_over_eight_ranks_match_single_device():
     small = dataclasses.replace(zoo.TINY, hidden=256, heads=32, kv_heads=32, ffn=512)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with _tiny(big):
+        with zoo.tiny_as(big):
             model, args, kwargs, loss_fn = zoo.build(entry, "tiny")
             prog = autoparallelize(model, Mesh(tp=8), args, loss_fn, example_kwargs=kwargs)
         layer = [c for c in prog.collectives() if c.direction == "fwd" and ".h.0" in c.where]
         assert [(c.kind, c.shape) for c in layer] == [("all_reduce", (2, 512, 1024))], layer
         qkv = [n for n in prog.graph_module.graph.nodes if n.name.endswith("qkv_proj_weight")]
         assert qkv and all("'tp:12'" in str(n.meta["autopar"].layout) for n in qkv)
-        with _tiny(small):
+        with zoo.tiny_as(small):
             model, args, kwargs, loss_fn = zoo.build(entry, "tiny")
         report = verify(model, Mesh(tp=8), args, loss_fn, example_kwargs=kwargs, plan=prog.plan)
     assert report.ok, str(report)

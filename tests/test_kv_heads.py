@@ -5,7 +5,6 @@ of a piece is summed over the ranks sharing it (``grad_sum_shared``)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 from pathlib import Path
@@ -131,24 +130,15 @@ def test_shared_k_heads_through_norms_and_eager_attention_match_single_device(na
     big = dataclasses.replace(zoo.TINY, hidden=512, heads=8, kv_heads=2, ffn=1024, seq=2048,
                               batch=4)
     small = dataclasses.replace(zoo.TINY, heads=8, kv_heads=2)
-    with _tiny(big):
+    with zoo.tiny_as(big):
         model, args, kwargs, loss_fn = zoo.build(entry, "tiny", kv_heads=2)
         plan = autoparallelize(model, Mesh(tp=4), args, loss_fn, example_kwargs=kwargs).plan
-    with _tiny(small):
+    with zoo.tiny_as(small):
         model, args, kwargs, loss_fn = zoo.build(entry, "tiny", kv_heads=2)
     prog = autoparallelize(model, Mesh(tp=4), args, loss_fn, example_kwargs=kwargs, plan=plan)
     assert _reads_shared_heads_locally(prog, model.config.hidden_size), str(prog.plan)
     report = verify(model, Mesh(tp=4), args, loss_fn, example_kwargs=kwargs, plan=plan)
     assert report.ok, str(report)
-
-
-@contextlib.contextmanager
-def _tiny(dims: zoo.Dims):
-    saved, zoo.TINY = zoo.TINY, dims
-    try:
-        yield
-    finally:
-        zoo.TINY = saved
 
 
 def test_shared_kv_gradients_sum_on_the_sub_groups_of_a_device_mesh():

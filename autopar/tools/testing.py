@@ -438,3 +438,50 @@ def build_moe(c: Any, seed: int = 0, block: Callable[[Any], nn.Module] | None = 
     for block in model.blocks:
         nn.init.normal_(block.norm.weight, mean=1.0, std=0.1)
     return model
+
+
+def train_pipeline_rank(rank: int, groups: dict, share: Any, x: torch.Tensor, y: torch.Tensor,
+                        zero: int, steps: int, lr: float) -> tuple:  # fmt: skip
+    """A worker-pool job: ``steps`` AdamW steps of one pipeline rank (under DDP / FSDP2 when
+    the mesh has dp).  Returns the losses, the dtypes matrix products saw, the dtype and bytes
+    of what a stage module that is not the last returned per micro-batch (what it sends on),
+    and the dtypes of the parameters, gradients and Adam moments."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.ops import collectives
+    from autopar.runtime import DataAxis, PipelineRunner
+
+    seen: set[str] = set()
+
+    class Matmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm,
+                                       torch.ops.aten.bmm):  # fmt: skip
+                seen.update(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
+            return func(*args, **(kwargs or {}))
+
+    collectives.bind({a: g for a, g in groups.items() if a != "dp"})
+    data = None
+    if "dp" in groups:
+        dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
+        data = DataAxis(group=groups["dp"], mesh=dp_mesh, zero=zero, reduction="mean")
+    runner = PipelineRunner(share, groups["pp"], data=data)
+    sent: list = []
+    for s, m in runner.modules.items():
+        if s < share.n_stages - 1:
+            m.register_forward_hook(lambda mod, i, out: sent.append(
+                [(str(t.dtype), t.numel() * t.element_size()) for t in out]))
+    opt = runner.optimizer(torch.optim.AdamW, lr=lr)
+    losses, grads = [], set()
+    for _ in range(steps):
+        with Matmuls():
+            loss = runner.step(x, y)
+        grads = {str(p.grad.dtype) for p in runner.parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    state = getattr(opt, "optim", opt).state.values()
+    moments = {str(t.dtype) for s in state for t in s.values() if t.dim()}
+    params = {str(p.dtype) for p in runner.parameters()}
+    return losses, seen, sent[-1] if sent else None, (params, grads, moments)

@@ -36,12 +36,13 @@ Each step's exception is caught into the row with a one-line reason.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -225,6 +226,18 @@ def family(name: str) -> Family:
         if f.name == name:
             return f
     raise KeyError(f"no zoo family {name!r}; known: {', '.join(f.name for f in _FAMILIES)}")
+
+
+@contextlib.contextmanager
+def tiny_as(sizes: Dims) -> Iterator[None]:
+    """Build ``size="tiny"`` models at ``sizes`` inside the block (tests that choose a plan at
+    one shape and verify it on another)."""
+    global TINY
+    saved, TINY = TINY, sizes
+    try:
+        yield
+    finally:
+        TINY = saved
 
 
 def dims(entry: Family, size: str, kv_heads: int | None = None) -> Dims:
