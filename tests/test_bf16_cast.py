@@ -19,6 +19,7 @@ from autopar.tools.testing import (
     build,
     hf_tiny_llama,
     lm_loss,
+    state_dtypes,
     token_batch,
     tokens,
     train_pipeline_rank,
@@ -99,9 +100,7 @@ def _train_cast(rank, groups, module, ids, labels, zero, steps):
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    state = getattr(opt, "optim", opt).state.values()
-    moments = {str(t.dtype) for s in state for t in s.values() if t.dim()}
-    params = {str(p.dtype) for p in wrapped.local.parameters()}
+    params, moments = state_dtypes(opt, wrapped.local.parameters())
     return losses, seen, (params, grads, moments)
 
 

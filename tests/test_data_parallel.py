@@ -22,7 +22,15 @@ from autopar.ir import meta
 from autopar.ops import collectives as C
 from autopar.plan import wire_bytes
 from autopar.runtime.pool import get_pool
-from autopar.tools.testing import Config, build, lm_loss, tokens, train_loop, train_pipeline_rank
+from autopar.tools.testing import (
+    Config,
+    build,
+    lm_loss,
+    state_dtypes,
+    tokens,
+    train_loop,
+    train_pipeline_rank,
+)
 
 MESHES = [{"dp": 2}, {"dp": 4}, {"dp": 2, "tp": 2}]
 # fp32.  With tp, a key bias's gradient is zero in exact arithmetic and the tp program alone
@@ -390,9 +398,7 @@ def _train_bf16(rank, groups, module, x, y, zero, steps):
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    state = getattr(opt, "optim", opt).state.values()
-    moments = {str(t.dtype) for s in state for t in s.values() if t.dim()}
-    params = {str(p.dtype) for p in wrapped.local.parameters()}
+    params, moments = state_dtypes(opt, wrapped.local.parameters())
     return losses, seen, (params, grads, moments)
 
 

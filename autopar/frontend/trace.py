@@ -369,22 +369,15 @@ def _split_conv_bias(graph: fx.Graph, node: fx.Node) -> None:
     view.meta["val"] = bias.meta["val"].view(-1, *[1] * spatial)
     args = (*node.args[:2], None, *node.args[3:])
     kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
-    with graph.inserting_after(node):
-        conv = graph.call_function(node.target, args, kwargs)
-    with graph.inserting_after(conv):
-        add = graph.call_function(torch.ops.aten.add.Tensor, (conv, view))
-    for new in (conv, add):
-        new.meta.update({k: v for k, v in node.meta.items() if k != "autopar"})
-    node.replace_all_uses_with(add)
-    graph.erase_node(node)
-    conv.name = node.name
+    _bias_after(graph, node, node.target, args, view, kwargs)
 
 
 def _bias_after(graph: fx.Graph, node: fx.Node, matmul: object, operands: tuple,
-                bias: fx.Node) -> None:  # fmt: skip
-    """Replace ``node`` by ``add(matmul(*operands), bias)``; the matmul keeps the user's name."""
+                bias: fx.Node, kwargs: dict | None = None) -> None:  # fmt: skip
+    """Replace ``node`` by ``add(matmul(*operands, **kwargs), bias)``; the matmul (or conv)
+    keeps the user's name."""
     with graph.inserting_after(node):
-        mm = graph.call_function(matmul, tuple(operands))
+        mm = graph.call_function(matmul, tuple(operands), kwargs or {})
     with graph.inserting_after(mm):
         add = graph.call_function(torch.ops.aten.add.Tensor, (mm, bias))
     for new in (mm, add):

@@ -481,7 +481,13 @@ def train_pipeline_rank(rank: int, groups: dict, share: Any, x: torch.Tensor, y:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
+    params, moments = state_dtypes(opt, runner.parameters())
+    return losses, seen, sent[-1] if sent else None, (params, grads, moments)
+
+
+def state_dtypes(opt: Any, parameters: Any) -> tuple[set[str], set[str]]:
+    """The dtypes of ``parameters`` and of the optimizer's moments (non-scalar state; a
+    wrapping optimizer's ``.optim`` is looked through)."""
     state = getattr(opt, "optim", opt).state.values()
     moments = {str(t.dtype) for s in state for t in s.values() if t.dim()}
-    params = {str(p.dtype) for p in runner.parameters()}
-    return losses, seen, sent[-1] if sent else None, (params, grads, moments)
+    return {str(p.dtype) for p in parameters}, moments
