@@ -59,6 +59,7 @@ def autoparallelize(
     compile: bool | str = False,
     fp8: str | None = None,
     plan_cache: str | os.PathLike | None = None,
+    tp_overlap: str = "auto",
 ) -> Any:
     """Compile ``model`` for ``mesh``.
 
@@ -130,6 +131,13 @@ def autoparallelize(
     split them, so each rank scales as one device would.  The LM head, MoE routers and
     linears whose local dims are not multiples of 16 stay in high precision; the plan lists
     which linears run FP8 and prices their GEMMs at the GPU's FP8 peak.
+
+    ``tp_overlap`` ("auto", "all", "none") decomposes a tp gather before column-split linears
+    and a reduce-scatter after a row-split one (sequence parallelism's pairs) into ring steps
+    that run under the partial matmuls (``gather_linear`` / ``linear_scatter`` in the code;
+    autopar.ops.overlap).  "auto" keeps each one the cost model prices faster (its link, its
+    chunks' GEMM efficiency); the plan lists them and the exposed tp communication before and
+    after.  Eager only: "none" under ``compile``, ``fp8`` and autocast.
     """
     options = make_options(
         memory_limit=memory_limit, memory_weight=memory_weight, strict=strict, verbose=verbose,
@@ -137,7 +145,7 @@ def autoparallelize(
         split_points=split_points, cluster=cluster, zero=zero, param_dtype=param_dtype,
         mixed_precision=mixed_precision, global_batch=global_batch, reduce_dtype=reduce_dtype,
         cp_attention=cp_attention, capacity_factor=capacity_factor, recompute=recompute,
-        compile=compile, fp8=fp8, plan_cache=plan_cache,
+        compile=compile, fp8=fp8, plan_cache=plan_cache, tp_overlap=tp_overlap,
     )  # fmt: skip
     example = example_of(example_inputs, example_kwargs)
     if isinstance(mesh, AutoMesh):

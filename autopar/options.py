@@ -3,7 +3,7 @@
 Algorithm (:func:`make_options`):
 1. Check every option whose value alone can be wrong (recompute mode, attention choice,
    capacity factor, micro-batch and stage counts, split points, compile backend, fp8
-   recipe), naming the option and what to give instead.
+   recipe, tp overlap mode), naming the option and what to give instead.
 2. Freeze them into :class:`Options`; the driver and every axis read this record (the sub-mesh
    programs get ``dataclasses.replace`` copies, e.g. with the plan's own section removed).
 """
@@ -21,6 +21,7 @@ from autopar.errors import InputError
 from cost.hardware import Cluster
 
 ATTENTION = ("ring", "all_to_all")
+OVERLAP = ("auto", "all", "none")  # autopar.planner.overlap.MODES
 MIXED_PRECISION = ("cast", "autocast")
 
 
@@ -49,6 +50,15 @@ class Options:
     compile: bool | str = False  # True: inductor; or a torch.compile backend name
     fp8: str | None = None  # a torchao float8 recipe: "tensorwise" | "rowwise"
     plan_cache: Any = None  # Mesh.auto: a folder of world-independent prices (planner/cache.py)
+    tp_overlap: str = "auto"  # decompose tp gathers / scatters under their matmuls: OVERLAP
+
+    @property
+    def overlap_mode(self) -> str:
+        """``tp_overlap`` as the program can run it: "none" under ``compile`` (the ring steps
+        are eager point-to-point sends), ``fp8`` (its linears are torchao's) and autocast
+        (the decomposed matmuls run in the traced dtype)."""
+        eager = not self.compile and self.fp8 is None and self.autocast_dtype == torch.float32
+        return self.tp_overlap if eager else "none"
 
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **changes)
@@ -89,6 +99,9 @@ def make_options(*, split_points: Sequence[str] = (), **given: Any) -> Options:
         raise InputError(f"compile={given['compile']!r}: give True (inductor), False, or a "
                          "torch.compile backend name such as 'aot_eager'")  # fmt: skip
     _check_fp8(given.get("fp8"))
+    if given.get("tp_overlap", "auto") not in OVERLAP:
+        raise InputError(f"tp_overlap={given['tp_overlap']!r}: give 'auto' (the cost model "
+                         "decides per collective), 'all' or 'none'")  # fmt: skip
     check_precision(given.get("param_dtype", torch.float32),
                     given.get("mixed_precision", "cast"))  # fmt: skip
     if isinstance(split_points, str):

@@ -41,10 +41,12 @@ class Collective:
     bytes: int  # the full message size
     direction: str  # 'fwd' or 'bwd'
     where: str  # module path of the value
+    hidden_s: float = 0.0  # seconds a decomposition under its matmuls saves (planner.overlap)
 
     def __str__(self) -> str:
         shape = ",".join(map(str, self.shape))
-        return f"{self.direction} {self.kind:<14} {self.axis:<3} {self.dtype}[{shape}]"
+        ring = " ring-overlapped" if self.hidden_s else ""
+        return f"{self.direction} {self.kind:<14} {self.axis:<3} {self.dtype}[{shape}]{ring}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,6 +204,7 @@ class Plan:
     recompute: str = "none"
     stages: tuple[Plan, ...] = ()  # under pp: each stage's plan
     advice: tuple[str, ...] = ()  # NCCL settings the topology calls for (printed, not applied)
+    overlap: tuple[str, ...] = ()  # tp collectives decomposed under their matmuls (planner.overlap)
 
     @property
     def hash(self) -> str:
@@ -216,6 +219,8 @@ class Plan:
         out: dict[str, Any] = {a: decisions(getattr(self, a)) for a in SECTIONS if getattr(self, a)}
         if self.recompute != "none":
             out["recompute"] = self.recompute
+        if self.overlap:
+            out["overlap"] = list(self.overlap)
         if self.stages:
             out["stages"] = [s.hash for s in self.stages]
         return out
@@ -240,7 +245,7 @@ class Plan:
                             f"another autopar version?); it knows {', '.join(sorted(known))}")  # fmt: skip
         d = {**d, "mesh": _pairs(d["mesh"]), "params": _pairs(d["params"]),
              "choice": _pairs(d["choice"]), "notes": tuple(d.get("notes", ())),
-             "advice": tuple(d.get("advice", ()))}  # fmt: skip
+             "advice": tuple(d.get("advice", ())), "overlap": tuple(d.get("overlap", ()))}  # fmt: skip
         d["collectives"] = tuple(
             Collective(**{**c, "shape": tuple(c["shape"])}) for c in d["collectives"]
         )
@@ -268,6 +273,7 @@ class Plan:
             ("model", self.model, other.model), ("mesh", dict(self.mesh), dict(other.mesh)),
             *((a, getattr(self, a), getattr(other, a)) for a in SECTIONS),
             ("recompute", self.recompute, other.recompute),
+            ("tp overlap", self.overlap, other.overlap),
             ("pipeline stages", len(self.stages), len(other.stages)),
         ) if mine != theirs]  # fmt: skip
         out += _choice_differences(dict(self.choice), dict(other.choice))

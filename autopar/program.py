@@ -16,7 +16,7 @@ implies (only when the value needs a gradient).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -76,10 +76,13 @@ class StageProgram:
 
     def __init__(self, *, plan: Plan, mesh: Mesh, graph_module: fx.GraphModule,
                  traced: Traced, history: list[PassRecord], recompute: str = "none",
-                 recompute_effect: Any = None) -> None:  # fmt: skip
+                 recompute_effect: Any = None, priced_graph: fx.GraphModule | None = None) -> None:  # fmt: skip
         self.plan = plan
         self.mesh = mesh
         self.graph_module = graph_module
+        # what the cost model prices: the graph before passes.overlap_tp fused collectives
+        # into matmuls (the same work; the plan's collectives carry the seconds it hides)
+        self.priced_graph = priced_graph if priced_graph is not None else graph_module
         self.traced = traced
         self.history = history
         self.recompute = recompute  # the mode the recompute phase runs on this stage
@@ -90,7 +93,7 @@ class StageProgram:
         """This stage with ``plan`` (re-priced for ``recompute``), sharing its graph."""
         out = StageProgram(plan=plan, mesh=self.mesh, graph_module=self.graph_module,
                            traced=self.traced, history=self.history, recompute=recompute,
-                           recompute_effect=effect)  # fmt: skip
+                           recompute_effect=effect, priced_graph=self.priced_graph)  # fmt: skip
         if "materialized" in self.__dict__:  # already built: the copy shares it
             out.materialized = self.materialized
         return out
@@ -213,6 +216,11 @@ class Program:
     def graph_module(self) -> fx.GraphModule:
         """The lowered graph of a program of one stage."""
         return self._one_stage().graph_module
+
+    @property
+    def priced_graph(self) -> fx.GraphModule:
+        """The graph the cost model prices, of a program of one stage (StageProgram's)."""
+        return self._one_stage().priced_graph
 
     @property
     def traced(self) -> Traced:
@@ -407,8 +415,11 @@ _FORWARD = {
 
 
 def collectives_of(gm: fx.GraphModule, grad: set[str], sizes: dict[str, int],
-                   names: dict[str, str]) -> list[Collective]:  # fmt: skip
-    """Forward and backward collectives of the lowered graph (see module docstring)."""
+                   names: dict[str, str],
+                   hidden: Mapping[str, tuple[float, float]] | None = None) -> list[Collective]:  # fmt: skip
+    """Forward and backward collectives of the lowered graph (see module docstring); one that
+    ``hidden`` names (collective node -> forward, backward seconds) is decomposed under its
+    matmuls (passes.overlap_tp) and carries the seconds that saves."""
     found: list[Collective] = []
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -426,11 +437,14 @@ def collectives_of(gm: fx.GraphModule, grad: set[str], sizes: dict[str, int],
         mode = node.args[-1] if node.target in (C.all_reduce, C.all_gather) else None
         where = _where(x, node, names)
         runs_in = meta.dtype(x)
+        fwd_s, bwd_s = (hidden or {}).get(node.name, (0.0, 0.0))
         if node.target in _FORWARD:
-            found.append(_record(_FORWARD[node.target], axis, val, "fwd", where, runs_in))
+            rec = _record(_FORWARD[node.target], axis, val, "fwd", where, runs_in)
+            found.append(dataclasses.replace(rec, hidden_s=fwd_s))
         back = _BACKWARD.get((node.target, mode))
         if back and x.name in grad:
-            found.append(_record(back, axis, val, "bwd", where, runs_in))
+            found.append(dataclasses.replace(_record(back, axis, val, "bwd", where, runs_in),
+                                             hidden_s=bwd_s))  # fmt: skip
     return found
 
 

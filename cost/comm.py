@@ -118,3 +118,17 @@ def exposed_behind(comm: float, window: float, busy: float = 0.0) -> float:
 def crosses_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
     """Whether a group of `size` ranks `stride` apart leaves its node (rides the NIC)."""
     return size > 1 and gpus_per_node % (stride * size) != 0
+
+
+def decomposed_time(nbytes: float, group: int, link: Link, chunk_s: float) -> float:
+    """Seconds of a gather (or scatter) of `nbytes` over `group` ranks decomposed into ring
+    steps under its matmuls (a collective matmul, autopar.ops.overlap), `chunk_s` the seconds
+    of one step's partial matmul, communication included.
+
+    Derivation: `group` steps each compute one chunk; every step but the last also moves one
+    chunk (alpha + nbytes / group / bw) to the next rank, concurrently, so such a step takes
+    the longer of the two and the last step only computes.  The unfused pair takes the
+    collective (`collective_time`: the same group - 1 hops back to back) plus the whole
+    matmul; the difference is the communication the decomposition hides."""
+    hop = link.latency + nbytes / group / link.achieved_bandwidth
+    return (group - 1) * max(chunk_s, hop) + chunk_s

@@ -160,7 +160,8 @@ def tp_time(work: Workload, coll: Collective, span: tuple[int, int], recompute: 
     critical path.  A solved plan's collectives (`work.tp_collectives`): each once, a
     repeated block's scaled to the stage's layers, one outside the blocks only on a rank
     that runs its end (`ends`: the prologue, the epilogue), a block's forward ones once
-    more under full recompute (the checkpointed forward re-issues them); else Megatron's 2
+    more under full recompute (the checkpointed forward re-issues them), a decomposed one
+    (autopar.planner.overlap) less the seconds its ring steps hide; else Megatron's 2
     all-reduces of [b, s/c, h] per layer per pass."""
     if work.tp_collectives is None:
         per_layer = work.tp_calls * coll("all_reduce", work.tp_bytes, *span)
@@ -170,7 +171,8 @@ def tp_time(work: Workload, coll: Collective, span: tuple[int, int], recompute: 
         if not c.in_block and not ends[1 if c.after else 0]:
             continue
         again = c.in_block and c.forward and recompute == "full"
-        total += (per if c.in_block else 1.0) * (1 + again) * coll(c.kind, c.nbytes, *span)
+        seconds = max(0.0, coll(c.kind, c.nbytes, *span) - c.hidden_s)  # a decomposed one's rest
+        total += (per if c.in_block else 1.0) * (1 + again) * seconds
     return total
 
 

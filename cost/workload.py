@@ -74,13 +74,15 @@ class TpCollective:
     tensor), whether forward issues it, whether it lies in a repeated block (so a stage
     holds it per layer, and full recompute issues it again in backward), and, outside the
     blocks, whether it comes after them (the head's and the loss's, on the last pipeline
-    stage; else the embedding's, on the first)."""
+    stage; else the embedding's, on the first), and the seconds a decomposition under its
+    matmuls saves at the compiled shapes (autopar.planner.overlap; scaled with the message)."""
 
     kind: str
     nbytes: float
     forward: bool
     in_block: bool
     after: bool = False
+    hidden_s: float = 0.0  # seconds its decomposition under its matmuls saves (planner.overlap)
 
 
 @dataclass(frozen=True)

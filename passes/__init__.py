@@ -1,7 +1,8 @@
 """passes: graph rewrites that implement a plan, run in order by :func:`run_pipeline`.
 
 Per stage of the lowered graph :func:`default_pipeline` (the tp passes; the stage split and
-context parallelism are recorded with them); then on each materialized stage
+context parallelism are recorded with them), then ``overlap_tp`` when the overlap planner part
+(autopar.planner.overlap) decomposes any tp gather / scatter under its matmuls; then on each materialized stage
 (autopar.codegen.materialize) :func:`batch_pipeline` for ep (``expert_parallel``,
 ``global_batch``), ``recompute`` in the program's mode, and dp's ``global_batch`` on a copy;
 codegen's shard step then cuts each rank's module.
@@ -35,6 +36,7 @@ class TpDecisions:
 
     axis: str
     choice: Mapping[str, Strategy]  # node name -> chosen strategy on ``axis``
+    overlap: tuple[str, ...] = ()  # candidates passes.overlap_tp decomposes (planner.overlap)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -427,7 +427,7 @@ def _local(program: Any, send_dtype: torch.dtype | None = None) -> tuple[fx.Grap
     from cost.errors import CostInputError
     from cost.graph import GraphModel
 
-    local = mark_run_dtypes(build_module(program.graph_module, program.traced, program.mesh, 0))
+    local = mark_run_dtypes(build_module(program.priced_graph, program.traced, program.mesh, 0))
     grad = frozenset(getattr(program.traced, "grad_inputs", frozenset()))
     try:
         return local, GraphModel.from_traced(local, send_dtype=send_dtype, grad_inputs=grad)
@@ -458,7 +458,8 @@ def tp_collectives(collectives: Sequence[Collective], scale: float = 1.0) -> tup
         inside = in_block(c.where)
         seen_block = seen_block or inside
         out.append(TpCollective(kind=c.kind, nbytes=c.bytes * scale, forward=c.direction == "fwd",
-                                in_block=inside, after=seen_block and not inside))  # fmt: skip
+                                in_block=inside, after=seen_block and not inside,
+                                hidden_s=c.hidden_s * scale))  # fmt: skip
     return tuple(out)
 
 
@@ -474,7 +475,7 @@ def saved_activations(program: Any) -> float:
     if work is None:
         from autopar.codegen import build_module
 
-        local = build_module(program.graph_module, program.traced, program.mesh, 0)
+        local = build_module(program.priced_graph, program.traced, program.mesh, 0)
         state = 16.0 * sum(p.numel() for p in local.parameters() if p.requires_grad)
         return max(0.0, getattr(program.plan, "memory_bytes", 0.0) - state)
     working = work.act_bytes["none"] if mode == "full" else 0.0

@@ -570,7 +570,7 @@ def _stage_plans(graphs: list[StageGraph], options: PlanOptions, stage_mesh: Mes
         if saved.mesh != stage_mesh.axes:
             raise MeshError(f"the plan's stage {i} was made for Mesh{dict(saved.mesh)} but "
                             f"the stage mesh is {stage_mesh}")  # fmt: skip
-    return [(g, dataclasses.replace(options, fixed=saved.choice), saved)
+    return [(g, dataclasses.replace(options, fixed=saved.choice, overlap_fixed=saved.overlap), saved)
             for g, saved in zip(graphs, plan.stages, strict=True)]  # fmt: skip
 
 

@@ -9,13 +9,16 @@ Algorithm (:func:`compile_traced`):
    priced in it.
 2. Solve the tp axis with the cost model (autopar.planner.tp); a whole model must split some
    layer weight.
-3. Run the pass pipeline (passes.run_pipeline): layouts, lowerings, collectives, local shapes.
+3. Run the pass pipeline (passes.run_pipeline): layouts, lowerings, collectives, local shapes;
+   then the overlap planner part (autopar.planner.overlap) prices decomposing each tp gather /
+   scatter under its matmuls and ``overlap_tp`` applies the ones it keeps.
 4. Build the :class:`Plan`: parameter layouts, one step's collectives, predicted cost, and the
    "why" lines (what the cost model says beyond the choice).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -30,11 +33,13 @@ from autopar.ir.analysis import block_of, needs_grad
 from autopar.ir.printing import copy_module
 from autopar.mesh import Mesh
 from autopar.plan import Plan
+from autopar.planner.overlap import OverlapChoice, choose_overlap, overlap_line
 from autopar.planner.tp import AxisSolution, PlanOptions, describe_tp_dims, solve_axis
 from autopar.program import StageProgram, collectives_of
 from cost.comm import collective_time
 from cost.topology import Topology, nccl_advice
 from passes import PassContext, TpDecisions, run_pipeline
+from passes.overlap_tp import overlap_tp
 
 
 def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
@@ -58,10 +63,20 @@ def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
                       replicate_outputs=options.replicate_outputs,
                       sections={axis: TpDecisions(axis=axis, choice=solution.choice)})  # fmt: skip
     gm, history = run_pipeline(copy_module(traced.gm), ctx)
+    overlap = choose_overlap(gm, mesh.size(axis), mesh.cluster.axis_link(mesh.axes, axis),
+                             mesh.cluster.gpu, options.tp_overlap, options.overlap_fixed)  # fmt: skip
+    priced = gm
+    if overlap.keys:
+        tp = dataclasses.replace(ctx.section(axis), overlap=overlap.keys)
+        gm, more = run_pipeline(copy_module(gm),
+                                dataclasses.replace(ctx, sections={**ctx.sections, axis: tp}),
+                                [overlap_tp])  # fmt: skip
+        history += more
     for rec in history:
         log(str(rec))
-    plan = _plan(traced, gm, mesh, solution, axis)
-    return StageProgram(plan=plan, mesh=mesh, graph_module=gm, traced=traced, history=history)
+    plan = _plan(traced, priced, mesh, solution, axis, overlap)
+    return StageProgram(plan=plan, mesh=mesh, graph_module=gm, traced=traced, history=history,
+                        priced_graph=priced)  # fmt: skip
 
 
 def _check_fixed(traced: Traced, fixed: tuple[tuple[str, str], ...], shown: int = 5) -> None:
@@ -94,7 +109,7 @@ def _check_split(traced: Traced, solution: AxisSolution, mesh: Mesh, axis: str) 
 
 
 def _plan(traced: Traced, gm: torch.fx.GraphModule, mesh: Mesh, sol: AxisSolution,
-          axis: str) -> Plan:  # fmt: skip
+          axis: str, overlap: OverlapChoice) -> Plan:  # fmt: skip
     names = {**traced.params, **traced.buffers}
     params = tuple(
         (names[n.name], str(meta.layout(n)))
@@ -106,16 +121,18 @@ def _plan(traced: Traced, gm: torch.fx.GraphModule, mesh: Mesh, sol: AxisSolutio
         f"solved {axis} exactly (HiGHS) over {sol.variables} variables; "
         f"{sol.tied_nodes} nodes share the decisions of an identical block",
         *_why(sol, mesh, axis),
+        *([overlap_line(overlap, sol.comm_s)] if overlap.keys else []),
     )
     return Plan(
         model=traced.model_name,
         mesh=mesh.axes,
         hardware=f"{mesh.cluster.gpu.name} ×{mesh.cluster.gpus_per_node}/node",
         params=params,
-        collectives=tuple(collectives_of(gm, grad, mesh.sizes, names)),
+        collectives=tuple(collectives_of(gm, grad, mesh.sizes, names, overlap.hidden)),
         choice=tuple((k, str(v)) for k, v in sol.choice.items()),
         compute_s=sol.compute_s,
-        comm_s=sol.comm_s,
+        comm_s=max(0.0, sol.comm_s - overlap.saved_s),
+        overlap=overlap.keys,
         memory_bytes=sol.memory_bytes,
         notes=notes,
         advice=nccl_advice(Topology(cluster=mesh.cluster), mesh.axes),

@@ -199,7 +199,7 @@ def _graph_from(d: dict[str, Any]) -> GraphModel:
 
 
 _COLLECTIVE = {"kind": str, "axis": str, "dtype": str, "bytes": int, "direction": str,
-               "where": str}  # fmt: skip
+               "where": str, "hidden_s": (int, float)}  # fmt: skip
 
 
 def _solved_to(model: GraphModel, collectives: tuple, ring: dict) -> dict[str, Any]:

@@ -96,6 +96,8 @@ class PlanOptions:
     send_link: Link | None = None  # a pipeline stage: its outputs are sent on over this link
     fixed: tuple[tuple[str, str], ...] = ()  # (node, strategy) pairs to keep (a reloaded Plan)
     param_dtype: torch.dtype = torch.float32  # autocast compute dtype (autopar.frontend.precision)
+    tp_overlap: str = "auto"  # which tp gathers / scatters to decompose (planner.overlap.MODES)
+    overlap_fixed: tuple[str, ...] | None = None  # a reloaded plan's decomposed collectives
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,131 @@
+"""The overlap planner part: which tp gathers / scatters to decompose under their matmuls.
+
+A decomposed pair (passes/overlap_tp.py, autopar.ops.overlap) runs the collective as ring
+steps while the partial matmuls run: it hides communication but runs each matmul as ``t``
+smaller GEMMs (less efficient) and pays one hop latency per step.  Whether that wins depends
+on the layer's shapes and the link, so the cost model decides per collective.
+
+Algorithm (:func:`choose_overlap`, on the lowered tp graph: collectives concrete, shapes local):
+1. The candidates of passes.overlap_tp (Megatron-SP's gathers before column-split linears and
+   reduce-scatters after row-split ones).
+2. Price each per pass (forward: the collective itself; backward: its mirror under the
+   input-gradient matmuls): unfused = ``collective_time`` + the whole GEMMs; decomposed =
+   ``cost.comm.decomposed_time`` with each step's partial GEMMs priced at their chunk's shape
+   (``cost.compute.matmul_efficiency``).  The saving is the difference (negative: it loses).
+3. ``mode`` "auto" keeps the candidates that save time, "all" every candidate, "none" none; a
+   reloaded plan's keys (``fixed``) are kept as they are, each checked to name a candidate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from autopar.errors import PlanError
+from autopar.ir import meta
+from cost.comm import collective_time, decomposed_time
+from cost.compute import matmul_efficiency, op_time
+from cost.hardware import GPU, Link
+from passes.overlap_tp import Candidate, candidates
+
+MODES = ("auto", "all", "none")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverlapChoice:
+    """The decomposed candidates' keys, each candidate's saving (forward, backward seconds
+    per micro-batch; by key), and how many candidates there were."""
+
+    keys: tuple[str, ...]
+    saved: dict[str, tuple[float, float]]
+    considered: int
+    collectives: dict[str, str] = field(default_factory=dict)  # key -> its collective node
+
+    @property
+    def saved_s(self) -> float:
+        return sum(sum(self.saved[k]) for k in self.keys)
+
+    @property
+    def hidden(self) -> dict[str, tuple[float, float]]:
+        """The chosen ones' savings by collective node name (what the plan's collectives carry)."""
+        return {self.collectives[k]: self.saved[k] for k in self.keys}
+
+
+def choose_overlap(gm: fx.GraphModule, size: int, link: Link, gpu: GPU, mode: str,
+                   fixed: Sequence[str] | None = None) -> OverlapChoice:  # fmt: skip
+    """Steps 1-3."""
+    found = candidates(gm) if size > 1 else []
+    saved = {c.key: price(c, size, link, gpu) for c in found}
+    if fixed is not None:
+        unknown = sorted(set(fixed) - set(saved))
+        if unknown:
+            raise PlanError(f"the plan decomposes tp collectives this program does not have "
+                            f"({', '.join(unknown[:5])}); was it saved for another model? "
+                            "re-plan without plan=")  # fmt: skip
+        keys = tuple(k for k in saved if k in set(fixed))
+    elif mode == "all":
+        keys = tuple(saved)
+    elif mode == "auto":
+        keys = tuple(k for k, (f, b) in saved.items() if f + b > 0)
+    else:
+        keys = ()
+    return OverlapChoice(keys=keys, saved=saved, considered=len(found),
+                         collectives={c.key: c.collective.name for c in found})  # fmt: skip
+
+
+def price(cand: Candidate, size: int, link: Link, gpu: GPU) -> tuple[float, float]:
+    """Step 2: (forward, backward) seconds the decomposition saves on ``cand``."""
+    coll = cand.collective
+    itemsize = meta.dtype(coll).itemsize
+    last = cand.dim == len(coll.meta["val"].shape) - 1
+    if cand.kind == "all_gather":
+        gathered = coll.meta["val"]
+        nbytes = gathered.numel() * itemsize
+        m, k = math.prod(gathered.shape[:-1]), gathered.shape[-1]
+        ns = [lin.args[1].meta["val"].shape[0] for lin in cand.linears]
+        # forward [m, k] x [k, n], each step a chunk of m (or of k, the gathered last dim);
+        # backward's input gradient [m, n] x [n, k] reduce-scattered by chunks of m (or k)
+        fwd = _saving("all_gather", nbytes, size, link, gpu, itemsize,
+                      [(m, n, k) for n in ns], 2 if last else 0)  # fmt: skip
+        bwd = _saving("reduce_scatter", nbytes, size, link, gpu, itemsize,
+                      [(m, k, n) for n in ns], 1 if last else 0)  # fmt: skip
+        return fwd, bwd
+    full = coll.args[0].meta["val"]  # the partial sums [.., o]
+    nbytes = full.numel() * itemsize
+    h = cand.linears[0].args[0].meta["val"]
+    m, k, o = math.prod(h.shape[:-1]), h.shape[-1], full.shape[-1]
+    fwd = _saving("reduce_scatter", nbytes, size, link, gpu, itemsize, [(m, o, k)],
+                  1 if last else 0)  # fmt: skip
+    bwd = _saving("all_gather", nbytes, size, link, gpu, itemsize, [(m, k, o)],
+                  2 if last else 0)  # fmt: skip
+    return fwd, bwd
+
+
+def _saving(kind: str, nbytes: float, size: int, link: Link, gpu: GPU, itemsize: int,
+            gemms: list[tuple[float, float, float]], split: int) -> float:  # fmt: skip
+    """Unfused minus decomposed seconds of ``kind`` over ``gemms`` (m, n, k), each step
+    running a 1/size chunk of dim ``split`` (0: m, 1: n, 2: k) of every GEMM."""
+    whole = sum(_gemm_s(g, gpu, itemsize) for g in gemms)
+    chunk = sum(_gemm_s(tuple(d / size if i == split else d for i, d in enumerate(g)), gpu,
+                        itemsize) for g in gemms)  # fmt: skip
+    unfused = collective_time(kind, nbytes, size, link) + whole
+    return unfused - decomposed_time(nbytes, size, link, chunk)
+
+
+def _gemm_s(g: tuple[float, float, float], gpu: GPU, itemsize: int) -> float:
+    m, n, k = g
+    moved = (m * k + k * n + m * n) * itemsize
+    return op_time(2 * m * n * k, moved, gpu, min(max(itemsize, 2), 4),
+                   compute_efficiency=matmul_efficiency(m, n, k))
+
+
+def overlap_line(choice: OverlapChoice, comm_s: float) -> str:
+    """The plan's note on the decomposition: how many candidates, and the exposed tp
+    communication of the solved plan before and after."""
+    after = max(0.0, comm_s - choice.saved_s)
+    return (f"tp overlap: {len(choice.keys)} of {choice.considered} gathers / scatters "
+            f"decomposed into ring steps under their matmuls (collective matmul); exposed "
+            f"communication {comm_s * 1e3:.3f} ms -> {after * 1e3:.3f} ms per step")
