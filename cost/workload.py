@@ -8,13 +8,17 @@ Algorithm (`shape_workload`, micro-batch b on a tp·cp shard):
    GEMMs with their sharded [m,k]×[k,n] dims (QKV, output projection, MLP, experts, router),
    the attention core (one fused flash kernel, or the unfused QKᵀ / softmax / dropout / PV chain
    that writes the s×s scores to HBM), and the memory-bound elementwise ops (norms,
-   bias-dropout-residual, activation, head split/merge copies).
+   bias-dropout-residual, activation, head split/merge copies; under ``kernels="eager"``
+   also the separate ops of eager PyTorch, `eager_bytes`).
 2. Time each with the roofline `op_time`; backward = factor × forward (2 for GEMMs and
    elementwise, 2.5 for flash attention which recomputes the scores).
 3. Communication volumes per layer: tp all-reduce of the [b, s/c, h] activation, cp ring K/V
    blocks, ep all-to-all of the b·s/c·k routed rows; pipeline boundary [b, s/c, h] (÷t with SP).
 4. Saved activations per layer (Korthikanti et al. 2022, generalised to GQA, gated MLPs, MoE,
-   flash attention and cp), for each recomputation mode.
+   flash attention and cp), for each recomputation mode: selective replays Megatron's
+   attention core, or under ``selective="matmuls"`` torchtitan's op-level policy
+   (`saved_matmuls`); full recompute on one layer in ``checkpoint_every`` (`_every`); and the
+   loss's bytes per logit (`loss_bytes`).
 """
 
 from __future__ import annotations
@@ -218,6 +222,18 @@ def eager_bytes(shape: ModelShape, cfg: ParallelConfig) -> float:
     return norms + rope + swiglu + repeat
 
 
+EAGER_LOSS_BYTES = 3 * 4  # log-softmax output (saved), nll's gradient, log-softmax's gradient
+
+
+def loss_bytes(cfg: ParallelConfig) -> int:
+    """Bytes per logit the loss holds at its peak: the bf16 logits and their fp32 copy
+    (fused); eager `cross_entropy(logits.float(), ...)` with the logits freed before
+    backward (torchtitan's `del pred`) peaks in the loss's backward at
+    `EAGER_LOSS_BYTES`: the saved fp32 log-softmax output, nll's dense fp32 gradient and
+    the log-softmax gradient it produces."""
+    return EAGER_LOSS_BYTES if cfg.kernels == "eager" else BF16 + 4
+
+
 def _matmuls(shape: ModelShape, cfg: ParallelConfig, b: int) -> list[tuple[float, float, float, float]]:
     """(m, n, k, count) of one layer's matmuls in the order the Llama / GPT code issues them:
     q, k, v, output projection, MLP up, gate (when gated), down."""
@@ -339,7 +355,7 @@ def shape_workload(shape: ModelShape, cfg: ParallelConfig, b: int, gpu: GPU) -> 
         ep_calls=2 if shape.experts > 1 else 0,
         boundary_bytes=BF16 * tokens * h / t,
         act_bytes=activation_bytes(shape, cfg, b),
-        post_act_bytes=tokens * shape.vocab / t * (BF16 + 4),
+        post_act_bytes=tokens * shape.vocab / t * loss_bytes(cfg),
         layer_dense_params=dense / t,
         layer_expert_params=experts / t,
         edge_params=tables * shape.embedding_params / t,

@@ -38,6 +38,9 @@ def test_eager_kernels_add_their_bytes_at_streaming_bandwidth():
     assert eager.layer_fwd_s - fused.layer_fwd_s == pytest.approx(extra, rel=1e-9)
     assert eager.layer_bwd_s - fused.layer_bwd_s == pytest.approx(2 * extra, rel=1e-9)
     assert eager.act_bytes == fused.act_bytes
+    # the loss: bf16 logits + fp32 copy (6 B) fused; eager's backward peak 3 fp32 tensors
+    assert fused.post_act_bytes == 1024 * 32000 * 6
+    assert eager.post_act_bytes == 1024 * 32000 * 12
 
 
 def test_checkpoint_every_other_layer_is_the_mean_of_full_and_none():
