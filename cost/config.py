@@ -23,6 +23,8 @@ from cost.hardware import Cluster
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("flash", "unfused")
+KERNELS = ("fused", "eager")
+SELECTIVE = ("attention", "matmuls")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +36,17 @@ class ParallelConfig:
     `overlap_grad_reduce` overlaps data-parallel gradient reduction with backward;
     `sequence_parallel` shards norms/dropout activations over tp (Megatron-SP);
     `tp_across_nodes` permits a tp group larger than a node.
+    Model-shape pricing only (a traced graph is priced from its own ops):
+    `kernels` "eager" runs the norms, rotary embedding, SwiGLU and GQA head repeat as separate
+    PyTorch ops (the Llama reference code unfused; `cost.workload.eager_bytes`), "fused" as
+    one kernel each (Megatron / Transformer Engine, or torch.compile);
+    `selective` which ops selective recompute replays: "attention" (Megatron: the attention
+    core) or "matmuls" (torchtitan's op-level policy: every matmul output but every second
+    one, and attention's, is saved; all else is recomputed);
+    `checkpoint_every` k > 1 under full recompute checkpoints one layer in k (torchtitan's
+    selective layer option k); the others keep all their activations;
+    `tp_overlap` pipelines Megatron's per-layer tp collectives with the layer's GEMMs
+    (userbuffers, `cost.step.overlapped_tp`); a solved tp plan's collectives stay exposed.
     """
 
     tp: int = 1
@@ -57,11 +70,17 @@ class ParallelConfig:
     # HSDP: ZeRO-3 shards over groups of this many data-parallel ranks (consecutive, inside a
     # node when it divides one) and all-reduces gradients across the replicas; None: one group
     shard_group: int | None = None
+    kernels: str = "fused"
+    selective: str = "attention"
+    checkpoint_every: int = 1
+    tp_overlap: bool = False
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("recompute", self.recompute, RECOMPUTE)
         _choice("attention", self.attention, ATTENTION)
+        _choice("kernels", self.kernels, KERNELS)
+        _choice("selective", self.selective, SELECTIVE)
         if self.zero not in (0, 1, 2, 3):
             raise CostInputError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")
         if self.grad_bytes not in (2, 4):
@@ -73,7 +92,8 @@ class ParallelConfig:
         degrees = {"tp": self.tp, "pp": self.pp, "dp": self.dp or 1, "cp": self.cp,
                    "ep": self.ep, "global_batch": self.global_batch,
                    "micro_batch": self.micro_batch or 1,
-                   "virtual_stages": self.virtual_stages or 1}  # fmt: skip
+                   "virtual_stages": self.virtual_stages or 1,
+                   "checkpoint_every": self.checkpoint_every}  # fmt: skip
         bad = [f"{k}={v}" for k, v in degrees.items() if v < 1]
         if bad:
             raise CostInputError(f"parallel degrees must be >= 1, got {', '.join(bad)}")

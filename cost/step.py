@@ -154,17 +154,35 @@ def _layer_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: di
     return {"cp": cp, "ep": passes * ep}
 
 
+TP_OVERLAP_SPLITS = 4  # chunks of a pipelined tp collective (userbuffers' num_splits)
+
+
+def overlapped_tp(comm: float, window: float) -> float:
+    """Exposed seconds of a layer's tp collectives (`comm`) split into `TP_OVERLAP_SPLITS`
+    chunks and pipelined with the GEMMs of a pass (`window`, Megatron's userbuffers
+    overlap): the chunk that starts (all-gather) or ends (reduce-scatter) the chain is
+    exposed, the rest hides behind the pass's compute (`exposed_behind`)."""
+    chunk = comm / TP_OVERLAP_SPLITS
+    return chunk + exposed_behind(comm - chunk, window)
+
+
 def tp_time(work: Workload, coll: Collective, span: tuple[int, int], recompute: str,
-            per_stage: int, ends: tuple[bool, bool] = (True, True)) -> float:  # fmt: skip
+            per_stage: int, ends: tuple[bool, bool] = (True, True),
+            overlap: bool = False) -> float:  # fmt: skip
     """Tensor-parallel seconds of one micro-batch of `per_stage` layers (step 2), on the
     critical path.  A solved plan's collectives (`work.tp_collectives`): each once, a
     repeated block's scaled to the stage's layers, one outside the blocks only on a rank
     that runs its end (`ends`: the prologue, the epilogue), a block's forward ones once
-    more under full recompute (the checkpointed forward re-issues them), a decomposed one
-    (autopar.planner.overlap) less the seconds its ring steps hide; else Megatron's 2
-    all-reduces of [b, s/c, h] per layer per pass."""
+    more under full recompute (the checkpointed forward re-issues them), one the compiler
+    decomposed under its matmuls (autopar.planner.overlap) less the seconds its ring steps
+    hide; else Megatron's 2 all-reduces of [b, s/c, h] per layer per pass, exposed, or under
+    `overlap` (a published run's Megatron userbuffers) pipelined with each pass's compute
+    (`overlapped_tp`)."""
     if work.tp_collectives is None:
         per_layer = work.tp_calls * coll("all_reduce", work.tp_bytes, *span)
+        if overlap:
+            windows = [work.layer_fwd_s, work.layer_bwd_s] + [work.layer_fwd_s] * (recompute == "full")
+            return per_stage * sum(overlapped_tp(per_layer, w) for w in windows)
         return per_stage * _passes(recompute) * per_layer
     total, per = 0.0, per_stage / max(work.layers, 1)
     for c in work.tp_collectives:
@@ -192,7 +210,7 @@ def micro_batch_time(work: Workload, cfg: ParallelConfig, coll: Collective, span
     layer = work.layer_fwd_s + work.layer_bwd_s + work.recompute_s[recompute]
     ring = _ring(work, cfg, coll, spans, cluster)
     layer_comm = _layer_comm(work, cfg, coll, spans, recompute, ring)
-    comm = {"tp": tp_time(work, coll, spans["tp"], recompute, per_stage, ends),
+    comm = {"tp": tp_time(work, coll, spans["tp"], recompute, per_stage, ends, cfg.tp_overlap),
             **{k: per_stage * x for k, x in layer_comm.items()}}  # fmt: skip
     p2p = coll("send_recv", work.boundary_bytes, *spans["pp"])
     comm["pp"] = 2 * v * p2p if cfg.pp > 1 else 0.0

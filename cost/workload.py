@@ -8,13 +8,17 @@ Algorithm (`shape_workload`, micro-batch b on a tp·cp shard):
    GEMMs with their sharded [m,k]×[k,n] dims (QKV, output projection, MLP, experts, router),
    the attention core (one fused flash kernel, or the unfused QKᵀ / softmax / dropout / PV chain
    that writes the s×s scores to HBM), and the memory-bound elementwise ops (norms,
-   bias-dropout-residual, activation, head split/merge copies).
+   bias-dropout-residual, activation, head split/merge copies; under ``kernels="eager"``
+   also the separate ops of eager PyTorch, `eager_bytes`).
 2. Time each with the roofline `op_time`; backward = factor × forward (2 for GEMMs and
    elementwise, 2.5 for flash attention which recomputes the scores).
 3. Communication volumes per layer: tp all-reduce of the [b, s/c, h] activation, cp ring K/V
    blocks, ep all-to-all of the b·s/c·k routed rows; pipeline boundary [b, s/c, h] (÷t with SP).
 4. Saved activations per layer (Korthikanti et al. 2022, generalised to GQA, gated MLPs, MoE,
-   flash attention and cp), for each recomputation mode.
+   flash attention and cp), for each recomputation mode: selective replays Megatron's
+   attention core, or under ``selective="matmuls"`` torchtitan's op-level policy
+   (`saved_matmuls`); full recompute on one layer in ``checkpoint_every`` (`_every`); and the
+   loss's bytes per logit (`loss_bytes`).
 """
 
 from __future__ import annotations
@@ -149,27 +153,108 @@ def layer_kernels(shape: ModelShape, cfg: ParallelConfig, b: int) -> list[_Kerne
     """Forward kernels of one layer on one rank (see the module docstring, step 1)."""
     t, h = cfg.tp, shape.hidden
     tokens = b * shape.seq // cfg.cp
-    q_out = shape.heads * shape.head_dim // t
-    kv_out = 2 * max(shape.g // t, 1) * shape.head_dim
-    f_cols = shape.f // t * (2 if shape.gated else 1)
+    q_out, kv_out, f_cols = _widths(shape, cfg)
     routed = tokens * shape.top_k
     local_experts = shape.experts // cfg.ep
     rows = routed * cfg.ep / shape.experts if shape.experts > 1 else tokens
-    sp = t if cfg.sequence_parallel else 1
-    drop = 1 if shape.dropout else 0
     g = cfg.gemm_bytes
     kernels = [
         *_gemm(tokens, q_out + kv_out, h, itemsize=g),
         *_gemm(tokens, h, q_out, itemsize=g),
         *_gemm(rows, f_cols, h, local_experts, itemsize=g),
         *_gemm(rows, h, shape.f // t, local_experts, itemsize=g),
-        _stream(tokens * h * (2 * 2 * BF16 + 2 * (3 * BF16 + drop)) / sp),
-        _stream(tokens * shape.top_k * (f_cols + shape.f // t) * BF16),
-        _stream(tokens * 2 * BF16 * (q_out + kv_out + q_out)),
+        *_streams(shape, cfg, tokens),
     ]  # fmt: skip
     if shape.experts > 1:
         kernels.extend(_gemm(tokens, shape.experts, h))
     return kernels + _attention(shape, cfg, b)
+
+
+def _widths(shape: ModelShape, cfg: ParallelConfig) -> tuple[int, int, int]:
+    """(query, key + value, MLP input) output columns of one rank's projections."""
+    t = cfg.tp
+    kv_out = 2 * max(shape.g // t, 1) * shape.head_dim
+    return shape.heads * shape.head_dim // t, kv_out, shape.f // t * (2 if shape.gated else 1)
+
+
+def _streams(shape: ModelShape, cfg: ParallelConfig, tokens: float) -> list[_Kernel]:
+    """The memory-bound kernels of one layer's forward: norms and bias-dropout-residual,
+    the MLP activation, head split/merge copies (each one kernel), plus the separate ops of
+    eager PyTorch (`eager_bytes`) under ``kernels="eager"``."""
+    h, t = shape.hidden, cfg.tp
+    q_out, kv_out, f_cols = _widths(shape, cfg)
+    sp = t if cfg.sequence_parallel else 1
+    drop = 1 if shape.dropout else 0
+    kernels = [
+        _stream(tokens * h * (2 * 2 * BF16 + 2 * (3 * BF16 + drop)) / sp),
+        _stream(tokens * shape.top_k * (f_cols + shape.f // t) * BF16),
+        _stream(tokens * 2 * BF16 * (q_out + kv_out + q_out)),
+    ]  # fmt: skip
+    if cfg.kernels == "eager":
+        kernels.append(_stream(tokens * eager_bytes(shape, cfg)))
+    return kernels
+
+
+RMSNORM_EAGER_BYTES = 36  # x.float() r2 w4, pow r4 w4, mean r4, mul r4 w4, type_as r4 w2, *w r2 w2
+ROPE_EAGER_BYTES = 20  # .float() r2 w4, complex multiply r4 w4, type_as r4 w2
+SWIGLU_EAGER_BYTES = 10  # silu r2 w2, product r4 w2
+
+
+def eager_bytes(shape: ModelShape, cfg: ParallelConfig) -> float:
+    """HBM bytes per token of one layer's forward that eager PyTorch adds to the one-kernel
+    count of `_streams`, for the Llama reference code (RMSNorm shapes; their attention is
+    rotary, their MLP SwiGLU when gated):
+    1. Two RMSNorms of h/sp elements at `RMSNORM_EAGER_BYTES` each, against 4 fused.
+    2. Rotary embedding of q and k through complex numbers, `ROPE_EAGER_BYTES` per element
+       (fused into the attention input's copy otherwise).
+    3. SwiGLU as silu then product, `SWIGLU_EAGER_BYTES` per element of f/t, against 6 fused.
+    4. GQA's repeat_kv copies K and V to every query head (read the kv heads, write the
+       query heads' width) before the attention kernel.
+    Layer-norm shapes (GPT): `native_layer_norm` is one kernel in eager too; nothing is added.
+    """
+    if shape.norm != "rmsnorm":
+        return 0.0
+    h, t = shape.hidden, cfg.tp
+    q_out, kv_out, _ = _widths(shape, cfg)
+    sp = t if cfg.sequence_parallel else 1
+    norms = 2 * (RMSNORM_EAGER_BYTES - 2 * BF16) * h / sp
+    rope = ROPE_EAGER_BYTES * (q_out + kv_out / 2)
+    swiglu = (SWIGLU_EAGER_BYTES - 3 * BF16) * shape.f // t * shape.top_k if shape.gated else 0
+    repeat = 2 * BF16 * (kv_out / 2 + q_out) if shape.g < shape.heads else 0.0
+    return norms + rope + swiglu + repeat
+
+
+EAGER_LOSS_BYTES = 3 * 4  # log-softmax output (saved), nll's gradient, log-softmax's gradient
+
+
+def loss_bytes(cfg: ParallelConfig) -> int:
+    """Bytes per logit the loss holds at its peak: the bf16 logits and their fp32 copy
+    (fused); eager `cross_entropy(logits.float(), ...)` with the logits freed before
+    backward (torchtitan's `del pred`) peaks in the loss's backward at
+    `EAGER_LOSS_BYTES`: the saved fp32 log-softmax output, nll's dense fp32 gradient and
+    the log-softmax gradient it produces."""
+    return EAGER_LOSS_BYTES if cfg.kernels == "eager" else BF16 + 4
+
+
+def _matmuls(shape: ModelShape, cfg: ParallelConfig, b: int) -> list[tuple[float, float, float, float]]:
+    """(m, n, k, count) of one layer's matmuls in the order the Llama / GPT code issues them:
+    q, k, v, output projection, MLP up, gate (when gated), down."""
+    t, h = cfg.tp, shape.hidden
+    tokens = b * shape.seq // cfg.cp
+    q_out, kv_out, _ = _widths(shape, cfg)
+    experts = shape.experts // cfg.ep
+    rows = tokens * shape.top_k * cfg.ep / shape.experts if shape.experts > 1 else tokens
+    ff = shape.f // t
+    mlp = [(rows, ff, h, experts)] * (2 if shape.gated else 1) + [(rows, h, ff, experts)]
+    return [(tokens, q_out, h, 1), (tokens, kv_out / 2, h, 1), (tokens, kv_out / 2, h, 1),
+            (tokens, h, q_out, 1), *mlp]  # fmt: skip
+
+
+def saved_matmuls(shape: ModelShape, cfg: ParallelConfig, b: int) -> tuple[list, list]:
+    """torchtitan's op-level selective recompute: (recomputed, saved) matmuls of one layer;
+    its policy saves every matmul output except every second one (counted per layer)."""
+    mms = _matmuls(shape, cfg, b)
+    return mms[1::2], mms[0::2]
 
 
 def _time(kernels: list[_Kernel], gpu: GPU, factor: bool = False) -> float:
@@ -214,11 +299,32 @@ def activation_bytes(shape: ModelShape, cfg: ParallelConfig, b: int) -> dict[str
     inner = (qkv + BF16 * h + f_act + lse) / t
     core = (2 * BF16 + drop) * shape.heads * s / t if unfused else 0.0
     layer_in = BF16 * h / sp
-    return {
-        "none": tokens * (outer + inner + core),
-        "selective": tokens * (outer + inner),
-        "full": tokens * layer_in,
-    }
+    saved = {"none": tokens * (outer + inner + core), "selective": tokens * (outer + inner),
+             "full": tokens * layer_in}  # fmt: skip
+    if cfg.selective == "matmuls":  # layer input, kept matmul outputs, attention out + lse
+        kept = sum(BF16 * m * n * c for m, n, _, c in saved_matmuls(shape, cfg, b)[1])
+        saved["selective"] = tokens * layer_in + kept + tokens * (BF16 * h + lse) / t
+    return _every(saved, cfg.checkpoint_every)
+
+
+def _every(per_mode: dict[str, float], k: int) -> dict[str, float]:
+    """Full recompute on one layer in k (`checkpoint_every`): the mean layer holds (or
+    replays) 1/k of a checkpointed layer's and (k−1)/k of an unrecomputed one's."""
+    if k == 1:
+        return per_mode
+    return {**per_mode, "full": (per_mode["full"] + (k - 1) * per_mode["none"]) / k}
+
+
+def _selective_s(shape: ModelShape, cfg: ParallelConfig, b: int, gpu: GPU,
+                 core: list[_Kernel]) -> float:
+    """Seconds selective recompute replays per layer: the attention core (Megatron), or
+    under the matmul policy the unsaved matmuls and every memory-bound kernel."""
+    if cfg.selective == "attention":
+        return _time(core, gpu)
+    tokens = b * shape.seq // cfg.cp
+    again = [k for m, n, kk, c in saved_matmuls(shape, cfg, b)[0]
+             for k in _gemm(m, n, kk, c, cfg.gemm_bytes)]  # fmt: skip
+    return _time(again + _streams(shape, cfg, tokens), gpu)
 
 
 def shape_workload(shape: ModelShape, cfg: ParallelConfig, b: int, gpu: GPU) -> Workload:
@@ -239,7 +345,8 @@ def shape_workload(shape: ModelShape, cfg: ParallelConfig, b: int, gpu: GPU) -> 
         layer_fwd_s=fwd,
         attn_fwd_s=_time(attn, gpu),
         layer_bwd_s=_time(kernels, gpu, factor=True),
-        recompute_s={"none": 0.0, "selective": _time(core, gpu), "full": fwd},
+        recompute_s=_every({"none": 0.0, "selective": _selective_s(shape, cfg, b, gpu, core),
+                            "full": fwd}, cfg.checkpoint_every),
         pre_s=pre,
         post_s=post,
         tp_bytes=BF16 * tokens * h,
@@ -250,7 +357,7 @@ def shape_workload(shape: ModelShape, cfg: ParallelConfig, b: int, gpu: GPU) -> 
         ep_calls=2 if shape.experts > 1 else 0,
         boundary_bytes=BF16 * tokens * h / t,
         act_bytes=activation_bytes(shape, cfg, b),
-        post_act_bytes=tokens * shape.vocab / t * (BF16 + 4),
+        post_act_bytes=tokens * shape.vocab / t * loss_bytes(cfg),
         layer_dense_params=dense / t,
         layer_expert_params=experts / t,
         edge_params=tables * shape.embedding_params / t,
