@@ -247,7 +247,8 @@ def _core(capture: Capture, mesh: Mesh, options: Options, plan: Plan | None,
 
     solver = PlanOptions(memory_limit=options.memory_limit, memory_weight=options.memory_weight,
                          strict=options.strict, fixed=plan.choice if plan else (),
-                         param_dtype=options.autocast_dtype)  # fmt: skip
+                         param_dtype=options.autocast_dtype,
+                         solve_cache=options.plan_cache)  # fmt: skip
     check_attention(options.cp_attention, plan)
     traced, log = capture.traced, capture.log
     pipeline = None
