@@ -27,6 +27,13 @@ Algorithm (:class:`PlanCache`):
    and source line) and the compiler's source.  The compile of the configuration Mesh.auto
    chooses (and a fixed mesh's compile) then runs its passes but no ILP.  A solve that warned
    is not kept (its warnings must be seen again).
+5. Skipping the trace of the whole example: ``DIR/models/<key>.json`` names the namespace a
+   run of the model with that :func:`model_key` (class, configuration, parameters, example
+   shapes, options, cluster shape, compiler: no trace needed) used, and each namespace keeps
+   the `graph_digest` of every trace a run made (``trace_<rows>``).  A warm search starts from
+   that namespace's entries without tracing; the plan stands when the traces the run did make
+   (the chosen slice's) hash as recorded (else the whole example is traced and must hash to
+   the namespace; if not, the run plans again from its own trace, with a warning).
 """
 
 from __future__ import annotations
@@ -62,6 +69,31 @@ def compiler_digest() -> str:
                 h.update(path.read_bytes())
         _source_digest = h.hexdigest()
     return _source_digest
+
+
+def model_key(model: Any, example: Any, loss_fn: Any, cluster: Cluster, options: Any) -> str:
+    """Step 5: a SHA-256 of what a trace of ``model`` follows from, read without tracing: its
+    class, configuration, parameters and buffers (names, shapes, dtypes, trainable), the
+    example's structure, shapes and dtypes, the loss function's name, the options, the cluster
+    shape, torch's version and the compiler.  A guess (the model's code is not in it), checked
+    against the traces of the run (`autopar.planner.auto._kept`)."""
+    from torch.utils import _pytree as pytree
+
+    leaves, spec = pytree.tree_flatten((example.args, example.kwargs))
+    h = hashlib.sha256()
+    for part in (f"{type(model).__module__}.{type(model).__qualname__}",
+                 str(getattr(model, "config", "")),
+                 repr([(n, tuple(p.shape), str(p.dtype), p.requires_grad)
+                       for n, p in model.named_parameters()]),
+                 repr([(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]),
+                 str(spec), repr([_val(x, detail=True) if isinstance(x, torch.Tensor) else repr(x)
+                                  for x in leaves]),
+                 f"{getattr(loss_fn, '__module__', '')}.{getattr(loss_fn, '__qualname__', repr(loss_fn))}",
+                 repr(dataclasses.replace(options, plan_cache=None)),
+                 repr(dataclasses.replace(cluster, nodes=1)), torch.__version__,
+                 compiler_digest()):  # fmt: skip
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:32]
 
 
 def graph_digest(traced: Any, detail: bool = False) -> str:
@@ -149,6 +181,33 @@ class PlanCache(_Entries):
         for part in (graph_digest(traced), str(param_dtype), repr(shape), compiler_digest()):
             h.update(part.encode() + b"\0")
         super().__init__(Path(folder) / h.hexdigest()[:32])
+
+    @classmethod
+    def known(cls, folder: str | os.PathLike, key: str) -> PlanCache | None:
+        """Step 5: the cache of the namespace a run of the model ``key`` (`model_key`) used,
+        or None."""
+        path = Path(folder) / "models" / f"{key}.json"
+        try:
+            space = json.loads(path.read_text()).get("namespace")
+        except (OSError, ValueError, AttributeError):
+            return None
+        if not isinstance(space, str) or len(space) != 32 or not space.isalnum():
+            return None
+        cache = cls.__new__(cls)
+        _Entries.__init__(cache, Path(folder) / space)
+        return cache
+
+    def put_known(self, key: str) -> None:
+        models = _Entries(self.folder.parent / "models")
+        models._write(key, {"namespace": self.folder.name})
+
+    def trace_digest(self, rows: int) -> str | None:
+        """Step 5: the `graph_digest` of the trace of ``rows`` sequences a run recorded."""
+        data = self._read(f"trace_{rows}")
+        return data if isinstance(data, str) else None
+
+    def put_trace_digest(self, rows: int, digest: str) -> None:
+        self._write(f"trace_{rows}", digest)
 
     # ------------------------------------------------------------ entries
 
