@@ -258,6 +258,7 @@ def compile_auto(model: Any, mesh: AutoMesh, example: Any, loss_fn: Callable[...
     retrace = _retrace(model, example, loss_fn, examples, traces, options.cast_dtype)
     capacity = _capacity(mesh.cluster, options.memory_limit)
     cache, key, priced = _warm(model, example, loss_fn, capacity, options, guess)
+    guessed = cache is not None  # a namespace found by the model's key, to be checked
     if priced is None:  # cold: step 1
         priced = _priced_whole(traces[examples], model)
         if options.plan_cache is not None:
@@ -285,13 +286,15 @@ def compile_auto(model: Any, mesh: AutoMesh, example: Any, loss_fn: Callable[...
             if cache is not None:
                 cache.put_refusal(concrete, choice, chosen, refused[-1][1])
             continue
-        if cache is not None and not _kept(cache, traces, key, capacity, options):
+        if cache is not None and not _kept(cache, traces, key, capacity, options, guessed):
             return compile_auto(model, mesh, example, loss_fn, options, guess=False)
         prog.search = AutoChoice(plan=plan, best=candidates[0][1], compiled=choice, mesh=concrete,
                                  refused=tuple(refused), candidates=tuple(candidates))  # fmt: skip
         if options.verbose or refused:
             print(prog.search.__str__().split("\n\n")[0])
         return prog
+    if guessed and not _kept(cache, traces, key, capacity, options, guessed):
+        return compile_auto(model, mesh, example, loss_fn, options, guess=False)
     tried = "; ".join(f"{c.describe()}: {why}" for c, why in refused)
     raise PlanError(f"Mesh.auto: the compiler refused the {len(refused)} best configurations "
                     f"of the search ({tried}); give a larger cluster or memory_limit")  # fmt: skip
@@ -384,16 +387,18 @@ def _warm(model: Any, example: Any, loss_fn: Any, capacity: Cluster, options: An
     return cache, key, priced
 
 
-def _kept(cache: Any, traces: _Traces, key: str, capacity: Cluster, options: Any) -> bool:
-    """A plan made from a namespace found by the model's key stands when the traces this run
-    made are the ones that namespace recorded (at least one, none different; else the whole
-    example is traced and must hash to the namespace).  Records the traces and the key."""
+def _kept(cache: Any, traces: _Traces, key: str, capacity: Cluster, options: Any,
+          guessed: bool) -> bool:  # fmt: skip
+    """A plan made from a namespace found by the model's key (``guessed``) stands when the
+    traces this run made are the ones that namespace recorded (at least one, none different;
+    else the whole example is traced and must hash to the namespace).  Records the traces'
+    digests and the key."""
     from autopar.planner.cache import PlanCache, graph_digest
 
     made = {rows: graph_digest(t) for rows, t in dict.items(traces)}
-    recorded = {rows: cache.trace_digest(rows) for rows in made}
-    if not any(recorded[r] == d for r, d in made.items()) or any(
-            recorded[r] not in (None, d) for r, d in made.items()):
+    recorded = {rows: cache.trace_digest(rows) for rows in made} if guessed else {}
+    if guessed and (not any(recorded[r] == d for r, d in made.items()) or any(
+            recorded[r] not in (None, d) for r, d in made.items())):  # fmt: skip
         real = PlanCache(options.plan_cache, traces[traces.whole], capacity, options.param_dtype)
         if real.folder != cache.folder:
             import warnings
