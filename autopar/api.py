@@ -110,7 +110,10 @@ def autoparallelize(
     ``plan_cache=DIR`` keeps the search's world-independent pricing (priced traces of per-rank
     slices, the tp / cp sub-mesh solutions) in DIR as JSON, so a later ``Mesh.auto`` on the same
     model, shapes and kind of cluster, with any node count, re-traces and re-solves none of
-    them (autopar.planner.cache; an elastic job's re-plan).  The plan chosen is the same.
+    them (autopar.planner.cache; an elastic job's re-plan); it also keeps the tp planner's
+    answers (a compile of a configuration compiled before runs no ILP, on a fixed mesh too)
+    and lets a warm ``Mesh.auto`` skip the trace of the whole example (the slice it compiles
+    is still traced, and must hash as recorded).  The plan chosen is the same.
 
     A mesh with a ``cp`` axis splits the sequence (autopar.axes.context_parallel); attention runs
     as ring or all-to-all attention, chosen by cost unless ``cp_attention`` forces one.

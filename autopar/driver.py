@@ -249,7 +249,8 @@ def _core(capture: Capture, mesh: Mesh, options: Options, plan: Plan | None,
                          strict=options.strict, fixed=plan.choice if plan else (),
                          param_dtype=options.autocast_dtype,
                          tp_overlap="none" if "cp" in mesh.sizes else options.overlap_mode,
-                         overlap_fixed=plan.overlap if plan and not plan.stages else None)  # fmt: skip
+                         overlap_fixed=plan.overlap if plan and not plan.stages else None,
+                         solve_cache=options.plan_cache)  # fmt: skip
     check_attention(options.cp_attention, plan)
     traced, log = capture.traced, capture.log
     pipeline = None

@@ -10,14 +10,16 @@ Passes (each over the worlds in order, side by side on the same machine):
 2. ``job``: one fresh cache folder shared by the worlds in order, as a job that starts on 8
    nodes, loses one, then drops to 4 fills it: each world reads what the earlier ones priced;
 3. ``warm``: the same folder again (a world the job has planned before: a node came back).
-Not a test: prints seconds per re-plan, the ratio to pass 1, and the chosen mesh, ZeRO stage
-and a digest of the printed plan, which must be the same in every pass.
+Not a test: prints seconds per re-plan, the ratio to pass 1, the machine's 1-minute load
+average when it ended, and the chosen mesh, ZeRO stage and a digest of the printed plan, which
+must be the same in every pass.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import tempfile
 import time
 
@@ -56,7 +58,8 @@ def main() -> None:
                 base.setdefault(nodes, (seconds, chosen))
                 same = "same plan" if chosen == base[nodes][1] else "PLAN DIFFERS"
                 print(f"{name:5} {nodes} nodes ({nodes * 8:3} GPUs): re-plan {seconds:6.2f} s "
-                      f"(x{seconds / base[nodes][0]:.2f}) -> {chosen} [{same}]", flush=True)  # fmt: skip
+                      f"(x{seconds / base[nodes][0]:.2f}, load {os.getloadavg()[0]:4.1f}) -> "
+                      f"{chosen} [{same}]", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -44,10 +44,11 @@ def cuttable_units(traced: Traced) -> list[Unit]:
     blocks = find_blocks(list(traced.gm.graph.nodes), traced)
     owner = {n: i for i, block in enumerate(blocks) for n in block}
     last = max((i for i, n in enumerate(body) if n in owner), default=-1)
+    names = [_block_name(block, i) for i, block in enumerate(blocks)]  # once per block
     units: list[tuple[str, list[fx.Node]]] = []
     for i, n in enumerate(body):
         if n in owner:
-            label = _block_name(blocks[owner[n]], owner[n])
+            label = names[owner[n]]
         elif not units or (units[-1][0] == "prologue"):
             label = "prologue"
         elif i > last:

@@ -360,3 +360,22 @@ def test_saved_under_dp_pp_resumes_on_one_device(tmp_path):
     assert ck.load().step == 5
     rest = _run(model, opt, ck, lambda: _backward(lm_loss(model(x), y)), 6, 10)
     assert rest == pytest.approx(ref[5:], rel=1e-5)
+
+
+def test_a_rank_the_saved_world_lacked_gets_a_reproducible_rng(tmp_path):
+    """A rank with no saved RNG state (the world grew) is seeded from the checkpoint and its
+    rank: the same draws on every resume, other draws than rank 0's and another new rank's."""
+    model = torch.nn.Linear(4, 4)
+    torch.manual_seed(7)
+    Checkpointer(tmp_path, model).save(1, blocking=True)
+    draws = {}
+    for rank, again in ((0, 0), (3, 0), (3, 1), (5, 0)):
+        torch.manual_seed(100 + again)  # whatever the process drew before must not matter
+        ck = Checkpointer(tmp_path, model)
+        ck.rank = rank  # as a rank of a larger world, in one process
+        ck.load()
+        draws[rank, again] = torch.rand(4)
+    assert torch.equal(draws[3, 0], draws[3, 1])
+    assert not torch.equal(draws[3, 0], draws[0, 0]) and not torch.equal(draws[3, 0], draws[5, 0])
+    torch.manual_seed(7)
+    assert torch.equal(draws[0, 0], torch.rand(4))  # rank 0 resumes its own state

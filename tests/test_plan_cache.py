@@ -1,6 +1,7 @@
 """Mesh.auto's plan cache (autopar.planner.cache): a second search of the same model, shapes and
-cluster shape reads its candidates' prices back (no sub-mesh compile, no slice trace) and
-chooses the same plan; a changed input shape is another namespace; a damaged entry is
+cluster shape reads its candidates' prices back (no sub-mesh compile, no slice trace, no trace
+of the whole example, no ILP in the final compile) and chooses the same plan; a namespace
+found by the model's key whose traces differ is not used; a changed input shape is another namespace; a damaged entry is
 recomputed with a warning; the JSON records carry every field of what they stand for."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from autopar import Mesh, autoparallelize
 from autopar.plan import Collective
 from autopar.planner import cache as plan_cache
+from autopar.planner import auto, tp
 from autopar.planner.solved import SolvedModel
 from autopar.tools.testing import Config, build, lm_loss, tokens
 from cost.graph import GraphModel
@@ -40,7 +42,7 @@ def test_a_second_search_reads_the_prices_back_and_plans_the_same(tmp_path, monk
     cold = _auto(c, None)
     filled = _auto(c, tmp_path)
     assert _fingerprint(filled) == _fingerprint(cold)
-    (space,) = list(tmp_path.iterdir())
+    (space,) = [p for p in tmp_path.iterdir() if p.name not in ("solve", "models")]
     written = sorted(p.name for p in space.iterdir())
     assert "graph_traced.json" in written and any(n.startswith("solved_tp") for n in written)
 
@@ -50,10 +52,19 @@ def test_a_second_search_reads_the_prices_back_and_plans_the_same(tmp_path, monk
     def no_retrace(*_a, **_k):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("a cached slice was traced again")
 
+    def no_ilp(*_a, **_k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the chosen configuration's tp ILP was solved again")
+
     monkeypatch.setattr(SolvedModel, "_solve", no_solve)
     monkeypatch.setattr(SolvedModel, "_trace", no_retrace)
+    def no_whole(*_a, **_k):  # noqa: ANN002, ANN003, ANN202
+        return lambda: pytest.fail("the whole example was traced again")
+
+    monkeypatch.setattr(tp, "_solve", no_ilp)
+    monkeypatch.setattr(auto, "_first_trace", no_whole)
     warm = _auto(c, tmp_path)
     assert _fingerprint(warm) == _fingerprint(cold)
+    assert str(warm.plan) == str(cold.plan)
     monkeypatch.undo()
 
     # a damaged entry warns, is recomputed and rewritten; the plan is unchanged
@@ -123,3 +134,57 @@ def test_a_refusal_is_read_back_for_the_same_mesh_and_options(tmp_path) -> None:
     assert cache.refusal(Mesh.ordered((("tp", 2), ("dp", 2)), NODE), choice, options) is None
     assert cache.refusal(mesh, choice, options.replace(zero=3)) is None
     assert cache.refusal(mesh, choice, options.replace(plan_cache=tmp_path)) == "PlanError: no"
+
+
+def test_a_solve_is_read_back_checked_and_one_that_warned_is_not_kept(tmp_path, monkeypatch):
+    from autopar.frontend.trace import trace
+
+    c = Config(batch=8)
+    traced = trace(build("llama", c), tokens(c), None, lm_loss)
+    link, gpu = NODE.axis_link((("tp", 2),), "tp"), NODE.gpu
+    cached = tp.PlanOptions(solve_cache=tmp_path)
+    cold = tp.solve_axis(traced, "tp", 2, link, gpu, tp.PlanOptions())
+    assert tp.solve_axis(traced, "tp", 2, link, gpu, cached) == cold  # solved and written
+    (entry,) = (tmp_path / "solve").iterdir()
+    real = tp._solve
+    monkeypatch.setattr(tp, "_solve", lambda *a, **k: pytest.fail("solved again"))
+    assert tp.solve_axis(traced, "tp", 2, link, gpu, cached) == cold  # every field read back
+    assert tp.solve_axis(traced, "tp", 2, link, gpu, cached).choice == cold.choice
+    data = json.loads(entry.read_text())
+    data["choice"]["no_such_node"] = next(iter(data["choice"].values()))
+    entry.write_text(json.dumps(data))
+    monkeypatch.setattr(tp, "_solve", real)
+    with pytest.warns(UserWarning, match="plan cache .*does not have"):
+        assert tp.solve_axis(traced, "tp", 2, link, gpu, cached) == cold  # recomputed
+    assert "no_such_node" not in json.loads(entry.read_text())["choice"]  # and rewritten
+
+    # another question (size, options) is another entry; a solve that warned is not kept
+    def warned(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        warnings.warn("no sharding rule for aten.foo", UserWarning, stacklevel=1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(tp, "_solve", warned)
+    for _ in range(2):  # shown each time: never read back silently
+        with pytest.warns(UserWarning, match="no sharding rule for aten.foo"):
+            tp.solve_axis(traced, "tp", 4, link, gpu, cached)
+    assert len(list((tmp_path / "solve").iterdir())) == 1
+
+
+def test_a_namespace_whose_traces_differ_is_planned_again(tmp_path) -> None:
+    """The model key names a namespace (a guess without tracing); when the run's own traces
+    hash otherwise than that namespace recorded, the plan is made again from the real trace."""
+    c = Config(batch=8)
+    cold = _auto(c, tmp_path)
+    (key,) = (tmp_path / "models").iterdir()
+    space = tmp_path / json.loads(key.read_text())["namespace"]
+    other = tmp_path / ("0" * 32)  # as if another model's graph had the same key
+    other.mkdir()
+    for entry in space.iterdir():
+        text = '"a different graph"' if entry.name.startswith("trace_") else entry.read_text()
+        (other / entry.name).write_text(text)
+    key.write_text(json.dumps({"namespace": other.name}))
+    with pytest.warns(UserWarning, match="traces differently .* planning again"):
+        model, inputs = build("llama", c), tokens(c)
+        again = autoparallelize(model, Mesh.auto(NODE), inputs, lm_loss, plan_cache=tmp_path)
+    assert _fingerprint(again) == _fingerprint(cold)
+    assert json.loads(key.read_text())["namespace"] == space.name  # the key names the real one

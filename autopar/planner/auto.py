@@ -217,7 +217,7 @@ _DECIDED = ("n_microbatches", "virtual_stages", "plan", "cluster")
 
 
 def compile_auto(model: Any, mesh: AutoMesh, example: Any, loss_fn: Callable[..., Any] | None,
-                 options: Any) -> Any:  # fmt: skip
+                 options: Any, *, guess: bool = True) -> Any:  # fmt: skip
     """`autoparallelize(model, Mesh.auto(cluster), ...)`.
 
     Algorithm:
@@ -250,30 +250,26 @@ def compile_auto(model: Any, mesh: AutoMesh, example: Any, loss_fn: Callable[...
     """
     from autopar.driver import compile_model
     from autopar.errors import PlanError
-    from autopar.frontend.precision import annotate_autocast, mark_run_dtypes
-    from autopar.frontend.trace import trace
     from autopar.planner.solved import SolvedModel
-    from cost.graph import GraphModel
 
     _check_decided(options)
     examples = _example_batch(example.args)
-    traced = trace(model, example.args, example.kwargs or None, loss_fn, cast=options.cast_dtype)
-    traces = {examples: traced}
-    annotate_autocast(traced.gm, options.autocast_dtype)
-    priced = GraphModel.from_traced(mark_run_dtypes(traced.gm), name=type(model).__name__)
-    plan = plan_shape(priced, _capacity(mesh.cluster, options.memory_limit),
-                      options.global_batch or mesh.global_batch or examples,
-                      space=_auto_space(mesh, options))  # fmt: skip
-    cache = None
-    if options.plan_cache is not None:
-        from autopar.planner.cache import PlanCache
+    traces = _Traces(examples, _first_trace(model, example, loss_fn, options))
+    retrace = _retrace(model, example, loss_fn, examples, traces, options.cast_dtype)
+    capacity = _capacity(mesh.cluster, options.memory_limit)
+    cache, key, priced = _warm(model, example, loss_fn, capacity, options, guess)
+    guessed = cache is not None  # a namespace found by the model's key, to be checked
+    if priced is None:  # cold: step 1
+        priced = _priced_whole(traces[examples], model)
+        if options.plan_cache is not None:
+            from autopar.planner.cache import PlanCache
 
-        cache = PlanCache(options.plan_cache, traced, plan.result.cluster, options.param_dtype)
-    solved = SolvedModel(traced, plan.result.cluster, options.autocast_dtype,
-                         name=type(model).__name__,
-                         retrace=_retrace(model, example, loss_fn, examples, traces,
-                                          options.cast_dtype),
-                         cache=cache)  # fmt: skip
+            cache = PlanCache(options.plan_cache, traces[examples], capacity, options.param_dtype)
+            cache.put_graph("search", priced)
+    plan = plan_shape(priced, capacity, options.global_batch or mesh.global_batch or examples,
+                      space=_auto_space(mesh, options))  # fmt: skip
+    solved = SolvedModel(lambda: traces[examples], plan.result.cluster, options.autocast_dtype,
+                         name=type(model).__name__, retrace=retrace, cache=cache)  # fmt: skip
     candidates = repriced(plan, solved)
     refused: list[tuple[Choice, str]] = []
     for _, choice in candidates:
@@ -290,11 +286,15 @@ def compile_auto(model: Any, mesh: AutoMesh, example: Any, loss_fn: Callable[...
             if cache is not None:
                 cache.put_refusal(concrete, choice, chosen, refused[-1][1])
             continue
+        if cache is not None and not _kept(cache, traces, key, capacity, options, guessed):
+            return compile_auto(model, mesh, example, loss_fn, options, guess=False)
         prog.search = AutoChoice(plan=plan, best=candidates[0][1], compiled=choice, mesh=concrete,
                                  refused=tuple(refused), candidates=tuple(candidates))  # fmt: skip
         if options.verbose or refused:
             print(prog.search.__str__().split("\n\n")[0])
         return prog
+    if guessed and not _kept(cache, traces, key, capacity, options, guessed):
+        return compile_auto(model, mesh, example, loss_fn, options, guess=False)
     tried = "; ".join(f"{c.describe()}: {why}" for c, why in refused)
     raise PlanError(f"Mesh.auto: the compiler refused the {len(refused)} best configurations "
                     f"of the search ({tried}); give a larger cluster or memory_limit")  # fmt: skip
@@ -327,6 +327,90 @@ def _retrace(model: Any, example: Any, loss_fn: Callable[..., Any] | None, examp
         return traces[rows]
 
     return retrace
+
+
+class _Traces(dict):
+    """rows -> Traced, shared by the search and the driver; the whole example's trace is made
+    when first read (a warm plan cache may need none)."""
+
+    def __init__(self, whole: int, make: Callable[[], Any]) -> None:
+        super().__init__()
+        self.whole, self._make = whole, make
+
+    def __contains__(self, rows: object) -> bool:
+        return rows == self.whole or super().__contains__(rows)
+
+    def __missing__(self, rows: int) -> Any:
+        if rows != self.whole:
+            raise KeyError(rows)
+        self[rows] = self._make()
+        return self[rows]
+
+
+def _first_trace(model: Any, example: Any, loss_fn: Callable[..., Any] | None,
+                 options: Any) -> Callable[[], Any]:  # fmt: skip
+    """Step 1's trace of the whole example, each value annotated with its autocast and run
+    dtype."""
+    from autopar.frontend.precision import annotate_autocast, mark_run_dtypes
+    from autopar.frontend.trace import trace
+
+    def make() -> Any:
+        traced = trace(model, example.args, example.kwargs or None, loss_fn,
+                       cast=options.cast_dtype)  # fmt: skip
+        annotate_autocast(traced.gm, options.autocast_dtype)
+        mark_run_dtypes(traced.gm)
+        return traced
+
+    return make
+
+
+def _priced_whole(traced: Any, model: Any) -> Any:
+    from cost.graph import GraphModel
+
+    return GraphModel.from_traced(traced.gm, name=type(model).__name__)
+
+
+def _warm(model: Any, example: Any, loss_fn: Any, capacity: Cluster, options: Any,
+          guess: bool) -> tuple[Any, str | None, Any]:  # fmt: skip
+    """With ``plan_cache``: the cache of the namespace an earlier run of this model (its
+    `autopar.planner.cache.model_key`) traced, that run's priced whole graph, and the key;
+    (None, key, None) when there is none: the whole example is traced (step 1)."""
+    if options.plan_cache is None:
+        return None, None, None
+    from autopar.planner.cache import MISS, PlanCache, model_key
+
+    key = model_key(model, example, loss_fn, capacity, options)
+    cache = PlanCache.known(options.plan_cache, key) if guess else None
+    priced = MISS if cache is None else cache.graph("search")
+    if priced is MISS:
+        return None, key, None
+    return cache, key, priced
+
+
+def _kept(cache: Any, traces: _Traces, key: str, capacity: Cluster, options: Any,
+          guessed: bool) -> bool:  # fmt: skip
+    """A plan made from a namespace found by the model's key (``guessed``) stands when the
+    traces this run made are the ones that namespace recorded (at least one, none different;
+    else the whole example is traced and must hash to the namespace).  Records the traces'
+    digests and the key."""
+    from autopar.planner.cache import PlanCache, graph_digest
+
+    made = {rows: graph_digest(t) for rows, t in dict.items(traces)}
+    recorded = {rows: cache.trace_digest(rows) for rows in made} if guessed else {}
+    if guessed and (not any(recorded[r] == d for r, d in made.items()) or any(
+            recorded[r] not in (None, d) for r, d in made.items())):  # fmt: skip
+        real = PlanCache(options.plan_cache, traces[traces.whole], capacity, options.param_dtype)
+        if real.folder != cache.folder:
+            import warnings
+
+            warnings.warn(f"plan cache {cache.folder}: the model traces differently from the "
+                          "run that wrote it; planning again from its own trace", stacklevel=3)
+            return False
+        made[traces.whole] = graph_digest(traces[traces.whole])
+    for rows, digest in made.items():
+        cache.put_trace_digest(rows, digest)
+    cache.put_known(key)
+    return True
 
 
 def _check_decided(options: Any) -> None:

@@ -20,6 +20,20 @@ Algorithm (:class:`PlanCache`):
    by the world, so a restart on a world seen before skips that compile).
 3. Loading parses JSON and checks every field's type: no pickle, nothing runs.  An entry that
    does not read back is recomputed and rewritten, with a warning naming the file.
+4. The tp planner's answers (:class:`SolveCache`, ``DIR/solve/``): one entry per question
+   `autopar.planner.tp.solve_axis` is asked (a stage's or a whole model's graph, the axis, its
+   size, link, GPU and solver options), keyed by a SHA-256 of all of it (:func:`solve_key`:
+   every node's op, target, arguments, shapes, strides, dtypes, module stack, autopar record
+   and source line) and the compiler's source.  The compile of the configuration Mesh.auto
+   chooses (and a fixed mesh's compile) then runs its passes but no ILP.  A solve that warned
+   is not kept (its warnings must be seen again).
+5. Skipping the trace of the whole example: ``DIR/models/<key>.json`` names the namespace a
+   run of the model with that :func:`model_key` (class, configuration, parameters, example
+   shapes, options, cluster shape, compiler: no trace needed) used, and each namespace keeps
+   the `graph_digest` of every trace a run made (``trace_<rows>``).  A warm search starts from
+   that namespace's entries without tracing; the plan stands when the traces the run did make
+   (the chosen slice's) hash as recorded (else the whole example is traced and must hash to
+   the namespace; if not, the run plans again from its own trace, with a warning).
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ import json
 import os
 import warnings
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -56,29 +71,107 @@ def compiler_digest() -> str:
     return _source_digest
 
 
-def graph_digest(traced: Any) -> str:
-    """Step 1: a SHA-256 of a trace's graph: ops, targets, arguments, shapes, dtypes, paths."""
+def model_key(model: Any, example: Any, loss_fn: Any, cluster: Cluster, options: Any) -> str:
+    """Step 5: a SHA-256 of what a trace of ``model`` follows from, read without tracing: its
+    class, configuration, parameters and buffers (names, shapes, dtypes, trainable), the
+    example's structure, shapes and dtypes, the loss function's name, the options, the cluster
+    shape, torch's version and the compiler.  A guess (the model's code is not in it), checked
+    against the traces of the run (`autopar.planner.auto._kept`)."""
+    from torch.utils import _pytree as pytree
+
+    leaves, spec = pytree.tree_flatten((example.args, example.kwargs))
+    h = hashlib.sha256()
+    for part in (f"{type(model).__module__}.{type(model).__qualname__}",
+                 str(getattr(model, "config", "")),
+                 repr([(n, tuple(p.shape), str(p.dtype), p.requires_grad)
+                       for n, p in model.named_parameters()]),
+                 repr([(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]),
+                 str(spec), repr([_val(x, detail=True) if isinstance(x, torch.Tensor) else repr(x)
+                                  for x in leaves]),
+                 f"{getattr(loss_fn, '__module__', '')}.{getattr(loss_fn, '__qualname__', repr(loss_fn))}",
+                 repr(dataclasses.replace(options, plan_cache=None)),
+                 repr(dataclasses.replace(cluster, nodes=1)), torch.__version__,
+                 compiler_digest()):  # fmt: skip
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:32]
+
+
+def graph_digest(traced: Any, detail: bool = False) -> str:
+    """Step 1: a SHA-256 of a trace's graph: ops, targets, arguments, shapes, dtypes, paths;
+    with ``detail`` (step 4) also strides, every module of the stack, the autopar record
+    (autocast dtypes, layouts), the run dtype, the source line and the stage's inputs."""
     h = hashlib.sha256()
     for n in traced.gm.graph.nodes:
         stack = n.meta.get("nn_module_stack") or {}
         path = next(reversed(stack.values()))[0] if stack else ""
-        h.update(f"{n.op}|{n.name}|{n.target}|{n.args}|{n.kwargs}|{_val(n.meta.get('val'))}|"
-                 f"{path}\n".encode())  # fmt: skip
+        h.update(f"{n.op}|{n.name}|{n.target}|{n.args}|{n.kwargs}|"
+                 f"{_val(n.meta.get('val'), detail)}|{path}\n".encode())  # fmt: skip
+        if detail:
+            h.update(f"{list(stack.values())}|{n.meta.get('autopar')!r}|"
+                     f"{n.meta.get('run_dtype')}|{n.meta.get('stack_trace')}\n".encode())  # fmt: skip
     h.update(json.dumps([sorted(traced.params.items()), sorted(traced.buffers.items()),
                          list(traced.user_inputs), sorted(traced.trainable),
                          sorted(traced.padded.items())]).encode())  # fmt: skip
+    if detail:
+        h.update(repr((sorted(traced.grad_inputs), sorted(traced.pieces.items()),
+                       sorted(traced.persistent), traced.model_name)).encode())  # fmt: skip
     return h.hexdigest()
 
 
-def _val(v: Any) -> str:
+def _val(v: Any, detail: bool = False) -> str:
     if isinstance(v, torch.Tensor):
-        return f"{v.dtype}{tuple(v.shape)}"
+        more = f"{v.stride()}{v.requires_grad}" if detail else ""
+        return f"{v.dtype}{tuple(v.shape)}{more}"
     if isinstance(v, (tuple, list)):
-        return "(" + ",".join(_val(x) for x in v) + ")"
+        return "(" + ",".join(_val(x, detail) for x in v) + ")"
     return type(v).__name__ if v is not None else ""
 
 
-class PlanCache:
+class _Entries:
+    """Steps 2-3: one folder of JSON entries, written atomically, read back checked."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.hits = self.misses = 0
+
+    def _path(self, name: str) -> Path:
+        return self.folder / f"{name}.json"
+
+    def _read(self, name: str) -> Any:
+        path = self._path(name)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            self.misses += 1
+            return MISS
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            warnings.warn(f"plan cache {path}: not JSON ({e}); recomputing it", stacklevel=3)
+            self.misses += 1
+            return MISS
+        self.hits += 1
+        return data
+
+    def _checked(self, name: str, read: Any, data: Any) -> Any:
+        try:
+            return read(data)
+        except (KeyError, TypeError, ValueError) as e:
+            warnings.warn(f"plan cache {self._path(name)}: {type(e).__name__}: {e}; recomputing "
+                          "it", stacklevel=3)  # fmt: skip
+            self.hits -= 1
+            self.misses += 1
+            return MISS
+
+    def _write(self, name: str, data: Any) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self._path(name)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+
+
+class PlanCache(_Entries):
     """Steps 1-3 for one traced model on one cluster shape."""
 
     def __init__(self, folder: str | os.PathLike, traced: Any, cluster: Cluster,
@@ -87,8 +180,34 @@ class PlanCache:
         h = hashlib.sha256()
         for part in (graph_digest(traced), str(param_dtype), repr(shape), compiler_digest()):
             h.update(part.encode() + b"\0")
-        self.folder = Path(folder) / h.hexdigest()[:32]
-        self.hits = self.misses = 0
+        super().__init__(Path(folder) / h.hexdigest()[:32])
+
+    @classmethod
+    def known(cls, folder: str | os.PathLike, key: str) -> PlanCache | None:
+        """Step 5: the cache of the namespace a run of the model ``key`` (`model_key`) used,
+        or None."""
+        path = Path(folder) / "models" / f"{key}.json"
+        try:
+            space = json.loads(path.read_text()).get("namespace")
+        except (OSError, ValueError, AttributeError):
+            return None
+        if not isinstance(space, str) or len(space) != 32 or not space.isalnum():
+            return None
+        cache = cls.__new__(cls)
+        _Entries.__init__(cache, Path(folder) / space)
+        return cache
+
+    def put_known(self, key: str) -> None:
+        models = _Entries(self.folder.parent / "models")
+        models._write(key, {"namespace": self.folder.name})
+
+    def trace_digest(self, rows: int) -> str | None:
+        """Step 5: the `graph_digest` of the trace of ``rows`` sequences a run recorded."""
+        data = self._read(f"trace_{rows}")
+        return data if isinstance(data, str) else None
+
+    def put_trace_digest(self, rows: int, digest: str) -> None:
+        self._write(f"trace_{rows}", digest)
 
     # ------------------------------------------------------------ entries
 
@@ -135,43 +254,42 @@ class PlanCache:
                     dataclasses.replace(options, plan_cache=None)))  # fmt: skip
         return "refused_" + hashlib.sha256(key.encode()).hexdigest()[:24]
 
-    # ------------------------------------------------------------ files (steps 2-3)
 
-    def _path(self, name: str) -> Path:
-        return self.folder / f"{name}.json"
+def solve_key(traced: Any, question: tuple[Any, ...], options: Any) -> str:
+    """Step 4: what determines `solve_axis`'s answer: the graph in detail, the question (axis,
+    size, link, GPU), every solver option but the cache's own folder, the compiler."""
+    h = hashlib.sha256()
+    for part in (graph_digest(traced, detail=True), repr(question),
+                 repr(dataclasses.replace(options, solve_cache=None)), compiler_digest()):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:32]
 
-    def _read(self, name: str) -> Any:
-        path = self._path(name)
-        try:
-            text = path.read_text()
-        except FileNotFoundError:
-            self.misses += 1
-            return MISS
-        try:
-            data = json.loads(text)
-        except ValueError as e:
-            warnings.warn(f"plan cache {path}: not JSON ({e}); recomputing it", stacklevel=3)
-            self.misses += 1
-            return MISS
-        self.hits += 1
-        return data
 
-    def _checked(self, name: str, read: Any, data: Any) -> Any:
-        try:
-            return read(data)
-        except (KeyError, TypeError, ValueError) as e:
-            warnings.warn(f"plan cache {self._path(name)}: {type(e).__name__}: {e}; recomputing "
-                          "it", stacklevel=3)  # fmt: skip
-            self.hits -= 1
-            self.misses += 1
-            return MISS
+class SolveCache(_Entries):
+    """Step 4: the tp planner's answers, kept under ``DIR/solve/``."""
 
-    def _write(self, name: str, data: Any) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        path = self._path(name)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
+    def __init__(self, folder: str | os.PathLike) -> None:
+        super().__init__(Path(folder) / "solve")
+
+    def answer(self, traced: Any, question: tuple[Any, ...], options: Any,
+               solve: Callable[[], Any]) -> Any:  # fmt: skip
+        """The `AxisSolution` of ``question`` on ``traced``: read back, else ``solve()``d
+        (its warnings shown) and written when it warned nothing."""
+        name = "axis_" + solve_key(traced, question, options)
+        data = self._read(name)
+        if data is not MISS:
+            nodes = {n.name for n in traced.gm.graph.nodes}
+            found = self._checked(name, lambda d: _solution_from(d, nodes), data)
+            if found is not MISS:
+                return found
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            solution = solve()
+        for w in seen:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+        if not seen:
+            self._write(name, _solution_to(solution))
+        return solution
 
 
 # ---------------------------------------------------------------- JSON <-> the planner's records
@@ -232,3 +350,45 @@ def _dict(value: Any) -> dict:
     if not isinstance(value, dict):
         raise TypeError(f"{type(value).__name__} where an object was expected")
     return value
+
+
+_SOLUTION = {"compute_s": float, "comm_s": float, "memory_bytes": float, "tied_nodes": int,
+             "variables": int, "single_s": float, "param_bytes": float}  # fmt: skip
+
+
+def _solution_to(sol: Any) -> dict[str, Any]:
+    """An `AxisSolution` as JSON: each strategy by its placements' text, lowering and comm."""
+    out: dict[str, Any] = {k: getattr(sol, k) for k in _SOLUTION}
+    out["unsplit"] = list(sol.unsplit)
+    out["choice"] = {name: {"inputs": [str(p) for p in s.inputs],
+                            "output": [str(p) for p in s.output]
+                            if isinstance(s.output, tuple) else str(s.output),
+                            "lowering": s.lowering, "comm": [list(c) for c in s.comm]}
+                     for name, s in sol.choice.items()}  # fmt: skip
+    return out
+
+
+def _solution_from(d: dict[str, Any], nodes: set[str]) -> Any:
+    """The inverse of `_solution_to`, refusing a choice for a node ``nodes`` lacks."""
+    from autopar.ir.layout import parse_placement
+    from autopar.planner.tp import AxisSolution
+    from autopar.rules import Strategy
+
+    d = _dict(d)
+    fields = {k: (float(_typed(d[k], (int, float), k)) if t is float else _typed(d[k], t, k))
+              for k, t in _SOLUTION.items()}  # fmt: skip
+    choice = {}
+    for name, s in _dict(d["choice"]).items():
+        if name not in nodes:
+            raise ValueError(f"a strategy for {name!r}, which the graph does not have")
+        s = _dict(s)
+        out = s["output"]
+        output = (tuple(parse_placement(_typed(p, str, "output")) for p in out)
+                  if isinstance(out, list) else parse_placement(_typed(out, str, "output")))  # fmt: skip
+        lowering = s["lowering"]
+        choice[name] = Strategy(
+            tuple(parse_placement(_typed(p, str, "inputs")) for p in s["inputs"]), output,
+            None if lowering is None else _typed(lowering, str, "lowering"),
+            tuple((_typed(k, str, "comm"), _typed(b, (int, float), "comm")) for k, b in s["comm"]))
+    unsplit = tuple(_typed(u, str, "unsplit") for u in d["unsplit"])
+    return AxisSolution(choice=choice, unsplit=unsplit, **fields)

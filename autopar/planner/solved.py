@@ -62,22 +62,25 @@ class SolvedModel:
     """`cost.estimate.Priced` of a trace whose tp degrees are priced from the tp planner's
     own solutions (module docstring)."""
 
-    def __init__(self, traced: Traced, cluster: Cluster, param_dtype: torch.dtype,
-                 name: str | None = None, retrace: Callable[[int], Traced] | None = None,
-                 cache: Any = None) -> None:  # fmt: skip
+    def __init__(self, traced: Traced | Callable[[], Traced], cluster: Cluster,
+                 param_dtype: torch.dtype, name: str | None = None,
+                 retrace: Callable[[int], Traced] | None = None, cache: Any = None) -> None:  # fmt: skip
+        """``traced``: the trace, or a function making it when first needed (with ``cache``
+        a warm search may need none)."""
         self._cluster, self._dtype, self._retrace, self._cache = cluster, param_dtype, retrace, cache
-        self.graph = self._whole(traced, name)
-        self._traces: dict[int, Traced] = {self.graph.batch: traced}
+        self._traced = traced if callable(traced) else lambda: traced
+        self.graph = self._whole(name)
+        self._traces: dict[int, Traced] = {}
         self._graphs: dict[int, GraphModel] = {self.graph.batch: self.graph}
         self._solved: dict[tuple[int, int, int], _Solved | None] = {}
 
-    def _whole(self, traced: Traced, name: str | None) -> GraphModel:
+    def _whole(self, name: str | None) -> GraphModel:
         """Step 1's graph of the trace itself (through the cache)."""
         from autopar.planner.cache import MISS
 
         found = MISS if self._cache is None else self._cache.graph("traced")
         if found is MISS:
-            found = _priced(traced, self._dtype, name)
+            found = _priced(self._traced(), self._dtype, name)
             if self._cache is not None:
                 self._cache.put_graph("traced", found)
         return found
@@ -136,7 +139,8 @@ class SolvedModel:
 
     def _trace(self, rows: int) -> Traced:
         if rows not in self._traces:
-            self._traces[rows] = self._retrace(rows)
+            self._traces[rows] = (self._traced() if rows == self.graph.batch else
+                                  self._retrace(rows))  # fmt: skip
         return self._traces[rows]
 
     def solved(self, t: int, c: int = 1, rows: int | None = None) -> _Solved | None:

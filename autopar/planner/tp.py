@@ -39,7 +39,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -98,6 +98,7 @@ class PlanOptions:
     param_dtype: torch.dtype = torch.float32  # autocast compute dtype (autopar.frontend.precision)
     tp_overlap: str = "auto"  # which tp gathers / scatters to decompose (planner.overlap.MODES)
     overlap_fixed: tuple[str, ...] | None = None  # a reloaded plan's decomposed collectives
+    solve_cache: Any = None  # a folder of earlier answers (autopar.planner.cache.SolveCache)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,7 +161,20 @@ def solve_axis(
 
     On a ``tp`` axis split weights are used where they lie; if some op can only use a weight
     whole (it has no rule that splits it), the solve is repeated with weight gathers allowed
-    and a warning says so."""
+    and a warning says so.  With ``options.solve_cache`` the answer is read back when the same
+    question on the same graph was answered before (`autopar.planner.cache.SolveCache`)."""
+    if options.solve_cache is None:
+        return _solve_axis(traced, axis, size, link, gpu, options)
+    from autopar.planner.cache import SolveCache
+
+    return SolveCache(options.solve_cache).answer(
+        traced, (axis, size, link, gpu), options,
+        lambda: _solve_axis(traced, axis, size, link, gpu, options))
+
+
+def _solve_axis(traced: Traced, axis: str, size: int, link: Link, gpu: GPU,
+                options: PlanOptions) -> AxisSolution:  # fmt: skip
+    """`solve_axis` without the cache."""
     if axis != "tp" or size == 1:
         return _solve(traced, axis, size, link, gpu, options, frozenset())
     try:

@@ -34,8 +34,10 @@ Algorithm (:meth:`Checkpointer.load`):
    chunk's file and bytes checked before use; no collective, no pickle, no ``torch.load``.
 4. The ranks agree: when any rank failed, every rank raises :class:`CheckpointError` naming
    that rank's file and entry (none trains on alone).
-5. Restore this rank's RNG state (when the checkpoint has one for it), the optimizer's
-   hyper-parameters; return the step and the caller's extra state.
+5. Restore this rank's RNG state (a rank the saved world did not have, e.g. after the job
+   grew, is seeded from the saved lowest rank's state and its own rank number, so a resumed
+   run is reproducible), the optimizer's hyper-parameters; return the step and the caller's
+   extra state.
 """
 
 from __future__ import annotations
@@ -476,6 +478,8 @@ class Checkpointer:
             reader.fill(key, _targets(target))
         if rng in state:
             torch.set_rng_state(state[rng])
+        else:
+            _seed_new_rank(manifest, reader, self.rank)
         if self.optimizer is not None:
             spread_scalars(self.model, self.optimizer, state)
         self._restore_groups(info["param_groups"])
@@ -545,6 +549,21 @@ def _check_fits(state: dict[str, Any], manifest: Manifest) -> None:
         if saved.dtype != v.dtype:
             raise CheckpointError(f"{k}: {where} holds {saved.dtype}, the model {v.dtype} (wrong "
                                   "dtype; to convert, cast what export_state_dict returns)")  # fmt: skip
+
+
+def _seed_new_rank(manifest: Any, reader: Any, rank: int) -> None:
+    """Step 5 for a rank without a saved RNG state: a seed hashed from the lowest saved rank's
+    state and ``rank`` (nothing when the checkpoint holds no RNG state)."""
+    import hashlib
+
+    saved = sorted(int(k[4:]) for k in manifest.tensors
+                   if k.startswith("rng.") and k[4:].isdigit())  # fmt: skip
+    if not saved:
+        return
+    state = torch.empty_like(torch.get_rng_state())
+    reader.fill(f"rng.{saved[0]}", _targets(state))
+    digest = hashlib.sha256(state.numpy().tobytes() + f"|rank {rank}".encode()).digest()
+    torch.manual_seed(int.from_bytes(digest[:8], "little"))
 
 
 def _targets(value: Any) -> list[tuple[tuple[int, ...], torch.Tensor]]:
