@@ -109,6 +109,17 @@ def test_gqa_families_meet_the_hand_design_at_tp8(name, size):
     assert row.param_fraction == pytest.approx(1 / 8, rel=0.1)
 
 
+def test_multi_query_kv_is_computed_by_every_rank_at_tp8():
+    """Falcon's one K/V head on 8 ranks at one node's shape: every rank computes it from the
+    gathered input (no forward K/V message, the hand design's one activation all-reduce per
+    layer).  Computing it on the rank's 1/8 of the tokens and gathering it was priced cheaper
+    while the gather's backward reduce-scatter went unpriced: the hoist of the K/V gradient
+    sum to the weights, free, was assumed whatever the plan split (``_price_weights_backward``)."""
+    row = zoo.check(zoo.family("falcon"), 8, run_verify=False, size="node")
+    assert row.comm is not None and row.comm.ok, zoo.table([row])
+    assert not [m for m in row.comm.actual.messages if m.where.endswith("self_attention")]
+
+
 def _reads_shared_heads_locally(prog, hidden: int) -> bool:
     """The shared K/V pieces read by each sharer as its own part (``unshare``, local), and
     no K/V-shaped message in attention's forward: only [b,s,1] norm statistics and the

@@ -22,7 +22,9 @@ Algorithm (:func:`solve_axis`):
    shared per (producer, target layout) as the lowered graph shares it, plus the backward
    all-reduce (or reduce-scatter) a replicated value needs when a split consumer makes its
    gradient partial (free when ``lower_collectives`` moves it to weight gradients, which
-   overlap the rest of backward; priced once per value it lands on; discounted to the
+   overlap the rest of backward, and only if the plan keeps the region it crosses
+   replicated, by a discount tied to that region's choices; priced once per value it lands
+   on; discounted to the
    reduce-scatter backward of an all-gather its replicated chain starts from, by a variable
    tied to that gather's edge).  Impossible re-layouts (to partial) are forbidden pairs.  Each collective
    also pays a fixed launch-and-synchronise overhead, so fewer, larger collectives win ties.
@@ -574,14 +576,17 @@ def _price_inputs(prob: _Problem, v: fx.Node, rep: dict, cands: dict, xvar: dict
             if needs and isinstance(want, Replicate) and not sb.redundant:
                 late = _deferred_bytes(u, arg, idx, walks) if sa.redundant else nbytes
                 g = pricer.grad_reduce(have, min(nbytes, late))
-                if sa.redundant and idx is None and walks.reduced_at_weights(u):
-                    g = 0.0
+                whole = sa.redundant and idx is None
+                hoisted = whole and g > 0 and walks.reduced_at_weights(u)
                 gkey, group = ("grad", ur, idx, a), (u, idx)
-                if sa.redundant and idx is None and g > 0:  # one reduction where it lands
+                if whole and g > 0 and not hoisted:  # one reduction where it lands
                     top = walks.deferred(u)
                     gkey, group = ("grad", rep.get(top, top), None, "deferred"), (top, None)
                 _bound_aux(prob, gkey, group, g, edge, z[(a, b)], 0.0)
-                if sa.redundant and idx is None and g > 0:
+                if hoisted:
+                    _price_weights_backward(prob, gkey, group, g, walks.region(u), rep, cands,
+                                            xvar)  # fmt: skip
+                elif whole and g > 0:
                     _price_gather_backward(prob, gkey, group, g, u, rep, cands, xvar, walks,
                                            pricer)  # fmt: skip
         if fresh:
@@ -691,25 +696,55 @@ def _price_gather_backward(prob: _Problem, key: tuple, group: tuple, g: float, u
         saving -= sum(pricer.t("all_reduce", _nbytes(w)) for w in beside)
         if saving <= 0:
             continue
-        dkey = ("gather_bwd", key, edge)
-        if dkey in prob.aux:
-            prob.aux_groups[dkey].add(group)
+        d = _discount(prob, ("gather_bwd", key, edge), group, saving)
+        if d is None:
             continue
-        d = prob.aux[dkey] = prob.var(0.0, False)
-        prob.aux_cost[dkey], prob.aux_mem[dkey] = -saving, 0.0
-        prob.aux_groups[dkey].add(group)
-        prob.comm_vars.add(d)
         total[d] = 1.0
         pr, pidx, cr, slot = edge
         gathers = [zv for (a, b), zv in prob.edges[edge].items()
                    if isinstance(_out(cands[pr][a], pidx), Shard)
                    and isinstance(cands[cr][b].inputs[slot], Replicate)]  # fmt: skip
         prob.row({d: 1.0, **{zv: -1.0 for zv in gathers}}, -np.inf, 0.0)
-        for n in path:
-            reps = [xvar[(rep[n], i)] for i, s in enumerate(cands[rep[n]]) if s.redundant]
-            prob.row({d: 1.0, **{xv: -1.0 for xv in reps}}, -np.inf, 0.0)
+        _while_replicated(prob, d, path, rep, cands, xvar)
     if total:
         prob.row({**total, prob.aux[key]: -1.0}, -np.inf, 0.0)
+
+
+def _price_weights_backward(prob: _Problem, key: tuple, group: tuple, g: float,
+                            region: frozenset[fx.Node], rep: dict, cands: dict,
+                            xvar: dict) -> None:  # fmt: skip
+    """``lower_collectives`` step 7 hoists the reduction of a replicated value's partial
+    gradient to the weights of the replicated region above it (``_Walks.reduced_at_weights``):
+    free, a weight-gradient reduction overlaps like a bucket, but only when the plan keeps
+    every op of that region replicated.  A split op in it (a key projection computed on the
+    rank's tokens and gathered) stops the hoist: the reduction is then paid where it is.
+    A discount d (cost -g) with d <= the reduction's aux and d <= each region op's replicated
+    strategies."""
+    d = _discount(prob, ("weights_bwd", key), group, g)
+    if d is not None:
+        prob.row({d: 1.0, prob.aux[key]: -1.0}, -np.inf, 0.0)
+        _while_replicated(prob, d, [n for n in region if rep.get(n, n) in cands], rep, cands,
+                          xvar)  # fmt: skip
+
+
+def _discount(prob: _Problem, dkey: tuple, group: tuple, saving: float) -> int | None:
+    """A new discount variable of ``saving`` seconds under ``dkey`` (None when the key
+    exists: ``group`` then only joins it, a tied block's share)."""
+    prob.aux_groups[dkey].add(group)
+    if dkey in prob.aux:
+        return None
+    d = prob.aux[dkey] = prob.var(0.0, False)
+    prob.aux_cost[dkey], prob.aux_mem[dkey] = -saving, 0.0
+    prob.comm_vars.add(d)
+    return d
+
+
+def _while_replicated(prob: _Problem, d: int, nodes: list[fx.Node], rep: dict, cands: dict,
+                      xvar: dict) -> None:  # fmt: skip
+    """d <= each node's replicated strategies: the discount holds only while all repeat."""
+    for n in nodes:
+        reps = [xvar[(rep[n], i)] for i, s in enumerate(cands[rep[n]]) if s.redundant]
+        prob.row({d: 1.0, **{xv: -1.0 for xv in reps}}, -np.inf, 0.0)
 
 
 _MAX_CHAIN = 16  # chain ops between a reduction and the gather it may become (step 9)
@@ -726,7 +761,7 @@ class _Walks:
         self._args: dict[fx.Node, list[fx.Node]] = {}
         self._roots: dict[fx.Node, fx.Node] = {}
         self._deferred: dict[fx.Node, fx.Node] = {}
-        self._reduced: dict[fx.Node, bool] = {}
+        self._reduced: dict[fx.Node, frozenset[fx.Node] | None] = {}
 
     def args(self, n: fx.Node) -> list[fx.Node]:
         """``trace.tensor_args(n)``, computed once."""
@@ -777,27 +812,31 @@ class _Walks:
         2. Stop at the first projection of a split matrix (the answer is no, whatever else
            the region would hold): the region stays within one block.
         3. Check the frontier: the values outside the region that it reads."""
-        found = self._reduced.get(u)
-        if found is None:
-            found = self._reduced[u] = self._region_reduced(u)
-        return found
+        if u not in self._reduced:
+            self._reduced[u] = self._region_reduced(u)
+        return self._reduced[u] is not None
 
-    def _region_reduced(self, u: fx.Node) -> bool:
+    def region(self, u: fx.Node) -> frozenset[fx.Node]:
+        """The replicated region :meth:`reduced_at_weights` found above ``u`` (step 1)."""
+        return self._reduced[u] if self.reduced_at_weights(u) else frozenset()
+
+    def _region_reduced(self, u: fx.Node) -> frozenset[fx.Node] | None:
         if len(u.users) != 1 or u.op != "call_function" or _mutates(u):
-            return False
+            return None
         region, todo = {u}, [u]
         while todo:
             n = todo.pop()
             if self._projects_split(n):
-                return False
+                return None
             for a in self.args(n):
                 if (a not in region and a in self.grad and a.op == "call_function"
                         and not _mutates(a) and all(x in region for x in a.users)):  # fmt: skip
                     region.add(a)
                     todo.append(a)
         frontier = {a for n in region for a in self.args(n) if a in self.grad and a not in region}
-        return bool(frontier) and all(self.is_weight(f) or self._projected(f, region)
-                                      for f in frontier)  # fmt: skip
+        reduced = bool(frontier) and all(self.is_weight(f) or self._projected(f, region)
+                                         for f in frontier)  # fmt: skip
+        return frozenset(region) if reduced else None
 
     def _projects_split(self, n: fx.Node) -> bool:
         """``n`` is a projection of a matrix step 3 forces to be split."""
