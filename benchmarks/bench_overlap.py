@@ -25,36 +25,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_compile import HIDDEN, WARMUP, WORLD, config, step_s  # the same models and timer
 
 from autopar import autoparallelize
 from autopar.ops.cp_ops import reset_exchanges
 from autopar.runtime.pool import free_port, gloo_rank
-from autopar.tools.testing import Config, build, lm_loss, tokens
+from autopar.tools.testing import build, lm_loss, tokens
 
-WORLD, WARMUP = 2, 3
 SP = 1e-6  # memory weight (s/byte): the planner splits the residual stream (sequence parallel)
-HIDDEN = (256, 512, 1024)
-
-
-def config(hidden: int, layers: int) -> Config:
-    return Config(layers=layers, hidden=hidden, heads=8, kv_heads=4, ffn=3 * hidden,
-                  vocab=4096, seq=128, batch=4, bias=False)  # fmt: skip
-
-
-def step_s(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    """One forward+backward; the slowest rank's seconds and the loss."""
-    dist.barrier()
-    start = time.perf_counter()
-    loss = module(x, y)
-    loss.backward()
-    took = torch.tensor(time.perf_counter() - start)
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return float(took), float(loss.detach())
 
 
 def rank_main(rank: int, port: int, layers: int, iters: int) -> None:
