@@ -67,28 +67,41 @@ def rank_main(rank: int, port: int, layers: int, iters: int) -> None:
             start = time.perf_counter()
             step_s(variants["compiled"], x, y)  # compiles
             compile_s = time.perf_counter() - start
-            for _ in range(WARMUP):
-                for m in variants.values():
-                    step_s(m, x, y)
-            times: dict[str, list[float]] = {k: [] for k in variants}
-            loss = {}
-            for _ in range(iters):
-                for k, m in variants.items():
-                    s, loss[k] = step_s(m, x, y)
-                    times[k].append(s)
-            ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+            ms, loss = interleaved(variants, x, y, iters)
             if rank == 0:
                 print(f"{hidden:>6} {ms['eager']:>9.1f} {ms['compiled']:>12.1f} "
                       f"{ms['compiled'] / ms['eager']:>15.2f} {compile_s:>10.1f}  "
                       f"{loss['eager']:.5f}, {loss['compiled']:.5f}", flush=True)  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def interleaved(variants: dict, x: torch.Tensor, y: torch.Tensor,
+                iters: int) -> tuple[dict[str, float], dict[str, float]]:  # fmt: skip
+    """Warm up, then ``iters`` rounds of one step of each variant in turn: the median ms per
+    step of each, and each one's last loss."""
+    for _ in range(WARMUP):
+        for m in variants.values():
+            step_s(m, x, y)
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    loss = {}
+    for _ in range(iters):
+        for k, m in variants.items():
+            s, loss[k] = step_s(m, x, y)
+            times[k].append(s)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}, loss
+
+
+def launch(rank_main, description: str) -> None:  # noqa: ANN001
+    """Parse ``--layers`` / ``--iters`` and run ``rank_main(rank, port, layers, iters)`` on
+    WORLD spawned ranks."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
     mp.spawn(rank_main, args=(free_port(), args.layers, args.iters), nprocs=WORLD)
+
+
+def main() -> None:
+    launch(rank_main, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

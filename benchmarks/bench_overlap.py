@@ -23,15 +23,11 @@ mechanism's overhead and whatever overlap the cores allow, not an NVLink GPU's.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-
-import torch.multiprocessing as mp
-from bench_compile import HIDDEN, WARMUP, WORLD, config, step_s  # the same models and timer
+from bench_compile import HIDDEN, WORLD, config, interleaved, launch, step_s  # same models, timer
 
 from autopar import autoparallelize
 from autopar.ops.cp_ops import reset_exchanges
-from autopar.runtime.pool import free_port, gloo_rank
+from autopar.runtime.pool import gloo_rank
 from autopar.tools.testing import build, lm_loss, tokens
 
 SP = 1e-6  # memory weight (s/byte): the planner splits the residual stream (sequence parallel)
@@ -52,16 +48,7 @@ def rank_main(rank: int, port: int, layers: int, iters: int) -> None:
             reset_exchanges()
             step_s(variants["all"], x, y)
             steps = reset_exchanges().get("tp", 0)
-            for _ in range(WARMUP):
-                for m in variants.values():
-                    step_s(m, x, y)
-            times: dict[str, list[float]] = {k: [] for k in variants}
-            loss = {}
-            for _ in range(iters):
-                for k, m in variants.items():
-                    s, loss[k] = step_s(m, x, y)
-                    times[k].append(s)
-            ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+            ms, loss = interleaved(variants, x, y, iters)
             if rank == 0:
                 print(f"{hidden:>6} {ms['none']:>9.1f} {ms['all']:>14.1f} "
                       f"{ms['all'] / ms['none']:>17.2f} {steps:>11}  "
@@ -69,11 +56,7 @@ def rank_main(rank: int, port: int, layers: int, iters: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=10)
-    args = parser.parse_args()
-    mp.spawn(rank_main, args=(free_port(), args.layers, args.iters), nprocs=WORLD)
+    launch(rank_main, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":
