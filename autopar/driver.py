@@ -248,7 +248,7 @@ def _core(capture: Capture, mesh: Mesh, options: Options, plan: Plan | None,
     solver = PlanOptions(memory_limit=options.memory_limit, memory_weight=options.memory_weight,
                          strict=options.strict, fixed=plan.choice if plan else (),
                          param_dtype=options.autocast_dtype,
-                         tp_overlap="none" if "cp" in mesh.sizes else options.overlap_mode,
+                         tp_overlap=options.overlap_mode,
                          overlap_fixed=plan.overlap if plan and not plan.stages else None,
                          solve_cache=options.plan_cache)  # fmt: skip
     check_attention(options.cp_attention, plan)

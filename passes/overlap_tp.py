@@ -9,7 +9,8 @@ candidate and names the chosen ones in ``TpDecisions.overlap``; this pass applie
 Algorithm:
 1. Candidates (:func:`candidates`, on the lowered graph): an ``all_gather`` of one block with a
    reduce-scatter backward (its consumers' gradients are partial sums) whose users are all
-   ``aten.linear`` reading it as their input, keyed ``gather:<first linear>``; a
+   ``aten.linear`` reading it as their input (each weight and bias defined before the first
+   linear, or a parameter read that can move there), keyed ``gather:<first linear>``; a
    ``reduce_scatter`` of one block whose input is a bias-free ``aten.linear`` with no other
    user, keyed ``scatter:<linear>``.
 2. A chosen gather and its linears become one ``gather_linear(x, weights, biases, axis,
@@ -62,7 +63,7 @@ def candidates(gm: fx.GraphModule) -> list[Candidate]:
             continue
         if node.target is C.all_gather and _gather_fits(node):
             users = sorted(node.users, key=order.__getitem__)
-            if any(order[a] > order[users[0]] for u in users for a in _weight_and_bias(u)):
+            if not _movable(_late_inputs(users, order)):
                 continue  # a later linear's weight is computed after the first one runs
             out.append(Candidate(f"gather:{users[0].name}", "all_gather", node, tuple(users)))
         elif node.target is C.reduce_scatter and _scatter_fits(node):
@@ -87,6 +88,25 @@ def _linear_input(user: fx.Node, x: fx.Node) -> bool:
     """``user`` is a linear reading ``x`` as its input only (not as its weight or bias)."""
     return (user.target is LINEAR and user.args[0] is x
             and x not in (*user.args[1:], *user.kwargs.values()))  # fmt: skip
+
+
+def _late_inputs(users: list[fx.Node], order: dict) -> list[fx.Node]:
+    """The weights and biases of ``users`` defined after the first of them, in order."""
+    late = {a for u in users for a in _weight_and_bias(u) if order[a] > order[users[0]]}
+    return sorted(late, key=order.__getitem__)
+
+
+def _movable(late: list[fx.Node]) -> bool:
+    """Whether ``late`` can move up before the first linear: each a read with no inputs (a
+    stage graph's parameter placeholder or ``get_attr`` sits just before its use)."""
+    return all(a.op in ("placeholder", "get_attr") for a in late)
+
+
+def _reads_up_to(first: fx.Node, last: fx.Node, order: dict) -> list[fx.Node]:
+    """The placeholders and ``get_attr`` reads after ``first`` up to ``last``, in order: they
+    move up together, so the program's arguments keep their order."""
+    nodes = list(order)
+    return [n for n in nodes[order[first] + 1:order[last] + 1] if n.op in ("placeholder", "get_attr")]
 
 
 def _weight_and_bias(lin: fx.Node) -> list[fx.Node]:
@@ -118,6 +138,10 @@ def _fuse_gather(graph: fx.Graph, cand: Candidate) -> None:
     first = cand.linears[0]
     weights = [lin.args[1] for lin in cand.linears]
     biases = [_bias(lin) for lin in cand.linears]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    late = _late_inputs(list(cand.linears), order)
+    for w in _reads_up_to(first, late[-1], order) if late else []:  # a stage's reads: up
+        first.prepend(w)
     with graph.inserting_before(first):
         fused = graph.call_function(gather_linear, (x, weights, biases, cand.axis, cand.dim))
         fused.meta.update(first.meta)

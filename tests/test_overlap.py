@@ -76,19 +76,24 @@ def _program(kind: str, t: int, **options):
                                       memory_weight=SP, **options)  # fmt: skip
 
 
-@pytest.mark.parametrize(("kind", "t"), [("llama", 2), ("gpt", 4)])
-def test_decomposed_program_verifies(kind, t):
-    """Every candidate decomposed ("all") at tp=2 and 4: the program runs the fused ops in
-    place of its sequence-parallel gathers and scatters, and equals one device."""
-    model, c, prog = _program(kind, t, tp_overlap="all")
-    targets = [n.target for n in prog.graph_module.graph.nodes]
+@pytest.mark.parametrize(("kind", "mesh", "extra"), [
+    ("llama", Mesh(tp=2), {}), ("gpt", Mesh(tp=4), {}),
+    ("llama", Mesh(pp=2, tp=2), {"n_microbatches": 2})])  # fmt: skip
+def test_decomposed_program_verifies(kind, mesh, extra):
+    """Every candidate decomposed ("all") at tp=2 and 4 and in each stage of a pipeline: the
+    program runs the fused ops in place of its sequence-parallel gathers and scatters (none
+    of which stays whole), and equals one device."""
+    c = Config(layers=2, bias=True, batch=4)
+    torch.manual_seed(0)
+    model = build(kind, c)
+    options = dict(loss_fn=lm_loss, memory_weight=SP, tp_overlap="all", **extra)
+    prog = autoparallelize(model, mesh, tokens(c), **options)
+    nodes = [n for st in prog.stages for n in st.graph_module.graph.nodes]
+    targets = [n.target for n in nodes]
     assert targets.count(gather_linear) >= 2 * c.layers and linear_scatter in targets
-    assert C.all_gather not in targets or all(  # what stays: the gathers no linear reads
-        not (n.target is C.all_gather and n.args[4] == "reduce_scatter"
-             and all(u.target is torch.ops.aten.linear.default for u in n.users))
-        for n in prog.graph_module.graph.nodes)  # fmt: skip
-    report = verify(model, Mesh(tp=t), tokens(c), loss_fn=lm_loss, memory_weight=SP,
-                    tp_overlap="all")  # fmt: skip
+    assert not [n for n in nodes if n.target is C.all_gather and n.args[4] == "reduce_scatter"
+                and all(u.target is torch.ops.aten.linear.default for u in n.users)]  # fmt: skip
+    report = verify(model, mesh, tokens(c), **options)
     assert report.ok, str(report)
 
 
@@ -113,6 +118,10 @@ def test_cost_model_decides_per_collective():
     assert "ring-overlapped" not in str(off)
     _, _, tiny = _program("llama", 2)
     assert tiny.plan.overlap == () and "tp overlap" not in str(tiny.plan)
+    # the cp pass splits whole gathers and scatters: a cp mesh keeps them so
+    cp = autoparallelize(model, Mesh(cp=2, tp=4), tokens(c), loss_fn=lm_loss)
+    assert cp.plan.overlap == () and not any(
+        n.target in (gather_linear, linear_scatter) for n in cp.graph_module.graph.nodes)
 
 
 def test_reloaded_plan_keeps_its_decompositions():

@@ -144,8 +144,10 @@ def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = Non
     _refuse_moe(traced)
     base, tp_notes, tp_choice, tp_history = traced.gm, (), (), []
     if "tp" in mesh.sizes:  # the tp program, traced whole, is what cp splits
+        no_overlap = dataclasses.replace(options or PlanOptions(), tp_overlap="none",
+                                         overlap_fixed=None)  # the cp pass reads whole pairs
         tp = compile_traced(traced, Mesh.ordered((("tp", mesh.size("tp")),), mesh.cluster),
-                            options or PlanOptions(), lambda _: None)  # fmt: skip
+                            no_overlap, lambda _: None)  # fmt: skip
         traced, base, tp_notes, tp_choice = tp.traced, tp.graph_module, tp.plan.notes, tp.plan.choice
         tp_history = tp.history
     from passes import run_pipeline

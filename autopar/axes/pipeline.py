@@ -463,7 +463,7 @@ def compile_pipeline(traced: Traced, mesh: Mesh, config: PipelineConfig, options
     stage_mesh = Mesh(mesh.cluster, tp=mesh.size("tp"))
     stage_opts = PlanOptions(memory_limit=options.memory_limit, memory_weight=options.memory_weight,
                              strict=options.strict, param_dtype=param_dtype,
-                             solve_cache=options.solve_cache)  # fmt: skip
+                             solve_cache=options.solve_cache, tp_overlap=options.tp_overlap)  # fmt: skip
     if "cp" in mesh.sizes:
         stage_mesh = Mesh.ordered(tuple(a for a in mesh.axes if a[0] in ("cp", "tp")),
                                   mesh.cluster)  # fmt: skip

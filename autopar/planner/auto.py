@@ -269,7 +269,8 @@ def compile_auto(model: Any, mesh: AutoMesh, example: Any, loss_fn: Callable[...
     plan = plan_shape(priced, capacity, options.global_batch or mesh.global_batch or examples,
                       space=_auto_space(mesh, options))  # fmt: skip
     solved = SolvedModel(lambda: traces[examples], plan.result.cluster, options.autocast_dtype,
-                         name=type(model).__name__, retrace=retrace, cache=cache)  # fmt: skip
+                         name=type(model).__name__, retrace=retrace, cache=cache,
+                         overlap=options.overlap_mode)  # fmt: skip
     candidates = repriced(plan, solved)
     refused: list[tuple[Choice, str]] = []
     for _, choice in candidates:

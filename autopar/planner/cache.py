@@ -219,18 +219,19 @@ class PlanCache(_Entries):
     def put_graph(self, rows: int, model: GraphModel) -> None:
         self._write(f"graph_{rows}", _graph_to(model))
 
-    def solved(self, t: int, c: int, rows: int) -> Any:
-        """(GraphModel, collectives, ring) of the sub-mesh program, None (refused), or MISS."""
-        name = f"solved_tp{t}_cp{c}_rows{rows}"
+    def solved(self, t: int, c: int, rows: int, overlap: str = "auto") -> Any:
+        """(GraphModel, collectives, ring) of the sub-mesh program, None (refused), or MISS
+        (``overlap``: the tp overlap mode it was compiled with)."""
+        name = _solved_name(t, c, rows, overlap)
         data = self._read(name)
         if data is MISS or data is None:
             return data
         return self._checked(name, _solved_from, data)
 
-    def put_solved(self, t: int, c: int, rows: int, solved: Any) -> None:
+    def put_solved(self, t: int, c: int, rows: int, solved: Any, overlap: str = "auto") -> None:
         """``solved``: (GraphModel, collectives, ring) or None."""
         data = None if solved is None else _solved_to(*solved)
-        self._write(f"solved_tp{t}_cp{c}_rows{rows}", data)
+        self._write(_solved_name(t, c, rows, overlap), data)
 
     def refusal(self, mesh: Any, choice: Any, options: Any) -> str | None:
         """Why the compiler refused ``choice`` compiled on ``mesh`` with ``options`` before,
@@ -314,6 +315,12 @@ def _graph_from(d: dict[str, Any]) -> GraphModel:
     dicts = {k: {str(a): float(_typed(b, (int, float), k)) for a, b in _dict(d[k]).items()}
              for k in _GRAPH_DICTS}  # fmt: skip
     return GraphModel(**scalars, arrays=arrays, **dicts)
+
+
+def _solved_name(t: int, c: int, rows: int, overlap: str) -> str:
+    """The entry of a (tp, cp, rows) sub-mesh solution; another tp overlap mode than the
+    default "auto" is another entry (its collectives hide other seconds)."""
+    return f"solved_tp{t}_cp{c}_rows{rows}" + ("" if overlap == "auto" else f"_overlap_{overlap}")
 
 
 _COLLECTIVE = {"kind": str, "axis": str, "dtype": str, "bytes": int, "direction": str,

@@ -64,10 +64,13 @@ class SolvedModel:
 
     def __init__(self, traced: Traced | Callable[[], Traced], cluster: Cluster,
                  param_dtype: torch.dtype, name: str | None = None,
-                 retrace: Callable[[int], Traced] | None = None, cache: Any = None) -> None:  # fmt: skip
+                 retrace: Callable[[int], Traced] | None = None, cache: Any = None,
+                 overlap: str = "auto") -> None:  # fmt: skip
         """``traced``: the trace, or a function making it when first needed (with ``cache``
-        a warm search may need none)."""
+        a warm search may need none); ``overlap``: the tp overlap mode the compile will run
+        (autopar.planner.overlap), so the search prices the collectives it hides."""
         self._cluster, self._dtype, self._retrace, self._cache = cluster, param_dtype, retrace, cache
+        self._overlap = overlap
         self._traced = traced if callable(traced) else lambda: traced
         self.graph = self._whole(name)
         self._traces: dict[int, Traced] = {}
@@ -158,13 +161,14 @@ class SolvedModel:
 
         if self._cache is None:
             return self._solve(t, c, self._trace(rows))
-        found = self._cache.solved(t, c, rows)
+        found = self._cache.solved(t, c, rows, self._overlap)
         if found is not MISS:
             return None if found is None else _Solved(model=found[0], collectives=found[1],
                                                       ring=found[2])  # fmt: skip
         solved = self._solve(t, c, self._trace(rows))
         self._cache.put_solved(t, c, rows, None if solved is None else
-                               (solved.model, solved.collectives, solved.ring))  # fmt: skip
+                               (solved.model, solved.collectives, solved.ring),
+                               self._overlap)  # fmt: skip
         return solved
 
     def _solve(self, t: int, c: int, traced: Traced) -> _Solved | None:
@@ -189,7 +193,7 @@ class SolvedModel:
         from autopar.planner.tp import PlanOptions
         from autopar.program import program_of
 
-        options = PlanOptions(param_dtype=self._dtype)
+        options = PlanOptions(param_dtype=self._dtype, tp_overlap=self._overlap)
         if c == 1:
             return compile_traced(fresh, Mesh(self._cluster, tp=t), options, lambda _: None)
         mesh = Mesh.ordered(tuple((a, n) for a, n in (("cp", c), ("tp", t)) if n > 1), self._cluster)
