@@ -151,12 +151,18 @@ def test_a_solve_is_read_back_checked_and_one_that_warned_is_not_kept(tmp_path, 
     assert tp.solve_axis(traced, "tp", 2, link, gpu, cached) == cold  # every field read back
     assert tp.solve_axis(traced, "tp", 2, link, gpu, cached).choice == cold.choice
     data = json.loads(entry.read_text())
-    data["choice"]["no_such_node"] = next(iter(data["choice"].values()))
-    entry.write_text(json.dumps(data))
+    size = data["nodes"]
     monkeypatch.setattr(tp, "_solve", real)
-    with pytest.warns(UserWarning, match="plan cache .*does not have"):
-        assert tp.solve_axis(traced, "tp", 2, link, gpu, cached) == cold  # recomputed
-    assert "no_such_node" not in json.loads(entry.read_text())["choice"]  # and rewritten
+    for damage, why in ((lambda d: d["choice"].append([size, *d["choice"][0][1:]]), "does not have"),
+                        (lambda d: d["choice"].append(d["choice"][0]), "decided twice"),
+                        (lambda d: d["choice"][0].__setitem__(1, "call_function:aten.foo"), "in this graph"),
+                        (lambda d: d.__setitem__("nodes", size + 1), "this one has")):  # fmt: skip
+        damaged = json.loads(json.dumps(data))
+        damage(damaged)
+        entry.write_text(json.dumps(damaged))
+        with pytest.warns(UserWarning, match=f"plan cache .*{why}"):
+            assert tp.solve_axis(traced, "tp", 2, link, gpu, cached) == cold  # recomputed
+        assert json.loads(entry.read_text()) == data  # and rewritten
 
     # another question (size, options) is another entry; a solve that warned is not kept
     def warned(*a, **k):  # noqa: ANN002, ANN003, ANN202
@@ -188,3 +194,30 @@ def test_a_namespace_whose_traces_differ_is_planned_again(tmp_path) -> None:
         again = autoparallelize(model, Mesh.auto(NODE), inputs, lm_loss, plan_cache=tmp_path)
     assert _fingerprint(again) == _fingerprint(cold)
     assert json.loads(key.read_text())["namespace"] == space.name  # the key names the real one
+
+
+def test_stages_that_differ_only_in_names_and_layers_share_one_answer(tmp_path, monkeypatch):
+    """Two pipeline stages of one identical block each (layers 1 and 2: other node names,
+    parameter names, layer numbers) ask one question: the second is read back from the first's
+    entry (the ILP raises), mapped onto its own names, equal to its own fresh solve."""
+    from autopar.axes.pipeline import loss_output
+    from autopar.frontend.trace import trace
+    from passes.pipeline_split import cuttable_units, split_stages
+
+    c = Config(layers=4, batch=8)
+    traced = trace(build("llama", c), tokens(c), None, lm_loss)
+    units = cuttable_units(traced)
+    assert [u.name for u in units[2:4]] == ["layers.1", "layers.2"]
+    graphs = split_stages(traced, units, [2, 3, 4], loss_output(traced))
+    one, two = graphs[1].traced, graphs[2].traced
+    assert [n.name for n in one.gm.graph.nodes] != [n.name for n in two.gm.graph.nodes]
+    assert set(one.params.values()).isdisjoint(two.params.values())  # layers.1.* / layers.2.*
+    link, gpu = NODE.axis_link((("tp", 2),), "tp"), NODE.gpu
+    fresh = tp.solve_axis(two, "tp", 2, link, gpu, tp.PlanOptions())
+    cached = tp.PlanOptions(solve_cache=tmp_path)
+    tp.solve_axis(one, "tp", 2, link, gpu, cached)
+    assert len(list((tmp_path / "solve").iterdir())) == 1
+    monkeypatch.setattr(tp, "_solve", lambda *a, **k: pytest.fail("solved again"))
+    shared = tp.solve_axis(two, "tp", 2, link, gpu, cached)
+    assert shared == fresh and set(shared.choice) <= {n.name for n in two.gm.graph.nodes}
+    assert len(list((tmp_path / "solve").iterdir())) == 1

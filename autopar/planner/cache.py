@@ -22,11 +22,16 @@ Algorithm (:class:`PlanCache`):
    does not read back is recomputed and rewritten, with a warning naming the file.
 4. The tp planner's answers (:class:`SolveCache`, ``DIR/solve/``): one entry per question
    `autopar.planner.tp.solve_axis` is asked (a stage's or a whole model's graph, the axis, its
-   size, link, GPU and solver options), keyed by a SHA-256 of all of it (:func:`solve_key`:
-   every node's op, target, arguments, shapes, strides, dtypes, module stack, autopar record
-   and source line) and the compiler's source.  The compile of the configuration Mesh.auto
-   chooses (and a fixed mesh's compile) then runs its passes but no ILP.  A solve that warned
-   is not kept (its warnings must be seen again).
+   size, link, GPU and solver options), keyed by a SHA-256 of all of it up to names
+   (:class:`Canonical`: nodes by position, numbers in module paths and parameter names
+   renumbered by first appearance; every node's op, target, arguments, shapes, strides,
+   dtypes, module stack, autopar record and source line) and the compiler's source.  The
+   answer is stored by position and mapped onto the asking graph's names, so pipeline stages
+   of identical blocks at other layers share one entry; it is read back only when the graph
+   has the recorded node count and each decided node the recorded op (else recomputed, with a
+   warning).  The compile of the configuration Mesh.auto chooses (and a fixed mesh's compile)
+   then runs its passes but no ILP.  A solve that warned is not kept (its warnings must be
+   seen again).
 5. Skipping the trace of the whole example: ``DIR/models/<key>.json`` names the namespace a
    run of the model with that :func:`model_key` (class, configuration, parameters, example
    shapes, options, cluster shape, compiler: no trace needed) used, and each namespace keeps
@@ -43,12 +48,13 @@ import hashlib
 import json
 import os
 import warnings
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch import fx
 
 from cost.graph import GraphModel
 from cost.hardware import Cluster
@@ -96,25 +102,17 @@ def model_key(model: Any, example: Any, loss_fn: Any, cluster: Cluster, options:
     return h.hexdigest()[:32]
 
 
-def graph_digest(traced: Any, detail: bool = False) -> str:
-    """Step 1: a SHA-256 of a trace's graph: ops, targets, arguments, shapes, dtypes, paths;
-    with ``detail`` (step 4) also strides, every module of the stack, the autopar record
-    (autocast dtypes, layouts), the run dtype, the source line and the stage's inputs."""
+def graph_digest(traced: Any) -> str:
+    """Step 1: a SHA-256 of a trace's graph: ops, targets, arguments, shapes, dtypes, paths."""
     h = hashlib.sha256()
     for n in traced.gm.graph.nodes:
         stack = n.meta.get("nn_module_stack") or {}
         path = next(reversed(stack.values()))[0] if stack else ""
         h.update(f"{n.op}|{n.name}|{n.target}|{n.args}|{n.kwargs}|"
-                 f"{_val(n.meta.get('val'), detail)}|{path}\n".encode())  # fmt: skip
-        if detail:
-            h.update(f"{list(stack.values())}|{n.meta.get('autopar')!r}|"
-                     f"{n.meta.get('run_dtype')}|{n.meta.get('stack_trace')}\n".encode())  # fmt: skip
+                 f"{_val(n.meta.get('val'))}|{path}\n".encode())  # fmt: skip
     h.update(json.dumps([sorted(traced.params.items()), sorted(traced.buffers.items()),
                          list(traced.user_inputs), sorted(traced.trainable),
                          sorted(traced.padded.items())]).encode())  # fmt: skip
-    if detail:
-        h.update(repr((sorted(traced.grad_inputs), sorted(traced.pieces.items()),
-                       sorted(traced.persistent), traced.model_name)).encode())  # fmt: skip
     return h.hexdigest()
 
 
@@ -256,12 +254,96 @@ class PlanCache(_Entries):
         return "refused_" + hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def solve_key(traced: Any, question: tuple[Any, ...], options: Any) -> str:
-    """Step 4: what determines `solve_axis`'s answer: the graph in detail, the question (axis,
-    size, link, GPU), every solver option but the cache's own folder, the compiler."""
+class Canonical:
+    """Step 4: a graph up to its names, as the tp planner sees it.  Node ``i`` (graph order,
+    which is topological) reads ``%i``; each number in a module path or parameter name is
+    renumbered by its first appearance under its parent (a stage starting at layer 7 reads
+    ``layers.7.mlp`` as ``layers.#0.mlp``), so stages that cover different layers of
+    identical blocks, or a model traced under other node names, read the same."""
+
+    def __init__(self, traced: Any) -> None:
+        self.traced = traced
+        self.nodes = list(traced.gm.graph.nodes)
+        self.index = {n.name: i for i, n in enumerate(self.nodes)}
+        self._numbers: dict[str, dict[str, int]] = {}
+
+    def ref(self, name: str) -> str:
+        """A node's name as its position; any other name unchanged."""
+        i = self.index.get(name)
+        return name if i is None else f"%{i}"
+
+    def path(self, path: str) -> str:
+        """A module path or parameter name with its numbers renumbered (see the class)."""
+        out: list[str] = []
+        for part in path.split("."):
+            if part.isdigit():
+                seen = self._numbers.setdefault(".".join(out), {})
+                part = f"#{seen.setdefault(part, len(seen))}"
+            out.append(part)
+        return ".".join(out)
+
+    @staticmethod
+    def signature(n: fx.Node) -> str:
+        """What a stored decision checks its node by: the op and, for a call, its target."""
+        return f"{n.op}:{n.target}" if n.op == "call_function" else n.op
+
+    def digest(self) -> str:
+        """A SHA-256 of every node in detail (op, target, arguments by position, shapes,
+        strides, dtypes, requires_grad, the module stack, the autopar record without its
+        stage number, run dtype, source line; a placeholder's parameter or buffer with its
+        trainable flag, padding, piece and persistence) and of the inputs (user, gradient).
+        The trace's records are read only for this graph's placeholders (a stage's trace keeps
+        the whole model's), and its name is left out (the planner does not read it)."""
+        h = hashlib.sha256()
+        for n in self.nodes:
+            h.update(self._node(n).encode() + b"\n")
+        t = self.traced
+        h.update(repr([[self.ref(x) for x in t.user_inputs],
+                       sorted(self.ref(x) for x in t.grad_inputs)]).encode())  # fmt: skip
+        return h.hexdigest()
+
+    def _node(self, n: fx.Node) -> str:
+        stack = [(self.path(p), str(c)) for p, c in (n.meta.get("nn_module_stack") or {}).values()]
+        target = self.ref(n.name) if n.op in ("placeholder", "get_attr") else str(n.target)
+        args = fx.map_arg((n.args, n.kwargs), lambda a: f"%{self.index[a.name]}")
+        record = n.meta.get("autopar")
+        if dataclasses.is_dataclass(record) and hasattr(record, "stage"):
+            record = dataclasses.replace(record, stage=None)
+        return (f"{n.op}|{target}|{args}|{_val(n.meta.get('val'), detail=True)}|{stack}|"
+                f"{record!r}|{n.meta.get('run_dtype')}|{n.meta.get('stack_trace')}|"
+                f"{self._stands(n.name)}")  # fmt: skip
+
+    def _stands(self, name: str) -> str:
+        """What a placeholder stands for, in canonical names."""
+        t = self.traced
+        fqn = t.params.get(name) or t.buffers.get(name)
+        if fqn is None:
+            return ""
+        piece = t.pieces.get(fqn)
+        part = piece and (self.path(piece.fqn), piece.dim, piece.start, piece.stop)
+        return repr((name in t.params, self.path(fqn), fqn in t.trainable, t.padded.get(fqn),
+                     part, fqn in t.persistent))  # fmt: skip
+
+    def options(self, options: Any) -> str:
+        """The solver's options with the node names they hold as positions."""
+        overlap = options.overlap_fixed
+        return repr(
+            dataclasses.replace(
+                options,
+                solve_cache=None,
+                arrive=tuple((self.ref(n), p) for n, p in options.arrive),
+                fixed=tuple((self.ref(n), s) for n, s in options.fixed),
+                overlap_fixed=None if overlap is None else tuple(self.ref(n) for n in overlap),
+            )
+        )
+
+
+def solve_key(canon: Canonical, question: tuple[Any, ...], options: Any) -> str:
+    """Step 4: what determines `solve_axis`'s answer, names aside: the graph in detail
+    (`Canonical`), the question (axis, size, link, GPU), every solver option but the cache's
+    own folder, the compiler."""
     h = hashlib.sha256()
-    for part in (graph_digest(traced, detail=True), repr(question),
-                 repr(dataclasses.replace(options, solve_cache=None)), compiler_digest()):
+    for part in (canon.digest(), repr(question), canon.options(options), compiler_digest()):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:32]
 
@@ -274,13 +356,14 @@ class SolveCache(_Entries):
 
     def answer(self, traced: Any, question: tuple[Any, ...], options: Any,
                solve: Callable[[], Any]) -> Any:  # fmt: skip
-        """The `AxisSolution` of ``question`` on ``traced``: read back, else ``solve()``d
-        (its warnings shown) and written when it warned nothing."""
-        name = "axis_" + solve_key(traced, question, options)
+        """The `AxisSolution` of ``question`` on ``traced``: read back (stored by position,
+        mapped onto this graph's names: any graph that reads the same as `Canonical` shares
+        it), else ``solve()``d (its warnings shown) and written when it warned nothing."""
+        canon = Canonical(traced)
+        name = "axis_" + solve_key(canon, question, options)
         data = self._read(name)
         if data is not MISS:
-            nodes = {n.name for n in traced.gm.graph.nodes}
-            found = self._checked(name, lambda d: _solution_from(d, nodes), data)
+            found = self._checked(name, lambda d: _solution_from(d, canon), data)
             if found is not MISS:
                 return found
         with warnings.catch_warnings(record=True) as seen:
@@ -289,7 +372,7 @@ class SolveCache(_Entries):
         for w in seen:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
         if not seen:
-            self._write(name, _solution_to(solution))
+            self._write(name, _solution_to(solution, canon))
         return solution
 
 
@@ -363,39 +446,65 @@ _SOLUTION = {"compute_s": float, "comm_s": float, "memory_bytes": float, "tied_n
              "variables": int, "single_s": float, "param_bytes": float}  # fmt: skip
 
 
-def _solution_to(sol: Any) -> dict[str, Any]:
-    """An `AxisSolution` as JSON: each strategy by its placements' text, lowering and comm."""
+def _solution_to(sol: Any, canon: Canonical) -> dict[str, Any]:
+    """An `AxisSolution` as JSON, by position (`Canonical`): each decision as [node index,
+    the node's signature, its strategy by placements' text, lowering and comm]; each unsplit
+    weight by the index of its placeholder; the graph's node count."""
     out: dict[str, Any] = {k: getattr(sol, k) for k in _SOLUTION}
-    out["unsplit"] = list(sol.unsplit)
-    out["choice"] = {name: {"inputs": [str(p) for p in s.inputs],
-                            "output": [str(p) for p in s.output]
-                            if isinstance(s.output, tuple) else str(s.output),
-                            "lowering": s.lowering, "comm": [list(c) for c in s.comm]}
-                     for name, s in sol.choice.items()}  # fmt: skip
+    holder = {fqn: name for name, fqn in canon.traced.params.items()}
+    out["nodes"] = len(canon.nodes)
+    out["unsplit"] = [canon.index[holder[fqn]] for fqn in sol.unsplit]
+    out["choice"] = [[canon.index[name], canon.signature(canon.nodes[canon.index[name]]),
+                      {"inputs": [str(p) for p in s.inputs],
+                       "output": [str(p) for p in s.output]
+                       if isinstance(s.output, tuple) else str(s.output),
+                       "lowering": s.lowering, "comm": [list(c) for c in s.comm]}]
+                     for name, s in sol.choice.items()]  # fmt: skip
     return out
 
 
-def _solution_from(d: dict[str, Any], nodes: set[str]) -> Any:
-    """The inverse of `_solution_to`, refusing a choice for a node ``nodes`` lacks."""
-    from autopar.ir.layout import parse_placement
+def _solution_from(d: dict[str, Any], canon: Canonical) -> Any:
+    """The inverse of `_solution_to` on ``canon``'s graph, refusing an answer for a graph of
+    another node count, a position out of range or decided twice, or a node of another op."""
     from autopar.planner.tp import AxisSolution
-    from autopar.rules import Strategy
 
     d = _dict(d)
     fields = {k: (float(_typed(d[k], (int, float), k)) if t is float else _typed(d[k], t, k))
               for k, t in _SOLUTION.items()}  # fmt: skip
+    if _typed(d["nodes"], int, "nodes") != len(canon.nodes):
+        raise ValueError(f"an answer for a graph of {d['nodes']} nodes; this one has "
+                         f"{len(canon.nodes)}")  # fmt: skip
     choice = {}
-    for name, s in _dict(d["choice"]).items():
-        if name not in nodes:
-            raise ValueError(f"a strategy for {name!r}, which the graph does not have")
-        s = _dict(s)
-        out = s["output"]
-        output = (tuple(parse_placement(_typed(p, str, "output")) for p in out)
-                  if isinstance(out, list) else parse_placement(_typed(out, str, "output")))  # fmt: skip
-        lowering = s["lowering"]
-        choice[name] = Strategy(
-            tuple(parse_placement(_typed(p, str, "inputs")) for p in s["inputs"]), output,
-            None if lowering is None else _typed(lowering, str, "lowering"),
-            tuple((_typed(k, str, "comm"), _typed(b, (int, float), "comm")) for k, b in s["comm"]))
-    unsplit = tuple(_typed(u, str, "unsplit") for u in d["unsplit"])
+    for item in d["choice"]:
+        index, signature, strategy = item
+        node = _node_at(canon, index)
+        if _typed(signature, str, "signature") != canon.signature(node):
+            raise ValueError(f"node {index} is {signature!r} in the answer but "
+                             f"{canon.signature(node)!r} ({node.name}) in this graph")  # fmt: skip
+        if node.name in choice:
+            raise ValueError(f"node {index} ({node.name}) is decided twice")
+        choice[node.name] = _strategy_from(_dict(strategy))
+    unsplit = tuple(canon.traced.params[_node_at(canon, i).name] for i in d["unsplit"])
     return AxisSolution(choice=choice, unsplit=unsplit, **fields)
+
+
+def _node_at(canon: Canonical, index: Any) -> fx.Node:
+    if not 0 <= _typed(index, int, "node index") < len(canon.nodes):
+        raise ValueError(f"a decision for node {index}, which the graph does not have")
+    return canon.nodes[index]
+
+
+def _strategy_from(s: dict[str, Any]) -> Any:
+    from autopar.ir.layout import parse_placement
+    from autopar.rules import Strategy
+
+    out = s["output"]
+    output = (tuple(parse_placement(_typed(p, str, "output")) for p in out)
+              if isinstance(out, list) else parse_placement(_typed(out, str, "output")))  # fmt: skip
+    lowering = s["lowering"]
+    return Strategy(
+        tuple(parse_placement(_typed(p, str, "inputs")) for p in s["inputs"]),
+        output,
+        None if lowering is None else _typed(lowering, str, "lowering"),
+        tuple((_typed(k, str, "comm"), _typed(b, (int, float), "comm")) for k, b in s["comm"]),
+    )
