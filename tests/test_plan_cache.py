@@ -15,8 +15,8 @@ import torch
 
 from autopar import Mesh, autoparallelize
 from autopar.plan import Collective
-from autopar.planner import cache as plan_cache
 from autopar.planner import auto, tp
+from autopar.planner import cache as plan_cache
 from autopar.planner.solved import SolvedModel
 from autopar.tools.testing import Config, build, lm_loss, tokens
 from cost.graph import GraphModel
