@@ -10,7 +10,7 @@ Algorithm:
 1. Candidates (:func:`candidates`, on the lowered graph): an ``all_gather`` of one block with a
    reduce-scatter backward (its consumers' gradients are partial sums) whose users are all
    ``aten.linear`` reading it as their input (each weight and bias defined before the first
-   linear, or a parameter read that can move there), keyed ``gather:<first linear>``; a
+   linear, or computed from reads that can move there), keyed ``gather:<first linear>``; a
    ``reduce_scatter`` of one block whose input is a bias-free ``aten.linear`` with no other
    user, keyed ``scatter:<linear>``.
 2. A chosen gather and its linears become one ``gather_linear(x, weights, biases, axis,
@@ -63,8 +63,8 @@ def candidates(gm: fx.GraphModule) -> list[Candidate]:
             continue
         if node.target is C.all_gather and _gather_fits(node):
             users = sorted(node.users, key=order.__getitem__)
-            if not _movable(_late_inputs(users, order)):
-                continue  # a later linear's weight is computed after the first one runs
+            if _hoisted(users, order) is None:
+                continue  # a later linear's weight needs the first one's output
             out.append(Candidate(f"gather:{users[0].name}", "all_gather", node, tuple(users)))
         elif node.target is C.reduce_scatter and _scatter_fits(node):
             lin = node.args[0]
@@ -90,23 +90,28 @@ def _linear_input(user: fx.Node, x: fx.Node) -> bool:
             and x not in (*user.args[1:], *user.kwargs.values()))  # fmt: skip
 
 
-def _late_inputs(users: list[fx.Node], order: dict) -> list[fx.Node]:
-    """The weights and biases of ``users`` defined after the first of them, in order."""
-    late = {a for u in users for a in _weight_and_bias(u) if order[a] > order[users[0]]}
-    return sorted(late, key=order.__getitem__)
-
-
-def _movable(late: list[fx.Node]) -> bool:
-    """Whether ``late`` can move up before the first linear: each a read with no inputs (a
-    stage graph's parameter placeholder or ``get_attr`` sits just before its use)."""
-    return all(a.op in ("placeholder", "get_attr") for a in late)
-
-
-def _reads_up_to(first: fx.Node, last: fx.Node, order: dict) -> list[fx.Node]:
-    """The placeholders and ``get_attr`` reads after ``first`` up to ``last``, in order: they
-    move up together, so the program's arguments keep their order."""
+def _hoisted(users: list[fx.Node], order: dict) -> list[fx.Node] | None:
+    """What must move up before the first of ``users`` so every weight and bias is defined
+    there, in graph order: the ones defined after it with what computes them from there on
+    (a stage graph reads each parameter, through ``grad_sum_shared`` for a shared split, just
+    before its use), plus every placeholder in between (the program's arguments keep their
+    order).  None when that would need one of ``users`` (or what reads them) first."""
+    first, cone = users[0], set()
+    todo = [a for u in users for a in _weight_and_bias(u) if order[a] > order[first]]
+    while todo:
+        n = todo.pop()
+        if n in cone or order[n] < order[first]:
+            continue
+        if n is first or n.op not in ("placeholder", "get_attr", "call_function"):
+            return None
+        cone.add(n)
+        todo += n.all_input_nodes
+    if not cone:
+        return []
     nodes = list(order)
-    return [n for n in nodes[order[first] + 1:order[last] + 1] if n.op in ("placeholder", "get_attr")]
+    last = max(order[n] for n in cone)
+    span = [n for n in nodes[order[first] + 1:last + 1] if n.op == "placeholder"]
+    return sorted(cone.union(span), key=order.__getitem__)
 
 
 def _weight_and_bias(lin: fx.Node) -> list[fx.Node]:
@@ -139,9 +144,8 @@ def _fuse_gather(graph: fx.Graph, cand: Candidate) -> None:
     weights = [lin.args[1] for lin in cand.linears]
     biases = [_bias(lin) for lin in cand.linears]
     order = {n: i for i, n in enumerate(graph.nodes)}
-    late = _late_inputs(list(cand.linears), order)
-    for w in _reads_up_to(first, late[-1], order) if late else []:  # a stage's reads: up
-        first.prepend(w)
+    for n in _hoisted(list(cand.linears), order):  # a stage's parameter reads move up
+        first.prepend(n)
     with graph.inserting_before(first):
         fused = graph.call_function(gather_linear, (x, weights, biases, cand.axis, cand.dim))
         fused.meta.update(first.meta)

@@ -124,6 +124,30 @@ def test_cost_model_decides_per_collective():
         n.target in (gather_linear, linear_scatter) for n in cp.graph_module.graph.nodes)
 
 
+def _whole_pairs(prog) -> list:
+    """The gathers before linears each stage keeps whole (a candidate left out)."""
+    nodes = [n for st in prog.stages for n in st.graph_module.graph.nodes]
+    return [n for n in nodes if n.target is C.all_gather and n.args[4] == "reduce_scatter"
+            and all(u.target is torch.ops.aten.linear.default for u in n.users)]  # fmt: skip
+
+
+def test_pipeline_stages_with_shared_kv_heads_decompose_every_pair():
+    """A stage graph reads each parameter just before its use, a shared K/V split through
+    ``grad_sum_shared``: the K/V weights come after the query projection, so the q/k/v gather
+    is fused only if those reads move up (meta device, 4 K/V heads on tp=8, two stages)."""
+    c = Config(layers=2, hidden=2048, heads=16, kv_heads=4, ffn=5632, vocab=32000, seq=2048,
+               batch=4, bias=False)  # fmt: skip
+    with torch.device("meta"):
+        model = build("llama", c)
+    prog = autoparallelize(model, Mesh(pp=2, tp=8), tokens(c), loss_fn=lm_loss,
+                           n_microbatches=2, param_dtype=torch.bfloat16)  # fmt: skip
+    shared = [n for st in prog.stages for n in st.priced_graph.graph.nodes
+              if n.target is C.grad_sum_shared]  # fmt: skip
+    fused = [n for st in prog.stages for n in st.graph_module.graph.nodes
+             if n.target is gather_linear and len(n.args[1]) == 3]  # q, k, v
+    assert shared and fused and _whole_pairs(prog) == []
+
+
 def test_reloaded_plan_keeps_its_decompositions():
     _, c, prog = _program("llama", 2, tp_overlap="all")
     saved = Plan.from_json(prog.plan.to_json())
