@@ -9,7 +9,8 @@ Every ep rank runs the program on its own slice of the batch.
 Algorithm:
 1. Each MoE layer's region reads ``expert_dispatch`` of the rows grouped by expert
    (per-expert counts exchanged, then the rows with variable splits) and this rank's experts'
-   offsets; it ends with ``expert_combine`` (the inverse all-to-all).  A per-expert bias
+   offsets; it ends with ``expert_combine`` (the inverse all-to-all, back to the region's
+   row count).  A per-expert bias
    gathered by expert id is gathered by the local expert ids instead.
 2. The expert weights are laid out ``S(0)`` over ep: each stacked [E, ...] parameter's
    ``get_attr`` and each ``stack`` of per-expert parameters; codegen's shard step keeps each
@@ -94,7 +95,8 @@ def _rewrite_layer(graph: fx.Graph, nodes: dict[str, fx.Node], layer: MoELayer, 
         gather.replace_input_with(gather.args[1][0], ids)
         gather.meta.pop("val", None)
     with graph.inserting_after(exit_):
-        back = graph.call_function(C.expert_combine, (exit_, counts, offs, axis))
+        count = exit_.meta["val"].shape[0]  # the region's rows, which the combine returns
+        back = graph.call_function(C.expert_combine, (exit_, counts, offs, axis, count))
     back.meta.update(exit_.meta)
     _made(back)
     exit_.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
@@ -130,7 +132,9 @@ def _reduce_bucket(graph: fx.Graph, nodes: list[fx.Node], axis: str, micro: int)
     users = {n: list(n.users) for n in nodes}
     first = min((u for us in users.values() for u in us), key=order.__getitem__)
     with graph.inserting_before(first):
-        key = f"{uuid.uuid4().hex}:{nodes[0].target}"  # this program's bucket (local state)
+        # this program's bucket, naming its partial sum over micro-batches; none without them
+        # (so equal blocks stay equal and share one torch.compile)
+        key = f"{uuid.uuid4().hex}:{nodes[0].target}" if micro > 1 else ""
         red = _made(graph.call_function(C.grad_bucket_all_reduce, (axis, key, micro, *nodes)))
         outs = [graph.call_function(operator.getitem, (red, i)) for i in range(len(nodes))]
     red.meta["val"] = tuple(n.meta.get("val") for n in nodes)

@@ -22,6 +22,7 @@ from autopar.axes.expert_parallel import expert_load
 from autopar.codegen import _param_block
 from autopar.errors import InputError, ShardingRuleError
 from autopar.ops import collectives as C
+from autopar.ops.compiled import compile_stats
 from autopar.runtime.pool import get_pool
 from autopar.tools import zoo
 from autopar.tools.testing import MoEConfig, build_moe, lm_loss, tokens
@@ -194,20 +195,28 @@ def test_each_rank_holds_its_share_of_the_experts():
 # ---------------------------------------------------------------- capacity
 
 
-def test_capacity_drops_like_the_one_device_rule():
+@pytest.mark.parametrize("compile", [False, "aot_eager"])
+def test_capacity_drops_like_the_one_device_rule(compile):
+    """Also under torch.compile (the expert all-to-alls as custom ops): the same drops, loads
+    and gradients, and no graph break."""
     c = MoEConfig(experts=4, top_k=2, batch=4, seq=8, layers=1)
     factor = 0.5
     capacity = math.ceil(factor * c.batch * c.seq * c.top_k / c.experts)  # 16 of 64 rows
     model = build_moe(c)
     reference = build_moe(MoEConfig(**{**c.__dict__, "capacity": capacity}))
-    prog = autoparallelize(model, Mesh(ep=2), _ids(c), lm_loss, capacity_factor=factor)
+    prog = autoparallelize(model, Mesh(ep=2), _ids(c), lm_loss, capacity_factor=factor,
+                           compile=compile)  # fmt: skip
     assert "capacity factor 0.5" in str(prog.plan)
     fwd = [x.kind for x in prog.collectives() if x.where == "blocks.0" and x.direction == "fwd"]
     assert sorted(fwd) == ["all_gather", "all_to_all", "all_to_all", "all_to_all"]  # + counts
     args = _ids(c)
     ref_out, ref_grads, cots = _reference(reference, args, None, lm_loss, 0)
     view = program_view(prog)
+    before = _dynamo_counts(prog)
     results = get_pool(2).run(_with_load, prog.mesh.axes, rank_jobs(view, args, None, cots))
+    after = _dynamo_counts(prog)
+    assert after[0] == before[0] and (after[1] > before[1]) == bool(compile), (before, after)
+    assert len(results[0][2]) == c.layers  # one load record per MoE layer and forward
     dropped = sum(load.dropped for r in results for load in r[2])
     assert dropped == _one_device_dropped(reference, args[0], capacity) > 0
     took = [n for r in results for load in r[2] for n in load.tokens]  # every expert, once
@@ -218,6 +227,13 @@ def test_capacity_drops_like_the_one_device_rule():
     torch.testing.assert_close(outs[0], ref_out[0], rtol=1e-5, atol=1e-7)
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _dynamo_counts(prog: Program) -> tuple[int, int]:
+    """Dynamo's graph breaks and graphs compiled so far, summed over the pool's workers."""
+    world = prog.mesh.world_size
+    stats = get_pool(world).run(compile_stats, prog.mesh.axes, [()] * world)
+    return sum(s["graph_breaks"] for s in stats), sum(s["unique_graphs"] for s in stats)
 
 
 def _with_load(rank, groups, *job):

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -312,54 +312,141 @@ class _GradBucketAllReduce(torch.autograd.Function):
                                    zip(parts, ctx.shapes, strict=True))  # fmt: skip
 
 
+class _Route(NamedTuple):
+    """How one MoE layer's rows travel, from its [2, size, experts/size] (received, sent)
+    counts: the received rows' positions in expert-major order, the kept rows (None when
+    nothing is dropped) and the all-to-all's send / receive splits per rank."""
+
+    order: torch.Tensor
+    kept: torch.Tensor | None
+    sent: list[int]
+    received: list[int]
+
+
+def _route(counts: torch.Tensor, offs: torch.Tensor) -> _Route:
+    recv, send = counts[0], counts[1]
+    full = _counts(offs)
+    kept = None if torch.equal(full, send.flatten()) else _kept_rows(full, send.flatten())
+    return _Route(_expert_major(recv), kept, send.sum(1).tolist(), recv.sum(1).tolist())
+
+
+def _exchange_counts(offs: torch.Tensor, axis: str, capacity: float) -> torch.Tensor:
+    """The [2, size, experts/size] (received, sent) row counts of a dispatch (the count
+    exchange, the capacity rule); records the rows per local expert and the dropped rows in
+    ``_LOAD``."""
+    full = _counts(offs).view(axis_size(axis), -1)
+    send = _capped(full, capacity, axis) if capacity > 0 else full
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group(axis))
+    _LOAD.append((recv.sum(0).tolist(), int((full - send).sum())))
+    return torch.stack([recv, send])
+
+
+def _local_offs(counts: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Cumulative offsets of this rank's experts' received rows."""
+    return torch.cumsum(counts[0].sum(0), 0).to(offs.dtype)
+
+
+def _send(x: torch.Tensor, route: _Route, axis: str) -> torch.Tensor:
+    """Rows grouped by expert -> this rank's experts' rows from every rank, expert-major."""
+    x = x if route.kept is None else x[route.kept]
+    return _a2a(x, route.sent, route.received, axis)[route.order]
+
+
+def _return(y: torch.Tensor, route: _Route, axis: str, rows: int) -> torch.Tensor:
+    """The inverse of :func:`_send`: ``rows`` rows in the sender's order, dropped ones zero."""
+    back = torch.empty_like(y).index_copy_(0, route.order, y)
+    out = _a2a(back, route.received, route.sent, axis)
+    if route.kept is None:
+        return out
+    return out.new_zeros((rows, *out.shape[1:])).index_copy_(0, route.kept, out)
+
+
 class _ExpertDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, offs: torch.Tensor, axis: str, capacity: float):
-        full = _counts(offs).view(axis_size(axis), -1)
-        send = _capped(full, capacity, axis) if capacity > 0 else full
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group(axis))
-        _LOAD.append((recv.sum(0).tolist(), int((full - send).sum())))
-        order = _expert_major(recv)
-        kept = _kept_rows(_counts(offs), send.flatten()) if capacity > 0 else None
-        ctx.axis, ctx.n, ctx.order, ctx.kept = axis, rows.shape[0], order, kept
-        ctx.splits = (send.sum(1).tolist(), recv.sum(1).tolist())
-        out = _a2a(rows if kept is None else rows[kept], *ctx.splits, axis)[order]
-        local_offs = torch.cumsum(recv.sum(0), 0).to(offs.dtype)
-        counts = torch.stack([recv, send])
+        counts = _exchange_counts(offs, axis, capacity)
+        ctx.route, ctx.axis, ctx.n = _route(counts, offs), axis, rows.shape[0]
+        local_offs = _local_offs(counts, offs)
         ctx.mark_non_differentiable(local_offs, counts)
-        return out, local_offs, counts
+        return _send(rows, ctx.route, axis), local_offs, counts
 
     @staticmethod
     def backward(ctx, g: torch.Tensor, *_):
-        back = torch.empty_like(g).index_copy_(0, ctx.order, g)
-        sent = _a2a(back, ctx.splits[1], ctx.splits[0], ctx.axis)
-        if ctx.kept is None:
-            return sent, None, None, None
-        full = sent.new_zeros((ctx.n, *sent.shape[1:]))
-        return full.index_copy_(0, ctx.kept, sent), None, None, None
+        return _return(g, ctx.route, ctx.axis, ctx.n), None, None, None
 
 
 class _ExpertCombine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor, axis: str):
-        recv, send = counts[0], counts[1]
-        order = _expert_major(recv)
-        ctx.axis, ctx.order = axis, order
-        ctx.splits = (send.sum(1).tolist(), recv.sum(1).tolist())
-        back = torch.empty_like(y).index_copy_(0, order, y)
-        out = _a2a(back, ctx.splits[1], ctx.splits[0], axis)
-        full = _counts(offs)
-        ctx.kept = None if torch.equal(full, send.flatten()) else _kept_rows(full, send.flatten())
-        ctx.n = int(full.sum())
-        if ctx.kept is None:
-            return out
-        return out.new_zeros((ctx.n, *out.shape[1:])).index_copy_(0, ctx.kept, out)
+    def forward(ctx, y: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor, axis: str,
+                rows: int):  # fmt: skip
+        ctx.route, ctx.axis = _route(counts, offs), axis
+        return _return(y, ctx.route, axis, rows)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        g = g if ctx.kept is None else g[ctx.kept]
-        return _a2a(g.contiguous(), *ctx.splits, ctx.axis)[ctx.order], None, None, None
+        return _send(g.contiguous(), ctx.route, ctx.axis), None, None, None, None
+
+
+# The same dispatch and combine as custom ops, for torch.compile: the host-side counts and
+# the variable splits stay inside opaque ops (no graph break), the received row count is an
+# unbacked size (``new_dynamic_size``), and each op's backward is the other one.
+
+
+@torch.library.custom_op("autopar::expert_counts", mutates_args=())
+def _counts_op(offs: torch.Tensor, axis: str, capacity: float) -> torch.Tensor:
+    return _exchange_counts(offs, axis, capacity)
+
+
+@_counts_op.register_fake
+def _(offs: torch.Tensor, axis: str, capacity: float) -> torch.Tensor:
+    size = axis_size(axis)
+    return offs.new_empty((2, size, offs.shape[0] // size), dtype=torch.int64)
+
+
+@torch.library.custom_op("autopar::expert_send", mutates_args=())
+def _send_op(x: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor, axis: str,
+             rows: int | None) -> torch.Tensor:  # fmt: skip
+    return _send(x, _route(counts, offs), axis)
+
+
+@_send_op.register_fake
+def _(x: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor, axis: str,
+      rows: int | None) -> torch.Tensor:  # fmt: skip
+    n = torch.library.get_ctx().new_dynamic_size() if rows is None else rows
+    return x.new_empty((n, *x.shape[1:]))
+
+
+@torch.library.custom_op("autopar::expert_return", mutates_args=())
+def _return_op(y: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor, axis: str,
+               rows: int) -> torch.Tensor:  # fmt: skip
+    return _return(y, _route(counts, offs), axis, rows)
+
+
+@_return_op.register_fake
+def _(y: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor, axis: str,
+      rows: int) -> torch.Tensor:  # fmt: skip
+    return y.new_empty((rows, *y.shape[1:]))
+
+
+def _save_route(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, counts, offs, axis, _ = inputs
+    ctx.save_for_backward(counts, offs)
+    ctx.axis, ctx.rows = axis, x.shape[0]
+
+
+def _send_backward(ctx: Any, g: torch.Tensor) -> tuple:
+    counts, offs = ctx.saved_tensors
+    return _return_op(g, counts, offs, ctx.axis, ctx.rows), None, None, None, None
+
+
+def _return_backward(ctx: Any, g: torch.Tensor) -> tuple:
+    counts, offs = ctx.saved_tensors
+    return _send_op(g.contiguous(), counts, offs, ctx.axis, ctx.rows), None, None, None, None
+
+
+_send_op.register_autograd(_send_backward, setup_context=_save_route)
+_return_op.register_autograd(_return_backward, setup_context=_save_route)
 
 
 def expert_load(reset: bool = True) -> list[tuple[list[int], int]]:
@@ -524,16 +611,23 @@ def expert_dispatch(rows: torch.Tensor, offs: torch.Tensor, axis: str,
     """Send each expert's rows (``rows`` grouped by expert, cumulative ``offs``) to the
     ``axis`` rank holding it; returns this rank's experts' rows grouped by expert, their
     cumulative offsets, and the [2, size, experts/size] (received, sent) counts the combine
-    reverses.  ``capacity`` > 0 keeps at most that many rows per expert (see ``_capped``)."""
+    reverses.  ``capacity`` > 0 keeps at most that many rows per expert (see ``_capped``).
+    Under torch.compile: the custom ops (the received row count an unbacked size)."""
+    if torch.compiler.is_compiling():
+        counts = _counts_op(offs, axis, capacity)
+        return _send_op(rows, counts, offs, axis, None), _local_offs(counts, offs), counts
     return _ExpertDispatch.apply(rows, offs, axis, capacity)
 
 
 @graph_op
-def expert_combine(y: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor,
-                   axis: str) -> torch.Tensor:  # fmt: skip
+def expert_combine(y: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor, axis: str,
+                   rows: int) -> torch.Tensor:  # fmt: skip
     """Return the experts' output rows to the ranks their tokens came from, in the order the
-    dispatch took them (dropped rows come back as zeros)."""
-    return _ExpertCombine.apply(y, counts, offs, axis)
+    dispatch took them: ``rows`` rows, the dispatch's input count (dropped rows come back as
+    zeros)."""
+    if torch.compiler.is_compiling():
+        return _return_op(y, counts, offs, axis, rows)
+    return _ExpertCombine.apply(y, counts, offs, axis, rows)
 
 
 @graph_op

@@ -4,19 +4,24 @@ one block).
 
 Algorithm (:func:`compiled`, on a block's first call in a process):
 1. The block's structural signature: each node's op, target and arguments (other nodes by
-   position), its parameter reads by their names relative to the block.  Blocks with equal
-   signatures compute the same function of their own parameters.
+   position), its parameter reads by their names relative to the block, and the same of each
+   graph module it calls (its submodules, or one passed as an argument).  Blocks with equal signatures compute the same function of their own
+   parameters.
 2. The first block of a signature gets its class's ``forward`` replaced by
    ``torch.compile(forward, backend=...)``; every later block of that signature takes the
-   first one's class, so dynamo's guards (the type of ``self``) hold and the compiled code is
-   reused: one compile per distinct block.
+   first one's class (and the graph modules it calls take theirs, e.g. a higher-order op's
+   body), so dynamo's guards (the type of ``self`` and of those modules) hold and the
+   compiled code is reused: one compile per distinct block, also across programs.
 3. The block is then called as a module (``region(*args)``), so module hooks (FSDP2's
    per-block gathers) run eagerly around the compiled forward.  ``recompute=True`` compiles
    the forward wrapped in non-reentrant ``torch.utils.checkpoint`` (dynamo traces the
    checkpoint as one region; a compiled frame entered under checkpoint's saved-tensor hooks
    would run eagerly), as torchtitan compiles an activation-checkpointed block.
 The collectives inside a block (autograd Functions over c10d, autopar.ops.collectives) are
-traced by dynamo without graph breaks (tests/test_compile.py counts them).
+traced by dynamo without graph breaks (tests/test_compile.py counts them).  The expert
+all-to-alls are custom ops whose received row count is data-dependent, so a block is traced
+with ``capture_dynamic_output_shape_ops`` (an unbacked size instead of a graph break; the rest
+of a block is the static-shape ATen graph autopar planned, which has no such op).
 """
 
 from __future__ import annotations
@@ -27,30 +32,42 @@ import torch
 import torch.fx as fx
 import torch.utils.checkpoint
 
-_CLASSES: dict[tuple[str, bool, tuple], type] = {}  # (backend, signature) -> the compiled class
+# (backend, recompute, signature) -> the compiled class and its nested graph modules' classes
+_CLASSES: dict[tuple[str, bool, tuple], tuple[type, dict[str, type]]] = {}
 
 
 def compiled(region: torch.nn.Module, *args: Any, backend: str = "inductor",
              recompute: bool = False) -> Any:  # fmt: skip
     """``region(*args)`` with ``region``'s forward compiled (steps 1-3)."""
-    _prepare(region, backend, recompute)
+    _prepare(region, args, backend, recompute)
     return region(*args)
 
 
-def _prepare(region: torch.nn.Module, backend: str, recompute: bool) -> None:
+def _prepare(region: torch.nn.Module, args: tuple, backend: str, recompute: bool) -> None:
     """Steps 1-2, once per block object."""
     if getattr(region, "_autopar_compiled", False):
         return
-    key = (backend, recompute, signature(region))
-    cls = _CLASSES.get(key)
-    if cls is None:
+    nested = _nested(region, args)
+    key = (backend, recompute, signature(region), tuple((k, signature(m)) for k, m in nested))
+    if key not in _CLASSES:
         cls = type(region)
-        cls.forward = torch.compile(_checkpointed(cls.forward) if recompute else cls.forward,
-                                    backend=backend)  # fmt: skip
-        _CLASSES[key] = cls
+        forward = torch.compile(_checkpointed(cls.forward) if recompute else cls.forward,
+                                backend=backend)  # fmt: skip
+        cls.forward = torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)(forward)
+        _CLASSES[key] = cls, {k: type(m) for k, m in nested}
     else:
+        cls, classes = _CLASSES[key]
         region.__class__ = cls
+        for k, m in nested:  # e.g. a higher-order op's body: dynamo guards on its type too
+            m.__class__ = classes[k]
     region._autopar_compiled = True
+
+
+def _nested(region: torch.nn.Module, args: tuple) -> list[tuple[str, fx.GraphModule]]:
+    """The graph modules a block calls besides itself: its own submodules, and those passed
+    as arguments (a higher-order op's body read outside the block), by name or position."""
+    inner = [(k, m) for k, m in region.named_modules() if k and isinstance(m, fx.GraphModule)]
+    return inner + [(f"arg{i}", a) for i, a in enumerate(args) if isinstance(a, fx.GraphModule)]
 
 
 def _checkpointed(forward: Any) -> Any:
