@@ -123,13 +123,21 @@ def _fp8(prog: Program, options: Options) -> Program:
 
 
 def _compiled(prog: Program, options: Options) -> Program:
-    """``compile=``: the blocks of every stage under torch.compile, after every other phase."""
+    """``compile=``: the blocks of every stage under torch.compile, after every other phase;
+    where inductor's micro-pipelined TP fuses the tp pairs (Options.micro_pipeline_tp) the
+    plan says so (it priced them whole: autopar decomposed none)."""
     if not options.compile:
         return prog
+    from autopar.ops.compiled import micro_pipeline_tp
     from autopar.program import compile_phase
 
-    backend = "inductor" if options.compile is True else options.compile
-    return prog.then(prog.mesh, prog.plan, compile_phase(backend))
+    pipelined = options.micro_pipeline_tp and prog.mesh.sizes.get("tp", 1) > 1
+    plan = prog.plan
+    if pipelined:
+        why = micro_pipeline_tp(options.backend)[1]
+        plan = dataclasses.replace(plan, notes=(*plan.notes, f"tp overlap: {why}; priced "
+                                                "whole (exposed)"))  # fmt: skip
+    return prog.then(prog.mesh, plan, compile_phase(options.backend, pipelined))
 
 
 def _build(model: nn.Module, mesh: Mesh, example: Example, loss_fn: Callable | None,
