@@ -189,3 +189,54 @@ def test_micro_pipelined_tp_is_chosen_only_where_the_platform_has_it():
         assert not ok and ("no CUDA device" in why or "no NCCL" in why)
         assert make_options(compile=True, tp_overlap="all").overlap_mode == "all"
     assert make_options(compile="aot_eager", tp_overlap="all").overlap_mode == "all"
+
+
+def _pipelined_tp_fusions(rank: int, groups: dict, module, x, y) -> list[int]:
+    """Inductor's micro-pipelined TP pass run on a compiled rank program's forward and
+    backward graphs (after inductor's decompositions and view_to_reshape, as inductor runs
+    it): the fused symm_mem ops it inserts per graph.  The pass bails on builds without NCCL
+    and its fused kernels are CUDA's, so NCCL is faked and the unfused graphs run."""
+    import copy
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.fx_passes.micro_pipeline_tp import micro_pipeline_tp_pass
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
+    from torch.distributed import _symmetric_memory
+
+    from autopar.ops import collectives
+
+    collectives.bind(groups)
+    fused, nccl = [], torch.distributed.is_nccl_available
+
+    def count(gm, _):  # noqa: ANN001, ANN202
+        probe = copy.deepcopy(gm)
+        view_to_reshape(probe)
+        torch.distributed.is_nccl_available = lambda: True
+        try:
+            with _symmetric_memory._test_mode():
+                micro_pipeline_tp_pass(probe.graph)
+        finally:
+            torch.distributed.is_nccl_available = nccl
+        fused.append(sum("symm_mem.fused" in str(n.target) for n in probe.graph.nodes))
+        return gm
+
+    backend = aot_autograd(fw_compiler=count, bw_compiler=count,
+                           decompositions=select_decomp_table())  # fmt: skip
+    torch.compile(module, backend=backend)(x, y).backward()
+    return fused
+
+
+def test_inductor_micro_pipelined_tp_matches_the_tp_pairs():
+    """Under compile the tp all-gather / reduce-scatter trace in functional collectives' own
+    forms, which inductor's micro-pipelined TP pattern matcher recognises (the movedim form
+    eager uses matched nothing): the matmul + reduce-scatter pairs fuse (the tiny model's
+    gathers are of its 64-wide hidden dim, which inductor leaves whole below 1024)."""
+    c = Config(layers=1, batch=4, seq=16, kv_heads=2)
+    torch.manual_seed(0)
+    model, (x, y) = build("llama", c), tokens(c)
+    prog = autoparallelize(model, Mesh(tp=2), (x, y), lm_loss, memory_weight=SP,
+                           tp_overlap="none")  # fmt: skip
+    jobs = [(prog.module(r), x, y) for r in range(2)]
+    for fused in get_pool(2).run(_pipelined_tp_fusions, prog.mesh.axes, jobs):
+        assert sum(fused) >= 3, fused  # wo and w2 forward, a backward one
