@@ -26,7 +26,8 @@ Algorithm (:func:`compile_model`):
 7. ``fp8=``: a phase rewrites every stage's eligible linears to float8 GEMMs (passes/fp8.py);
    the plan lists them and prices them at the FP8 peak.
 8. ``compile=``: a last phase puts every stage's repeated blocks under torch.compile
-   (passes/compile_blocks.py); the plan is the eager one.
+   (passes/compile_blocks.py); the plan is the eager one, except where inductor's
+   micro-pipelined TP runs the tp pairs (CUDA + NCCL): a why-line says so.
 """
 
 from __future__ import annotations
