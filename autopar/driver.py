@@ -26,7 +26,8 @@ Algorithm (:func:`compile_model`):
 7. ``fp8=``: a phase rewrites every stage's eligible linears to float8 GEMMs (passes/fp8.py);
    the plan lists them and prices them at the FP8 peak.
 8. ``compile=``: a last phase puts every stage's repeated blocks under torch.compile
-   (passes/compile_blocks.py); the plan is the eager one.
+   (passes/compile_blocks.py); the plan is the eager one, except where inductor's
+   micro-pipelined TP runs the tp pairs (CUDA + NCCL): a why-line says so.
 """
 
 from __future__ import annotations
@@ -123,13 +124,21 @@ def _fp8(prog: Program, options: Options) -> Program:
 
 
 def _compiled(prog: Program, options: Options) -> Program:
-    """``compile=``: the blocks of every stage under torch.compile, after every other phase."""
+    """``compile=``: the blocks of every stage under torch.compile, after every other phase;
+    where inductor's micro-pipelined TP fuses the tp pairs (Options.micro_pipeline_tp) the
+    plan says so (it priced them whole: autopar decomposed none)."""
     if not options.compile:
         return prog
+    from autopar.ops.compiled import micro_pipeline_tp
     from autopar.program import compile_phase
 
-    backend = "inductor" if options.compile is True else options.compile
-    return prog.then(prog.mesh, prog.plan, compile_phase(backend))
+    pipelined = options.micro_pipeline_tp and prog.mesh.sizes.get("tp", 1) > 1
+    plan = prog.plan
+    if pipelined:
+        why = micro_pipeline_tp(options.backend)[1]
+        plan = dataclasses.replace(plan, notes=(*plan.notes, f"tp overlap: {why}; priced "
+                                                "whole (exposed)"))  # fmt: skip
+    return prog.then(prog.mesh, plan, compile_phase(options.backend, pipelined))
 
 
 def _build(model: nn.Module, mesh: Mesh, example: Example, loss_fn: Callable | None,
