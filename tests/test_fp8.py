@@ -110,9 +110,10 @@ def test_thirty_steps_track_torchao_single_device_float8(recipe, axes, zero):
 
 
 def _count_rank(rank, groups, module, x, y, zero, steps):
+    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from autopar.ops import collectives
+    from autopar.ops import collectives, fp8
     from autopar.runtime import DataParallelModule
 
     collectives.bind(groups)
@@ -120,10 +121,15 @@ def _count_rank(rank, groups, module, x, y, zero, steps):
         dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
         module = DataParallelModule(module, group=groups["dp"], dp_mesh=dp_mesh, zero=zero,
                                     reduction="mean")  # fmt: skip
-    # torchao's float8 mm (torchao.float8.float8_ops) calls torch._scaled_mm: count the calls
-    with mock.patch.object(torch, "_scaled_mm", wraps=torch._scaled_mm) as spy:
+    # torchao's float8 mm (torchao.float8.float8_ops) calls torch._scaled_mm: count the calls;
+    # the weight casts fp8_linear makes, and what FSDP2's all-gathers move (dtype, bytes)
+    with (mock.patch.object(torch, "_scaled_mm", wraps=torch._scaled_mm) as spy,
+          mock.patch.object(fp8, "_cast", wraps=fp8._cast) as casts,
+          mock.patch.object(dist, "all_gather_single", wraps=dist.all_gather_single) as gathers):
         module(x, y).backward()
-    return spy.call_count
+    weight_casts = sum(c.args[1].startswith("weight") for c in casts.call_args_list)
+    moved = [(str(c.args[1].dtype), c.args[1].nbytes) for c in gathers.call_args_list]
+    return spy.call_count, weight_casts, moved
 
 
 @pytest.mark.parametrize(("axes", "zero", "recompute"), [(*m, None) for m in MESHES]
@@ -142,7 +148,19 @@ def test_rank_programs_run_scaled_mm_for_every_layer_linear(axes, zero, recomput
     assert "kept in high precision: lm_head (the output head (LM head))" in text
     counts = get_pool(2).run(_count_rank, prog.mesh.axes, _jobs(prog, x, y, zero, 1))
     # output, input-gradient and weight-gradient GEMMs (and the forward again, recomputed)
-    assert counts == [(4 if recompute else 3) * linears] * 2
+    assert [c[0] for c in counts] == [(4 if recompute else 3) * linears] * 2
+    if zero is None:  # each weight cast for the forward and the input-gradient GEMMs
+        assert [c[1] for c in counts] == [(3 if recompute else 2) * linears] * 2
+        return
+    # ZeRO-3: FSDP2 gathers every layer linear's weight in float8 (cast once, before the
+    # gather); the blocks' gathers (a uint8 buffer: float8 weights and fp32 norms) move
+    # 1 byte per weight element, the root (embedding, head, final norm) fp32
+    h, f, dp = LLAMA.hidden, LLAMA.ffn, 2
+    block = ((4 * h * h + 3 * h * f) * 1 + 2 * h * 4) // dp
+    root = (2 * LLAMA.vocab * h + h) * 4 // dp
+    # forward: the root, block 0, block 1; backward: block 0 again (block 1 is kept)
+    want = [("torch.float32", root)] + [("torch.uint8", block)] * 3
+    assert [c[1:] for c in counts] == [(0, want)] * 2
 
 
 def _cast_rank(rank, groups, t, which, dim, axes, recipe):
@@ -183,6 +201,42 @@ def test_each_rank_uses_the_scale_of_one_device(recipe):
                 want = one.chunk(2, dim=1)[r] if one.shape[-1:] == (32,) else one  # per out column
                 same = reduced or not spans[which] or r == 1
                 assert torch.equal(s, want) == same, (which, reduced, r)
+
+
+def _pre_gather_rank(rank, groups, w, axes):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autopar.ops import collectives
+    from autopar.ops.fp8 import gather_weight_class, recipe_config
+
+    collectives.bind(groups)
+    c, mm = recipe_config("tensorwise")
+    weight = gather_weight_class()(w, mm, c.cast_config_weight.target_dtype, axes)
+    (data,), (scale,) = weight.fsdp_pre_all_gather(
+        DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",)))
+    return data.view(torch.uint8), scale
+
+
+def test_float8_all_gather_casts_each_shard_with_the_whole_weights_scale():
+    """FSDP2's float8 all-gather of a tp-split weight (Mesh(dp=1, tp=2) here, each rank the
+    tp half of a column weight whose halves' amax differ): each rank's pre-gather cast (its
+    amax reduced over the FSDP group and the weight cast's tp axis) has the one-device scale
+    and bytes; with the FSDP group alone rank 0's scale is its half's."""
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    from autopar.ops.fp8 import _cast
+
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    w[16:] *= 8
+    one = _cast(w.t(), "weight", 0, (), "tensorwise", GemmInputRole.WEIGHT)
+    data = one._data.t().contiguous().view(torch.uint8)
+    for axes in (("tp",), ()):
+        jobs = [(w.chunk(2)[r], axes) for r in range(2)]
+        got = get_pool(2).run(_pre_gather_rank, (("dp", 1), ("tp", 2)), jobs)
+        for r, (bits, scale) in enumerate(got):
+            same = bool(axes) or r == 1
+            assert torch.equal(scale, one._scale) == same, (axes, r)
+            assert torch.equal(bits, data.chunk(2)[r]) == same, (axes, r)
 
 
 def _linear_rank(rank, groups, x, w, recipe, axes, g):
