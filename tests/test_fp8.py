@@ -303,6 +303,16 @@ def test_plan_prices_fp8_gemms_and_is_otherwise_the_plan_without_fp8():
     assert prog.plan.hash == plain.plan.hash and "fp8" not in str(plain.plan)
     assert prog.plan.compute_s < plain.plan.compute_s
     assert f"fp8: compute {plain.plan.compute_s * 1e3:.3f} ms -> " in str(prog.plan)
+    # ZeRO-3: the float8 linears' weights are all-gathered in float8, the rest as before
+    plain, prog = (autoparallelize(model, Mesh(dp=2, tp=2), (x, y), lm_loss, zero=3, fp8=f)
+                   for f in (None, "tensorwise"))  # fmt: skip
+    assert prog.plan.hash == plain.plan.hash
+    gathers = [[c for c in p.plan.collectives if c.kind == "all_gather"] for p in (plain, prog)]
+    for a, b in zip(*gathers, strict=True):
+        fp8 = ".w" in a.where  # wq wk wv wo w1 w2 w3; not the norms, embedding, head
+        assert (b.dtype, b.bytes) == (("float8_e4m3fn", a.bytes // 4) if fp8 else (a.dtype, a.bytes))
+    assert prog.plan.dp.step.dp < plain.plan.dp.step.dp
+    assert "ZeRO-3 all-gathers the weights of the float8 linears in float8_e4m3fn" in str(prog.plan)
 
 
 def test_only_the_last_stage_has_the_head():
