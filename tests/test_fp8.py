@@ -163,6 +163,27 @@ def test_rank_programs_run_scaled_mm_for_every_layer_linear(axes, zero, recomput
     assert [c[1:] for c in counts] == [(0, want)] * 2
 
 
+def test_compiled_fp8_program_equals_eager_without_graph_breaks():
+    """``compile=`` with ``fp8=`` on Mesh(tp=2) ("aot_eager": dynamo and AOTAutograd; the
+    float8 matmul is one op to dynamo and AOTAutograd traces its casts and functional amax
+    all-reduces): 0 graph breaks, one graph per rank for the two equal blocks, and three
+    training steps' losses equal the eager fp8 program's."""
+    from autopar.ops.compiled import compile_stats
+
+    x, y = tokens(LLAMA)
+    losses = []
+    for compile in (False, "aot_eager"):
+        prog = autoparallelize(build("llama", LLAMA), Mesh(tp=2), (x, y), lm_loss,
+                               fp8="tensorwise", compile=compile)  # fmt: skip
+        before = get_pool(2).run(compile_stats, prog.mesh.axes, [()] * 2)
+        losses.append(get_pool(2).run(_train_rank, prog.mesh.axes, _jobs(prog, x, y, None, 3))[0])
+        after = get_pool(2).run(compile_stats, prog.mesh.axes, [()] * 2)
+    assert prog.code(0).count("autopar_ops_compiled_compiled(") == LLAMA.layers
+    assert [a["graph_breaks"] - b["graph_breaks"] for a, b in zip(after, before)] == [0, 0]
+    assert [a["unique_graphs"] - b["unique_graphs"] for a, b in zip(after, before)] == [1, 1]
+    assert losses[1] == losses[0]
+
+
 def _cast_rank(rank, groups, t, which, dim, axes, recipe):
     from torchao.float8.float8_training_tensor import GemmInputRole
 

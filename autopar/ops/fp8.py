@@ -41,7 +41,6 @@ import functools
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 
 from autopar.ops.collectives import graph_op, group
@@ -80,10 +79,18 @@ def _cast(t: torch.Tensor, which: str, dim: int, axes: Sequence[str], recipe: st
     with torch.no_grad():
         amax = tensor_to_amax(t, scaling_granularity=cast.scaling_granularity, axiswise_dim=along)
         for axis in axes:
-            amax = amax.contiguous()
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group(axis))
+            amax = _max_over(amax.contiguous(), axis)
         scale = amax_to_scale(amax, cast.target_dtype, c.round_scales_to_power_of_2)
     return hp_tensor_and_scale_to_float8(t, scale, cast.target_dtype, mm, role, along)
+
+
+def _max_over(t: torch.Tensor, axis: str) -> torch.Tensor:
+    """``t`` all-reduced with MAX over ``axis``: a functional collective (as torchao's
+    ``tensor_to_amax`` reduces), which AOTAutograd traces under ``compile=``."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor, all_reduce
+
+    out = all_reduce(t, "MAX", group(axis))
+    return out.wait() if isinstance(out, AsyncCollectiveTensor) else out
 
 
 def _is_float8(t: torch.Tensor) -> bool:
@@ -93,8 +100,12 @@ def _is_float8(t: torch.Tensor) -> bool:
     return isinstance(t, Float8TrainingTensor)
 
 
+@torch._dynamo.allow_in_graph
 class _Fp8Matmul(torch.autograd.Function):
-    """``x @ w.t()`` with float8 operands in all three GEMMs (steps 2-3)."""
+    """``x @ w.t()`` with float8 operands in all three GEMMs (steps 2-3).  Under
+    ``compile=`` dynamo records the call as one op (as torchao marks its
+    ``matmul_with_hp_or_float8_args``: torchao's configs are opaque to dynamo) and
+    AOTAutograd traces its forward and backward, casts and amax all-reduces included."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: str,
@@ -147,7 +158,6 @@ def _gather_weight_class():  # noqa: ANN202 - torchao is imported lazily
     from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Base
     from torchao.float8.float8_training_tensor import GemmInputRole
-    from torch.distributed._functional_collectives import all_reduce
 
     class Float8GatherWeight(Base):
         """torchao's FSDP2 float8 all-gather weight whose amax is also reduced over
@@ -182,7 +192,7 @@ def _gather_weight_class():  # noqa: ANN202 - torchao is imported lazily
             with torch.no_grad():
                 amax = tensor_to_amax(self._tensor, reduce_amax=True, device_mesh=mesh)
                 for axis in self._axes:
-                    amax = all_reduce(amax, "MAX", group(axis)).wait()
+                    amax = _max_over(amax, axis)
                 scale = amax_to_scale(amax, self._dtype)
             w8 = hp_tensor_and_scale_to_float8(self._tensor, scale, self._dtype,
                                                self._linear_mm_config, GemmInputRole.WEIGHT)  # fmt: skip
