@@ -43,8 +43,8 @@ import torch.fx as fx
 
 from autopar.ir import meta
 from autopar.ir.layout import Layout
-from autopar.plan import _fmt_bytes
 from autopar.ops.fp8 import CASTS, fp8_linear, recipe_config
+from autopar.plan import _fmt_bytes
 from passes import PassContext
 
 ORIGIN = "fp8"
@@ -252,7 +252,7 @@ def fp8_gathers(plan: Any, recipe: str, rows: list[Fp8Row]) -> tuple[Any, float 
             "(torchao's FSDP2 float8 all-gather: each shard cast before the gather with the "
             "whole weight's scale, amax all-reduced over the data axis and the axes splitting "
             f"it): the data axis's gathers {_fmt_bytes(before)} -> {_fmt_bytes(after)} of whole "
-            "tensors per step")
+            "tensors per step")  # fmt: skip
     collectives = tuple(changed.get(id(c), c) for c in plan.collectives)
     return replace(plan, collectives=collectives, notes=(*plan.notes, note)), max(per_param, 1.0)
 

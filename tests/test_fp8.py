@@ -109,6 +109,77 @@ def test_thirty_steps_track_torchao_single_device_float8(recipe, axes, zero):
         assert losses[0] == pytest.approx(ref[0], rel=1.3e-6, abs=1e-5)
 
 
+def _bf16_rank(rank, groups, module, x, y, steps):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autopar.ops import collectives
+    from autopar.runtime import DataParallelModule
+
+    collectives.bind(groups)
+    dp_mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
+    wrapped = DataParallelModule(module, group=groups["dp"], dp_mesh=dp_mesh, zero=3,
+                                 reduction="mean", param_dtype=torch.bfloat16)  # fmt: skip
+    opt = wrapped.optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
+    with mock.patch.object(torch, "_scaled_mm", wraps=torch._scaled_mm) as spy:
+        losses = train_loop(lambda: wrapped(x, y), opt, steps)
+    return losses, spy.call_count
+
+
+def _fsdp2_style_bf16(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                      steps: int) -> list[float]:  # fmt: skip
+    """One device as FSDP2's MixedPrecisionPolicy(param_dtype=bf16) trains (one thread): each
+    step a bf16 copy of the fp32 masters runs forward and backward, its gradients land fp32
+    on the masters, AdamW steps them.  A float8 linear's weight is cast to float8 from its
+    fp32 master (what torchao's FSDP2 float8 all-gather does)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    masters = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    losses = []
+    try:
+        for _ in range(steps):
+            low = {n: p.detach().to(torch.float32 if n in masters else torch.bfloat16)
+                   .requires_grad_() for n, p in model.named_parameters()}  # fmt: skip
+            loss = _lm_loss32(torch.func.functional_call(model, low, (x,)), y)
+            loss.backward()
+            for n, p in model.named_parameters():
+                p.grad = low[n].grad.float()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    finally:
+        torch.set_num_threads(threads)
+    return losses
+
+
+def _lm_loss32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return lm_loss(logits.float(), targets)
+
+
+def test_bf16_params_with_fp8_track_torchao_fsdp2_style_bf16():
+    """``param_dtype=torch.bfloat16`` with ``fp8="tensorwise"`` on Mesh(dp=2) ZeRO-3: every
+    layer linear runs ``_scaled_mm`` (the weights all-gathered in float8, cast from the fp32
+    masters as torchao's FSDP2 float8 all-gather casts them) and 10 steps track torchao's
+    float8 model trained FSDP2-style in bf16 on one device (its float8 weights cast from the
+    fp32 masters) within the bf16 dp tests' tolerance (tests/test_bf16_cast.py: 2e-3, half
+    of bf16's 2^-8; torchao's own bf16 parity test allows 1.6e-2).  At this size bf16's
+    rounding (the dp program without float8 is 3.7e-4 from one device's first loss)
+    outweighs float8's, so the curve is not asserted apart from the bf16 model's; the
+    ``_scaled_mm`` count says float8 ran."""
+    steps = 10
+    x, y = tokens(LLAMA)
+    prog = autoparallelize(build("llama", LLAMA), Mesh(dp=2), (x, y), _lm_loss32,
+                           fp8="tensorwise", zero=3, param_dtype=torch.bfloat16)  # fmt: skip
+    jobs = [(prog.module(r), x.chunk(2)[r], y.chunk(2)[r], steps) for r in range(2)]
+    losses, calls = get_pool(2).run(_bf16_rank, prog.mesh.axes, jobs)[0]
+    assert calls == 3 * 7 * LLAMA.layers * steps
+    ref = _fsdp2_style_bf16(_torchao("tensorwise"), x, y, steps)
+    gap = max(abs(a - b) / b for a, b in zip(losses, ref, strict=True))
+    assert gap < 2e-3, (gap, losses, ref)
+
+
 def _count_rank(rank, groups, module, x, y, zero, steps):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -125,7 +196,7 @@ def _count_rank(rank, groups, module, x, y, zero, steps):
     # the weight casts fp8_linear makes, and what FSDP2's all-gathers move (dtype, bytes)
     with (mock.patch.object(torch, "_scaled_mm", wraps=torch._scaled_mm) as spy,
           mock.patch.object(fp8, "_cast", wraps=fp8._cast) as casts,
-          mock.patch.object(dist, "all_gather_single", wraps=dist.all_gather_single) as gathers):
+          mock.patch.object(dist, "all_gather_single", wraps=dist.all_gather_single) as gathers):  # fmt: skip
         module(x, y).backward()
     weight_casts = sum(c.args[1].startswith("weight") for c in casts.call_args_list)
     moved = [(str(c.args[1].dtype), c.args[1].nbytes) for c in gathers.call_args_list]
@@ -179,8 +250,8 @@ def test_compiled_fp8_program_equals_eager_without_graph_breaks():
         losses.append(get_pool(2).run(_train_rank, prog.mesh.axes, _jobs(prog, x, y, None, 3))[0])
         after = get_pool(2).run(compile_stats, prog.mesh.axes, [()] * 2)
     assert prog.code(0).count("autopar_ops_compiled_compiled(") == LLAMA.layers
-    assert [a["graph_breaks"] - b["graph_breaks"] for a, b in zip(after, before)] == [0, 0]
-    assert [a["unique_graphs"] - b["unique_graphs"] for a, b in zip(after, before)] == [1, 1]
+    grew = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
+    assert grew == [{"graph_breaks": 0, "unique_graphs": 1}] * 2
     assert losses[1] == losses[0]
 
 
@@ -233,8 +304,8 @@ def _pre_gather_rank(rank, groups, w, axes):
     collectives.bind(groups)
     c, mm = recipe_config("tensorwise")
     weight = gather_weight_class()(w, mm, c.cast_config_weight.target_dtype, axes)
-    (data,), (scale,) = weight.fsdp_pre_all_gather(
-        DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",)))
+    mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
+    (data,), (scale,) = weight.fsdp_pre_all_gather(mesh)
     return data.view(torch.uint8), scale
 
 
@@ -331,7 +402,8 @@ def test_plan_prices_fp8_gemms_and_is_otherwise_the_plan_without_fp8():
     gathers = [[c for c in p.plan.collectives if c.kind == "all_gather"] for p in (plain, prog)]
     for a, b in zip(*gathers, strict=True):
         fp8 = ".w" in a.where  # wq wk wv wo w1 w2 w3; not the norms, embedding, head
-        assert (b.dtype, b.bytes) == (("float8_e4m3fn", a.bytes // 4) if fp8 else (a.dtype, a.bytes))
+        want = ("float8_e4m3fn", a.bytes // 4) if fp8 else (a.dtype, a.bytes)
+        assert (b.dtype, b.bytes) == want
     assert prog.plan.dp.step.dp < plain.plan.dp.step.dp
     assert "ZeRO-3 all-gathers the weights of the float8 linears in float8_e4m3fn" in str(prog.plan)
 

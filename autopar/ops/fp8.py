@@ -154,10 +154,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, recipe:
 
 def _gather_weight_class():  # noqa: ANN202 - torchao is imported lazily
     """Step 4's :class:`Float8GatherWeight` (built on first use: torchao is optional)."""
-    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+    from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
     from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Base
-    from torchao.float8.float8_training_tensor import GemmInputRole
 
     class Float8GatherWeight(Base):
         """torchao's FSDP2 float8 all-gather weight whose amax is also reduced over
@@ -177,7 +176,7 @@ def _gather_weight_class():  # noqa: ANN202 - torchao is imported lazily
                         if isinstance(a, cls))  # fmt: skip
             out = Base.__torch_dispatch__.__func__(cls, func, types, args, kwargs)
             return torch.utils._pytree.tree_map_only(
-                Base, lambda t: cls(t._tensor, t._linear_mm_config, t._dtype, axes), out)
+                Base, lambda t: cls(t._tensor, t._linear_mm_config, t._dtype, axes), out)  # fmt: skip
 
         def __tensor_flatten__(self):  # noqa: ANN204
             names, ctx = super().__tensor_flatten__()
