@@ -23,7 +23,7 @@ Algorithm:
    dims for rowwise) the same way; the bias is added in high precision outside the GEMM.
 4. Float8 all-gather under FSDP2 (ZeRO-2/3; :func:`gather_in_float8`, which the runtime calls
    before ``fully_shard``): a parameter that only tensorwise ``fp8_linear`` s read as their
-   weight becomes a :class:`Float8GatherWeight`, torchao's ``WeightWithDynamicFloat8CastTensor``
+   weight becomes a ``Float8GatherWeight``, torchao's ``WeightWithDynamicFloat8CastTensor``
    (FSDP2's all-gather extension) whose amax is also reduced over the mesh axes splitting the
    weight (``axes[1]``): each shard is cast to float8 before the all-gather with the scale of
    the whole weight (amax all-reduced with MAX over the FSDP group and those axes), FSDP2
@@ -152,8 +152,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, recipe:
     return out if b is None else out + b.to(out.dtype)
 
 
-def _gather_weight_class():  # noqa: ANN202 - torchao is imported lazily
-    """Step 4's :class:`Float8GatherWeight` (built on first use: torchao is optional)."""
+@functools.cache
+def gather_weight_class() -> type:
+    """Step 4's ``Float8GatherWeight`` (built on first use: torchao is imported lazily)."""
     from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
     from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Base
@@ -200,17 +201,12 @@ def _gather_weight_class():  # noqa: ANN202 - torchao is imported lazily
     return Float8GatherWeight
 
 
-@functools.cache
-def gather_weight_class() -> type:
-    """:class:`Float8GatherWeight` (step 4)."""
-    return _gather_weight_class()
-
-
 def gather_in_float8(module: torch.nn.Module) -> tuple[str, ...]:
     """Step 4: every parameter of ``module`` that only tensorwise ``fp8_linear`` s read (as
     their weight, in the program or its block submodules) replaced by a
-    :class:`Float8GatherWeight` (torchao's float8 all-gather under FSDP2), its amax reduced
-    over the axes its calls give the weight cast; the names replaced."""
+    ``Float8GatherWeight`` (:func:`gather_weight_class`: torchao's float8 all-gather under
+    FSDP2), its amax reduced over the axes its calls give the weight cast; the names
+    replaced."""
     reads: dict[int, list[tuple[fx.Node, fx.Node]]] = {}  # parameter -> (user, its read)
     params: dict[int, torch.nn.Parameter] = {}
     for owner in (m for m in module.modules() if isinstance(m, fx.GraphModule)):
