@@ -98,9 +98,18 @@ def test_thirty_steps_track_torchao_single_device_float8(recipe, axes, zero):
                            zero=zero)  # fmt: skip
     losses = get_pool(2).run(_train_rank, prog.mesh.axes, _jobs(prog, x, y, zero, STEPS))[0]
     gap = max(abs(a - b) / a for a, b in zip(ref, losses, strict=True))
-    if recipe == "tensorwise":  # every step to torchao's fp32 TP-vs-one-device tolerance
+    if recipe == "tensorwise" and "tp" not in axes:  # every step to torchao's fp32 tolerance
         assert losses == pytest.approx(ref, rel=1.3e-6, abs=1e-5), gap
         return
+    if recipe == "tensorwise":
+        # tp splits a row linear's K, so its sums run in another order than one device's (1e-7
+        # relative); once such a difference moves a value across a float8 rounding boundary the
+        # curves part by float8 ulps. When that happens depends on the CPU's kernels (every step
+        # within 1.3e-6 on one machine; from step 22 on, up to 9.7e-4, on another). The first
+        # step is the single forward and backward torchao's TP test compares at fp32 tolerance
+        # (test/float8/test_dtensor.py); the curve is held to torchao's multi-step parity bound
+        # below, and to under half the gap to high-precision training.
+        assert losses[0] == pytest.approx(ref[0], rel=1.3e-6, abs=1e-5)
     # rowwise GEMMs write bf16 (torchao's _scaled_mm workaround), so a reduction split over
     # ranks (tp: a row linear's K; dp: the weight gradient's tokens) is rounded per rank
     # before it is summed: the curves part at bf16 rounding
