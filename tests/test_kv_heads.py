@@ -15,11 +15,11 @@ import torch
 from autopar import Mesh, autoparallelize
 from autopar.codegen import shard_tensor, unshard_tensors
 from autopar.frontend.fused import split_fused_projections
-from autopar.frontend.trace import join_pieces, trace
+from autopar.frontend.trace import Piece, join_pieces, trace
 from autopar.ir import meta
 from autopar.ir.layout import Layout, Shard, parse_placement
 from autopar.ops import collectives as C
-from autopar.runtime.checkpoints import ShardSpec, global_pieces
+from autopar.runtime.checkpoints import ShardSpec, global_pieces, tensor_pieces
 from autopar.tools import zoo
 from autopar.tools.testing import Config, build, lm_loss, run_rank_scripts, tokens
 from autopar.verify import verify
@@ -249,3 +249,16 @@ def test_shared_kv_pieces_of_norm_scales_and_grouped_qkv_match_single_device(nam
         assert len(shared) == 2, "the k-norm scales of each layer: one shared piece per rank"
     report = verify(model, Mesh(tp=4), args, loss_fn, example_kwargs=kwargs, plan=plan)
     assert report.ok, str(report)
+
+
+def test_checkpoint_pieces_of_a_grouped_piece_are_its_rows_in_each_group():
+    """A grouped piece (rows 1:5 of each of 2 groups of 6, ``Piece.groups``) held whole by a
+    rank saves as two boxes of the user's [12, 2] weight, one per group."""
+    w = torch.arange(24.0).reshape(12, 2)
+    piece = Piece(fqn="w", dim=0, start=1, stop=5, groups=2)
+    local = piece.of(w)
+    spec = ShardSpec(shape=(8, 2), padded=(8, 2), layout=Layout.replicate(2), sizes={},
+                     coords={}, saved=(12, 2), base=(1, 0), grouped=(0, 4, 6))  # fmt: skip
+    saved = tensor_pieces(local, spec)
+    assert saved.shape == (12, 2) and sorted(saved.pieces) == [(1, 0), (7, 0)]
+    assert all(torch.equal(t, w[o[0]:o[0] + 4]) for o, t in saved.pieces.items())
