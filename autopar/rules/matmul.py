@@ -137,7 +137,8 @@ def shared_kv_reps(nodes: list[fx.Node], size: int) -> tuple[int, ...]:
     attention with 1 < g < size K/V heads dividing size (:func:`sdpa`; multi-query
     attention's one head is replicated, ``replicated_kv_heads``: one piece is no split), and
     for every head repeat written out (HF's ``repeat_kv`` before eager attention: ``expand``
-    of [b, g, 1, s, d] to [b, g, n, s, d], reshaped to [b, g*n, s, d]; litgpt's
+    of [b, g, 1, s, d] to [b, g, n, s, d], reshaped to [b, g*n, s, d]; Falcon's
+    ``broadcast_to`` then ``flatten`` of [b, s, g, 1, d] alike; litgpt's
     ``repeat_interleave(n, dim=1)`` of [b, g, s, d]): the shared piece is then read by its
     sharers as the plain split of the repeated heads (``unshare``)."""
     found = set()
@@ -152,7 +153,8 @@ def shared_kv_reps(nodes: list[fx.Node], size: int) -> tuple[int, ...]:
     return tuple(sorted(found))
 
 
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+          aten.flatten.using_ints)  # fmt: skip
 
 
 def _repeated_groups(n: fx.Node) -> tuple[int, int] | None:
@@ -161,7 +163,8 @@ def _repeated_groups(n: fx.Node) -> tuple[int, int] | None:
     if n.op != "call_function" or n.target not in _VIEWS:
         return None
     src = n.args[0]
-    if not isinstance(src, fx.Node) or src.target is not aten.expand.default:
+    if not isinstance(src, fx.Node) or src.target not in (aten.expand.default,
+                                                          aten.broadcast_to.default):
         return None
     before, after, out = _shape(src.args[0]), _shape(src), _shape(n)
     if len(before) != len(after) or len(out) != len(after) - 1:
