@@ -129,7 +129,8 @@ def shard(module: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> fx.G
     out = RankModule(root, graph, class_name=type(module).__name__)  # attributes in graph order
     out.meta = {**module.meta, "rank": rank, "coords": coords,
                 "shards": shard_specs(out, traced, mesh),
-                "pieces": {name: (p.fqn, p.dim, p.start, tuple(traced.tensors[p.fqn].shape))
+                "pieces": {name: (p.fqn, p.dim, p.start, tuple(traced.tensors[p.fqn].shape),
+                                  p.groups, p.stop)
                            for name, p in traced.pieces.items()}}  # fmt: skip
     return out
 

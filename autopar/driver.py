@@ -24,9 +24,11 @@ Algorithm (:func:`compile_model`):
 6. A reloaded plan is honoured at every step: each axis's section decides that axis, and
    the compiled program must carry the saved decisions (else a PlanError names them).
 7. ``fp8=``: a phase rewrites every stage's eligible linears to float8 GEMMs (passes/fp8.py);
-   the plan lists them and prices them at the FP8 peak.
+   the plan lists them and prices them at the FP8 peak; under ZeRO-2/3 (tensorwise) their
+   weights' data-axis gathers move float8 and the dp step is re-priced with them.
 8. ``compile=``: a last phase puts every stage's repeated blocks under torch.compile
-   (passes/compile_blocks.py); the plan is the eager one.
+   (passes/compile_blocks.py); the plan is the eager one, except where inductor's
+   micro-pipelined TP runs the tp pairs (CUDA + NCCL): a why-line says so.
 """
 
 from __future__ import annotations
@@ -113,23 +115,40 @@ def _fp8(prog: Program, options: Options) -> Program:
     if options.fp8 is None:
         return prog
     from autopar.program import fp8_phase
-    from passes.fp8 import fp8_plan, head_paths
+    from passes.fp8 import fp8_gathers, fp8_plan, head_paths
 
     batch = tuple(a for a in ("dp", "ep") if a in prog.mesh.sizes)
     heads = head_paths(prog.final(len(prog.stages) - 1).module)
     out = prog.then(prog.mesh, prog.plan, fp8_phase(options.fp8, heads, batch))
     rows = [row for i in range(len(out.stages)) for row in out.final(i).module.meta["fp8"][1]]
-    return out.then(out.mesh, fp8_plan(out.plan, options.fp8, rows))
+    plan, per_param = fp8_gathers(fp8_plan(out.plan, options.fp8, rows), options.fp8, rows)
+    if per_param is not None and plan.dp.step is not None:  # the dp step with float8 gathers
+        from autopar.axes.data_parallel import predict_step
+
+        dp = plan.dp
+        step = predict_step(out, out.mesh, dp.zero, dp.zero_axes, getattr(torch, dp.param_dtype),
+                            gather_bytes=per_param)  # fmt: skip
+        plan = dataclasses.replace(plan, dp=dataclasses.replace(
+            dp, step=dataclasses.replace(dp.step, dp=step.dp)))  # fmt: skip
+    return out.then(out.mesh, plan)
 
 
 def _compiled(prog: Program, options: Options) -> Program:
-    """``compile=``: the blocks of every stage under torch.compile, after every other phase."""
+    """``compile=``: the blocks of every stage under torch.compile, after every other phase;
+    where inductor's micro-pipelined TP fuses the tp pairs (Options.micro_pipeline_tp) the
+    plan says so (it priced them whole: autopar decomposed none)."""
     if not options.compile:
         return prog
+    from autopar.ops.compiled import micro_pipeline_tp
     from autopar.program import compile_phase
 
-    backend = "inductor" if options.compile is True else options.compile
-    return prog.then(prog.mesh, prog.plan, compile_phase(backend))
+    pipelined = options.micro_pipeline_tp and prog.mesh.sizes.get("tp", 1) > 1
+    plan = prog.plan
+    if pipelined:
+        why = micro_pipeline_tp(options.backend)[1]
+        plan = dataclasses.replace(plan, notes=(*plan.notes, f"tp overlap: {why}; priced "
+                                                "whole (exposed)"))  # fmt: skip
+    return prog.then(prog.mesh, plan, compile_phase(options.backend, pipelined))
 
 
 def _build(model: nn.Module, mesh: Mesh, example: Example, loss_fn: Callable | None,

@@ -54,11 +54,26 @@ class Options:
 
     @property
     def overlap_mode(self) -> str:
-        """``tp_overlap`` as the program can run it: "none" under ``compile`` (the ring steps
-        are eager point-to-point sends), ``fp8`` (its linears are torchao's) and autocast
-        (the decomposed matmuls run in the traced dtype)."""
-        eager = not self.compile and self.fp8 is None and self.autocast_dtype == torch.float32
-        return self.tp_overlap if eager else "none"
+        """``tp_overlap`` as the program can run it: "none" under ``fp8`` (its linears are
+        torchao's), autocast (the decomposed matmuls run in the traced dtype) and where
+        ``compile`` leaves the pairs to inductor's micro-pipelined TP (:attr:`micro_pipeline_tp`);
+        otherwise compiled programs decompose as eager ones (their ring steps trace as
+        functional collectives)."""
+        plain = self.fp8 is None and self.autocast_dtype == torch.float32
+        return self.tp_overlap if plain and not self.micro_pipeline_tp else "none"
+
+    @property
+    def backend(self) -> str | None:
+        """The torch.compile backend of ``compile``, or None (eager)."""
+        return "inductor" if self.compile is True else (self.compile or None)
+
+    @property
+    def micro_pipeline_tp(self) -> bool:
+        """Whether ``compile`` runs inductor's micro-pipelined TP on the tp pairs here
+        (autopar.ops.compiled.micro_pipeline_tp: inductor on CUDA with NCCL)."""
+        from autopar.ops.compiled import micro_pipeline_tp
+
+        return self.backend is not None and micro_pipeline_tp(self.backend)[0]
 
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **changes)

@@ -133,13 +133,14 @@ def recompute_phase(stages: Sequence[StageProgram]) -> Phase:
     return Phase(name="recompute", run=lambda i, m: m.recomputed(stages[i].recompute))
 
 
-def compile_phase(backend: str) -> Phase:
-    """The ``compile_blocks`` pass on each stage (``compile=``), after every other phase."""
+def compile_phase(backend: str, micro_pipeline_tp: bool = False) -> Phase:
+    """The ``compile_blocks`` pass on each stage (``compile=``), after every other phase;
+    ``micro_pipeline_tp``: inductor's micro-pipelined TP on (autopar.ops.compiled)."""
     def run(i: int, m: Materialized) -> tuple[Materialized, list[PassRecord]]:
         from passes.compile_blocks import compile_blocks
 
         ctx = PassContext(mesh=m.mesh, grad=frozenset(), traced=m.traced,
-                          sections={"compile": backend})
+                          sections={"compile": backend, "micro_pipeline_tp": micro_pipeline_tp})
         return m.rewritten(ctx, [compile_blocks])
 
     return Phase(name="compile", run=run)

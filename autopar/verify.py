@@ -50,6 +50,7 @@ from autopar.compare import (
     scale_of,
     wholes,
 )
+from autopar.frontend.trace import join_pieces
 from autopar.ir import meta
 from autopar.ir.layout import Layout
 from autopar.mesh import Mesh
@@ -334,7 +335,7 @@ def _grad_wholes(prog: Program, fqn: str, names: list[str], layouts: dict,
         return None
     cols = [wholes(col, layouts[name], prog.mesh) for name, col in zip(names, cols, strict=True)]
     whole = cols[0] if len(cols) == 1 else [  # a reassembled piece: the same on every rank
-        torch.cat([c[min(r, len(c) - 1)] for c in cols], pieces[names[0]].dim)
+        join_pieces([c[min(r, len(c) - 1)] for c in cols], [pieces[n] for n in names])
         for r in range(max(map(len, cols)))]  # fmt: skip
     rows = prog.traced.padded.get(fqn)
     return whole if rows is None else [w[:rows] for w in whole]

@@ -7,7 +7,9 @@ Algorithm:
    q, k, v [b, h, s/cp, d] with the exchanges overlapped (isend/irecv started before the block
    compute, waited after) and again with each exchange waited at once (blocking), and the
    same exchanges alone (no compute).  Hidden fraction = (blocking − overlapped) / exchanges
-   alone, the share of ring communication that compute covered.  Median of REPEATS.
+   alone, the share of ring communication that compute covered.  Median of REPEATS.  Also the
+   overlapped ring with its exchanges as functional all-to-alls (what ``torch.compile``
+   traces; ``cp_ops.FUNCTIONAL``) against ``batch_isend_irecv`` (what eager runs).
 2. Memory (cp = 1, 2, 4): the tensors autograd saves for backward during one forward of the
    test Llama (unique storages, bytes), measured per rank with saved-tensor hooks, next to
    the plan's predicted activations per rank (every floating intermediate at its local shape:
@@ -59,9 +61,10 @@ def _ring_times(rank: int, cp: int, port: int, shape: tuple, out: mp.SimpleQueue
                 cp_ops._Exchange([k.detach(), v.detach()], "cp", "bwd").result()
 
         times = {}
-        for name, fn, overlap in (("overlapped", step, True), ("blocking", step, False),
-                                  ("exchanges alone", exchanges, True)):  # fmt: skip
-            cp_ops.OVERLAP = overlap
+        for name, fn, overlap, functional in (
+                ("overlapped", step, True, False), ("blocking", step, False, False),
+                ("exchanges alone", exchanges, True, False), ("functional", step, True, True)):
+            cp_ops.OVERLAP, cp_ops.FUNCTIONAL = overlap, functional
             fn()  # warm-up
             runs = []
             for _ in range(REPEATS):
@@ -77,7 +80,7 @@ def overlap(seq: int) -> None:
     print("1. ring attention forward + backward per rank (median of "
           f"{REPEATS}; b=1, h=8, s={seq}, d=64)")  # fmt: skip
     print(f"{'cp':>3} {'overlapped':>12} {'blocking':>12} {'exch. alone':>12} "
-          f"{'block/overlap':>14} {'hidden':>8}")  # fmt: skip
+          f"{'block/overlap':>14} {'hidden':>8} {'functional/p2p':>15}")  # fmt: skip
     for cp in (2, 4):
         results = mp.get_context("spawn").SimpleQueue()
         mp.spawn(_ring_times, args=(cp, free_port(), (1, 8, seq, 64), results), nprocs=cp)
@@ -86,7 +89,7 @@ def overlap(seq: int) -> None:
         hidden = max(0.0, t["blocking"] - t["overlapped"]) / t["exchanges alone"]
         print(f"{cp:>3} {t['overlapped'] * 1e3:>10.2f}ms {t['blocking'] * 1e3:>10.2f}ms "
               f"{t['exchanges alone'] * 1e3:>10.2f}ms {t['blocking'] / t['overlapped']:>14.2f} "
-              f"{min(hidden, 1.0):>8.0%}")  # fmt: skip
+              f"{min(hidden, 1.0):>8.0%} {t['functional'] / t['overlapped']:>15.2f}")  # fmt: skip
 
 
 def _saved_bytes(rank: int, cp: int, port: int, c: Config, out: mp.SimpleQueue) -> None:

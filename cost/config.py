@@ -67,6 +67,9 @@ class ParallelConfig:
     grad_bytes: int = 4  # gradient element size: fp32 (Megatron's default) or 2 (bf16)
     weight_bytes: int = 2  # 2: bf16 weights + fp32 master in the optimizer; 4: fp32 throughout
     gemm_bytes: int = 2  # element size the linear layers' GEMMs run in: 2 bf16, 1 FP8 (scaled)
+    # bytes per parameter of a layer's ZeRO-2/3 weight all-gather: 2 (16-bit); less where FP8
+    # linears' weights are gathered in float8 (1 byte each; autopar.ops.fp8 step 4)
+    gather_bytes: float = 2.0
     # HSDP: ZeRO-3 shards over groups of this many data-parallel ranks (consecutive, inside a
     # node when it divides one) and all-reduces gradients across the replicas; None: one group
     shard_group: int | None = None
@@ -87,6 +90,9 @@ class ParallelConfig:
             raise CostInputError(f"gradients are 2 (bf16) or 4 (fp32) bytes, got {self.grad_bytes}")
         if self.gemm_bytes not in (1, 2):
             raise CostInputError(f"GEMMs run in 1 (FP8) or 2 (bf16) bytes, got {self.gemm_bytes}")
+        if not 1 <= self.gather_bytes <= 2:
+            raise CostInputError(f"weight gathers move 1 to 2 bytes per parameter, got "
+                                 f"{self.gather_bytes}")  # fmt: skip
         if self.weight_bytes not in (2, 4):
             raise CostInputError(f"weights are 2 (bf16) or 4 (fp32) bytes, got {self.weight_bytes}")
         degrees = {"tp": self.tp, "pp": self.pp, "dp": self.dp or 1, "cp": self.cp,

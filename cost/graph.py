@@ -64,7 +64,8 @@ from cost.workload import Workload
 _VIEWS = {"view", "reshape", "permute", "transpose", "t", "unsqueeze",
           "squeeze", "expand", "select", "slice", "split", "split_with_sizes", "chunk",
           "unbind", "alias", "as_strided", "narrow", "unflatten", "flatten", "contiguous",
-          "detach", "getitem"}  # fmt: skip
+          "detach", "getitem", "mT", "mH", "adjoint", "matrix_H", "swapaxes", "swapdims",
+          "movedim", "moveaxis"}  # fmt: skip
 _PASS_THROUGH = _VIEWS | {"dropout", "mul", "div", "_to_copy", "to", "clone"}
 # op → (argument indices autograd saves, whether it saves its output); norms and SDPA also
 # save fp32 per-row statistics (_STATS_BYTES per row).

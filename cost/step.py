@@ -227,12 +227,12 @@ def _each(coll: Collective, groups: tuple, kind: str, bytes_per_param: int) -> f
     return sum(coll(kind, bytes_per_param * p, *span) for p, span in groups)
 
 
-def _reduce(coll: Collective, groups: tuple, zero: int) -> float:
+def _reduce(coll: Collective, groups: tuple, zero: int, gather_bytes: float = 2) -> float:
     """Gradient synchronisation of `groups`: fp32 all-reduce (stage 0), fp32 reduce-scatter
-    + bf16 all-gather (1, 2), fp32 reduce-scatter alone (3)."""
+    + bf16 all-gather (1, 2; `gather_bytes` per parameter), fp32 reduce-scatter alone (3)."""
     if zero == 0:
         return _each(coll, groups, "all_reduce", 4)
-    gather = _each(coll, groups, "all_gather", 2) if zero < 3 else 0.0
+    gather = _each(coll, groups, "all_gather", gather_bytes) if zero < 3 else 0.0
     return _each(coll, groups, "reduce_scatter", 4) + gather
 
 
@@ -245,10 +245,10 @@ def _dp_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
     tables = 1.0 if any(ends) else 0.0
     if cfg.zero == 3:
         return _zero3(work, coll, spans, micro_batches, recompute, per_stage, ring, shared, ends,
-                      cfg.grad_bytes)  # fmt: skip
+                      cfg.grad_bytes, cfg.gather_bytes)  # fmt: skip
     if not cfg.overlap_grad_reduce:
         return _reduce(coll, _groups(work, spans, per_stage, tables), cfg.zero)
-    bucket = _reduce(coll, _groups(work, spans, 1, 0), cfg.zero)
+    bucket = _reduce(coll, _groups(work, spans, 1, 0), cfg.zero, cfg.gather_bytes)
     edges = _reduce(coll, _groups(work, spans, 0, tables), cfg.zero)
     busy = ring.wire_bwd if shared else 0.0
     window = per_stage * max(0.0, work.layer_bwd_s - busy)
@@ -257,10 +257,12 @@ def _dp_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
 
 def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, recompute: str,
            per_stage: int, ring: RingAttention, shared: bool,
-           ends: tuple[bool, bool] = (True, True), grad_bytes: int = 4) -> float:  # fmt: skip
+           ends: tuple[bool, bool] = (True, True), grad_bytes: int = 4,
+           gather_bytes: float = 2) -> float:  # fmt: skip
     """ZeRO-3 exposed seconds per step (step 6).
 
-    Derivation, per layer per micro-batch: its bf16 gather G (alpha-beta over the dp group:
+    Derivation, per layer per micro-batch: its bf16 gather G (`gather_bytes` per parameter;
+    less with FP8 weights gathered in float8) (alpha-beta over the dp group:
     the latency grows with the group, paid per layer) is prefetched behind the previous
     layer's compute in the same pass, so the forward exposes max(0, G − free forward window)
     and the backward, which also reduce-scatters the fp32 gradient R on the same NIC, exposes
@@ -272,7 +274,7 @@ def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, re
     runtime and torchtitan keep it), so its backward exposes only its reduce-scatter.
     """
     layer, edge = _groups(work, spans, 1, 0), _groups(work, spans, 0, 1.0 if any(ends) else 0.0)
-    gather = _each(coll, layer, "all_gather", 2)
+    gather = _each(coll, layer, "all_gather", gather_bytes)
     scatter = _reduce(coll, layer, 3) + _replicas(work, coll, spans, 1, 0, grad_bytes)
     tables = (2 * _each(coll, edge, "all_gather", 2) + _reduce(coll, edge, 3)
               + _replicas(work, coll, spans, 0, 1.0 if any(ends) else 0.0, grad_bytes))  # fmt: skip

@@ -6,8 +6,10 @@ Algorithm:
    pass already did (a "full" program: each block under ``checkpoint``).
 2. Turn each block call into ``compiled(layers_0, ..., backend=...)`` (autopar.ops.compiled:
    the block's forward under ``torch.compile``, one compile per distinct block), a
-   checkpointed one into ``compiled(..., recompute=True)``.  A program without separable
-   blocks is left eager, with a warning naming the model.
+   checkpointed one into ``compiled(..., recompute=True)``, and with
+   ``micro_pipeline_tp=True`` where inductor's micro-pipelined TP runs the tp pairs
+   (section "micro_pipeline_tp").  A program without separable blocks is left eager, with a
+   warning naming the model.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ ORIGIN = "compile_blocks"
 def compile_blocks(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Steps 1-2 (a new module: the blocks outlined)."""
     backend = ctx.sections["compile"]
+    pipelined = {"micro_pipeline_tp": True} if ctx.sections.get("micro_pipeline_tp") else {}
     recomputed = any(n.target is checkpoint for n in gm.graph.nodes)  # a "full" program
     outlined = gm if recomputed else outline_blocks(gm)
     if outlined is None:
@@ -46,7 +49,7 @@ def compile_blocks(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         else:
             continue
         with graph.inserting_before(node):
-            call = graph.call_function(compiled, args, {"backend": backend, **extra})
+            call = graph.call_function(compiled, args, {"backend": backend, **extra, **pipelined})
         call.meta.update(node.meta)
         meta.update(call, origin=ORIGIN)
         node.replace_all_uses_with(call)

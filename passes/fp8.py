@@ -24,10 +24,15 @@ Algorithm:
    seconds it saves: the node at its run dtype vs. ``cost.workload.fp8_gemm_seconds``) in
    ``module.meta["fp8"]``; the driver runs the pass at compile time and :func:`fp8_plan`
    prints the rows in the plan's notes and takes the savings off its compute time.
+5. Under ZeRO-2/3 and tensorwise the runtime all-gathers the FP8 linears' weights in float8
+   (autopar.ops.fp8 step 4): :func:`fp8_gathers` makes the plan's data-axis gathers of those
+   weights float8 (1 byte an element: half of bf16, a quarter of fp32), says so, and gives
+   the bytes per parameter the driver re-prices the dp step's exposed traffic with.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -39,6 +44,7 @@ import torch.fx as fx
 from autopar.ir import meta
 from autopar.ir.layout import Layout
 from autopar.ops.fp8 import CASTS, fp8_linear, recipe_config
+from autopar.plan import _fmt_bytes
 from passes import PassContext
 
 ORIGIN = "fp8"
@@ -217,6 +223,41 @@ def fp8_plan(plan: Any, recipe: str, rows: list[Fp8Row]) -> Any:
         step = replace(plan.dp.step, sub_mesh=max(plan.dp.step.sub_mesh - saved, 0.0))
         changes["dp"] = replace(plan.dp, step=step)
     return replace(plan, **changes)
+
+
+def fp8_gathers(plan: Any, recipe: str, rows: list[Fp8Row]) -> tuple[Any, float | None]:
+    """Step 5: under ZeRO-2/3 and tensorwise, ``plan`` with the data axis's all-gathers of the
+    FP8 linears' weights in float8 (what autopar.ops.fp8 step 4 gathers: 1 byte an element)
+    and said, and the bytes per parameter of a layer's gather for the dp step's pricing (2
+    for the rest, `cost.config.ParallelConfig.gather_bytes`); ``(plan, None)`` when nothing
+    is gathered in float8 (no ZeRO-2/3, or rowwise: torchao gathers tensorwise weights only)."""
+    if recipe != "tensorwise" or plan.dp is None or plan.dp.zero < 2:
+        return plan, None
+    c, _ = recipe_config(recipe)
+    dtype = str(c.cast_config_weight.target_dtype).replace("torch.", "")
+    on = {r.path for r in rows if r.fp8} - {r.path for r in rows if not r.fp8}
+    data = ("_".join(plan.dp.zero_axes),)
+    gathers = [c for c in plan.collectives if c.kind == "all_gather" and c.axis in data
+               and c.direction != "step"]  # fmt: skip
+    float8 = [c for c in gathers if c.where in on]
+    if not float8:
+        return plan, None
+    changed = {id(c): replace(c, dtype=dtype, bytes=math.prod(c.shape)) for c in float8}
+    before = sum(c.bytes for c in gathers)
+    after = before - sum(c.bytes - changed[id(c)].bytes for c in float8)
+    layer = [c for c in gathers if _LAYER.search(c.where)]
+    elems = sum(math.prod(c.shape) for c in layer)
+    per_param = 2.0 - sum(math.prod(c.shape) for c in float8) / max(elems, 1)
+    note = (f"fp8: ZeRO-{plan.dp.zero} all-gathers the weights of the float8 linears in {dtype} "
+            "(torchao's FSDP2 float8 all-gather: each shard cast before the gather with the "
+            "whole weight's scale, amax all-reduced over the data axis and the axes splitting "
+            f"it): the data axis's gathers {_fmt_bytes(before)} -> {_fmt_bytes(after)} of whole "
+            "tensors per step")  # fmt: skip
+    collectives = tuple(changed.get(id(c), c) for c in plan.collectives)
+    return replace(plan, collectives=collectives, notes=(*plan.notes, note)), max(per_param, 1.0)
+
+
+_LAYER = re.compile(r"\.\d+(\.|$)")  # a module path inside a repeated block (layers.3.wq)
 
 
 def _patterns(paths: Iterable[str]) -> list[str]:

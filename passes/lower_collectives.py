@@ -5,6 +5,11 @@ Algorithm (one mesh axis; ``pg`` = the consumers make the gradient partial):
 2. P -> R: ``all_reduce`` (backward all-reduce when pg, else identity).
 3. S -> R: ``all_gather`` (backward reduce-scatter when pg, else the local slice).
 4. R -> S: ``split`` (local; backward all-gather).  P -> S: ``reduce_scatter``.
+   R -> a shared split (each piece on ``rep`` consecutive ranks: a replicated per-head norm
+   weight read by shared K/V heads): each piece repeated ``rep`` times in place (a local
+   view + expand + reshape), then ``split``: rank r takes copy r % rep of piece r // rep.
+   Backward: the split's all-gather brings every sharer's part of its piece's gradient, the
+   repeat's backward sums them.
 5. S(i) -> S(j): ``all_to_all`` when neither dim is blocked, else all_gather then split.
    A shared split read as it is with pg (a parameter): ``grad_sum_shared`` (identity forward;
    backward sums the gradient over the ranks sharing the piece).  A shared split read as the
@@ -34,6 +39,7 @@ Algorithm (one mesh axis; ``pg`` = the consumers make the gradient partial):
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from autopar.frontend.trace import tensor_args
@@ -42,13 +48,16 @@ from autopar.ir.layout import Layout, Partial, Placement, Replicate, Shard, pars
 from autopar.ops import collectives as C
 from passes import NodeError, PassContext
 
+aten = torch.ops.aten
+
 
 def lower_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Replace every redistribute node by concrete collectives (steps 1-5)."""
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is C.redistribute:
             x, axis, src, dst, pg = node.args
-            _lower(gm.graph, node, x, axis, parse_placement(src), parse_placement(dst), pg)
+            _lower(gm.graph, node, x, axis, parse_placement(src), parse_placement(dst), pg,
+                   ctx.mesh.sizes[axis])  # fmt: skip
     _hoist_grad_reductions(gm.graph, ctx)
     _fold_gather_reductions(gm.graph)
     gm.graph.lint()
@@ -57,7 +66,7 @@ def lower_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def _lower(graph: fx.Graph, node: fx.Node, x: fx.Node, axis: str, src: Placement,
-           dst: Placement, pg: bool) -> None:  # fmt: skip
+           dst: Placement, pg: bool, size: int) -> None:  # fmt: skip
     if isinstance(dst, Replicate):
         if isinstance(src, Replicate):
             _become(node, C.grad_all_reduce, (x, axis))
@@ -79,6 +88,8 @@ def _lower(graph: fx.Graph, node: fx.Node, x: fx.Node, axis: str, src: Placement
             meta.update(x, layout=meta.layout(node.args[0]), origin="lower_collectives")
         _become(node, C.unshare, (x, axis, dst.dim, src.rep))
     elif isinstance(src, Replicate):
+        if dst.rep > 1:
+            x = _repeat_pieces(graph, node, x, size, dst)
         _become(node, C.split, (x, axis, dst.dim, dst.blocks))
     elif isinstance(src, Partial):
         _become(node, C.reduce_scatter, (x, axis, dst.dim, dst.blocks))
@@ -90,6 +101,27 @@ def _lower(graph: fx.Graph, node: fx.Node, x: fx.Node, axis: str, src: Placement
         full.meta.update(node.meta)
         meta.update(full, layout=Layout.replicate(x.meta["val"].dim()))
         _become(node, C.split, (full, axis, dst.dim, dst.blocks))
+
+
+def _repeat_pieces(graph: fx.Graph, node: fx.Node, x: fx.Node, size: int, dst: Shard) -> fx.Node:
+    """Step 4b: replicated ``x`` with each of the size/rep pieces of each block of dim
+    ``dst.dim`` repeated ``dst.rep`` times in place (``[.., b*p, L, ..]`` -> ``[.., b*p, rep,
+    L, ..]`` -> ``[.., n*rep, ..]``), so a plain split of the result is the shared split."""
+    shape, d = list(x.meta["val"].shape), dst.dim
+    pieces = dst.blocks * (size // dst.rep)
+    grouped = [*shape[:d], pieces, shape[d] // pieces, *shape[d + 1:]]
+    steps = [(aten.view.default, grouped), (aten.unsqueeze.default, d + 1),
+             (aten.expand.default, [*grouped[:d + 1], dst.rep, *grouped[d + 1:]]),
+             (aten.reshape.default, [*shape[:d], shape[d] * dst.rep, *shape[d + 1:]])]  # fmt: skip
+    for target, arg in steps:
+        with graph.inserting_before(node):
+            y = graph.call_function(target, (x, arg))
+        y.meta.update(node.meta)
+        val = target(torch.empty(x.meta["val"].shape, device="meta"), arg)
+        y.meta["val"] = torch.empty(val.shape, dtype=x.meta["val"].dtype, device="meta")
+        meta.update(y, layout=Layout.replicate(val.dim()), origin="lower_collectives")
+        x = y
+    return x
 
 
 def _unshares(src: Placement, dst: Shard) -> bool:

@@ -14,10 +14,12 @@ import torch
 
 from autopar import Mesh, autoparallelize
 from autopar.codegen import shard_tensor, unshard_tensors
-from autopar.frontend.trace import trace
+from autopar.frontend.fused import split_fused_projections
+from autopar.frontend.trace import Piece, join_pieces, trace
+from autopar.ir import meta
 from autopar.ir.layout import Layout, Shard, parse_placement
 from autopar.ops import collectives as C
-from autopar.runtime.checkpoints import ShardSpec, global_pieces
+from autopar.runtime.checkpoints import ShardSpec, global_pieces, tensor_pieces
 from autopar.tools import zoo
 from autopar.tools.testing import Config, build, lm_loss, run_rank_scripts, tokens
 from autopar.verify import verify
@@ -99,7 +101,9 @@ def test_shared_kv_heads_match_single_device(tp, heads, kv_heads, fused_qkv):
 @pytest.mark.parametrize(("name", "size"), [("llama", "realistic"), ("mistral", "realistic"),
                                           ("qwen2", "realistic"), ("llama", "node"),
                                           ("mistral", "node"), ("qwen2", "node"),
-                                          ("olmo2", "node"), ("gemma2", "node")])  # fmt: skip
+                                          ("olmo2", "node"), ("gemma2", "node"),
+                                          ("stablelm_parallel_qknorm", "realistic"),
+                                          ("falcon_new_arch", "realistic")])  # fmt: skip
 def test_gqa_families_meet_the_hand_design_at_tp8(name, size):
     """4 K/V heads on 8 ranks (h 2048 / 16 heads, and one node's h 4096 / 32 heads, b 4):
     no K/V message, the hand design's activation all-reduces and traffic, weights 1/8."""
@@ -195,3 +199,66 @@ def _device_mesh_main(rank: int, port: int) -> None:
 
 if __name__ == "__main__":
     _device_mesh_main(int(sys.argv[1]), int(sys.argv[2]))
+
+
+def test_grouped_fused_qkv_is_cut_per_kv_head():
+    """Falcon's ``new_decoder_architecture`` fused QKV, viewed per K/V head as [.., g, a/g + 2,
+    d]: with g = 2 groups on 4 ranks it is cut into its query, key and value rows of every
+    group (``Piece.groups``), which join back to the user's weight; on 2 ranks each rank holds
+    whole groups and the projection stays fused."""
+    with zoo.tiny_as(dataclasses.replace(zoo.TINY, heads=8, kv_heads=2)):
+        model, args, kwargs, _ = zoo.build(zoo.family("falcon_new_arch"), "tiny", kv_heads=2)
+    traced = trace(model, args, example_kwargs=kwargs)
+    fqn = "transformer.h.0.self_attention.query_key_value.weight"
+    cut = split_fused_projections(traced, 4)
+    mine = sorted((n for n, p in cut.pieces.items() if p.fqn == fqn), key=lambda n: cut.pieces[n].start)
+    pieces = [cut.pieces[n] for n in mine]
+    assert [(p.start, p.stop, p.groups) for p in pieces] == [(0, 32, 2), (32, 40, 2), (40, 48, 2)]
+    w = traced.tensors[fqn]
+    assert [tuple(cut.tensors[n].shape) for n in mine] == [(64, 64), (16, 64), (16, 64)]
+    assert torch.equal(cut.tensors[mine[1]][:8], w[32:40])  # group 0's key, then group 1's
+    assert torch.equal(cut.tensors[mine[1]][8:], w[80:88])
+    assert torch.equal(join_pieces([cut.tensors[n] for n in mine], pieces), w)
+    assert not split_fused_projections(traced, 2).pieces
+
+
+@pytest.mark.parametrize("name", ["stablelm_parallel_qknorm", "falcon_new_arch"])
+def test_shared_kv_pieces_of_norm_scales_and_grouped_qkv_match_single_device(name):
+    """2 K/V heads shared by 4 ranks where the K/V weights are not plain projections:
+    StableLM's per-head k-norm scales (a stack of replicated weights, read by the shared K
+    heads as each rank's own piece: repeated in place, then sliced) and Falcon's grouped fused
+    QKV (cut per K/V head).  The plan chosen at h 512, s 2048, b 4 on the meta device is reused
+    on the tiny build, whose outputs and every gradient must equal one device's."""
+    entry = zoo.family(name)
+    big = dataclasses.replace(zoo.TINY, hidden=512, heads=8, kv_heads=2, ffn=1024, seq=2048,
+                              batch=4)
+    with zoo.tiny_as(big):
+        model, args, kwargs, loss_fn = zoo.build(entry, "tiny", device="meta", kv_heads=2)
+        plan = autoparallelize(model, Mesh(tp=4), args, loss_fn, example_kwargs=kwargs).plan
+    with zoo.tiny_as(dataclasses.replace(zoo.TINY, heads=8, kv_heads=2, batch=4)):
+        model, args, kwargs, loss_fn = zoo.build(entry, "tiny", kv_heads=2)
+    prog = autoparallelize(model, Mesh(tp=4), args, loss_fn, example_kwargs=kwargs, plan=plan)
+    layouts = {prog.traced.params[n.name]: str(meta.layout(n))
+               for n in prog.graph_module.graph.nodes if n.name in prog.traced.params}
+    kv = [k for k in layouts if k.endswith(("k_proj.weight", "v_proj.weight",
+                                            "query_key_value.weight.1", "query_key_value.weight.2"))]
+    assert len(kv) == 4 and all(layouts[k] == "P('tp'x2, None)" for k in kv), layouts
+    if name.startswith("stablelm"):
+        shared = [n for n in prog.graph_module.graph.nodes
+                  if n.target is C.split and meta.layout(n).rep("tp") == 2]
+        assert len(shared) == 2, "the k-norm scales of each layer: one shared piece per rank"
+    report = verify(model, Mesh(tp=4), args, loss_fn, example_kwargs=kwargs, plan=plan)
+    assert report.ok, str(report)
+
+
+def test_checkpoint_pieces_of_a_grouped_piece_are_its_rows_in_each_group():
+    """A grouped piece (rows 1:5 of each of 2 groups of 6, ``Piece.groups``) held whole by a
+    rank saves as two boxes of the user's [12, 2] weight, one per group."""
+    w = torch.arange(24.0).reshape(12, 2)
+    piece = Piece(fqn="w", dim=0, start=1, stop=5, groups=2)
+    local = piece.of(w)
+    spec = ShardSpec(shape=(8, 2), padded=(8, 2), layout=Layout.replicate(2), sizes={},
+                     coords={}, saved=(12, 2), base=(1, 0), grouped=(0, 4, 6))  # fmt: skip
+    saved = tensor_pieces(local, spec)
+    assert saved.shape == (12, 2) and sorted(saved.pieces) == [(1, 0), (7, 0)]
+    assert all(torch.equal(t, w[o[0]:o[0] + 4]) for o, t in saved.pieces.items())

@@ -134,6 +134,16 @@ CASES = {
     "flatten.using_ints": (lambda x: torch.flatten(x, 1, 2) * 2, (x4,)),
     "numpy_T.default": (lambda x: x.permute(*range(x.dim() - 1, -1, -1)).T * 2, (x4,)),
     "repeat_interleave.self_int": (lambda x: x.repeat_interleave(2, dim=2), (x4,)),
+    "mT.default": (lambda x: x.mT * 2, (x4,)),  # litgpt's attention: q @ k.mT
+    "mH.default": (lambda x: x.mH * 2, (x4,)),
+    "adjoint.default": (lambda x: x.adjoint() * 2, (x4,)),
+    "matrix_H.default": (lambda x: x[0, 0].H * 2, (x4,)),
+    "swapaxes.default": (lambda x: x.swapaxes(1, 3) * 2, (x4,)),
+    "swapdims.default": (lambda x: x.swapdims(0, -2) * 2, (x4,)),
+    "movedim.int": (lambda x: x.movedim(1, -1) * 2, (x4,)),
+    "movedim.intlist": (lambda x: x.movedim((0, 3), (2, 0)) * 2, (x4,)),
+    "moveaxis.intlist": (lambda x: torch.moveaxis(x, (0, 1), (3, 2)) * 2, (x4,)),
+    "narrow.default": (lambda x: x.narrow(2, 1, 4) * 2, (x4,)),
     "stack.default": (lambda x, y: torch.stack([x, -y], dim=-1), (x4, y4)),
     "index.Tensor": (  # adjacent index dims, and apart (their result dims go first)
         lambda x, i: (x[:, :, i], x[:, i, i], x[i, :, :, i]), (x4, torch.tensor([[0, 1], [1, 0]]))

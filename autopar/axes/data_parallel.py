@@ -319,18 +319,21 @@ def memory_table(inner: Program, dp: int, per: StateBytes) -> tuple[ZeroMemory, 
 
 
 def predict_step(inner: Program, mesh: Mesh, stage: int, axes: tuple[str, ...],
-                 param_dtype: torch.dtype = torch.float32) -> PlanStep:  # fmt: skip
+                 param_dtype: torch.dtype = torch.float32,
+                 gather_bytes: float = 2.0) -> PlanStep:  # fmt: skip
     """Step 7: the plan's step time.  Per rank position (`_rank_positions`) its micro-batch
     seconds (the plan's compute + communication, plus the boundary sends under pp), its
     local work (`local_work`: layers, parameters, per-layer seconds at its local shapes) for
     `cost.step.data_parallel_time` over the ZeRO group, and `cost.step.optimizer_time` over
-    its parameters; the slowest position sets the step."""
+    its parameters; the slowest position sets the step.  ``gather_bytes``: bytes per
+    parameter of a layer's ZeRO-2/3 weight gather (`cost.config.ParallelConfig`; less than 2
+    where FP8 weights are gathered in float8)."""
     from cost.step import bubble_time, data_parallel_time, optimizer_time
 
     pp = mesh.size("pp")
     m = inner.pipeline.config.n_microbatches if pp > 1 else 1
     v = max(inner.pipeline.config.virtual_stages, 1) if pp > 1 else 1
-    cfg = _step_config(mesh, stage, m)
+    cfg = dataclasses.replace(_step_config(mesh, stage, m), gather_bytes=gather_bytes)
     spans = _mesh_spans(mesh, axes)
     best: PlanStep | None = None
     for _, held in _rank_positions(inner):

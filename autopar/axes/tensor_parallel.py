@@ -49,7 +49,7 @@ def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
     axis = "tp"
     traced = pad_vocab(traced, mesh.size(axis))
     if mesh.size(axis) > 1:
-        traced = split_fused_projections(traced)
+        traced = split_fused_projections(traced, mesh.size(axis))
     annotate_autocast(traced.gm, options.param_dtype)  # values priced in their runtime dtype
     _check_fixed(traced, options.fixed)
     solution = solve_axis(traced, axis, mesh.size(axis), mesh.cluster.axis_link(mesh.axes, axis),

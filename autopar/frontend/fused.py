@@ -14,18 +14,24 @@ Algorithm (:func:`split_fused_projections`):
    ``add(., b)`` with a 1-D parameter bias read only there.
 2. Follow the output through single-user reshapes (view, reshape, unsqueeze) that keep the
    features a suffix of the shape whose sizes multiply to n (the feature group).
-3. Every reader of the last value must take a contiguous range of whole rows of the group's
-   first dim: ``slice`` (step 1) or ``split`` / ``split_with_sizes`` (each part read).
-   Falcon's ``qkv[..., [-2], :]`` is a slice too: trace.py records a list index of
-   consecutive ints as a copied slice.
-   The ranges must tile ``[0, n)`` with at least two different widths; otherwise the
-   projection is left as it is.
-4. Rewrite, per range: a parameter placeholder for its rows (and bias entries), the
-   projection on it, the reshapes replayed at the narrower width; each reader's value is
-   replaced by its range's result; the old nodes are erased.
-5. Record each piece (``Traced.pieces``: ``<fqn>.<i>`` -> user parameter, dim, range); its
-   tensor is a view of the user's parameter, so a rank program holds ``c_attn.weight.0``,
-   ``.1``, ... and verify / checkpoints map the pieces back to ``c_attn.weight``.
+3. Every reader of the last value must take a contiguous range of whole rows of one dim of
+   the group, the same for all: ``slice`` (step 1) or ``split`` / ``split_with_sizes`` (each
+   part read).  Falcon's ``qkv[..., [-2], :]`` is a slice too: trace.py records a list index
+   of consecutive ints as a copied slice.  The dims of the group before the one read are its
+   *groups* (Falcon's ``new_decoder_architecture`` views its fused QKV as ``[.., g, a/g + 2,
+   d]``: per K/V head its query heads, key and value); the ranges, per group, must tile it
+   with at least two different widths; otherwise the projection is left as it is.  Grouped
+   projections are cut only when the axis ``size`` does not divide the groups (otherwise
+   each rank holds whole groups of the fused weight).
+4. Rewrite, per range: a parameter placeholder for its rows in every group (and bias
+   entries), the projection on it, the reshapes replayed at the narrower width; each
+   reader's value is replaced by its range's result; the old nodes are erased.  A grouped
+   piece's last reshape and the reshapes reading it become one reshape (Falcon's query:
+   ``[.., g, a/g, d]`` then ``flatten`` is ``[.., a, d]``, which splits by heads).
+5. Record each piece (``Traced.pieces``: ``<fqn>.<i>`` -> user parameter, dim, range,
+   groups); its tensor is a view of the user's parameter (a copy when grouped), so a rank
+   program holds ``c_attn.weight.0``, ``.1``, ... and verify / checkpoints map the pieces
+   back to ``c_attn.weight``.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ _MATMULS = (aten.matmul.default, aten.mm.default)
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
              aten.unsqueeze.default)  # fmt: skip
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 @dataclass(frozen=True)
@@ -59,26 +66,28 @@ class _Fused:
     ops: tuple[fx.Node, ...]  # [transpose,] projection [, bias add]: weight -> head
     bias: fx.Node | None
     chain: tuple[fx.Node, ...]  # reshapes after the head
-    ranges: tuple[tuple[int, int], ...]  # feature ranges, in order, tiling [0, n)
+    ranges: tuple[tuple[int, int], ...]  # feature ranges per group, in order, tiling it
     readers: tuple[tuple[fx.Node, ...], ...]  # per range: the values its result replaces
     dead: tuple[fx.Node, ...]  # split nodes read only by the readers
+    groups: int = 1  # the features are [groups, n / groups]; each range is in every group
 
 
-def split_fused_projections(traced: Traced) -> Traced:
-    """``traced`` with every fused projection of unequal blocks cut per block (steps 1-5)."""
-    if not _find(traced.gm.graph, traced):
+def split_fused_projections(traced: Traced, size: int | None = None) -> Traced:
+    """``traced`` with every fused projection of unequal blocks cut per block (steps 1-5);
+    grouped ones only where ``size`` ranks do not divide the groups (None: every one)."""
+    if not _find(traced.gm.graph, traced, size):
         return traced
     gm = copy_module(traced.gm)
     params, tensors = dict(traced.params), dict(traced.tensors)
     pieces, trainable = dict(traced.pieces), set(traced.trainable)
-    for fused in _find(gm.graph, traced):
+    for fused in _find(gm.graph, traced, size):
         made = _rewrite(gm.graph, fused)
         for ph, old, dim, (start, stop), i in made:
             fqn = traced.params[old]
             name = f"{fqn}.{i}"
             params[ph.name] = name
-            tensors[name] = tensors[fqn].detach().narrow(dim, start, stop - start)
-            pieces[name] = Piece(fqn=fqn, dim=dim, start=start, stop=stop)
+            pieces[name] = Piece(fqn=fqn, dim=dim, start=start, stop=stop, groups=fused.groups)
+            tensors[name] = pieces[name].of(tensors[fqn].detach())
             if fqn in traced.trainable:
                 trainable.add(name)
         for ph in (fused.weight, fused.bias):
@@ -93,12 +102,12 @@ def split_fused_projections(traced: Traced) -> Traced:
 # ---------------------------------------------------------------- steps 1-3: find
 
 
-def _find(graph: fx.Graph, traced: Traced) -> list[_Fused]:
+def _find(graph: fx.Graph, traced: Traced, size: int | None) -> list[_Fused]:
     found = []
     for w in graph.nodes:
         if w.op == "placeholder" and w.name in traced.params:
             fused = _fused(w, traced)
-            if fused is not None:
+            if fused is not None and (fused.groups == 1 or not size or fused.groups % size):
                 found.append(fused)
     return found
 
@@ -116,16 +125,16 @@ def _fused(w: fx.Node, traced: Traced) -> _Fused | None:
     read = _ranges(last, n)
     if read is None:
         return None
-    ranges, readers, dead = read
+    ranges, readers, dead, groups = read
     values = (ops[-1], *chain)
-    whole_rows = all(_piece_shape(_shape(v), n, b - a) is not None
+    whole_rows = all(_piece_shape(_shape(v), n, b - a, groups) is not None
                      for v in values for a, b in ranges)  # fmt: skip
-    fits = whole_rows and all(_shape(r) == _piece_shape(_shape(last), n, b - a)
+    fits = whole_rows and all(_shape(r) == _piece_shape(_shape(last), n, b - a, groups)
                               for (a, b), rs in zip(ranges, readers, strict=True) for r in rs)  # fmt: skip
     if len({b - a for a, b in ranges}) < 2 or not fits:
         return None
     return _Fused(weight=w, dim=dim, ops=ops, bias=bias, chain=chain, ranges=ranges,
-                  readers=readers, dead=dead)  # fmt: skip
+                  readers=readers, dead=dead, groups=groups)  # fmt: skip
 
 
 def _projection(w: fx.Node) -> tuple[tuple[fx.Node, ...], int] | None:
@@ -185,14 +194,18 @@ def _suffix(shape: Sequence[int], n: int) -> int | None:
 
 
 def _ranges(last: fx.Node, n: int) -> tuple | None:
-    """Step 3: (ranges in order, readers per range, dead nodes), or None."""
+    """Step 3: (ranges per group in order, readers per range, dead nodes, groups), or None."""
     shape = _shape(last)
     fd = _suffix(shape, n)
-    inner = math.prod(shape[fd + 1 :])
+    read_dims = {_read_dim(user, len(shape)) for user in last.users}
+    if len(read_dims) != 1 or None in read_dims or min(read_dims) < fd:
+        return None
+    k = read_dims.pop()
+    inner, groups = math.prod(shape[k + 1 :]), math.prod(shape[fd:k])
     by_range: dict[tuple[int, int], list[fx.Node]] = {}
     dead: list[fx.Node] = []
     for user in last.users:
-        got = _read(user, last, fd, shape[fd])
+        got = _read(user, last, k, shape[k])
         if got is None:
             return None
         parts, extra = got
@@ -200,11 +213,20 @@ def _ranges(last: fx.Node, n: int) -> tuple | None:
             by_range.setdefault((a * inner, b * inner), []).append(node)
         dead += extra
     ranges = sorted(by_range)
-    if len(ranges) < 2 or ranges[0][0] != 0 or ranges[-1][1] != n:
+    if len(ranges) < 2 or ranges[0][0] != 0 or ranges[-1][1] != n // groups:
         return None
     if any(r[1] != s[0] for r, s in zip(ranges, ranges[1:], strict=False)):
         return None  # overlapping or with a gap
-    return tuple(ranges), tuple(tuple(by_range[r]) for r in ranges), tuple(dead)
+    return tuple(ranges), tuple(tuple(by_range[r]) for r in ranges), tuple(dead), groups
+
+
+def _read_dim(user: fx.Node, nd: int) -> int | None:
+    """The dim a step-3 reader (slice / split) takes its rows of."""
+    if user.target is aten.slice.Tensor:
+        return _norm(user.args[1] if len(user.args) > 1 else 0, nd)
+    if user.target in _SPLITS:
+        return _norm(user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0), nd)
+    return None
 
 
 def _read(user: fx.Node, src: fx.Node, fd: int, width: int) -> tuple | None:
@@ -235,13 +257,21 @@ def _read(user: fx.Node, src: fx.Node, fd: int, width: int) -> tuple | None:
     return None
 
 
-def _piece_shape(shape: Sequence[int], n: int, width: int) -> torch.Size | None:
-    """``shape`` with the first dim of its feature group narrowed to ``width`` of the ``n``
-    features (None: the piece is not whole rows of that dim)."""
+def _piece_shape(shape: Sequence[int], n: int, width: int, groups: int = 1) -> torch.Size | None:
+    """``shape`` with its feature group (sizes multiplying to ``n``, viewed as ``[groups, n /
+    groups]``) narrowed to ``width`` features of each group: the first dim of the group past
+    the groups shrinks (None: the piece is not whole rows of that dim)."""
     fd = _suffix(shape, n)
-    if fd is None or shape[fd] * width % n:
+    if fd is None:
         return None
-    return torch.Size([*shape[:fd], shape[fd] * width // n, *shape[fd + 1 :]])
+    outer, j = 1, fd
+    while groups > 1 and j < len(shape) and outer * shape[j] <= groups:
+        outer, j = outer * shape[j], j + 1  # dims holding whole groups
+    if j == len(shape) or groups % outer or shape[j] % (groups // outer):
+        return None
+    if shape[j] * width * groups % n:
+        return None
+    return torch.Size([*shape[:j], shape[j] * width * groups // n, *shape[j + 1 :]])
 
 
 def _norm(dim: int, nd: int) -> int:
@@ -262,18 +292,21 @@ def _rewrite(graph: fx.Graph, f: _Fused) -> list[tuple]:
     old_nodes = [*f.ops, *f.chain]
     anchor = f.chain[-1].next if f.chain else f.ops[-1].next
     for i, (a, b) in enumerate(f.ranges):
-        w_i = _piece_placeholder(graph, f.weight, f.dim, a, b, i)
+        rows = (b - a) * f.groups
+        w_i = _piece_placeholder(graph, f.weight, f.dim, rows, i)
         made.append((w_i, f.weight.name, f.dim, (a, b), i))
         env = {f.weight: w_i}
         if f.bias is not None:
-            b_i = _piece_placeholder(graph, f.bias, 0, a, b, i)
+            b_i = _piece_placeholder(graph, f.bias, 0, rows, i)
             made.append((b_i, f.bias.name, 0, (a, b), i))
             env[f.bias] = b_i
         with graph.inserting_before(anchor):
             for old in old_nodes:
-                env[old] = _replay(graph, old, env, n, b - a, i)
+                env[old] = _replay(graph, old, env, n, b - a, i, f.groups)
         for reader in f.readers[i]:
             reader.replace_all_uses_with(env[old_nodes[-1]])
+        if f.groups > 1:
+            _fold_reshapes(graph, env[old_nodes[-1]])
     erase = [r for rs in f.readers for r in rs] + list(f.dead) + old_nodes[::-1]
     erase += [f.weight] + ([f.bias] if f.bias is not None else [])
     for node in erase:
@@ -282,22 +315,38 @@ def _rewrite(graph: fx.Graph, f: _Fused) -> list[tuple]:
     return made
 
 
-def _piece_placeholder(graph: fx.Graph, ph: fx.Node, dim: int, a: int, b: int,
-                       i: int) -> fx.Node:  # fmt: skip
+def _piece_placeholder(graph: fx.Graph, ph: fx.Node, dim: int, rows: int, i: int) -> fx.Node:
     with graph.inserting_before(ph):
         new = graph.placeholder(f"{ph.name}_{i}")
     new.meta.update({k: v for k, v in ph.meta.items() if k not in ("autopar", "tensor_meta")})
-    new.meta["val"] = _narrowed(ph.meta["val"], dim, b - a)
+    new.meta["val"] = _narrowed(ph.meta["val"], dim, rows)
     return new
 
 
+def _fold_reshapes(graph: fx.Graph, last: fx.Node) -> None:
+    """Step 4: each reshape reading the grouped piece's last reshape ``last`` reads what
+    ``last`` reads instead (one reshape of the projection's output)."""
+    if last.target not in _VIEWS:
+        return
+    for user in list(last.users):
+        if user.target in (*_VIEWS, aten.flatten.using_ints) and user.args[0] is last:
+            with graph.inserting_before(user):
+                new = graph.call_function(aten.reshape.default,
+                                          (last.args[0], list(_shape(user))))  # fmt: skip
+            new.meta.update({k: v for k, v in user.meta.items() if k not in ("autopar",)})
+            user.replace_all_uses_with(new)
+            graph.erase_node(user)
+    if not last.users:
+        graph.erase_node(last)
+
+
 def _replay(graph: fx.Graph, old: fx.Node, env: dict, n: int, width: int,
-            index: int) -> fx.Node:  # fmt: skip
-    """``old`` on its inputs' pieces: the first dim of its feature group (sizes multiplying
-    to ``n``) narrowed to the piece's ``width`` features."""
-    shape = list(_piece_shape(_shape(old), n, width))
+            index: int, groups: int = 1) -> fx.Node:  # fmt: skip
+    """``old`` on its inputs' pieces: its feature group (sizes multiplying to ``n``) narrowed
+    to the piece's ``width`` features of each of ``groups`` (`_piece_shape`)."""
+    shape = list(_piece_shape(_shape(old), n, width, groups))
     args = fx.node.map_arg(old.args, lambda a: env.get(a, a))
-    if old.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+    if old.target in _VIEWS:
         args = (args[0], shape, *args[2:])
     new = graph.create_node("call_function", old.target, args, dict(old.kwargs),
                             name=f"{old.name}_block{index}")  # fmt: skip

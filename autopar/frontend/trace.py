@@ -75,12 +75,36 @@ _CONVS = (torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default,
 @dataclass(frozen=True)
 class Piece:
     """Entries ``start:stop`` of dim ``dim`` of the user's parameter ``fqn``: one block of a
-    fused projection that holds its own layout (autopar/frontend/fused.py)."""
+    fused projection that holds its own layout (autopar/frontend/fused.py).  With ``groups``
+    > 1 the dim is viewed as ``[groups, n / groups]`` and the piece is entries ``start:stop``
+    of every group, in group order (a fused QKV laid out per K/V head: Falcon's
+    ``new_decoder_architecture``)."""
 
     fqn: str
     dim: int
     start: int
     stop: int
+    groups: int = 1
+
+    def of(self, whole: torch.Tensor) -> torch.Tensor:
+        """This piece of the user's tensor ``whole`` (a view when ``groups`` is 1)."""
+        if self.groups == 1:
+            return whole.narrow(self.dim, self.start, self.stop - self.start)
+        t = whole.movedim(self.dim, 0)
+        t = t.reshape(self.groups, t.shape[0] // self.groups, *t.shape[1:])
+        t = t.narrow(1, self.start, self.stop - self.start)
+        return t.reshape(-1, *t.shape[2:]).movedim(0, self.dim)
+
+
+def join_pieces(parts: Sequence[torch.Tensor], pieces: Sequence[Piece]) -> torch.Tensor:
+    """The user's tensor from all of its ``pieces`` (in ``start`` order), held as ``parts``."""
+    dim, groups = pieces[0].dim, pieces[0].groups
+    if groups == 1:
+        return torch.cat(list(parts), dim)
+    per = [p.movedim(dim, 0) for p in parts]
+    per = [p.reshape(groups, p.shape[0] // groups, *p.shape[1:]) for p in per]
+    t = torch.cat(per, 1)
+    return t.reshape(-1, *t.shape[2:]).movedim(0, dim)
 
 
 @dataclass(frozen=True, kw_only=True)

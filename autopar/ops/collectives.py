@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as ft_c
 import torch.fx as fx
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}
@@ -119,6 +120,8 @@ def _all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
 
 
 def _gather(x: torch.Tensor, axis: str, dim: int, blocks: int) -> torch.Tensor:
+    if blocks == 1 and torch.compiler.is_compiling():  # the form inductor's async TP matches
+        return ft_c.all_gather_tensor(x.contiguous(), dim, group(axis))
     t = axis_size(axis)
     xt = x.movedim(dim, 0)
     n, rest = xt.shape[0], xt.shape[1:]
@@ -134,6 +137,8 @@ def _gather(x: torch.Tensor, axis: str, dim: int, blocks: int) -> torch.Tensor:
 
 
 def _scatter(x: torch.Tensor, axis: str, dim: int, blocks: int) -> torch.Tensor:
+    if blocks == 1 and torch.compiler.is_compiling():  # the form inductor's async TP matches
+        return ft_c.reduce_scatter_tensor(x.contiguous(), "sum", dim, group(axis))
     t = axis_size(axis)
     xt = x.movedim(dim, 0)
     n, rest = xt.shape[0], xt.shape[1:]

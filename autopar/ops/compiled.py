@@ -5,8 +5,8 @@ one block).
 Algorithm (:func:`compiled`, on a block's first call in a process):
 1. The block's structural signature: each node's op, target and arguments (other nodes by
    position), its parameter reads by their names relative to the block, and the same of each
-   graph module it calls (its submodules, or one passed as an argument).  Blocks with equal signatures compute the same function of their own
-   parameters.
+   graph module it calls (its submodules, or one passed as an argument).  Blocks with equal
+   signatures compute the same function of their own parameters.
 2. The first block of a signature gets its class's ``forward`` replaced by
    ``torch.compile(forward, backend=...)``; every later block of that signature takes the
    first one's class (and the graph modules it calls take theirs, e.g. a higher-order op's
@@ -18,10 +18,18 @@ Algorithm (:func:`compiled`, on a block's first call in a process):
    checkpoint as one region; a compiled frame entered under checkpoint's saved-tensor hooks
    would run eagerly), as torchtitan compiles an activation-checkpointed block.
 The collectives inside a block (autograd Functions over c10d, autopar.ops.collectives) are
-traced by dynamo without graph breaks (tests/test_compile.py counts them).  The expert
-all-to-alls are custom ops whose received row count is data-dependent, so a block is traced
-with ``capture_dynamic_output_shape_ops`` (an unbacked size instead of a graph break; the rest
-of a block is the static-shape ATen graph autopar planned, which has no such op).
+traced by dynamo without graph breaks (tests/test_compile.py counts them); the ring steps of cp
+attention and of autopar's collective matmuls trace as functional all-to-alls
+(autopar.ops.cp_ops._Exchange).  The expert all-to-alls are custom ops whose received row
+count is data-dependent, so a block is traced with ``capture_dynamic_output_shape_ops`` (an
+unbacked size instead of a graph break; the rest of a block is the static-shape ATen graph
+autopar planned, which has no such op).
+
+Where the platform has it (:func:`micro_pipeline_tp`: inductor on CUDA with NCCL and symmetric
+memory), ``micro_pipeline_tp=True`` also turns on inductor's micro-pipelined TP
+(``torch._inductor.config._micro_pipeline_tp``, symmetric memory for the tp group) before the
+first compile: inductor's pattern matcher fuses the tp all-gather + matmul and matmul +
+reduce-scatter pairs, which autopar then leaves whole (Options.overlap_mode).
 """
 
 from __future__ import annotations
@@ -37,16 +45,53 @@ _CLASSES: dict[tuple[str, bool, tuple], tuple[type, dict[str, type]]] = {}
 
 
 def compiled(region: torch.nn.Module, *args: Any, backend: str = "inductor",
-             recompute: bool = False) -> Any:  # fmt: skip
+             recompute: bool = False, micro_pipeline_tp: bool = False) -> Any:  # fmt: skip
     """``region(*args)`` with ``region``'s forward compiled (steps 1-3)."""
-    _prepare(region, args, backend, recompute)
+    _prepare(region, args, backend, recompute, micro_pipeline_tp)
     return region(*args)
 
 
-def _prepare(region: torch.nn.Module, args: tuple, backend: str, recompute: bool) -> None:
+def micro_pipeline_tp(backend: str) -> tuple[bool, str]:
+    """Whether inductor's micro-pipelined TP can fuse the tp pairs of a program compiled with
+    ``backend`` on this platform, and why (not).  Its fused kernels
+    (``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``) copy
+    chunks through CUDA symmetric memory between the GPUs of one node, over NCCL groups."""
+    if backend != "inductor":
+        return False, (f"compile backend {backend!r}: micro-pipelined TP is an inductor pass; "
+                       "autopar's own ring steps run the pairs")  # fmt: skip
+    if not torch.cuda.is_available():
+        return False, ("no CUDA device: micro-pipelined TP needs CUDA symmetric memory; "
+                       "autopar's own ring steps run the pairs")  # fmt: skip
+    if not torch.distributed.is_nccl_available():
+        return False, "this torch has no NCCL; autopar's own ring steps run the pairs"
+    return True, ("inductor's micro-pipelined TP (torch._inductor.config._micro_pipeline_tp, "
+                  "symmetric memory on the tp group) fuses the all-gather + matmul and "
+                  "matmul + reduce-scatter pairs; autopar leaves them whole for it")  # fmt: skip
+
+
+def _enable_micro_pipeline_tp() -> None:
+    """Inductor's micro-pipelined TP on, symmetric memory for the tp group (before a block's
+    first compile)."""
+    import warnings
+
+    import torch._inductor.config
+    from torch.distributed import _symmetric_memory
+
+    from autopar.ops.collectives import group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    with warnings.catch_warnings():  # deprecated in torch 2.13, yet the pass still checks it
+        warnings.simplefilter("ignore", FutureWarning)
+        _symmetric_memory.enable_symm_mem_for_group(group("tp").group_name)
+
+
+def _prepare(region: torch.nn.Module, args: tuple, backend: str, recompute: bool,
+             pipelined: bool) -> None:  # fmt: skip
     """Steps 1-2, once per block object."""
     if getattr(region, "_autopar_compiled", False):
         return
+    if pipelined:
+        _enable_micro_pipeline_tp()
     nested = _nested(region, args)
     key = (backend, recompute, signature(region), tuple((k, signature(m)) for k, m in nested))
     if key not in _CLASSES:

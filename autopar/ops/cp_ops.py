@@ -49,6 +49,7 @@ from autopar.ops.collectives import _gather, axis_rank, axis_size, graph_op, gro
 _ACCUMULATE = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
                torch.float32: torch.float64}  # fmt: skip
 OVERLAP = True  # benchmarks/bench_cp.py turns it off to time blocking exchanges
+FUNCTIONAL = False  # ring steps by functional collectives in eager too (tests; bench_cp.py)
 EXCHANGES: Counter[str] = Counter()  # ring exchanges issued, by direction ('fwd', 'bwd')
 
 
@@ -171,18 +172,43 @@ def _neighbours(axis: str) -> tuple[int, int]:
     return dist.get_global_rank(g, (r + 1) % n), dist.get_global_rank(g, (r - 1) % n)
 
 
+def _permute(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """The ring step as a functional collective: an all-to-all of ``x`` whose only non-empty
+    splits are to rank + 1 and from rank − 1 (``permute_tensor``'s, without its wait, so
+    the graph keeps the wait where the block is used)."""
+    n, r = axis_size(axis), axis_rank(axis)
+    send, recv = [0] * n, [0] * n
+    send[(r + 1) % n] = recv[(r - 1) % n] = x.numel()
+    return torch.ops._c10d_functional.all_to_all_single(x, recv, send, group(axis).group_name)
+
+
 class _Exchange:
-    """One ring step: send ``tensors`` (fused) to rank+1, receive rank−1's."""
+    """One ring step: send ``tensors`` (fused) to rank+1, receive rank−1's.
+
+    Two mechanisms, the same message: eagerly ``batch_isend_irecv`` (point-to-point, waited
+    in :meth:`result`); while dynamo traces (``torch.compile``, which cannot trace
+    ``batch_isend_irecv`` or ``Work.wait``: a graph break each) or when :data:`FUNCTIONAL`
+    is set, the functional collective :func:`_permute` (torch's own context parallel rotates
+    K/V with ``permute_tensor`` too), traced into the graph as ``all_to_all_single`` here and
+    ``wait_tensor`` in :meth:`result`, so the block's compute stays between them.
+    """
 
     def __init__(self, tensors: list[torch.Tensor], axis: str, direction: str) -> None:
-        nxt, prv = _neighbours(axis)
         self.shapes = [t.shape for t in tensors]
         self.send = torch.cat([t.reshape(-1) for t in tensors])
-        self.recv = torch.empty_like(self.send)
-        g = group(axis)
-        ops = [dist.P2POp(dist.isend, self.send, nxt, g), dist.P2POp(dist.irecv, self.recv, prv, g)]
-        self.reqs = dist.batch_isend_irecv(ops)
-        EXCHANGES[direction] += 1
+        self.reqs: list = []
+        self.functional = FUNCTIONAL or torch.compiler.is_compiling()
+        if self.functional:
+            self.recv = _permute(self.send, axis)
+        else:
+            nxt, prv = _neighbours(axis)
+            self.recv = torch.empty_like(self.send)
+            g = group(axis)
+            ops = [dist.P2POp(dist.isend, self.send, nxt, g),
+                   dist.P2POp(dist.irecv, self.recv, prv, g)]  # fmt: skip
+            self.reqs = dist.batch_isend_irecv(ops)
+        if not torch.compiler.is_compiling():  # a count at trace time would mean nothing
+            EXCHANGES[direction] += 1
         if not OVERLAP:
             self._wait()
 
@@ -190,6 +216,9 @@ class _Exchange:
         for req in self.reqs:
             req.wait()
         self.reqs = []
+        if self.functional:
+            self.recv = torch.ops._c10d_functional.wait_tensor(self.recv)
+            self.functional = False
 
     def result(self) -> list[torch.Tensor]:
         self._wait()

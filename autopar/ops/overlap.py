@@ -99,8 +99,10 @@ def _gather_matmuls(x: torch.Tensor, dim: int, n: int, weights: Sequence[torch.T
 
 class _GatherLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis, dim, count, *weights_biases):  # noqa: ANN001, ANN205
-        weights, biases = weights_biases[:count], weights_biases[count:]
+    def forward(ctx, x, axis, dim, has_bias, *tensors):  # noqa: ANN001, ANN205
+        count = len(has_bias)
+        weights, present = tensors[:count], iter(tensors[count:])
+        biases = [next(present) if has else None for has in has_bias]
         n = axis_size(axis)
         outs, gathered = _gather_matmuls(x, dim, n, weights, axis, transpose=True)
         for out, b in zip(outs, biases, strict=True):
@@ -108,7 +110,7 @@ class _GatherLinear(torch.autograd.Function):
                 out.add_(b)
         ctx.save_for_backward(gathered, *weights)
         ctx.axis, ctx.dim, ctx.n = axis, dim, n
-        ctx.has_bias = [b is not None for b in biases]
+        ctx.has_bias = has_bias
         return tuple(outs)
 
     @staticmethod
@@ -127,7 +129,7 @@ class _GatherLinear(torch.autograd.Function):
         dx = _ring_scatter(axis, part) if ctx.needs_input_grad[0] else None
         flat = _flat(gathered)
         dws = [_flat(g).t() @ flat for g in grads]
-        dbs = [_flat(g).sum(0) if has else None for g, has in zip(grads, ctx.has_bias, strict=True)]
+        dbs = [_flat(g).sum(0) for g, has in zip(grads, ctx.has_bias, strict=True) if has]
         return (dx, None, None, None, *dws, *dbs)
 
 
@@ -161,8 +163,11 @@ def gather_linear(x: torch.Tensor, weights: Sequence[torch.Tensor],
                   dim: int) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """``tuple(linear(all_gather(x, axis, dim), w, b) for w, b in zip(weights, biases))``, the
     gather decomposed into ring steps under the matmuls; backward reduce-scatters the input's
-    gradient the same way (module docstring)."""
-    return _GatherLinear.apply(x, axis, dim, len(weights), *weights, *biases)
+    gradient the same way (module docstring).  Only the biases present are the Function's
+    inputs (dynamo, re-tracing it without autograd, misplaces a None among them)."""
+    has_bias = tuple(b is not None for b in biases)
+    return _GatherLinear.apply(x, axis, dim, has_bias, *weights,
+                               *(b for b in biases if b is not None))  # fmt: skip
 
 
 @graph_op

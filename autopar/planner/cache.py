@@ -320,7 +320,8 @@ class Canonical:
         if fqn is None:
             return ""
         piece = t.pieces.get(fqn)
-        part = piece and (self.path(piece.fqn), piece.dim, piece.start, piece.stop)
+        part = piece and (self.path(piece.fqn), piece.dim, piece.start, piece.stop,
+                          *((piece.groups,) if piece.groups > 1 else ()))  # fmt: skip
         return repr((name in t.params, self.path(fqn), fqn in t.trainable, t.padded.get(fqn),
                      part, fqn in t.persistent))  # fmt: skip
 

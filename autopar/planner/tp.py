@@ -209,6 +209,18 @@ def weight_views(traced: Traced) -> frozenset[str]:
     return frozenset(found)
 
 
+def _static(traced: Traced) -> frozenset[str]:
+    """Values of the weights alone: computed from parameters, with no user input, buffer or
+    constant on their way (a per-head norm's stacked scales), which a shared split may read
+    as a local slice (`_Pricer.relayout`)."""
+    found: set[str] = set(traced.params)
+    for n in traced.gm.graph.nodes:
+        ins = n.all_input_nodes
+        if n.op == "call_function" and ins and all(a.name in found for a in ins):
+            found.add(n.name)
+    return frozenset(found)
+
+
 def _solve(traced: Traced, axis: str, size: int, link: Link, gpu: GPU, options: PlanOptions,
            in_place: frozenset[str]) -> AxisSolution:  # fmt: skip
     graph_nodes = list(traced.gm.graph.nodes)
@@ -224,7 +236,7 @@ def _solve(traced: Traced, axis: str, size: int, link: Link, gpu: GPU, options: 
     if weight is None:
         weight = MEMORY_PRICE_S / gpu.hbm_bytes
     prob = _Problem()
-    pricer = _Pricer(size=size, link=link, fixed_params=in_place)
+    pricer = _Pricer(size=size, link=link, fixed_params=in_place, static=_static(traced))
     walks = _Walks(grad, _small_matrices(cands, traced))
     xvar = _choice_vars(prob, graph_nodes, rep, cands, grad, gpu, pricer, weight)
     for v in graph_nodes:
@@ -483,6 +495,7 @@ class _Pricer:
     size: int
     link: Link
     fixed_params: frozenset[str] = frozenset()  # split weights (and views) are never moved
+    static: frozenset[str] = frozenset()  # values computed from weights alone (no user input)
     # (kind, bytes) -> seconds: a deep model prices the same few sizes on every edge
     _times: dict[tuple[str, float], float] = field(default_factory=dict, compare=False,
                                                    repr=False)  # fmt: skip
@@ -502,9 +515,14 @@ class _Pricer:
         if (isinstance(have, Shard) and have.rep > 1 and isinstance(want, Shard) and want.rep == 1
                 and have.dim == want.dim and have.blocks == want.blocks == 1):
             return 0.0  # unshare: each sharer keeps its part of the piece, locally
+        bwd = 1.0 if grad else 0.0
+        if isinstance(have, Replicate) and isinstance(want, Shard) and want.rep > 1:
+            # share: each piece repeated rep times, locally, then sliced; backward all-gathers
+            # the sharers' parts of the gradient (rep times the value) and sums them.  Only
+            # for values of the weights alone (`_pairs`)
+            return bwd * self.t("all_gather", nbytes * want.rep)
         if isinstance(want, Partial) or _rep(have) > 1 or _rep(want) > 1:
             return None  # a shared split is otherwise only read as it is
-        bwd = 1.0 if grad else 0.0
         if isinstance(have, Replicate):  # local slice; backward all-gathers the gradient
             return bwd * self.t("all_gather", nbytes)
         if isinstance(have, Partial):
@@ -629,6 +647,8 @@ def _pairs(pricer: _Pricer, edge: tuple, cands: dict, nbytes: float, needs: bool
                 cost = pricer.relayout(have, want, nbytes if moved is None else moved, needs)
                 if not moves and isinstance(have, Shard) and have != want:
                     cost = None
+                if isinstance(have, Replicate) and _rep(want) > 1 and ur.name not in pricer.static:
+                    cost = None  # an activation is shared where it is computed, never after
                 key = _relayout_key(ur, idx, a, want) + (() if moved is None else ("cast",))
                 every.append(_Pair(a, b, sa, sb, have, want, cost, key))
         priced = [p for p in every if p.cost is not None and (

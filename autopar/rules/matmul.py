@@ -9,7 +9,7 @@ import torch.fx as fx
 
 from autopar.frontend.trace import tensor_args
 from autopar.ir.layout import PARTIAL, Placement, R, Shard
-from autopar.rules.core import RuleContext, Strategy, _shape, aten, rule
+from autopar.rules.core import RuleContext, Strategy, _dim, _shape, aten, rule
 from autopar.rules.pointwise import _broadcast_placement
 
 
@@ -137,21 +137,24 @@ def shared_kv_reps(nodes: list[fx.Node], size: int) -> tuple[int, ...]:
     attention with 1 < g < size K/V heads dividing size (:func:`sdpa`; multi-query
     attention's one head is replicated, ``replicated_kv_heads``: one piece is no split), and
     for every head repeat written out (HF's ``repeat_kv`` before eager attention: ``expand``
-    of [b, g, 1, s, d] to [b, g, n, s, d], reshaped to [b, g*n, s, d]): the shared piece is
-    then read by its sharers as the plain split of the repeated heads (``unshare``)."""
+    of [b, g, 1, s, d] to [b, g, n, s, d], reshaped to [b, g*n, s, d]; Falcon's
+    ``broadcast_to`` then ``flatten`` of [b, s, g, 1, d] alike; litgpt's
+    ``repeat_interleave(n, dim=1)`` of [b, g, s, d]): the shared piece is then read by its
+    sharers as the plain split of the repeated heads (``unshare``)."""
     found = set()
     for n in nodes:
         if n.target is aten.scaled_dot_product_attention.default:
             q, k = _shape(n.args[0]), _shape(n.args[1])
             if 1 < k[1] < size and size % k[1] == 0 and q[1] % size == 0:
                 found.add(size // k[1])
-        elif (g := _repeated_groups(n)) is not None and 1 < g[0] < size and size % g[0] == 0 \
-                and g[0] * g[1] % size == 0:
+        elif (g := _repeated_groups(n) or _interleaved_groups(n)) is not None \
+                and 1 < g[0] < size and size % g[0] == 0 and g[0] * g[1] % size == 0:
             found.add(size // g[0])
     return tuple(sorted(found))
 
 
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+          aten.flatten.using_ints)  # fmt: skip
 
 
 def _repeated_groups(n: fx.Node) -> tuple[int, int] | None:
@@ -160,7 +163,8 @@ def _repeated_groups(n: fx.Node) -> tuple[int, int] | None:
     if n.op != "call_function" or n.target not in _VIEWS:
         return None
     src = n.args[0]
-    if not isinstance(src, fx.Node) or src.target is not aten.expand.default:
+    if not isinstance(src, fx.Node) or src.target not in (aten.expand.default,
+                                                          aten.broadcast_to.default):
         return None
     before, after, out = _shape(src.args[0]), _shape(src), _shape(n)
     if len(before) != len(after) or len(out) != len(after) - 1:
@@ -170,6 +174,19 @@ def _repeated_groups(n: fx.Node) -> tuple[int, int] | None:
                 and list(out[:d]) == list(after[:d]) and list(out[d + 1:]) == list(after[d + 2:])):
             return after[d], after[d + 1]
     return None
+
+
+def _interleaved_groups(n: fx.Node) -> tuple[int, int] | None:
+    """(g, n) when ``n`` repeats each of the g entries of a dim n times in place
+    (``repeat_interleave`` by one integer: [.., g, ..] -> [.., g*n, ..])."""
+    if n.op != "call_function" or n.target is not aten.repeat_interleave.self_int:
+        return None
+    dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim")
+    repeats = n.args[1] if len(n.args) > 1 else n.kwargs.get("repeats")
+    if dim is None or not isinstance(repeats, int) or repeats < 2:
+        return None
+    src = _shape(n.args[0])
+    return src[_dim(dim, len(src))], repeats
 
 
 def _mask_placements(masks: list[torch.Size], d: int, b: int = 1) -> tuple[Placement, ...]:

@@ -1,11 +1,13 @@
-"""View-like ops (view/reshape through dim groups, transpose, permute, slice, expand, split,
-cat, stack): a split follows the dim it moves to; blocked splits map through dim groups."""
+"""View-like ops (view/reshape through dim groups, transpose, permute and the other dim
+reorderings, slice, expand, split, cat, stack): a split follows the dim it moves to; blocked
+splits map through dim groups."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
 
+import torch
 import torch.fx as fx
 
 from autopar.frontend.trace import tensor_args
@@ -99,6 +101,30 @@ def numpy_t(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     return _unary_map(node, ctx, lambda p: _remap(p, lambda d: nd - 1 - d))
 
 
+_PERMUTING = (aten.mT.default, aten.mH.default, aten.adjoint.default, aten.matrix_H.default,
+              aten.swapaxes.default, aten.swapdims.default, aten.movedim.int,
+              aten.movedim.intlist, aten.moveaxis.int, aten.moveaxis.intlist)  # fmt: skip
+
+
+@rule(*_PERMUTING)
+def dim_permutation(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """Views that only reorder dims (``x.mT``, ``swapaxes``, ``movedim``; ``mH`` / ``adjoint``
+    also conjugate, elementwise and additive, so partial sums pass): a split follows its dim
+    to where the op moves it."""
+    moved = _moved_dims(node)
+    return _unary_map(node, ctx, lambda p: _remap(p, moved.index))
+
+
+def _moved_dims(node: fx.Node) -> list[int]:
+    """``moved[k]``: the input dim that output dim ``k`` views, read off the strides of the op
+    applied to a meta tensor whose strides all differ (a size-2 dim each)."""
+    nd = len(_shape(node.args[0]))
+    probe = torch.empty((2,) * nd, device="meta")
+    strides = probe.stride()
+    out = node.target(probe, *node.args[1:], **node.kwargs)
+    return [strides.index(st) for st in out.stride()]
+
+
 @rule(aten.view_as_complex.default, aten.view_as_real.default)
 def complex_view(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     """[..., 2] real <-> [...] complex: every dim but the pair passes through unchanged."""
@@ -148,7 +174,7 @@ def squeeze(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     )
 
 
-@rule(aten.slice.Tensor, aten.select.int)
+@rule(aten.slice.Tensor, aten.select.int, aten.narrow.default)
 def slice_select(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     nd = len(_shape(node.args[0]))
     at = _dim(node.args[1] if len(node.args) > 1 else 0, nd)

@@ -428,12 +428,16 @@ class DataParallelModule(torch.nn.Module):
        16-bit, reductions and norms as autocast keeps them); FSDP2 also gathers the weights in
        16-bit; under DDP autocast casts them per use.  Gradients reach the fp32 parameters and
        are reduced in ``reduce_dtype`` (fp32 by default).
+    5. FP8 (``fp8="tensorwise"`` programs) under ZeRO 2/3: the weights only float8 linears
+       read are all-gathered in float8 (:func:`shard_per_block`; ``float8_all_gather=False``
+       gathers them in their own dtype and casts after, the same numbers).
     """
 
     def __init__(self, module: torch.nn.Module, *, group: Any, dp_mesh: Any, zero: int,
                  reduction: str, param_dtype: torch.dtype = torch.float32,
                  reduce_dtype: torch.dtype = torch.float32,
-                 shard_group: Any = None, mixed_precision: str = "cast") -> None:  # fmt: skip
+                 shard_group: Any = None, mixed_precision: str = "cast",
+                 float8_all_gather: bool = True) -> None:  # fmt: skip
         super().__init__()
         self.group, self.zero, self.reduction = group, zero, reduction
         self.shard_group = group if shard_group is None else shard_group
@@ -450,7 +454,8 @@ class DataParallelModule(torch.nn.Module):
         else:
             self.engine = shard_per_block(module, dp_mesh, reshard_after_forward=zero == 3,
                                           mp_policy=_mp_policy(param_dtype if mixed else None,
-                                                               reduce_dtype))  # fmt: skip
+                                                               reduce_dtype),
+                                          float8=float8_all_gather)  # fmt: skip
         # FSDP2 averages; another divisor needs PREMUL_SUM, which Gloo lacks, so the outputs'
         # gradients are scaled by group size / divisor instead (exact for powers of two)
         size = dist.get_world_size(self.shard_group)
@@ -710,7 +715,7 @@ class DataAxis:
 
 
 def shard_per_block(module: torch.nn.Module, dp_mesh: Any, *, reshard_after_forward: bool,
-                    mp_policy: Any = None) -> torch.nn.Module:  # fmt: skip
+                    mp_policy: Any = None, float8: bool = True) -> torch.nn.Module:  # fmt: skip
     """FSDP2 over ``dp_mesh`` with one parameter group per repeated block: the program's
     blocks become submodule calls (:func:`autopar.codegen.outline_blocks`), each block is
     ``fully_shard``-ed, then the rest of the program.  FSDP2 gathers a block's parameters
@@ -718,20 +723,25 @@ def shard_per_block(module: torch.nn.Module, dp_mesh: Any, *, reshard_after_forw
     block's pre-hook issues the next block's gather (forward and backward prefetch), so on an
     asynchronous process group it overlaps the running block.  The last block is not
     resharded after forward (its backward comes first: ``data_parallel.kept_gathered``).  A
-    program without separable blocks is one group.  Returns the module that runs (the
-    outlined one when blocks were found)."""
+    program without separable blocks is one group.  ``float8``: the weights only tensorwise
+    ``fp8_linear`` s read are all-gathered in float8, cast before the gather with the whole
+    weight's scale (torchao's FSDP2 extension; autopar.ops.fp8 step 4).  Returns the module
+    that runs (the outlined one when blocks were found)."""
     from torch.distributed.fsdp import fully_shard
 
     from autopar.axes.recompute import block_targets, blocks_outlined
     from autopar.codegen import outline_blocks
+    from autopar.ops.fp8 import gather_in_float8
 
     policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     outlined = outline_blocks(module) if isinstance(module, torch.fx.GraphModule) else None
     if blocks_outlined(module):  # recompute="full": already outlined, each block checkpointed
         outlined = module
+    module = module if outlined is None else outlined
+    if float8:
+        gather_in_float8(module)
     blocks = []
     if outlined is not None:
-        module = outlined
         targets = block_targets(module)
         for i, target in enumerate(targets):  # the last block is kept gathered into backward
             last = i == len(targets) - 1  # (data_parallel.kept_gathered)

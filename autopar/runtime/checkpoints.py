@@ -94,6 +94,8 @@ class ShardSpec:
     coords: dict[str, int]
     saved: tuple[int, ...] = ()  # the saved tensor's shape when this one is a piece of it
     base: tuple[int, ...] = ()  # this tensor's offset in the saved tensor (a piece's rows)
+    # a piece of every group of the saved tensor's dim: (dim, rows per group here, there)
+    grouped: tuple[int, int, int] = ()
 
     @staticmethod
     def whole(shape: Sequence[int]) -> ShardSpec:
@@ -207,11 +209,13 @@ def named_specs(model: Any) -> Iterator[tuple[str, torch.Tensor, ShardSpec]]:
         buffers = [(n, b) for n, b in module.named_buffers() if n in keep]
         for fqn, p in [*module.named_parameters(), *buffers]:
             if fqn in pieces:
-                name, dim, start, whole = pieces[fqn]
+                name, dim, start, whole, groups, stop = (*pieces[fqn], 1, 0)[:6]
                 shape, padded, layout, sizes = shards[fqn]
                 base = tuple(start if d == dim else 0 for d in range(len(whole)))
+                grouped = (dim, stop - start, whole[dim] // groups) if groups > 1 else ()
                 yield name, p, ShardSpec(shape=shape, padded=padded, layout=layout, sizes=sizes,
-                                         coords=coords, saved=whole, base=base)  # fmt: skip
+                                         coords=coords, saved=whole, base=base,
+                                         grouped=grouped)  # fmt: skip
             elif fqn in shards:
                 shape, padded, layout, sizes = shards[fqn]
                 yield fqn, p, ShardSpec(shape=shape, padded=padded, layout=layout, sizes=sizes,
@@ -239,8 +243,25 @@ def _placed(spec: ShardSpec, pieces: list, dtype: torch.dtype) -> Pieces:
     """Pieces of ``spec.shape``, or of the saved tensor when this one is a piece of it."""
     if not spec.saved:
         return Pieces(spec.shape, pieces, dtype)
+    if spec.grouped:
+        pieces = [cut for off, t in pieces for cut in _ungrouped(off, t, spec.grouped)]
     moved = [(tuple(o + b for o, b in zip(off, spec.base, strict=True)), t) for off, t in pieces]
     return Pieces(spec.saved, moved, dtype)
+
+
+def _ungrouped(off: tuple[int, ...], t: torch.Tensor, grouped: tuple[int, int, int]
+               ) -> list[tuple[tuple[int, ...], torch.Tensor]]:  # fmt: skip
+    """A run of a grouped piece's rows (``Piece.groups``) cut at its groups, each cut at its
+    offset in the saved tensor (before the piece's ``base``): row i of the piece is row
+    ``(i // here) * there + i % here`` there."""
+    dim, here, there = grouped
+    out, i, end = [], off[dim], off[dim] + t.shape[dim]
+    while i < end:
+        run = min(here - i % here, end - i)
+        at = (*off[:dim], (i // here) * there + i % here, *off[dim + 1 :])
+        out.append((at, t.narrow(dim, i - off[dim], run)))
+        i += run
+    return out
 
 
 def _add(out: dict[str, Any], key: str, value: Any) -> None:

@@ -2,7 +2,8 @@
 
 Each entry builds a model with random weights (nothing is downloaded) and trains it with the
 model's own loss: Hugging Face models from a config (``labels=``): an image classifier (ViT),
-encoder classifiers (BERT, DistilBERT) and encoder-decoders (T5, BART); and plain modules
+encoder classifiers (BERT, DistilBERT) and encoder-decoders (T5, BART); litgpt's models from
+its own config registry (:class:`LitGPT`: Gemma-2, next-token cross-entropy); and plain modules
 written here: a diffusion transformer (:class:`DiT`, noise-prediction MSE).
 
 Algorithm of :func:`check` (one row of the table):
@@ -49,6 +50,7 @@ class Model:
     module: Callable[..., nn.Module] | None = None  # built from the config keywords instead
     inputs: Callable[[str, Any, torch.Generator], tuple[tuple, dict]]  # (args, kwargs)
     tags: tuple[str, ...]
+    requires: tuple[str, ...] = ("transformers",)  # packages the build imports
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,6 +169,44 @@ class DiT(nn.Module):
         return F.mse_loss(image.reshape(b, self.channels, g * p, g * p), target)
 
 
+class LitGPT(nn.Module):
+    """litgpt's ``GPT`` from its config registry, ``Config.from_name(name, **overrides)`` (the
+    named model's architecture flags kept, the sizes overridden), trained by next-token
+    cross-entropy: ``forward(idx, targets)`` returns the mean loss over ``[b, s]`` tokens.
+    litgpt's training forward (no ``input_pos``: no KV cache; its rope tables are buffers made
+    for ``block_size``)."""
+
+    def __init__(self, name: str, **overrides: Any) -> None:
+        super().__init__()
+        from litgpt.config import Config
+        from litgpt.model import GPT
+
+        self.gpt = GPT(Config.from_name(name, **overrides))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.gpt(idx)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _gemma2(size: str) -> dict[str, Any]:
+    """litgpt's Gemma-2 (local sliding-window and global layers alternating, attention-logit
+    and final-logit softcapping, post-attention and post-MLP RMSNorms, GQA, GeGLU MLP, scaled
+    embeddings). Tiny: the registry's widths with 2 K/V groups of 2 query heads; realistic:
+    gemma-2-2b's own (h 2304, 8 heads of 256, 4 K/V groups, ffn 9216) but the registry's
+    vocabulary. Two layers, one of each kind; the window is half the sequence so the local
+    mask cuts."""
+    d = _SIZES[size]
+    shape = dict(n_layer=2, block_size=d["seq"], sliding_window_size=d["seq"] // 2,
+                 sliding_window_indices=[1, 0], vocab_size=d["vocab"],
+                 padded_vocab_size=d["vocab"])  # fmt: skip
+    if size == "tiny":
+        shape |= dict(n_embd=d["hidden"], n_head=d["heads"], n_query_groups=d["heads"] // 2,
+                      head_size=d["hidden"] // d["heads"],
+                      attention_scores_scalar=d["hidden"] // d["heads"],
+                      intermediate_size=d["ffn"])  # fmt: skip
+    return dict(name="gemma-2-2b", **shape)
+
+
 def _bert(size: str) -> dict[str, Any]:
     d = _SIZES[size]
     return dict(vocab_size=d["vocab"], hidden_size=d["hidden"], num_hidden_layers=2,
@@ -218,6 +258,12 @@ def _denoise(size: str, device: Any, g: torch.Generator) -> tuple[tuple, dict]:
     return (x.to(device), t.to(device), y.to(device)), {"target": noise.to(device)}
 
 
+def _next_token(size: str, device: Any, g: torch.Generator) -> tuple[tuple, dict]:
+    d = _SIZES[size]
+    ids, targets = (torch.randint(0, d["vocab"], (d["batch"], d["seq"]), generator=g) for _ in "it")
+    return (ids.to(device),), {"targets": targets.to(device)}
+
+
 def _text_cls(size: str, device: Any, g: torch.Generator) -> tuple[tuple, dict]:
     d = _SIZES[size]
     ids = torch.randint(3, d["vocab"], (d["batch"], d["seq"]), generator=g).to(device)
@@ -251,7 +297,10 @@ _MODELS: tuple[Model, ...] = (
     Model(name="hf_bart", model_class="BartForConditionalGeneration", config_class="BartConfig",
           config=_bart, inputs=_seq2seq, tags=("encoder-decoder", "cross-attention")),
     Model(name="dit", model_class="", config_class="", config=_dit, inputs=_denoise,
-          module=DiT, tags=("vision", "diffusion", "conv-patch", "adaln", "mse")),
+          module=DiT, tags=("vision", "diffusion", "conv-patch", "adaln", "mse"), requires=()),
+    Model(name="litgpt_gemma2", model_class="", config_class="", config=_gemma2,
+          inputs=_next_token, module=LitGPT, requires=("litgpt",),
+          tags=("litgpt", "decoder", "sliding-window", "softcap", "gqa", "post-norm")),
 )  # fmt: skip
 
 
@@ -305,7 +354,8 @@ def tokens(entry: Model, size: str = "realistic") -> int:
 
 
 _READS = {"view", "reshape", "t", "transpose", "permute", "_to_copy", "to", "alias", "clone",
-          "contiguous", "unsqueeze", "squeeze", "expand"}  # ops that only move a value
+          "contiguous", "unsqueeze", "squeeze", "expand", "numpy_T", "mT", "swapaxes",
+          "swapdims", "movedim", "moveaxis"}  # ops that only move a value
 
 
 def weight_gathers(prog: Program) -> tuple[str, ...]:

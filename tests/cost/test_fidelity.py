@@ -49,3 +49,20 @@ def test_reserve_ratio_is_fitted_on_the_memory_fit_rows_only(fidelity):
     assert fidelity.reserve_ratio(moved) == ratio
     refit = tuple(replace(r, memory_gib=r.memory_gib * 2) if r.memory_fit else r for r in rows)
     assert fidelity.reserve_ratio(refit) == pytest.approx(2 * ratio)
+
+
+def test_grand_teton_peak_is_fitted_on_its_fit_row_only(fidelity):
+    """The 500 W H100's sustained peak reads the `peak_fit` row's published step time and
+    nothing else: moving every other row's figures leaves it (and the held-out predictions on
+    that GPU) alone; moving the fit row's figure moves it; the fitted row is then matched."""
+    rows = fidelity.ROWS
+    factor = fidelity.peak_factor(rows)
+    assert 0.2 < factor < 1.0
+    moved = tuple(r if r.peak_fit else replace(r, published=r.published * 3) for r in rows)
+    assert fidelity.peak_factor(moved) == factor
+    held = next(r for r in rows if r.cluster.gpu.name == fidelity.H100_GT.name and not r.fit)
+    assert fidelity.predict(held, moved).tokens_per_s == fidelity.predict(held, rows).tokens_per_s
+    refit = tuple(replace(r, published=r.published * 1.2) if r.peak_fit else r for r in rows)
+    assert fidelity.peak_factor(refit) > factor
+    (fit,) = (r for r in rows if r.peak_fit)
+    assert fidelity.figure(fit, fidelity.predict(fit)) == pytest.approx(fit.published, rel=1e-4)
