@@ -17,7 +17,7 @@ from autopar.errors import InputError
 from autopar.ops.compiled import compile_stats
 from autopar.runtime.pool import get_pool
 from autopar.tools import zoo
-from autopar.tools.testing import Config, build, lm_loss, tokens
+from autopar.tools.testing import Config, MoEConfig, build, build_moe, lm_loss, tokens
 from autopar.verify import verify
 
 LLAMA = Config(layers=2, batch=4, seq=16, kv_heads=2)
@@ -86,6 +86,7 @@ ROUTES = [
     ("hf_llama", {"tp": 2}, {"recompute": "full"}),
     ("llama", {"tp": 2}, {"tp_overlap": "all", "memory_weight": SP}),  # collective matmuls
     ("mixtral", {"ep": 2}, {}),  # the expert all-to-alls as custom ops
+    ("moe", {"pp": 2, "ep": 2}, {"n_microbatches": 2}),  # + the pending bucket sums
 ]
 
 
@@ -96,6 +97,9 @@ def test_aot_eager_programs_equal_single_device(kind, axes, options):
         pytest.importorskip("transformers")
         model, args, kwargs, _ = zoo.build(zoo.family("mixtral"))  # the model's own loss
         loss = None
+    elif kind == "moe":
+        c = MoEConfig(batch=8)
+        (model, args), loss = (build_moe(c), tokens(c)), lm_loss
     elif kind == "hf_llama":
         (model, args), loss = _hf_llama(), _shifted_loss
     else:

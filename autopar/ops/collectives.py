@@ -302,19 +302,37 @@ class _GradBucketAllReduce(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None):
         flat = torch.cat([(g if g is not None else torch.zeros(s, dtype=t, device=d)).reshape(-1)
                           for g, (s, t, d) in zip(grads, ctx.shapes, strict=True)])  # fmt: skip
-        if ctx.micro > 1:
-            seen, total = _PENDING.pop(ctx.key, (0, None))
-            flat = flat if total is None else total + flat
-            if seen + 1 < ctx.micro:
-                _PENDING[ctx.key] = (seen + 1, flat)
-                flat = torch.zeros_like(flat)
-            else:
-                dist.all_reduce(flat, group=group(ctx.axis))
-        else:
+        if ctx.micro == 1:
             dist.all_reduce(flat, group=group(ctx.axis))
+        elif torch.compiler.is_compiling():  # the pending sum is state dynamo cannot trace
+            flat = _bucket_sum_op(flat, ctx.axis, ctx.key, ctx.micro)
+        else:
+            flat = _bucket_sum(flat, ctx.axis, ctx.key, ctx.micro)
         parts = flat.split([s.numel() for s, _, _ in ctx.shapes])
         return None, None, None, *(p.view(s) for p, (s, _, _) in
                                    zip(parts, ctx.shapes, strict=True))  # fmt: skip
+
+
+def _bucket_sum(flat: torch.Tensor, axis: str, key: str, micro: int) -> torch.Tensor:
+    """One micro-batch's flat bucket gradient: zeros (kept in ``_PENDING``) until the last of
+    ``micro``, which returns the all-reduced sum of them all."""
+    seen, total = _PENDING.pop(key, (0, None))
+    flat = flat if total is None else total + flat
+    if seen + 1 < micro:
+        _PENDING[key] = (seen + 1, flat)
+        return torch.zeros_like(flat)
+    dist.all_reduce(flat, group=group(axis))
+    return flat
+
+
+@torch.library.custom_op("autopar::bucket_sum", mutates_args=())
+def _bucket_sum_op(flat: torch.Tensor, axis: str, key: str, micro: int) -> torch.Tensor:
+    return _bucket_sum(flat.clone(), axis, key, micro)
+
+
+@_bucket_sum_op.register_fake
+def _(flat: torch.Tensor, axis: str, key: str, micro: int) -> torch.Tensor:
+    return torch.empty_like(flat)
 
 
 class _Route(NamedTuple):
