@@ -751,7 +751,10 @@ def _price_siblings_backward(prob: _Problem, key: tuple, group: tuple, g: float,
     f, region = shared
     if pricer.t("all_reduce", _nbytes(f)) != g:
         return {}
-    skey = ("siblings", rep.get(f, f))
+    # keyed by what ``f``'s readers are in the first tied block: each block's rows are the
+    # first block's, so every block's regions must bound the same variable (``f`` itself is
+    # the previous block's output, its own representative in the first block only)
+    skey = ("siblings", frozenset(rep.get(x, x) for x in f.users))
     if skey not in prob.aux:
         prob.aux[skey] = prob.var(0.0, False)
         prob.aux_cost[skey], prob.aux_mem[skey] = g, 0.0
@@ -803,6 +806,7 @@ def _while_replicated(prob: _Problem, d: int, nodes: list[fx.Node], rep: dict, c
 
 
 _MAX_CHAIN = 16  # chain ops between a reduction and the gather it may become (step 9)
+_MAX_REGION = 64  # ops walked from a reader of a value to its sibling regions (step 10)
 
 
 class _Walks:
@@ -898,6 +902,30 @@ class _Walks:
         """The one value ``f`` (and the region) when the region above ``u``, a value only
         projections read, reads among values that need a gradient only weights, values
         another projection reads, and ``f`` (``_price_siblings_backward``)."""
+        found = self._region_input(u)
+        if found is None or not any(v is not u and self._region_input(v) is not None
+                                    and self._region_input(v)[0] is found[0]
+                                    for v in self._readers_below(found[0], found[1])):  # fmt: skip
+            return None  # one region alone: its reduction stays where it is
+        return found
+
+    def _readers_below(self, f: fx.Node, region: frozenset[fx.Node]) -> list[fx.Node]:
+        """The ops reached from ``f``'s readers outside ``region`` (at most _MAX_REGION each)."""
+        out: list[fx.Node] = []
+        for x in f.users:
+            if x in region:
+                continue
+            seen, todo = {x}, [x]
+            while todo and len(seen) <= _MAX_REGION:
+                n = todo.pop()
+                out.append(n)
+                for y in n.users:
+                    if y not in seen:
+                        seen.add(y)
+                        todo.append(y)
+        return out
+
+    def _region_input(self, u: fx.Node) -> tuple[fx.Node, frozenset[fx.Node]] | None:
         if u not in self._shared:
             self._shared[u] = self._shared_input(u)
         return self._shared[u]
