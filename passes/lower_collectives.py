@@ -234,7 +234,8 @@ def _hoist_siblings(graph: fx.Graph, g: fx.Node, ctx: PassContext) -> list[fx.No
     f = _blocker(y, g, ctx)
     if f is None:
         return None
-    group = [g, *(h for h in _sibling_reductions(f, g, axis, ctx) if _blocker(h.args[0], h, ctx) is f)]
+    siblings = _sibling_reductions(f, g, axis, ctx)
+    group = [g, *(h for h in siblings if _blocker(h.args[0], h, ctx) is f)]
     if len(group) < 2 or f.meta["val"].numel() > min(h.args[0].meta["val"].numel() for h in group):
         return None
     with graph.inserting_after(f):
