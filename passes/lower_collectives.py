@@ -35,6 +35,13 @@ Algorithm (one mesh axis; ``pg`` = the consumers make the gradient partial):
    merging into it, any other (its gradient is whole: a replicated router) through
    ``grad_partial`` (the whole gradient kept on rank 0 only); each weight beside the chain gets
    its own reduction (a weight bucket, step 7).  One reduce-scatter replaces an all-reduce.
+10. Else, when the replicated region above the reduction reads, among values that need a
+   gradient, only weights and one value ``f`` with no reduction, no larger than the reduced
+   value, and another pending reduction's region reads exactly the same (sibling readers of
+   one value: Falcon's two layer norms of one residual), reduce ``f`` once for all of them:
+   one ``grad_all_reduce`` of ``f`` read by every sibling region (autograd sums the regions'
+   partial gradients before it), each region then hoisted to it as in step 7.  ``f``'s other
+   readers (the residual add, whose gradient is whole) keep reading ``f`` itself.
 """
 
 from __future__ import annotations
@@ -150,6 +157,8 @@ def _hoist_grad_reductions(graph: fx.Graph, ctx: PassContext) -> None:
             created = _hoist_region(graph, g, ctx)
             if created is None:
                 created = _hoist_to_gather(graph, g, ctx)
+            if created is None:
+                created = _hoist_siblings(graph, g, ctx)
             work.extend(created or [])
             continue
         new = _reduction_of(x, axis)
@@ -215,6 +224,64 @@ def _hoist_to_gather(graph: fx.Graph, g: fx.Node, ctx: PassContext) -> list[fx.N
     g.replace_all_uses_with(y)
     graph.erase_node(g)
     return created
+
+
+def _hoist_siblings(graph: fx.Graph, g: fx.Node, ctx: PassContext) -> list[fx.Node] | None:
+    """Step 10: one reduction of the value ``f`` that ``g``'s region and its siblings' read
+    (the only unreduced non-weight input of each); returns the new reductions (None when
+    ``g`` stays)."""
+    y, axis = g.args
+    f = _blocker(y, g, ctx)
+    if f is None:
+        return None
+    siblings = _sibling_reductions(f, g, axis, ctx)
+    group = [g, *(h for h in siblings if _blocker(h.args[0], h, ctx) is f)]
+    if len(group) < 2 or f.meta["val"].numel() > min(h.args[0].meta["val"].numel() for h in group):
+        return None
+    with graph.inserting_after(f):
+        created = [_new_reduction(graph, f, axis)]
+    for h in group:
+        moved = _hoist_region(graph, h, ctx)
+        if moved is None:
+            raise NodeError(h, "internal: a sibling reduction did not hoist to its shared input")
+        created.extend(moved)
+    return created
+
+
+def _blocker(y: fx.Node, g: fx.Node, ctx: PassContext) -> fx.Node | None:
+    """The one input of the replicated region above ``y`` that needs a gradient and is
+    neither a weight nor reduced already (None when there is not exactly one)."""
+    region = _replicated_region(y, g, ctx)
+    if region is None:
+        return None
+    axis = g.args[1]
+    left = {a for n in region for a in tensor_args(n) if a not in region and _may_need_grad(a, ctx)
+            and not _is_weight(a, ctx) and _reduction_of(a, axis) is None}  # fmt: skip
+    return left.pop() if len(left) == 1 else None
+
+
+def _sibling_reductions(f: fx.Node, g: fx.Node, axis: str, ctx: PassContext) -> list[fx.Node]:
+    """The pending reductions other than ``g`` reached from ``f``'s readers through repeated
+    ops only (at most _MAX_REGION of them per reader)."""
+    found: dict[fx.Node, None] = {}
+    for x in f.users:
+        seen, todo = {x}, [x]
+        while todo and len(seen) <= _MAX_REGION:
+            n = todo.pop()
+            if n.op == "call_function" and n.target is C.grad_all_reduce:
+                if n is not g and n.args[1] == axis:
+                    found[n] = None
+                continue
+            if not _repeated(n, ctx):
+                continue
+            for u in n.users:
+                if u not in seen:
+                    seen.add(u)
+                    todo.append(u)
+    return list(found)
+
+
+_MAX_REGION = 64  # ops walked from a reader of a value to the sibling reductions (step 10)
 
 
 def _chain_to_gather(y: fx.Node, axis: str, ctx: PassContext) -> list[fx.Node] | None:

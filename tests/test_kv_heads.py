@@ -262,3 +262,26 @@ def test_checkpoint_pieces_of_a_grouped_piece_are_its_rows_in_each_group():
     saved = tensor_pieces(local, spec)
     assert saved.shape == (12, 2) and sorted(saved.pieces) == [(1, 0), (7, 0)]
     assert all(torch.equal(t, w[o[0]:o[0] + 4]) for o, t in saved.pieces.items())
+
+
+def test_two_norms_of_one_residual_reduce_its_gradient_once():
+    """Falcon's ``new_decoder_architecture``: ``ln_attn`` and ``ln_mlp`` read one residual,
+    both replicated before column-split projections.  Their input gradients are partial sums
+    of one value: one all-reduce of the residual's gradient (the two norms' sum), not one per
+    norm (``lower_collectives`` step 10); each norm's scale and bias get their own.  The
+    tiny tp=2 build, whose outputs and every gradient must equal one device's."""
+    with zoo.tiny_as(dataclasses.replace(zoo.TINY, heads=8, kv_heads=2, batch=4)):
+        model, args, kwargs, loss_fn = zoo.build(zoo.family("falcon_new_arch"), "tiny", kv_heads=2)
+    prog = autoparallelize(model, Mesh(tp=2), args, loss_fn, example_kwargs=kwargs)
+    def scale(n):  # the norm's weight, through its gradient reduction
+        w = n.args[2].args[0] if n.args[2].target is C.grad_all_reduce else n.args[2]
+        return prog.traced.params.get(w.name, "")
+
+    norms = {scale(n): n for n in prog.graph_module.graph.nodes
+             if n.target is aten.layer_norm.default}  # fmt: skip
+    attn, mlp = norms["transformer.h.1.ln_attn.weight"], norms["transformer.h.1.ln_mlp.weight"]
+    assert attn.args[0] is mlp.args[0] and attn.args[0].target is C.grad_all_reduce
+    assert not [u for u in attn.users if u.target is C.grad_all_reduce]
+    assert not [u for u in mlp.users if u.target is C.grad_all_reduce]
+    report = verify(model, Mesh(tp=2), args, loss_fn, example_kwargs=kwargs, plan=prog.plan)
+    assert report.ok, str(report)

@@ -605,8 +605,12 @@ def _price_inputs(prob: _Problem, v: fx.Node, rep: dict, cands: dict, xvar: dict
                     _price_weights_backward(prob, gkey, group, g, walks.region(u), rep, cands,
                                             xvar)  # fmt: skip
                 elif whole and g > 0:
-                    _price_gather_backward(prob, gkey, group, g, u, rep, cands, xvar, walks,
-                                           pricer)  # fmt: skip
+                    cut = _price_gather_backward(prob, gkey, group, g, u, rep, cands, xvar,
+                                                 walks, pricer)  # fmt: skip
+                    cut.update(_price_siblings_backward(prob, gkey, group, g, u, rep, cands,
+                                                        xvar, walks, pricer))  # fmt: skip
+                    if cut:  # one way to lose the reduction: they sum to at most its aux
+                        prob.row({**cut, prob.aux[gkey]: -1.0}, -np.inf, 0.0)
         if fresh:
             _transport_rows(prob, z, xvar, ur, vr, len(cands[ur]), len(cands[vr]))
 
@@ -685,7 +689,7 @@ def _deferred_bytes(u: fx.Node, arg: fx.Node, idx: int | None, walks: _Walks) ->
 
 def _price_gather_backward(prob: _Problem, key: tuple, group: tuple, g: float, u: fx.Node,
                            rep: dict, cands: dict, xvar: dict, walks: _Walks,
-                           pricer: _Pricer) -> None:  # fmt: skip
+                           pricer: _Pricer) -> dict[int, float]:  # fmt: skip
     """``lower_collectives`` step 9: when the chain of ops above the reduction's value (each
     reading one non-weight value that needs a gradient, no larger; weights beside it) is
     replicated and starts at an all-gather, the reduction becomes that gather's reduce-scatter
@@ -693,7 +697,8 @@ def _price_gather_backward(prob: _Problem, key: tuple, group: tuple, g: float, u
     into a chain op ``c``, a discount d (cost: the reduce-scatter and the weights' all-reduces
     minus the reduction ``g``) with d <= the reduction's aux, d <= the edge's split ->
     replicated transport variables, and d <= each chain op's replicated strategies; the
-    discounts of one reduction sum to at most its aux (one gather per chain)."""
+    discounts of one reduction sum to at most its aux (one gather per chain; the caller's
+    row, returned here as the new discount variables)."""
     grad = walks.grad
     chain, found = [walks.deferred(u)], []
     while len(chain) <= _MAX_CHAIN:
@@ -726,8 +731,41 @@ def _price_gather_backward(prob: _Problem, key: tuple, group: tuple, g: float, u
                    and isinstance(cands[cr][b].inputs[slot], Replicate)]  # fmt: skip
         prob.row({d: 1.0, **{zv: -1.0 for zv in gathers}}, -np.inf, 0.0)
         _while_replicated(prob, d, path, rep, cands, xvar)
-    if total:
-        prob.row({**total, prob.aux[key]: -1.0}, -np.inf, 0.0)
+    return total
+
+
+def _price_siblings_backward(prob: _Problem, key: tuple, group: tuple, g: float, u: fx.Node,
+                             rep: dict, cands: dict, xvar: dict, walks: _Walks,
+                             pricer: _Pricer) -> dict[int, float]:  # fmt: skip
+    """``lower_collectives`` step 10: when the replicated region above ``u`` reads, among
+    values that need a gradient, only weights and one value ``f`` of the reduced value's
+    bytes (``_Walks.shared_input``: Falcon's two layer norms of one residual), every such
+    region of ``f`` whose reduction is paid shares one all-reduce of ``f``.  A shared aux
+    s (cost: that all-reduce, once per ``f``) and a discount d (cost -g) with d <= the
+    reduction's aux, d <= s and d <= each region op's replicated strategies.  One region
+    alone pays s for g: the same price, as the lowering then leaves its reduction where it
+    is.  Returns the new discount variables (the caller bounds their sum by the aux)."""
+    shared = walks.shared_input(u)
+    if shared is None:
+        return {}
+    f, region = shared
+    if pricer.t("all_reduce", _nbytes(f)) != g:
+        return {}
+    # keyed by what ``f``'s readers are in the first tied block: each block's rows are the
+    # first block's, so every block's regions must bound the same variable (``f`` itself is
+    # the previous block's output, its own representative in the first block only)
+    skey = ("siblings", frozenset(rep.get(x, x) for x in f.users))
+    if skey not in prob.aux:
+        prob.aux[skey] = prob.var(0.0, False)
+        prob.aux_cost[skey], prob.aux_mem[skey] = g, 0.0
+        prob.comm_vars.add(prob.aux[skey])
+    prob.aux_groups[skey].add((f, None))
+    d = _discount(prob, ("siblings_bwd", key), group, g)
+    if d is None:
+        return {}
+    prob.row({d: 1.0, prob.aux[skey]: -1.0}, -np.inf, 0.0)
+    _while_replicated(prob, d, [n for n in region if rep.get(n, n) in cands], rep, cands, xvar)
+    return {d: 1.0}
 
 
 def _price_weights_backward(prob: _Problem, key: tuple, group: tuple, g: float,
@@ -768,6 +806,7 @@ def _while_replicated(prob: _Problem, d: int, nodes: list[fx.Node], rep: dict, c
 
 
 _MAX_CHAIN = 16  # chain ops between a reduction and the gather it may become (step 9)
+_MAX_REGION = 64  # ops walked from a reader of a value to its sibling regions (step 10)
 
 
 class _Walks:
@@ -782,6 +821,7 @@ class _Walks:
         self._roots: dict[fx.Node, fx.Node] = {}
         self._deferred: dict[fx.Node, fx.Node] = {}
         self._reduced: dict[fx.Node, frozenset[fx.Node] | None] = {}
+        self._shared: dict[fx.Node, tuple[fx.Node, frozenset[fx.Node]] | None] = {}
 
     def args(self, n: fx.Node) -> list[fx.Node]:
         """``trace.tensor_args(n)``, computed once."""
@@ -857,6 +897,57 @@ class _Walks:
         reduced = bool(frontier) and all(self.is_weight(f) or self._projected(f, region)
                                          for f in frontier)  # fmt: skip
         return frozenset(region) if reduced else None
+
+    def shared_input(self, u: fx.Node) -> tuple[fx.Node, frozenset[fx.Node]] | None:
+        """The one value ``f`` (and the region) when the region above ``u``, a value only
+        projections read, reads among values that need a gradient only weights, values
+        another projection reads, and ``f`` (``_price_siblings_backward``)."""
+        found = self._region_input(u)
+        if found is None or not any(v is not u and self._region_input(v) is not None
+                                    and self._region_input(v)[0] is found[0]
+                                    for v in self._readers_below(found[0], found[1])):  # fmt: skip
+            return None  # one region alone: its reduction stays where it is
+        return found
+
+    def _readers_below(self, f: fx.Node, region: frozenset[fx.Node]) -> list[fx.Node]:
+        """The ops reached from ``f``'s readers outside ``region`` (at most _MAX_REGION each)."""
+        out: list[fx.Node] = []
+        for x in f.users:
+            if x in region:
+                continue
+            seen, todo = {x}, [x]
+            while todo and len(seen) <= _MAX_REGION:
+                n = todo.pop()
+                out.append(n)
+                for y in n.users:
+                    if y not in seen:
+                        seen.add(y)
+                        todo.append(y)
+        return out
+
+    def _region_input(self, u: fx.Node) -> tuple[fx.Node, frozenset[fx.Node]] | None:
+        if u not in self._shared:
+            self._shared[u] = self._shared_input(u)
+        return self._shared[u]
+
+    def _shared_input(self, u: fx.Node) -> tuple[fx.Node, frozenset[fx.Node]] | None:
+        if u.op != "call_function" or _mutates(u) or not u.users:
+            return None
+        if not all(op_name(x) in MATMUL_OPS for x in u.users):
+            return None
+        region, todo = {u}, [u]
+        while todo:
+            n = todo.pop()
+            if self._projects_split(n):
+                return None
+            for a in self.args(n):
+                if (a not in region and a in self.grad and a.op == "call_function"
+                        and not _mutates(a) and all(x in region for x in a.users)):  # fmt: skip
+                    region.add(a)
+                    todo.append(a)
+        frontier = {a for n in region for a in self.args(n) if a in self.grad and a not in region}
+        left = [f for f in frontier if not self.is_weight(f) and not self._projected(f, region)]
+        return (left[0], frozenset(region)) if len(left) == 1 else None
 
     def _projects_split(self, n: fx.Node) -> bool:
         """``n`` is a projection of a matrix step 3 forces to be split."""
