@@ -153,7 +153,7 @@ def launch(root: Path, fault_mode: str, timeout: float = 300) -> int:
     port, deadline = free_port(), time.monotonic() + timeout
     agents = [agent(root, "a", port, fault_mode)]
     try:
-        time.sleep(1.0)  # a hosts the rendezvous store
+        _wait_listening(port, agents[0], deadline)  # a hosts the rendezvous store, never b
         while fault_mode == "grow" and not (root / JOIN).exists() and agents[0].poll() is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"agent a's workers never reached step {GROW_AT} ({root})")
@@ -163,6 +163,20 @@ def launch(root: Path, fault_mode: str, timeout: float = 300) -> int:
     finally:
         for p in agents:
             with_group_killed(p)
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, deadline: float) -> None:
+    """Until agent a's rendezvous store accepts connections on ``port``: b must not start
+    first and host the store itself (an evicted or killed b would take the store with it)."""
+    import socket
+
+    while proc.poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"agent a's rendezvous store never listened on port {port}")
+        time.sleep(0.2)
 
 
 def with_group_killed(p: subprocess.Popen) -> None:

@@ -263,11 +263,14 @@ def _one_step_cast(rank, groups, module, x, y):
         seen[f"ring {direction}"].update(str(t.dtype) for t in tensors)
         init(self, tensors, axis, direction)
 
-    cp_ops._Exchange.__init__ = exchange
-    module = cast_forward(module, BF16)
-    with Watch():
-        loss = module(x, y)
-        loss.backward()
+    cp_ops._Exchange.__init__ = exchange  # this worker's later jobs must not see the spy
+    try:
+        module = cast_forward(module, BF16)
+        with Watch():
+            loss = module(x, y)
+            loss.backward()
+    finally:
+        cp_ops._Exchange.__init__ = init
     grads = {str(p.grad.dtype) for p in module.parameters() if p.grad is not None}
     return loss.item(), seen, grads
 
