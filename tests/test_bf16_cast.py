@@ -7,7 +7,6 @@ loss) fp32, fp32 master weights and Adam state.  The plan prices each value in t
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from autopar.runtime.pool import get_pool
 from autopar.tools.testing import (
     Config,
     build,
+    fsdp2_style_losses,
     hf_tiny_llama,
     lm_loss,
     state_dtypes,
@@ -33,27 +33,6 @@ def lm_loss32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``lm_loss`` with the logits upcast first, as HF's loss does (a bf16 cross-entropy would
     round the loss itself to bf16)."""
     return lm_loss(logits.float(), targets)
-
-
-def fsdp2_style_losses(model: torch.nn.Module, loss_of: Callable[[dict], torch.Tensor],
-                       steps: int) -> list[float]:  # fmt: skip
-    """One device as FSDP2's MixedPrecisionPolicy(param_dtype=bf16) trains: each step the fp32
-    master weights are cast to a bf16 copy, forward and backward run on the copy
-    (``loss_of(copy)``; the model's own code decides what it upcasts), the copy's bf16
-    gradients are cast to fp32 onto the masters, and AdamW steps the fp32 masters (its
-    moments fp32)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for _ in range(steps):
-        low = {n: p.detach().to(BF16).requires_grad_() for n, p in model.named_parameters()}
-        loss = loss_of(low)
-        loss.backward()
-        for n, p in model.named_parameters():
-            p.grad = low[n].grad.float()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def _train_cast(rank, groups, module, ids, labels, zero, steps):
@@ -121,7 +100,7 @@ def test_dp_tp_bf16_loss_curve_equals_one_device_fsdp2_style(zero):
     results = get_pool(4).run(_train_cast, prog.mesh.axes, jobs)
     hf = hf_tiny_llama(2)
     ref = fsdp2_style_losses(hf, lambda low: torch.func.functional_call(
-        hf, low, (ids,), {"labels": labels}).loss, STEPS)  # fmt: skip
+        hf, low, (ids,), {"labels": labels}).loss, STEPS, LR)  # fmt: skip
     model = hf_tiny_llama(2)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     fp32 = []
@@ -222,7 +201,7 @@ def test_pipeline_bf16_sends_bf16_and_tracks_one_device_fsdp2_style(axes, zero):
     results = get_pool(prog.mesh.world_size).run(train_pipeline_rank, prog.mesh.axes, jobs)
     model = build("llama", c)
     ref = fsdp2_style_losses(model, lambda low: lm_loss32(
-        torch.func.functional_call(model, low, (x,)), y), 5)  # fmt: skip
+        torch.func.functional_call(model, low, (x,)), y), 5, LR)  # fmt: skip
     for rank, (losses, seen, sent, (params, grads, moments)) in enumerate(results):
         assert seen == {"torch.bfloat16"}, rank
         assert params == grads == moments == {"torch.float32"}, rank

@@ -23,7 +23,7 @@ from autopar import Mesh, autoparallelize
 from autopar.errors import InputError
 from autopar.ir.layout import Layout
 from autopar.runtime.pool import get_pool
-from autopar.tools.testing import Config, build, lm_loss, tokens, train_loop
+from autopar.tools.testing import Config, build, fsdp2_style_losses, lm_loss, tokens, train_loop
 
 pytest.importorskip("torchao.float8")
 
@@ -143,24 +143,13 @@ def _fsdp2_style_bf16(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     from torchao.float8.float8_linear import Float8Linear
 
     masters = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Float8Linear)}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    losses = []
     try:
-        for _ in range(steps):
-            low = {n: p.detach().to(torch.float32 if n in masters else torch.bfloat16)
-                   .requires_grad_() for n, p in model.named_parameters()}  # fmt: skip
-            loss = _lm_loss32(torch.func.functional_call(model, low, (x,)), y)
-            loss.backward()
-            for n, p in model.named_parameters():
-                p.grad = low[n].grad.float()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        return fsdp2_style_losses(model, lambda low: _lm_loss32(
+            torch.func.functional_call(model, low, (x,)), y), steps, 1e-3, frozenset(masters))  # fmt: skip
     finally:
         torch.set_num_threads(threads)
-    return losses
 
 
 def _lm_loss32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

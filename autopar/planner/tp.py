@@ -883,17 +883,10 @@ class _Walks:
     def _region_reduced(self, u: fx.Node) -> frozenset[fx.Node] | None:
         if len(u.users) != 1 or u.op != "call_function" or _mutates(u):
             return None
-        region, todo = {u}, [u]
-        while todo:
-            n = todo.pop()
-            if self._projects_split(n):
-                return None
-            for a in self.args(n):
-                if (a not in region and a in self.grad and a.op == "call_function"
-                        and not _mutates(a) and all(x in region for x in a.users)):  # fmt: skip
-                    region.add(a)
-                    todo.append(a)
-        frontier = {a for n in region for a in self.args(n) if a in self.grad and a not in region}
+        grown = self._grow(u)
+        if grown is None:
+            return None
+        region, frontier = grown
         reduced = bool(frontier) and all(self.is_weight(f) or self._projected(f, region)
                                          for f in frontier)  # fmt: skip
         return frozenset(region) if reduced else None
@@ -935,6 +928,16 @@ class _Walks:
             return None
         if not all(op_name(x) in MATMUL_OPS for x in u.users):
             return None
+        grown = self._grow(u)
+        if grown is None:
+            return None
+        region, frontier = grown
+        left = [f for f in frontier if not self.is_weight(f) and not self._projected(f, region)]
+        return (left[0], frozenset(region)) if len(left) == 1 else None
+
+    def _grow(self, u: fx.Node) -> tuple[set[fx.Node], set[fx.Node]] | None:
+        """The region above ``u`` (an input joins when its last user has; None at the first
+        projection of a split matrix) and its frontier: the values outside it that it reads."""
         region, todo = {u}, [u]
         while todo:
             n = todo.pop()
@@ -946,8 +949,7 @@ class _Walks:
                     region.add(a)
                     todo.append(a)
         frontier = {a for n in region for a in self.args(n) if a in self.grad and a not in region}
-        left = [f for f in frontier if not self.is_weight(f) and not self._projected(f, region)]
-        return (left[0], frozenset(region)) if len(left) == 1 else None
+        return region, frontier
 
     def _projects_split(self, n: fx.Node) -> bool:
         """``n`` is a projection of a matrix step 3 forces to be split."""

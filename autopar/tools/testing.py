@@ -246,6 +246,29 @@ def train_loop(loss_of: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, 
     return losses
 
 
+def fsdp2_style_losses(model: torch.nn.Module, loss_of: Callable[[dict], torch.Tensor],
+                       steps: int, lr: float, fp32: frozenset[str] = frozenset()) -> list[float]:  # fmt: skip
+    """One device as FSDP2's MixedPrecisionPolicy(param_dtype=bf16) trains: each step the fp32
+    master weights are cast to a bf16 copy (the names in ``fp32`` stay fp32: weights another
+    cast takes from the master, e.g. torchao's float8 all-gather), forward and backward run on
+    the copy (``loss_of(copy)``; the model's own code decides what it upcasts), the copy's
+    gradients are cast to fp32 onto the masters, and AdamW steps the fp32 masters (its
+    moments fp32)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        low = {n: p.detach().to(torch.float32 if n in fp32 else torch.bfloat16).requires_grad_()
+               for n, p in model.named_parameters()}  # fmt: skip
+        loss = loss_of(low)
+        loss.backward()
+        for n, p in model.named_parameters():
+            p.grad = low[n].grad.float()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def train_hf_single(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, steps: int,
                     lr: float, weight_decay: float, log: Callable[[str], None]) -> list[float]:  # fmt: skip
     """``steps`` AdamW steps of an unmodified HF causal LM on one batch; the loss per step."""
