@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 
@@ -83,6 +84,16 @@ def unshard_tensors(shards: list[torch.Tensor], layout: Layout, mesh: Mesh,
 def build_module(gm: fx.GraphModule, traced: Traced, mesh: Mesh, rank: int) -> fx.GraphModule:
     """The rank's GraphModule: :func:`materialize` then :func:`shard` (steps 1-5)."""
     return shard(materialize(gm, traced), traced, mesh, rank)
+
+
+def ready(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with the Python code of it and of every graph module inside it generated
+    (they are lazy: made on first call); what a caller that reads ``forward`` itself (a
+    wrapper replacing it, ``torch.compile`` of the method) must have.  Returns ``module``."""
+    for m in module.modules():
+        if isinstance(m, _LazyGraphModule):
+            m.real_recompile()
+    return module
 
 
 def materialize(gm: fx.GraphModule, traced: Traced) -> fx.GraphModule:
@@ -161,7 +172,7 @@ def _shard_graph(module: fx.GraphModule, prefix: str, traced: Traced,
                     trainable=fqn in traced.trainable)  # fmt: skip
         elif isinstance(value, fx.GraphModule) and _reads_tensors(value, f"{fqn}.", cut.names):
             sub, sub_root = _shard_graph(value, f"{fqn}.", traced, cut)
-            block = fx.GraphModule(sub_root, sub, class_name=type(value).__name__)
+            block = RankModule(sub_root, sub, class_name=type(value).__name__)
             owner_module(root, node.target).add_module(node.target.rsplit(".", 1)[-1], block)
         else:
             _copy_attr(module, root, node.target)
@@ -465,7 +476,7 @@ def _outline(gm: fx.GraphModule, seg: list[fx.Node], moved: set[fx.Node],
     """One block's GraphModule, the outer values it reads, and the values it returns."""
     graph, inputs, outputs = segment_graph(seg, moved, name)
     block = gm.get_submodule(name)
-    sub = fx.GraphModule(block, graph, class_name=f"Block{name.rsplit('.', 1)[-1]}")
+    sub = RankModule(block, graph, class_name=f"Block{name.rsplit('.', 1)[-1]}")
     return sub, inputs, outputs
 
 

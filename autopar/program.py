@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopar.codegen import copy_program, materialize, render, shard
+from autopar.codegen import copy_program, materialize, ready, render, shard
 from autopar.frontend.trace import Traced
 from autopar.ir import meta
 from autopar.mesh import Mesh
@@ -278,7 +278,7 @@ class Program:
         final = self.final(stage)
         local = final.mesh.rank_of({**coords, "dp": 0})
         if (stage, local) not in self._modules:
-            self._modules[(stage, local)] = final.build(local)
+            self._modules[(stage, local)] = ready(final.build(local))
         return self._modules[(stage, local)]
 
     def share(self, rank: int) -> Any:

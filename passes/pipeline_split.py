@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils import _pytree as pytree
 
 from autopar.frontend.trace import Traced, is_tensor
@@ -156,7 +157,7 @@ def _stage_graph(index: int, traced: Traced, nodes: list[fx.Node], ins: list[fx.
     for n in nodes:
         copy_in(n)
     graph.output(tuple(_contiguous(graph, env[n]) for n in outs))
-    gm = fx.GraphModule(traced.gm, graph)
+    gm = _LazyGraphModule(traced.gm, graph)
     names = {n.name for n in graph.nodes if n.op == "placeholder"}
     user = tuple(n.name for n in ins)
     in_spec = pytree.tree_flatten((tuple(range(len(ins))), {}))[1]

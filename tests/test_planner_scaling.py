@@ -10,6 +10,7 @@ identical layer.  Before the walks were memoised, an 8B-shaped HF Llama made 2.1
 from __future__ import annotations
 
 import pytest
+import torch
 
 from autopar import Mesh
 from autopar.frontend.trace import Traced, trace
@@ -61,3 +62,29 @@ def test_planner_walks_are_linear_in_depth(monkeypatch, kind, tp):
         assert counts["tensor_args"] <= nodes  # each node's arguments are found once
     steps = [counts["walk_steps"] for _, counts in rows]
     assert steps[2] - steps[1] == steps[1] - steps[0] > 0  # one more layer, the same walks
+
+
+def test_pricing_a_sub_mesh_generates_no_python_code(monkeypatch):
+    """The search prices a tp / cp degree by compiling that sub-mesh's rank 0 program
+    (`planner.solved`) and never runs it, so no graph's Python code is generated on the way
+    (rank programs are lazy graph modules: code on first call); the rank program a user asks
+    for (`prog.module(rank)`) has its code, and runs."""
+    import torch.fx as fx
+
+    from autopar.planner.solved import SolvedModel
+
+    c = Config(layers=2, bias=False)
+    model, inputs = build("llama", c), tokens(c)
+    traced = trace(model, inputs, loss_fn=lm_loss)
+    made = []
+    python_code = fx.Graph.python_code
+    monkeypatch.setattr(fx.Graph, "python_code",
+                        lambda self, *a, **k: made.append(self) or python_code(self, *a, **k))  # fmt: skip
+    priced = SolvedModel(traced, Mesh(tp=2).cluster, torch.float32)
+    assert priced.solved(2) is not None and priced.solved(2, 2) is not None  # tp, and cp x tp
+    assert made == []
+    from autopar import autoparallelize
+
+    prog = autoparallelize(model, Mesh(tp=2), inputs, loss_fn=lm_loss)
+    module = prog.module(0)
+    assert made and "def forward" in module.code

@@ -52,7 +52,6 @@ factorisations of a cluster with the cost model for a sequence that must fit in 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import operator
 from collections.abc import Sequence
@@ -71,6 +70,7 @@ from autopar.frontend.trace import Traced, tensor_args
 from autopar.ir import meta
 from autopar.ir.analysis import needs_grad
 from autopar.ir.layout import Layout, Shard
+from autopar.ir.printing import copy_module
 from autopar.mesh import Mesh
 from autopar.ops import collectives as C
 from autopar.ops import cp_ops
@@ -153,7 +153,7 @@ def compile_traced_cp(traced: Traced, mesh: Mesh, cp_attention: str | None = Non
     from passes import run_pipeline
     from passes.context_parallel import context_parallel
 
-    gm = fx.GraphModule(base, copy.deepcopy(base.graph))
+    gm = copy_module(base)
     grad = frozenset(n.name for n in needs_grad(traced, gm))
     decided = CpDecisions(layout=lay, attention=cp_attention, saved=saved, arrive=tuple(arrive),
                           keep_split=keep_split)  # fmt: skip
@@ -227,7 +227,7 @@ def leave_grads_to_data_axis(prog: StageProgram) -> StageProgram | None:
        sum over cp is the gradient (linear ops carry a partial gradient through unchanged);
        the plan lists the remaining collectives and says where the reduction went.
     """
-    gm = fx.GraphModule(prog.graph_module, copy.deepcopy(prog.graph_module.graph))
+    gm = copy_module(prog.graph_module)
     grad = frozenset(n.name for n in needs_grad(prog.traced, gm))
     exits = _dense_exits(gm, prog.traced, grad)
     if exits is None:

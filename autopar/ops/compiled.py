@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils.checkpoint
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 # (backend, recompute, signature) -> the compiled class and its nested graph modules' classes
 _CLASSES: dict[tuple[str, bool, tuple], tuple[type, dict[str, type]]] = {}
@@ -95,6 +96,9 @@ def _prepare(region: torch.nn.Module, args: tuple, backend: str, recompute: bool
     nested = _nested(region, args)
     key = (backend, recompute, signature(region), tuple((k, signature(m)) for k, m in nested))
     if key not in _CLASSES:
+        for m in (region, *(m for _, m in nested)):
+            if isinstance(m, _LazyGraphModule):  # its code, before dynamo reads ``forward``
+                m.real_recompile()
         cls = type(region)
         forward = torch.compile(_checkpointed(cls.forward) if recompute else cls.forward,
                                 backend=backend)  # fmt: skip

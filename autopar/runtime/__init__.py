@@ -56,7 +56,9 @@ def cast_forward(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module
     fp32 parameter, the optimizer's master) and every floating input, then runs the body with
     the casts in the parameters' places.  Replaces the instance's ``forward`` (DDP's hooks and
     the parameter names stay the module's); returns ``module``."""
-    body = module.forward
+    from autopar.codegen import ready
+
+    body = ready(module).forward
     low = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
 
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -318,7 +320,9 @@ def mixed_precision_stage(module: torch.nn.Module, traced: tuple[list, list],
     (each cast's backward casts the gradient the other way, so gradients cross in the wire
     dtype too).  Replaces the instance's ``forward``, so DDP / FSDP2 wrappers and their hooks
     stay outside."""
-    body = module.forward
+    from autopar.codegen import ready
+
+    body = ready(module).forward
     ins = [dtype for _, dtype, _ in traced[0]]
     sent = [dtype for _, dtype, _ in wire[1]]
 

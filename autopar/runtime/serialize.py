@@ -31,15 +31,25 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 
 
-class RankModule(fx.GraphModule):
-    """A per-rank program: an fx.GraphModule that pickles without re-tracing."""
+class RankModule(_LazyGraphModule):
+    """A per-rank program: an fx.GraphModule that pickles without re-tracing.  Its Python code
+    is generated when first called or read (``.code``): planning builds rank programs only
+    to count them (the search prices sub-mesh rank 0's), so most are never run."""
 
     def __reduce__(self) -> tuple:
         return (load_module, (dump_module(self),))
+
+    def _lazy_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The first call: generate the code, then run it as ``forward`` (fx's own lazy
+        forward calls the module again, so its hooks, FSDP2's gather and reshard, would run
+        twice)."""
+        self.real_recompile()
+        return self.forward(*args, **kwargs)
 
 
 class _Ref:
