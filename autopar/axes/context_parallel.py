@@ -574,20 +574,20 @@ def _cp_collectives(gm: fx.GraphModule, lay: SeqLayout, grad: frozenset[str]) ->
         if n.target is cp_ops.ring_send:
             k, v = (b.meta["val"] for b in n.args[0])
             kv = (k.numel() + v.numel()) * k.element_size()
-            out.append(_rec("send_recv", (2, *k.shape), kv, "fwd", where))
+            out.append(_rec("send_recv", (2, *k.shape), kv, "fwd", where, k.dtype))
         elif n.target in (cp_ops.ring_attention, cp_ops.ring_attention_out):
             k, v = n.args[1].meta["val"], n.args[2].meta["val"]
             kv = (k.numel() + v.numel()) * k.element_size()
             shape = (2, *k.shape)
             if n.target is cp_ops.ring_attention:
-                out += [_rec("send_recv", shape, kv, "fwd", where)] * (lay.size - 1)
-            out += [_rec("send_recv", shape, kv, "bwd", where)] * (2 * lay.size - 1)
+                out += [_rec("send_recv", shape, kv, "fwd", where, k.dtype)] * (lay.size - 1)
+            out += [_rec("send_recv", shape, kv, "bwd", where, k.dtype)] * (2 * lay.size - 1)
         elif n.target is cp_ops.cp_gather:
             val = n.meta["val"]
-            out.append(_rec("all_gather", tuple(val.shape), _nbytes(val), "fwd", where))
+            out.append(_rec("all_gather", tuple(val.shape), _nbytes(val), "fwd", where, val.dtype))
         elif n.target is cp_ops.cp_localize and n.args[0].name in grad:
             val = n.args[0].meta["val"]
-            out.append(_rec("all_gather", tuple(val.shape), _nbytes(val), "bwd", where))
+            out.append(_rec("all_gather", tuple(val.shape), _nbytes(val), "bwd", where, val.dtype))
         elif n.target is cp_ops.cp_global_mean:
             out.append(_rec("all_reduce", (2,), 8, "fwd", where))
     return out
@@ -597,9 +597,13 @@ def _nbytes(v: torch.Tensor) -> int:
     return v.numel() * v.element_size()
 
 
-def _rec(kind: str, shape: tuple, nbytes: int, direction: str, where: str) -> Collective:
-    return Collective(kind=kind, axis=AXIS, shape=tuple(shape), dtype="float32", bytes=nbytes,
-                      direction=direction, where=where)  # fmt: skip
+def _rec(kind: str, shape: tuple, nbytes: int, direction: str, where: str,
+         dtype: torch.dtype = torch.float32) -> Collective:  # fmt: skip
+    """A cp collective as the plan lists it: ``dtype`` the values' (the bytes priced), a K/V
+    ring step's the K/V's (the backward's dK/dV accumulators travel in fp32, priced at K/V's
+    dtype: NOTES, "bf16 like the anchors")."""
+    return Collective(kind=kind, axis=AXIS, shape=tuple(shape), dtype=str(dtype).removeprefix("torch."),
+                      bytes=nbytes, direction=direction, where=where)  # fmt: skip
 
 
 # ---------------------------------------------------------------- long sequences on a cluster
