@@ -154,7 +154,8 @@ def autoparallelize(
     if isinstance(mesh, AutoMesh):
         from autopar.planner.auto import compile_auto
 
-        return compile_auto(model, mesh, example, loss_fn, options.replace(plan=plan))
+        with gc_paused():  # as below: the search's traces, solves and compiles outlive it
+            return compile_auto(model, mesh, example, loss_fn, options.replace(plan=plan))
     device_mesh = None if isinstance(mesh, Mesh) else mesh
     virtual = mesh if isinstance(mesh, Mesh) else Mesh.from_device_mesh(mesh, cluster)
     options = options.replace(plan=_reused(plan, virtual))
