@@ -477,9 +477,12 @@ def _choice_options(concrete: Mesh, choice: Choice, examples: int, options: Any)
     return options.replace(**settings)
 
 
-def load_traced(spec: str) -> Any:
+def load_traced(spec: str, param_dtype: Any = None) -> Any:
     """`FILE.py:FUNCTION` → the priced graph of the (model, example_inputs[, loss_fn]) the
-    function returns, traced with torch.export (meta parameters stay on the meta device)."""
+    function returns, traced with torch.export (meta parameters stay on the meta device); with
+    a 16-bit ``param_dtype``, traced as ``Mesh.auto`` traces it under
+    ``mixed_precision="cast"`` (weights and inputs in that dtype, what the model's code
+    upcasts fp32), so activations and messages are priced in the dtypes they run in."""
     import importlib.util
     from pathlib import Path
 
@@ -501,7 +504,8 @@ def load_traced(spec: str) -> Any:
             f"(model, example_inputs, loss_fn), got {type(built).__name__}"
         )
     model, inputs, loss_fn = (*built, None)[:3]
-    traced = trace(model, tuple(inputs), None, loss_fn)
+    cast = param_dtype if param_dtype is not None and param_dtype.itemsize < 4 else None
+    traced = trace(model, tuple(inputs), None, loss_fn, cast=cast)
     return GraphModel.from_traced(traced.gm, name=type(model).__name__)
 
 

@@ -80,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
         help="the fabric is not rail-optimised (one leaf switch per node group)",
     )
     plan.add_argument("--grad-dtype", choices=("fp32", "bf16"), default="fp32")
+    plan.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
+                      help="FILE.py:FUNCTION models: traced with bf16 weights and inputs as "
+                           "Mesh.auto under param_dtype=torch.bfloat16 (default), or fp32")  # fmt: skip
     plan.add_argument("--fp8", action="store_true",
                       help="price the linear layers' GEMMs in FP8 (a preset or shape's model)")
     _report_args(plan)
@@ -181,11 +184,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    import torch
+
     from autopar.planner.auto import load_traced, parse_degrees, plan_shape
 
     try:
         zero = tuple(int(z) for z in args.zero.split(",")) if args.zero else (0, 1, 2, 3)
-        model = load_traced(args.model) if ":" in (args.model or "") else _shape(args)
+        dtype = torch.bfloat16 if args.param_dtype == "bf16" else torch.float32
+        model = load_traced(args.model, dtype) if ":" in (args.model or "") else _shape(args)
         result = plan_shape(model, _cluster(args), args.global_batch, top=args.top,
                             compare=parse_degrees(args.compare) if args.compare else None,
                             zero=zero, attention=args.attention, nest=not args.no_nest,

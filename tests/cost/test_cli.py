@@ -78,3 +78,33 @@ def test_plan_fp8_flag_searches_with_fp8_gemms(capsys):
         row = next(line for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["1"])
         best.append(float(row.split()[1]))
     assert best[1] < 0.9 * best[0]
+
+
+_TINY = '''from autopar.tools.testing import Config, build, lm_loss, tokens
+
+
+def make():
+    c = Config(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128, seq=32, batch=4,
+               bias=False)
+    return build("llama", c), tokens(c), lm_loss
+'''
+
+
+def test_plan_prices_a_traced_model_in_its_param_dtype(tmp_path, capsys):
+    """`autopar plan --model FILE.py:FUNCTION` traces the model as Mesh.auto does under
+    ``param_dtype``: bf16 by default (its saved activations half the fp32 trace's), fp32 by
+    option."""
+    import torch
+
+    from autopar.planner.auto import load_traced
+
+    (tmp_path / "tiny.py").write_text(_TINY)
+    spec = f"{tmp_path / 'tiny.py'}:make"
+    fp32, bf16 = load_traced(spec), load_traced(spec, torch.bfloat16)
+    assert load_traced(spec, torch.float32).saved == fp32.saved
+    assert bf16.saved["outer"] == fp32.saved["outer"] / 2 and bf16.saved["inner"] < fp32.saved["inner"]
+    for dtype in ("bf16", "fp32"):
+        argv = ["plan", "--model", spec, "--cluster", "dgx-h100", "--nodes", "1",
+                "--global-batch", "4", "--param-dtype", dtype]  # fmt: skip
+        assert main(argv) == 0
+        assert capsys.readouterr().out.startswith("plan: Llama on 1 × 8 h100-sxm")
