@@ -18,7 +18,7 @@ Algorithm (`GraphModel.from_traced`, once per graph):
    parameter linear column-parallel; the tp region is what lies downstream of a column linear
    up to a row linear. Each row linear costs one all-reduce of its output per pass.
 5. Saved activations (what autograd keeps for backward, per op: `_SAVES`, autopar's ring
-   attention included), deduplicated by the view base they alias; tensors in the tp region
+   attention included; a product keeps an operand only for the other's gradient), deduplicated by the view base they alias; tensors in the tp region
    divide by t, the rest only with sequence parallelism. Selective recompute drops the attention-core tensors; full recompute keeps the
    block inputs only.
 
@@ -83,6 +83,7 @@ _SAVES: dict[str, tuple[tuple[int, ...], bool]] = {
     # log-sum-exp (the one-node ring saves its own; the per-step ring's last node takes them)
     "ring_attention": ((0, 1, 2), True), "ring_attention_out": ((0, 1, 2, 3, 4), False),
 }  # fmt: skip
+_BILINEAR = {"mul", "div", "mm", "bmm", "matmul"}  # products: each operand kept for the other's gradient
 _STATS_BYTES = {"layer_norm": 8, "rms_norm": 4, "group_norm": 8, "scaled_dot_product_attention": 4,
                 "ring_attention": 4}  # fmt: skip
 _BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
@@ -318,7 +319,7 @@ def _saved(node: torch.fx.Node, walk: _Walk) -> list[tuple[object, float]]:
     args, output = _SAVES[name]
     if name in ("mul", "div") and not all(isinstance(a, torch.fx.Node) for a in node.args[:2]):
         return []  # scaling by a constant saves nothing
-    kept = [node.args[i] for i in args if i < len(node.args)]
+    kept = [node.args[i] for i in args if i < len(node.args) and _needed(node, i, walk)]
     kept = [a for a in kept if isinstance(a, torch.fx.Node) and a not in walk.fixed]
     out = [(walk.base[a], _out_bytes(walk.base[a])) for a in kept]
     if output:
@@ -327,6 +328,18 @@ def _saved(node: torch.fx.Node, walk: _Walk) -> list[tuple[object, float]]:
         val = tensors_of(node.args[0].meta.get("val"))[0]
         out.append(((node, "stats"), _STATS_BYTES[name] * val.numel() / val.shape[-1]))
     return out
+
+
+def _needed(node: torch.fx.Node, i: int, walk: _Walk) -> bool:
+    """Whether autograd keeps argument ``i`` of a product (`_BILINEAR`): an operand is kept for
+    the other operand's gradient, so only when that one needs a gradient (``q * cos`` keeps
+    ``cos``, not ``q``); a quotient also keeps its divisor for its own gradient."""
+    name = _name(node)
+    if name not in _BILINEAR or len(node.args) < 2:
+        return True
+    a, b = node.args[0], node.args[1]
+    other = b if i == 0 else a
+    return other in walk.grad or (name == "div" and i == 1 and b in walk.grad)
 
 
 def _no_op(node: torch.fx.Node) -> bool:
