@@ -42,11 +42,13 @@ class Collective:
     direction: str  # 'fwd' or 'bwd'
     where: str  # module path of the value
     hidden_s: float = 0.0  # seconds a decomposition under its matmuls saves (planner.overlap)
+    regather: bool = False  # a backward re-gather of a kept shard (planner.overlap step 4)
 
     def __str__(self) -> str:
         shape = ",".join(map(str, self.shape))
         ring = " ring-overlapped" if self.hidden_s else ""
-        return f"{self.direction} {self.kind:<14} {self.axis:<3} {self.dtype}[{shape}]{ring}"
+        again = " re-gather" if self.regather else ""
+        return f"{self.direction} {self.kind:<14} {self.axis:<3} {self.dtype}[{shape}]{ring}{again}"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -417,10 +417,12 @@ _FORWARD = {
 
 def collectives_of(gm: fx.GraphModule, grad: set[str], sizes: dict[str, int],
                    names: dict[str, str],
-                   hidden: Mapping[str, tuple[float, float]] | None = None) -> list[Collective]:  # fmt: skip
+                   hidden: Mapping[str, tuple[float, float]] | None = None,
+                   regathered: Mapping[str, float] | None = None) -> list[Collective]:  # fmt: skip
     """Forward and backward collectives of the lowered graph (see module docstring); one that
     ``hidden`` names (collective node -> forward, backward seconds) is decomposed under its
-    matmuls (passes.overlap_tp) and carries the seconds that saves."""
+    matmuls (passes.overlap_tp) and carries the seconds that saves; a gather ``regathered``
+    names (-> seconds its ring hides) runs once more in backward, re-gathering its shard."""
     found: list[Collective] = []
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -446,6 +448,9 @@ def collectives_of(gm: fx.GraphModule, grad: set[str], sizes: dict[str, int],
         if back and x.name in grad:
             found.append(dataclasses.replace(_record(back, axis, val, "bwd", where, runs_in),
                                              hidden_s=bwd_s))  # fmt: skip
+        if node.name in (regathered or {}):
+            found.append(dataclasses.replace(_record("all_gather", axis, val, "bwd", where, runs_in),
+                                             hidden_s=regathered[node.name], regather=True))  # fmt: skip
     return found
 
 

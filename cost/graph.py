@@ -18,7 +18,8 @@ Algorithm (`GraphModel.from_traced`, once per graph):
    parameter linear column-parallel; the tp region is what lies downstream of a column linear
    up to a row linear. Each row linear costs one all-reduce of its output per pass.
 5. Saved activations (what autograd keeps for backward, per op: `_SAVES`, autopar's ring
-   attention included; a product keeps an operand only for the other's gradient), deduplicated by the view base they alias; tensors in the tp region
+   attention included; a product keeps an operand only for the other's gradient; a linear
+   reading a re-gathered gather keeps its shard), deduplicated by the view base they alias; tensors in the tp region
    divide by t, the rest only with sequence parallelism. Selective recompute drops the attention-core tensors; full recompute keeps the
    block inputs only.
 
@@ -314,13 +315,17 @@ def _saved(node: torch.fx.Node, walk: _Walk) -> list[tuple[object, float]]:
     name = _name(node)
     if name == "dropout":  # a 1-byte mask per element of its (first) output
         return [((node, "mask"), float(tensors_of(node.meta.get("val"))[0].numel()))]
+    if name == "vocab_parallel_cross_entropy":  # autopar.ops.parallel_ops: fp32 exp(logits - max)
+        val = tensors_of(node.args[0].meta.get("val"))[0]  # per local logit, and per row its
+        rows = val.numel() / val.shape[-1]  # [sum-exp, target logit], index and two masks
+        return [((node, "exp"), 4.0 * val.numel()), ((node, "rows"), 18.0 * rows)]
     if name not in _SAVES:
         return []
     args, output = _SAVES[name]
     if name in ("mul", "div") and not all(isinstance(a, torch.fx.Node) for a in node.args[:2]):
         return []  # scaling by a constant saves nothing
     kept = [node.args[i] for i in args if i < len(node.args) and _needed(node, i, walk)]
-    kept = [a for a in kept if isinstance(a, torch.fx.Node) and a not in walk.fixed]
+    kept = [_shard_of(a) for a in kept if isinstance(a, torch.fx.Node) and a not in walk.fixed]
     out = [(walk.base[a], _out_bytes(walk.base[a])) for a in kept]
     if output:
         out.append((walk.base[node], _out_bytes(walk.base[node])))
@@ -328,6 +333,15 @@ def _saved(node: torch.fx.Node, walk: _Walk) -> list[tuple[object, float]]:
         val = tensors_of(node.args[0].meta.get("val"))[0]
         out.append(((node, "stats"), _STATS_BYTES[name] * val.numel() / val.shape[-1]))
     return out
+
+
+def _shard_of(value: torch.fx.Node) -> torch.fx.Node:
+    """What autograd keeps of ``value``: the shard it was gathered from when the program keeps
+    that and re-gathers it in backward (``meta["regather"]``, autopar.planner.overlap step 4:
+    only linears read such a gather), else the value itself."""
+    if value.meta.get("regather") and isinstance(value.args[0], torch.fx.Node):
+        return value.args[0]
+    return value
 
 
 def _needed(node: torch.fx.Node, i: int, walk: _Walk) -> bool:

@@ -37,6 +37,7 @@ class TpDecisions:
     axis: str
     choice: Mapping[str, Strategy]  # node name -> chosen strategy on ``axis``
     overlap: tuple[str, ...] = ()  # candidates passes.overlap_tp decomposes (planner.overlap)
+    regather: tuple[str, ...] = ()  # gather candidates whose shard backward re-gathers
 
 
 @dataclass(frozen=True, kw_only=True)

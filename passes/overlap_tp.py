@@ -15,7 +15,8 @@ Algorithm:
    user, keyed ``scatter:<linear>``.
 2. A chosen gather and its linears become one ``gather_linear(x, weights, biases, axis,
    dim)`` and one ``getitem`` per linear (each keeping the linear's name's meta: shape,
-   layout); the gather and linears are erased.
+   layout); the gather and linears are erased.  A gather only re-gathered (``regather``, not
+   decomposed) becomes ``gather_linear(..., ring=False)``: one whole gather, the shard kept.
 3. A chosen scatter and its linear become ``linear_scatter(h, w, axis, dim)``.
 4. Lint and recompile.
 """
@@ -124,20 +125,18 @@ def _bias(lin: fx.Node) -> fx.Node | None:
 
 def overlap_tp(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Steps 1-4 for the candidates ``ctx.section("tp").overlap`` names."""
-    chosen = set(ctx.section("tp").overlap)
+    chosen, regather = set(ctx.section("tp").overlap), set(ctx.section("tp").regather)
     for cand in candidates(gm):
-        if cand.key not in chosen:
-            continue
-        if cand.kind == "all_gather":
-            _fuse_gather(gm.graph, cand)
-        else:
+        if cand.kind == "all_gather" and (cand.key in chosen or cand.key in regather):
+            _fuse_gather(gm.graph, cand, ring=cand.key in chosen)
+        elif cand.key in chosen:
             _fuse_scatter(gm.graph, cand)
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
-def _fuse_gather(graph: fx.Graph, cand: Candidate) -> None:
+def _fuse_gather(graph: fx.Graph, cand: Candidate, ring: bool) -> None:
     """Step 2."""
     x = cand.collective.args[0]
     first = cand.linears[0]
@@ -147,7 +146,8 @@ def _fuse_gather(graph: fx.Graph, cand: Candidate) -> None:
     for n in _hoisted(list(cand.linears), order):  # a stage's parameter reads move up
         first.prepend(n)
     with graph.inserting_before(first):
-        fused = graph.call_function(gather_linear, (x, weights, biases, cand.axis, cand.dim))
+        fused = graph.call_function(gather_linear, (x, weights, biases, cand.axis, cand.dim,
+                                                    ring))  # fmt: skip
         fused.meta.update(first.meta)
         fused.meta["val"] = tuple(lin.meta["val"] for lin in cand.linears)
         meta.update(fused, layout=tuple(meta.layout(lin) for lin in cand.linears),

@@ -11,7 +11,9 @@ Algorithm (:func:`compile_traced`):
    layer weight.
 3. Run the pass pipeline (passes.run_pipeline): layouts, lowerings, collectives, local shapes;
    then the overlap planner part (autopar.planner.overlap) prices decomposing each tp gather /
-   scatter under its matmuls and ``overlap_tp`` applies the ones it keeps.
+   scatter under its matmuls and re-gathering the gathered inputs in backward, and
+   ``overlap_tp`` applies what it keeps (the graph the cost model prices marks each
+   re-gathered gather ``meta["regather"]``: its linears keep the shard).
 4. Build the :class:`Plan`: parameter layouts, one step's collectives, predicted cost, and the
    "why" lines (what the cost model says beyond the choice).
 """
@@ -39,7 +41,7 @@ from autopar.program import StageProgram, collectives_of
 from cost.comm import collective_time
 from cost.topology import Topology, nccl_advice
 from passes import PassContext, TpDecisions, run_pipeline
-from passes.overlap_tp import overlap_tp
+from passes.overlap_tp import candidates, overlap_tp
 
 
 def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
@@ -66,8 +68,12 @@ def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
     overlap = choose_overlap(gm, mesh.size(axis), mesh.cluster.axis_link(mesh.axes, axis),
                              mesh.cluster.gpu, options.tp_overlap, options.overlap_fixed)  # fmt: skip
     priced = gm
-    if overlap.keys:
-        tp = dataclasses.replace(ctx.section(axis), overlap=overlap.keys)
+    for c in candidates(gm):  # what the cost model counts as kept: the shard (planner.overlap)
+        if c.key in overlap.regather:
+            c.collective.meta["regather"] = True
+    if overlap.keys or overlap.regather:
+        tp = dataclasses.replace(ctx.section(axis), overlap=overlap.keys,
+                                 regather=tuple(overlap.regather))  # fmt: skip
         gm, more = run_pipeline(copy_module(gm),
                                 dataclasses.replace(ctx, sections={**ctx.sections, axis: tp}),
                                 [overlap_tp])  # fmt: skip
@@ -121,17 +127,18 @@ def _plan(traced: Traced, gm: torch.fx.GraphModule, mesh: Mesh, sol: AxisSolutio
         f"solved {axis} exactly (HiGHS) over {sol.variables} variables; "
         f"{sol.tied_nodes} nodes share the decisions of an identical block",
         *_why(sol, mesh, axis),
-        *([overlap_line(overlap, sol.comm_s)] if overlap.keys else []),
+        *([overlap_line(overlap, sol.comm_s)] if overlap.keys or overlap.regather else []),
     )
     return Plan(
         model=traced.model_name,
         mesh=mesh.axes,
         hardware=f"{mesh.cluster.gpu.name} ×{mesh.cluster.gpus_per_node}/node",
         params=params,
-        collectives=tuple(collectives_of(gm, grad, mesh.sizes, names, overlap.hidden)),
+        collectives=tuple(collectives_of(gm, grad, mesh.sizes, names, overlap.hidden,
+                                         overlap.regathered)),  # fmt: skip
         choice=tuple((k, str(v)) for k, v in sol.choice.items()),
         compute_s=sol.compute_s,
-        comm_s=max(0.0, sol.comm_s - overlap.saved_s),
+        comm_s=max(0.0, sol.comm_s - overlap.saved_s) + overlap.regather_s,
         overlap=overlap.keys,
         memory_bytes=sol.memory_bytes,
         notes=notes,

@@ -8,9 +8,13 @@ Megatron-SP's pairs, each decomposed into ``t`` chunks exchanged over the ring o
   for every column-split ``w_i`` that reads the gathered value.  Forward (:func:`_ring_gather`):
   step s multiplies the chunk of rank r - s while the next chunk travels; a chunk of a dim the
   matmul keeps fills its rows of each output, a chunk of the contracted (last) dim adds its
-  partial product.  Backward: each weight's gradient from the gathered input (kept, as the
-  unfused gather's consumers keep it), and the input's gradient as a ring reduce-scatter
-  (:func:`_ring_scatter`) whose partial matmuls run under the accumulators' hops.
+  partial product.  It keeps only this rank's shard ``x`` for backward (Megatron-SP's
+  memory: s/t rows, not the gathered s).  Backward: the input's gradient as a ring
+  reduce-scatter (:func:`_ring_scatter`) whose partial matmuls run under the accumulators'
+  hops, then each weight's gradient over a ring re-gather of ``x`` (:func:`_regather_grads`),
+  each step's partial weight gradient under the next chunk's hop.  ``ring=False`` keeps the
+  gather and the input's reduce-scatter whole (the planner found decomposing them slower)
+  and still keeps only the shard, re-gathered the same way.
 - ``linear_scatter(h, w, axis, dim)``: ``reduce_scatter(linear(h, w), dim)`` of a row-split
   ``w`` (partial sums).  Forward: :func:`_ring_scatter` (step s computes this rank's partial of
   output block r - 1 - s while the accumulated block travels).  Backward: the gradient
@@ -29,7 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from autopar.ops.collectives import axis_rank, axis_size, graph_op
+from autopar.ops.collectives import _gather, _scatter, axis_rank, axis_size, graph_op
 from autopar.ops.cp_ops import _Exchange
 
 EXCHANGES = "tp"  # the counter key of the ring steps (autopar.ops.cp_ops.reset_exchanges)
@@ -97,28 +101,57 @@ def _gather_matmuls(x: torch.Tensor, dim: int, n: int, weights: Sequence[torch.T
     return outs, torch.cat(chunks, dim)
 
 
+def _regather_grads(x: torch.Tensor, grads: Sequence[torch.Tensor], dim: int,
+                    axis: str) -> list[torch.Tensor]:  # fmt: skip
+    """``flat(g_i).T @ flat(all_gather(x, dim))`` for each output gradient ``g_i`` (the
+    weights' gradients of a gathered linear), over a ring re-gather of the kept shard ``x``:
+    each chunk's partial product while the next chunk travels (16-bit partials summed in
+    fp32, as one matmul accumulates them)."""
+    n = axis_size(axis)
+    last = dim == x.dim() - 1
+    k = x.shape[-1] * (n if last else 1)
+    acc = torch.float32 if x.dtype.itemsize < 4 else x.dtype
+    dws = [x.new_zeros(g.shape[-1], k, dtype=acc) for g in grads]
+
+    def use(chunk: torch.Tensor, src: int) -> None:
+        for dw, g in zip(dws, grads, strict=True):
+            if last:  # the chunk holds columns src of the gathered input
+                _block(dw, 1, src, n).copy_(_flat(g).t() @ _flat(chunk))
+            else:  # the chunk holds rows src of dim: their gradient rows
+                dw.add_(_flat(_block(g, dim, src, n)).t() @ _flat(chunk))
+
+    _ring_gather(x, axis, use)
+    return [dw.to(x.dtype) for dw in dws]
+
+
 class _GatherLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis, dim, has_bias, *tensors):  # noqa: ANN001, ANN205
+    def forward(ctx, x, axis, dim, ring, has_bias, *tensors):  # noqa: ANN001, ANN205
         count = len(has_bias)
         weights, present = tensors[:count], iter(tensors[count:])
         biases = [next(present) if has else None for has in has_bias]
         n = axis_size(axis)
-        outs, gathered = _gather_matmuls(x, dim, n, weights, axis, transpose=True)
+        if ring:
+            outs, _ = _gather_matmuls(x, dim, n, weights, axis, transpose=True)
+        else:
+            gathered = _gather(x, axis, dim, 1)
+            outs = [F.linear(gathered, w) for w in weights]
         for out, b in zip(outs, biases, strict=True):
             if b is not None:
                 out.add_(b)
-        ctx.save_for_backward(gathered, *weights)
-        ctx.axis, ctx.dim, ctx.n = axis, dim, n
+        ctx.save_for_backward(x, *weights)  # the shard: re-gathered in backward
+        ctx.axis, ctx.dim, ctx.n, ctx.ring = axis, dim, n, ring
         ctx.has_bias = has_bias
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):  # noqa: ANN001, ANN205
-        gathered, *weights = ctx.saved_tensors
+        x, *weights = ctx.saved_tensors
         axis, dim, n = ctx.axis, ctx.dim, ctx.n
-        last = dim == gathered.dim() - 1
-        grads = [gathered.new_zeros(*gathered.shape[:-1], w.shape[0]) if g is None else g
+        last = dim == x.dim() - 1
+        full = list(x.shape)
+        full[dim] *= n
+        grads = [x.new_zeros(*full[:-1], w.shape[0]) if g is None else g
                  for g, w in zip(grads, weights, strict=True)]  # fmt: skip
 
         def part(block: int) -> torch.Tensor:
@@ -126,11 +159,15 @@ class _GatherLinear(torch.autograd.Function):
                 return sum(g @ _block(w, 1, block, n) for g, w in zip(grads, weights, strict=True))
             return sum(_block(g, dim, block, n) @ w for g, w in zip(grads, weights, strict=True))
 
-        dx = _ring_scatter(axis, part) if ctx.needs_input_grad[0] else None
-        flat = _flat(gathered)
-        dws = [_flat(g).t() @ flat for g in grads]
+        dx = None
+        if ctx.needs_input_grad[0]:
+            if ctx.ring:
+                dx = _ring_scatter(axis, part)
+            else:
+                dx = _scatter(sum(g @ w for g, w in zip(grads, weights, strict=True)), axis, dim, 1)
+        dws = _regather_grads(x, grads, dim, axis)
         dbs = [_flat(g).sum(0) for g, has in zip(grads, ctx.has_bias, strict=True) if has]
-        return (dx, None, None, None, *dws, *dbs)
+        return (dx, None, None, None, None, *dws, *dbs)
 
 
 class _LinearScatter(torch.autograd.Function):
@@ -159,14 +196,15 @@ class _LinearScatter(torch.autograd.Function):
 
 @graph_op
 def gather_linear(x: torch.Tensor, weights: Sequence[torch.Tensor],
-                  biases: Sequence[torch.Tensor | None], axis: str,
-                  dim: int) -> tuple[torch.Tensor, ...]:  # fmt: skip
+                  biases: Sequence[torch.Tensor | None], axis: str, dim: int,
+                  ring: bool = True) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """``tuple(linear(all_gather(x, axis, dim), w, b) for w, b in zip(weights, biases))``, the
-    gather decomposed into ring steps under the matmuls; backward reduce-scatters the input's
-    gradient the same way (module docstring).  Only the biases present are the Function's
+    gather decomposed into ring steps under the matmuls (``ring``; else one whole gather);
+    backward reduce-scatters the input's gradient the same way and re-gathers the kept shard
+    for the weights' gradients (module docstring).  Only the biases present are the Function's
     inputs (dynamo, re-tracing it without autograd, misplaces a None among them)."""
     has_bias = tuple(b is not None for b in biases)
-    return _GatherLinear.apply(x, axis, dim, has_bias, *weights,
+    return _GatherLinear.apply(x, axis, dim, ring, has_bias, *weights,
                                *(b for b in biases if b is not None))  # fmt: skip
 
 

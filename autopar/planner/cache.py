@@ -413,8 +413,8 @@ _COLLECTIVE = {"kind": str, "axis": str, "dtype": str, "bytes": int, "direction"
 
 def _solved_to(model: GraphModel, collectives: tuple, ring: dict) -> dict[str, Any]:
     return {"model": _graph_to(model),
-            "collectives": [{**{k: getattr(c, k) for k in _COLLECTIVE}, "shape": list(c.shape)}
-                            for c in collectives],
+            "collectives": [{**{k: getattr(c, k) for k in _COLLECTIVE}, "shape": list(c.shape),
+                             "regather": c.regather} for c in collectives],
             "ring": {k: float(v) for k, v in ring.items()}}  # fmt: skip
 
 
@@ -426,7 +426,10 @@ def _solved_from(d: dict[str, Any]) -> tuple[GraphModel, tuple, dict[str, float]
         c = _dict(c)
         fields = {k: _typed(c[k], t, k) for k, t in _COLLECTIVE.items()}
         shape = tuple(_typed(x, int, "shape") for x in c["shape"])
-        collectives.append(Collective(shape=shape, **fields))
+        again = c.get("regather", False)
+        if not isinstance(again, bool):
+            raise TypeError(f"regather: {type(again).__name__} where bool was expected")
+        collectives.append(Collective(shape=shape, regather=again, **fields))
     ring = {str(k): float(_typed(v, (int, float), "ring")) for k, v in _dict(d["ring"]).items()}
     return _graph_from(_dict(d["model"])), tuple(collectives), ring
 

@@ -14,6 +14,13 @@ Algorithm (:func:`choose_overlap`, on the lowered tp graph: collectives concrete
    (``cost.compute.matmul_efficiency``).  The saving is the difference (negative: it loses).
 3. ``mode`` "auto" keeps the candidates that save time, "all" every candidate, "none" none; a
    reloaded plan's keys (``fixed``) are kept as they are, each checked to name a candidate.
+4. Re-gather (Megatron-SP's memory): unless ``mode`` is "none" (every tp collective whole,
+   as DTensor runs them), every gather candidate keeps only its shard for backward and
+   re-gathers it there over the ring under the weight-gradient matmuls
+   (``autopar.ops.overlap.gather_linear``, whole or decomposed); each re-gather's exposed
+   seconds (``cost.comm.decomposed_time`` of the chunked weight-gradient GEMMs, less those
+   GEMMs) are added to the plan's communication, and it is listed as one more backward
+   all-gather.  It frees the gathered input's bytes less the shard's (t - 1 of t).
 """
 
 from __future__ import annotations
@@ -43,10 +50,24 @@ class OverlapChoice:
     saved: dict[str, tuple[float, float]]
     considered: int
     collectives: dict[str, str] = field(default_factory=dict)  # key -> its collective node
+    regather: dict[str, tuple[float, float]] = field(default_factory=dict)  # step 4, by key:
+    # (the re-gather's whole all-gather seconds, its exposed seconds under its matmuls)
 
     @property
     def saved_s(self) -> float:
         return sum(sum(self.saved[k]) for k in self.keys)
+
+    @property
+    def regather_s(self) -> float:
+        """Exposed seconds the re-gathers add to backward (step 4)."""
+        return sum(exposed for _, exposed in self.regather.values())
+
+    @property
+    def regathered(self) -> dict[str, float]:
+        """Each re-gathered collective node's name -> the seconds its ring hides (the
+        re-gather's whole time less its exposed time; what its plan row carries)."""
+        return {self.collectives[k]: whole - exposed
+                for k, (whole, exposed) in self.regather.items()}  # fmt: skip
 
     @property
     def hidden(self) -> dict[str, tuple[float, float]]:
@@ -72,8 +93,30 @@ def choose_overlap(gm: fx.GraphModule, size: int, link: Link, gpu: GPU, mode: st
         keys = tuple(k for k, (f, b) in saved.items() if f + b > 0)
     else:
         keys = ()
+    regather = {c.key: regather_price(c, size, link, gpu) for c in found
+                if c.kind == "all_gather" and (mode != "none" or fixed is not None)}  # fmt: skip
     return OverlapChoice(keys=keys, saved=saved, considered=len(found),
-                         collectives={c.key: c.collective.name for c in found})  # fmt: skip
+                         collectives={c.key: c.collective.name for c in found},
+                         regather=regather)  # fmt: skip
+
+
+def regather_price(cand: Candidate, size: int, link: Link, gpu: GPU) -> tuple[float, float]:
+    """Step 4: (whole all-gather seconds, exposed seconds) of re-gathering ``cand``'s shard
+    in backward over the ring under the weight-gradient GEMMs [n, m] x [m, k], each step a
+    chunk of m (the gathered dim kept) or of k (the gathered last dim)."""
+    coll = cand.collective
+    itemsize = meta.dtype(coll).itemsize
+    gathered = coll.meta["val"]
+    nbytes = gathered.numel() * itemsize
+    m, k = math.prod(gathered.shape[:-1]), gathered.shape[-1]
+    last = cand.dim == len(gathered.shape) - 1
+    gemms = [(lin.args[1].meta["val"].shape[0], k, m) for lin in cand.linears]
+    split = 1 if last else 2
+    whole = sum(_gemm_s(g, gpu, itemsize) for g in gemms)
+    chunk = sum(_gemm_s(tuple(d / size if i == split else d for i, d in enumerate(g)), gpu,
+                        itemsize) for g in gemms)  # fmt: skip
+    exposed = max(0.0, decomposed_time(nbytes, size, link, chunk) - whole)
+    return collective_time("all_gather", nbytes, size, link), exposed
 
 
 def price(cand: Candidate, size: int, link: Link, gpu: GPU) -> tuple[float, float]:
@@ -125,7 +168,12 @@ def _gemm_s(g: tuple[float, float, float], gpu: GPU, itemsize: int) -> float:
 def overlap_line(choice: OverlapChoice, comm_s: float) -> str:
     """The plan's note on the decomposition: how many candidates, and the exposed tp
     communication of the solved plan before and after."""
-    after = max(0.0, comm_s - choice.saved_s)
-    return (f"tp overlap: {len(choice.keys)} of {choice.considered} gathers / scatters "
-            f"decomposed into ring steps under their matmuls (collective matmul); exposed "
-            f"communication {comm_s * 1e3:.3f} ms -> {after * 1e3:.3f} ms per step")
+    after = max(0.0, comm_s - choice.saved_s) + choice.regather_s
+    line = (f"tp overlap: {len(choice.keys)} of {choice.considered} gathers / scatters "
+            f"decomposed into ring steps under their matmuls (collective matmul)")  # fmt: skip
+    if choice.regather:
+        line += (f"; {len(choice.regather)} gathered inputs kept as their shards and "
+                 "re-gathered in backward under the weight-gradient matmuls (+"
+                 f"{choice.regather_s * 1e3:.3f} ms exposed)")  # fmt: skip
+    return line + f"; exposed communication {comm_s * 1e3:.3f} ms -> {after * 1e3:.3f} ms per step"
+
