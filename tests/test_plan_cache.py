@@ -97,7 +97,8 @@ def test_the_namespace_follows_the_graph_shapes_dtype_and_cluster_shape(tmp_path
 def test_records_carry_every_field() -> None:
     graph_fields = set(plan_cache._GRAPH_SCALARS) | {"arrays", *plan_cache._GRAPH_DICTS}
     assert graph_fields == {f.name for f in dataclasses.fields(GraphModel)}
-    assert set(plan_cache._COLLECTIVE) | {"shape"} == {f.name for f in dataclasses.fields(Collective)}
+    assert set(plan_cache._COLLECTIVE) | {"shape", "regather"} == {
+        f.name for f in dataclasses.fields(Collective)}  # the bool is read apart (no bool is an int)
     with pytest.raises(TypeError, match="layers: str"):
         plan_cache._graph_from({"name": "m", "layers": "2", "heads": 1, "kv_heads": 1, "seq": 1,
                                 "batch": 1, "experts": 1, "arrays": {}, "params": {},
