@@ -240,6 +240,16 @@ def tiny_as(sizes: Dims) -> Iterator[None]:
         TINY = saved
 
 
+def tiny_for(tp: int) -> Dims:
+    """The tiny sizes a verify at degree ``tp`` runs: `TINY`, or at a degree above its heads
+    twice its widths with 8 heads (their K/V heads stay `KV_HEADS`' tiny ones: fewer than
+    the ranks, shared by ``tp`` / K/V ranks each)."""
+    if tp <= TINY.heads:
+        return TINY
+    return replace(TINY, hidden=2 * TINY.hidden, heads=8, ffn=2 * TINY.ffn, experts=8,
+                   expert_ffn=2 * TINY.expert_ffn)  # fmt: skip
+
+
 def dims(entry: Family, size: str, kv_heads: int | None = None) -> Dims:
     """The sizes of ``entry`` at ``size`` ('tiny', 'realistic' or 'node'); ``kv_heads``
     overrides the K/V heads of every family that is not multi-query (families whose config
@@ -351,7 +361,8 @@ def check(entry: Family, tp: int = 2, run_verify: bool = True, size: str = "real
         warnings.simplefilter("always")
         if run_verify:
             try:
-                model, args, kwargs, loss_fn = build(entry, "tiny")
+                with tiny_as(tiny_for(tp)):
+                    model, args, kwargs, loss_fn = build(entry, "tiny")
                 report = verify(model, Mesh(tp=tp), args, loss_fn, example_kwargs=kwargs)
                 error, verify_ok = report.max_rel_error, report.ok
                 verify_reason = "" if report.ok else _worst(report)
