@@ -1,0 +1,294 @@
+"""HF's RMSNorm on a 16-bit input fused into ``rms_norm_16`` (autopar.ops.norms,
+passes/fuse_norms.py): the op computes the chain's values and autograd's gradients while
+keeping the 16-bit input and the fp32 rstd instead of the fp32 copy and the normalized value;
+the pass rewrites every such norm of a bf16 program and nothing else."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+
+import passes.fuse_norms as fuse
+from autopar import Mesh, autoparallelize
+from autopar.axes.recompute import measure_saved, saved_bytes
+from autopar.ir import meta
+from autopar.ir.layout import Layout
+from autopar.ops.norms import rms_norm_16
+from autopar.runtime.pool import get_pool
+from autopar.tools import zoo
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+EPS = 1e-6
+
+
+def chain(x, w, eps=EPS, square="pow", weight_first=True):
+    """HF's ``LlamaRMSNorm.forward`` (``w`` None: without the weight)."""
+    x32 = x.to(F32)
+    sq = x32.pow(2) if square == "pow" else x32 * x32
+    out = (x32 * torch.rsqrt(sq.mean(-1, keepdim=True) + eps)).to(x.dtype)
+    if w is None:
+        return out
+    return w * out if weight_first else out * w
+
+
+def _grads(fn, x, w, g):
+    x = x.detach().clone().requires_grad_()
+    w = None if w is None else w.detach().clone().requires_grad_()
+    out = fn(x, w)
+    out.backward(g.to(out.dtype))
+    return out, x.grad, None if w is None else w.grad
+
+
+CASES = [(BF16, BF16), (BF16, None), (BF16, F32), (F16, F16), (F32, F32), (F32, None)]
+
+
+@pytest.mark.parametrize(("dtype", "wdtype"), CASES)
+def test_op_is_the_chain_forward_bitwise_and_its_gradients_autograds(dtype, wdtype):
+    torch.manual_seed(0)
+    x = (3 * torch.randn(3, 8, 64)).to(dtype)
+    w = None if wdtype is None else (1 + 0.1 * torch.randn(64)).to(wdtype)
+    g = torch.randn(3, 8, 64)
+    ref = _grads(chain, x, w, g)
+    got = _grads(lambda a, b: rms_norm_16(a, b, EPS, dtype), x, w, g)
+    assert torch.equal(got[0], ref[0]) and got[0].dtype == ref[0].dtype
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == F32 else dict(rtol=1.6e-2, atol=1e-2)
+    for a, b in zip(got[1:], ref[1:], strict=True):
+        if b is None:
+            assert a is None
+            continue
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_op_gradcheck_in_float64():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: rms_norm_16(a, b, EPS, torch.float64), (x, w))
+    assert torch.autograd.gradcheck(lambda a: rms_norm_16(a, None, EPS, torch.float64), (x,))
+
+
+def test_op_keeps_the_16_bit_input_and_rstd_only():
+    """The chain keeps a fp32 copy of x, its bf16 normalized value and rstd (6 bytes an
+    element); the op keeps x and rstd (2)."""
+    x = torch.randn(4, 16, 64, dtype=BF16, requires_grad=True)
+    w = torch.randn(64, dtype=BF16, requires_grad=True)
+    skip = {w.untyped_storage().data_ptr()}
+    rows, n = 4 * 16, x.numel()
+    assert saved_bytes(lambda: chain(x, w), skip) == 6 * n + 4 * rows
+    assert saved_bytes(lambda: rms_norm_16(x, w, EPS, BF16), skip) == 2 * n + 4 * rows
+
+
+def test_op_compiles_whole_and_pickles():
+    x = torch.randn(2, 4, 16, dtype=BF16, requires_grad=True)
+    w = torch.randn(16, dtype=BF16, requires_grad=True)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda a, b: rms_norm_16(a, b, EPS, BF16), fullgraph=True,
+                       backend="aot_eager")  # fmt: skip
+    ref = _grads(lambda a, b: rms_norm_16(a, b, EPS, BF16), x, w, torch.ones(2, 4, 16))
+    got = _grads(fn, x, w, torch.ones(2, 4, 16))
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a, b)
+    assert pickle.loads(pickle.dumps(rms_norm_16)) is rms_norm_16
+
+
+# ------------------------------------------------------------------- the pass on small graphs
+
+
+class Norm(torch.nn.Module):
+    """HF's RMSNorm, its variants by keyword; ``leak``: also return the fp32 copy."""
+
+    def __init__(self, h=16, weight=True, square="pow", weight_first=True, between=False,
+                 leak=False) -> None:  # fmt: skip
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(h)) if weight else None
+        self.square, self.weight_first, self.between, self.leak = square, weight_first, between, leak
+
+    def forward(self, x):
+        x32 = x.to(F32)
+        sq = x32.pow(2) if self.square == "pow" else x32 * x32
+        var = sq.mean(-1, keepdim=True)
+        if self.between:  # something between the mean and the rsqrt (an all-reduce's place)
+            var = var * 0.5
+        out = (x32 * torch.rsqrt(var + EPS)).to(x.dtype)
+        if self.weight is not None:
+            out = self.weight * out if self.weight_first else out * self.weight
+        return (out, x32.sum()) if self.leak else out
+
+
+def _fused(module, x, layout=None):
+    """(the exported graph module with the pass run, its inputs, the unfused one's outputs)."""
+    torch.manual_seed(0)
+    module = module.to(x.dtype)
+    gm = torch.export.export(module, (x,)).graph_module
+    inputs = [*(p.detach() for p in module.parameters()), x]
+    before = copy.deepcopy(gm)(*inputs)
+    if layout is not None:
+        src = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "x")
+        meta.update(src, layout=layout)
+    return fuse.fuse_norms(gm, None), inputs, before
+
+
+def _calls(gm):
+    return [n for n in gm.graph.nodes if n.target is rms_norm_16]
+
+
+@pytest.mark.parametrize("variant", [{}, {"weight": False}, {"square": "mul"},
+                                     {"weight_first": False}])  # fmt: skip
+def test_pass_fuses_the_hf_chain_and_its_variants(variant):
+    torch.manual_seed(0)
+    gm, inputs, before = _fused(Norm(**variant), torch.randn(2, 8, 16).to(BF16))
+    (call,) = _calls(gm)
+    assert [n.op for n in gm.graph.nodes if n.op == "call_function" and n is not call
+            and n.target is not fuse.ASSERT] == []  # fmt: skip
+    assert (call.args[1] is None) == (variant.get("weight") is False)
+    assert call.args[2:] == (EPS, BF16) and call.meta["val"].dtype == BF16
+    assert torch.equal(gm(*inputs)[0], before[0])  # the chain's values
+
+
+@pytest.mark.parametrize("case", ["fp32", "leak", "between", "split", "gemma"])
+def test_pass_leaves_other_norms_alone(case):
+    """fp32 inputs, an fp32 copy read elsewhere, something between the mean and the rsqrt,
+    a split last dim (a distributed norm's mean is partial) and Gemma's (1 + w) norm stay."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 16).to(F32 if case == "fp32" else BF16)
+    if case == "gemma":
+        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+        module = GemmaRMSNorm(16)
+    else:
+        module = Norm(leak=case == "leak", between=case == "between")
+    split = Layout(dims=((), (), ("tp",)), blocks=(1, 1, 1)) if case == "split" else None
+    gm, _, _ = _fused(module, x, split)
+    assert _calls(gm) == []
+    assert any(n.target is torch.ops.aten.rsqrt.default for n in gm.graph.nodes)
+
+
+# ------------------------------------------------------------ the pass in HF Llama's programs
+
+_PROGS: dict = {}
+
+
+def _llama_prog(dtype=BF16, enabled=True):
+    """HF Llama (zoo tiny: hidden 64, 2 layers) on Mesh(tp=2); ``enabled``: fuse_norms on."""
+    key = (dtype, enabled)
+    if key not in _PROGS:
+        model, args, kwargs, _ = zoo.build(zoo.family("llama"), "tiny")
+        fuse.ENABLED = enabled
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                prog = autoparallelize(model, Mesh(tp=2), args, None, example_kwargs=kwargs,
+                                       param_dtype=dtype)  # fmt: skip
+        finally:
+            fuse.ENABLED = True
+        _PROGS[key] = (prog, args, kwargs)
+    return _PROGS[key]
+
+
+def _local_norm_elements(prog) -> list[int]:
+    """Elements of each fused norm's input on rank 0."""
+    return [n.args[0].meta["val"].numel() for n in prog.module(0).graph.nodes
+            if n.target is rms_norm_16]  # fmt: skip
+
+
+def test_every_rms_norm_of_a_bf16_llama_program_is_fused():
+    prog, _, _ = _llama_prog()
+    layers = zoo.dims(zoo.family("llama"), "tiny").layers
+    code = prog.code(0)
+    assert code.count("autopar_ops_norms_rms_norm_16(") == 2 * layers + 1
+    assert "aten.rsqrt" not in code and "aten.pow" not in code
+    assert "fuse_norms" in [r.name for r in prog.history]
+
+
+def test_an_fp32_program_is_left_exactly_as_it_was():
+    prog, _, _ = _llama_prog(F32)
+    off, _, _ = _llama_prog(F32, enabled=False)
+    assert "rms_norm_16" not in prog.code(0)
+    assert prog.code(0) == off.code(0) and str(prog.plan) == str(off.plan)
+
+
+def test_the_measured_saved_bytes_fall_by_the_fp32_copies():
+    """Measured with autograd's pack hooks on the worker pool, run as ``bind`` runs a bf16
+    program: per rank, 4 bytes an element of every norm's input less (its fp32 copy; the
+    16-bit normalized value the weight's gradient kept is now the 16-bit input)."""
+    prog, args, kwargs = _llama_prog()
+    off, _, _ = _llama_prog(enabled=False)
+    fused = measure_saved(prog, args, kwargs, BF16)
+    unfused = measure_saved(off, args, kwargs, BF16)
+    drop = 4 * sum(_local_norm_elements(prog))
+    assert drop > 0
+    for a, b in zip(unfused, fused, strict=True):
+        assert a - b == drop, (a, b, drop)
+
+
+def _step(rank, groups, module, ids, labels):
+    """One forward and backward of this rank's program as ``bind`` runs it (bf16 "cast"): the
+    loss and every parameter's gradient."""
+    from autopar.ops import collectives
+    from autopar.runtime import cast_forward
+
+    collectives.bind(groups)
+    module = cast_forward(module, BF16)
+    loss = module(ids, labels=labels)[0]
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in module.named_parameters()}
+
+
+def test_bf16_training_step_equals_the_unfused_program():
+    prog, (ids,), kwargs = _llama_prog()
+    off, _, _ = _llama_prog(enabled=False)
+    runs = [get_pool(2).run(_step, p.mesh.axes, [(p.module(r), ids, kwargs["labels"])
+                                                 for r in range(2)])
+            for p in (prog, off)]  # fmt: skip
+    for (loss, grads), (ref_loss, ref_grads) in zip(*runs, strict=True):
+        assert loss == pytest.approx(ref_loss, rel=2e-3)
+        assert grads.keys() == ref_grads.keys()
+        for name, g in grads.items():
+            assert g.dtype == ref_grads[name].dtype == F32
+            torch.testing.assert_close(g, ref_grads[name], rtol=1.6e-2, atol=1e-3, msg=name)
+
+
+def per_layer_activations(prog, sixteen: bool = False) -> float:
+    """Saved bytes per layer on rank 0 as the cost model counts them (benchmarks/bf16_bytes.py;
+    ``sixteen``: every floating value at 2 bytes)."""
+    from autopar.axes.data_parallel import local_parts
+    from cost.config import ParallelConfig
+    from cost.graph import GraphModel
+
+    local, _ = local_parts(prog.stages[0])
+    for n in local.graph.nodes if sixteen else ():
+        v = n.meta.get("val")
+        if n.op == "call_function" and isinstance(v, torch.Tensor) and v.is_floating_point():
+            n.meta["run_dtype"] = BF16
+    model = GraphModel.from_traced(local)
+    work = model.workload(ParallelConfig(global_batch=model.batch), model.batch,
+                          prog.mesh.cluster.gpu)  # fmt: skip
+    return work.act_bytes["none"]
+
+
+def test_the_cost_model_counts_the_fused_norms_16_bit():
+    """HF Llama h 2048, s 2048, b 1 on Mesh(tp=4), bf16, on meta: the priced activations per
+    layer fall by the two norms' fp32 copies (4 bytes an element of the [b, s/t, h] shard
+    each) and every saved value is 16-bit or an fp32 row statistic."""
+    entry = zoo.family("llama")
+    model, args, kwargs, loss_fn = zoo.build(entry, "realistic", device="meta")
+    d = zoo.dims(entry, "realistic")
+    found = {}
+    for enabled in (True, False):
+        fuse.ENABLED = enabled
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                prog = autoparallelize(model, Mesh(tp=4), args, loss_fn, example_kwargs=kwargs,
+                                       param_dtype=BF16)  # fmt: skip
+        finally:
+            fuse.ENABLED = True
+        found[enabled] = (per_layer_activations(prog), per_layer_activations(prog, True))
+    shard = d.batch * d.seq * d.hidden / 4
+    assert found[False][0] - found[True][0] == pytest.approx(2 * 4 * shard)
+    assert found[True][0] == pytest.approx(found[True][1])  # nothing fp32 but statistics
