@@ -101,7 +101,7 @@ def node_flops_bytes(node: torch.fx.Node) -> tuple[float, float]:
     if name == "embedding":
         return 0.0, 2.0 * _nbytes(out[0]) + _nbytes(ins[1])
     if name == "rms_norm_16":
-        return _rms_norm_16(ins, out[0])
+        return _rms_norm_16(ins, out[0], bool(node.kwargs.get("cast_last")))
     for table in (_NORMS, _SOFTMAX, _LOSSES):
         if name in table:
             return table[name] * float(ins[0].numel()), moved
@@ -112,17 +112,19 @@ def node_flops_bytes(node: torch.fx.Node) -> tuple[float, float]:
     return (0.0, moved) if name in _COPIES else (0.0, 0.0)
 
 
-def _rms_norm_16(ins: list[torch.Tensor], out: torch.Tensor) -> tuple[float, float]:
+def _rms_norm_16(ins: list[torch.Tensor], out: torch.Tensor,
+                 cast_last: bool) -> tuple[float, float]:  # fmt: skip
     """autopar's fused 16-bit RMSNorm (autopar.ops.norms) runs the kernels of the HF chain it
-    replaces (up-cast, pow, mean, add, rsqrt, mul, down-cast, weight mul): their FLOPs and
-    bytes, so fusing changes what is saved, not the priced time."""
+    replaces (up-cast, pow, mean, add, rsqrt, mul, down-cast and the weight multiply: after
+    the cast in 16 bits, or before it in fp32, ``cast_last``): their FLOPs and bytes, so
+    fusing changes what is saved, not the priced time."""
     x, n = ins[0], float(ins[0].numel())
     rows, narrow = n / max(x.shape[-1], 1), _nbytes(x)
     flops = 3.0 * n + 2.0 * rows  # pow, mean, mul; add and rsqrt per row
     moved = 2.0 * narrow + 28.0 * n + 24.0 * rows  # the casts' 16-bit ends, fp32 in between
     if len(ins) > 1:  # the weight multiply
         flops += n
-        moved += _nbytes(ins[1]) + narrow + _nbytes(out)
+        moved += _nbytes(ins[1]) + (8.0 * n if cast_last else narrow + _nbytes(out))
     return flops, moved
 
 

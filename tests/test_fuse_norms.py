@@ -64,6 +64,34 @@ def test_op_is_the_chain_forward_bitwise_and_its_gradients_autograds(dtype, wdty
         torch.testing.assert_close(a, b, **tol)
 
 
+def gemma(x, w, eps=EPS):
+    """HF's ``GemmaRMSNorm.forward``: the fp32 ``1 + w`` multiplies before the cast."""
+    x32 = x.float()
+    out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + w.float())).type_as(x)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_op_in_gemma_order_is_gemmas_norm(dtype):
+    torch.manual_seed(0)
+    x, w = (3 * torch.randn(3, 8, 64)).to(dtype), (0.1 * torch.randn(64)).to(dtype)
+    g = torch.randn(3, 8, 64)
+    ref = _grads(gemma, x, w, g)
+    got = _grads(lambda a, b: rms_norm_16(a, 1.0 + b.float(), EPS, dtype, cast_last=True), x, w, g)
+    assert torch.equal(got[0], ref[0]) and got[0].dtype == ref[0].dtype
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == F32 else dict(rtol=1.6e-2, atol=1e-2)
+    for a, b in zip(got[1:], ref[1:], strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, **tol)
+    if dtype == BF16:  # saved: x32, rstd, x32 * rstd, 1 + w (8 bytes an element) vs x, rstd, 1 + w
+        x, w = x.requires_grad_(), w.requires_grad_()
+        n, rows, h = x.numel(), x.numel() // 64, 64
+        skip = {w.untyped_storage().data_ptr()}
+        assert saved_bytes(lambda: gemma(x, w), skip) == 8 * n + 4 * rows + 4 * h
+        fused = saved_bytes(lambda: rms_norm_16(x, 1.0 + w.float(), EPS, BF16, cast_last=True), skip)
+        assert fused == 2 * n + 4 * rows + 4 * h
+
+
 def test_op_gradcheck_in_float64():
     torch.manual_seed(0)
     x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
@@ -150,18 +178,38 @@ def test_pass_fuses_the_hf_chain_and_its_variants(variant):
     assert torch.equal(gm(*inputs)[0], before[0])  # the chain's values
 
 
-@pytest.mark.parametrize("case", ["fp32", "leak", "between", "split", "gemma"])
+@pytest.mark.parametrize("family", ["gemma", "gemma3"])
+def test_pass_fuses_gemmas_norm_in_its_order(family):
+    """Gemma's (and Gemma 3's) ``(1 + w)`` norm: the fp32 ``1 + w`` stays in the graph as the
+    op's weight, multiplied before the down-cast (``type_as``)."""
+    import importlib
+
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    norm = getattr(mod, f"{family.capitalize()}RMSNorm")(16)
+    with torch.no_grad():
+        norm.weight.normal_(0, 0.1)
+    gm, inputs, before = _fused(norm, torch.randn(2, 8, 16).to(BF16))
+    (call,) = _calls(gm)
+    assert call.kwargs == {"cast_last": True} and call.args[1].meta["val"].dtype == F32
+    assert torch.equal(gm(*inputs)[0], before[0])
+
+
+def test_the_fused_op_is_priced_as_the_chain_it_replaces():
+    from cost.compute import node_flops_bytes
+
+    gm = torch.export.export(Norm().to(BF16), (torch.randn(2, 8, 16).to(BF16),)).graph_module
+    chain = sum(torch.tensor(node_flops_bytes(n)) for n in gm.graph.nodes if n.op == "call_function")
+    (call,) = _calls(fuse.fuse_norms(gm, None))
+    assert tuple(chain.tolist()) == node_flops_bytes(call)
+
+
+@pytest.mark.parametrize("case", ["fp32", "leak", "between", "split"])
 def test_pass_leaves_other_norms_alone(case):
     """fp32 inputs, an fp32 copy read elsewhere, something between the mean and the rsqrt,
-    a split last dim (a distributed norm's mean is partial) and Gemma's (1 + w) norm stay."""
+    and a split last dim (a distributed norm's mean is partial) stay."""
     torch.manual_seed(0)
     x = torch.randn(2, 8, 16).to(F32 if case == "fp32" else BF16)
-    if case == "gemma":
-        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-
-        module = GemmaRMSNorm(16)
-    else:
-        module = Norm(leak=case == "leak", between=case == "between")
+    module = Norm(leak=case == "leak", between=case == "between")
     split = Layout(dims=((), (), ("tp",)), blocks=(1, 1, 1)) if case == "split" else None
     gm, _, _ = _fused(module, x, split)
     assert _calls(gm) == []
@@ -173,9 +221,9 @@ def test_pass_leaves_other_norms_alone(case):
 _PROGS: dict = {}
 
 
-def _llama_prog(dtype=BF16, enabled=True):
+def _llama_prog(dtype=BF16, enabled=True, compile=False):
     """HF Llama (zoo tiny: hidden 64, 2 layers) on Mesh(tp=2); ``enabled``: fuse_norms on."""
-    key = (dtype, enabled)
+    key = (dtype, enabled, compile)
     if key not in _PROGS:
         model, args, kwargs, _ = zoo.build(zoo.family("llama"), "tiny")
         fuse.ENABLED = enabled
@@ -183,7 +231,7 @@ def _llama_prog(dtype=BF16, enabled=True):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 prog = autoparallelize(model, Mesh(tp=2), args, None, example_kwargs=kwargs,
-                                       param_dtype=dtype)  # fmt: skip
+                                       param_dtype=dtype, compile=compile)  # fmt: skip
         finally:
             fuse.ENABLED = True
         _PROGS[key] = (prog, args, kwargs)
@@ -239,18 +287,42 @@ def _step(rank, groups, module, ids, labels):
     return loss.item(), {n: p.grad for n, p in module.named_parameters()}
 
 
-def test_bf16_training_step_equals_the_unfused_program():
-    prog, (ids,), kwargs = _llama_prog()
-    off, _, _ = _llama_prog(enabled=False)
-    runs = [get_pool(2).run(_step, p.mesh.axes, [(p.module(r), ids, kwargs["labels"])
-                                                 for r in range(2)])
-            for p in (prog, off)]  # fmt: skip
-    for (loss, grads), (ref_loss, ref_grads) in zip(*runs, strict=True):
+def _steps(prog, ids, labels):
+    return get_pool(2).run(_step, prog.mesh.axes, [(prog.module(r), ids, labels)
+                                                   for r in range(2)])  # fmt: skip
+
+
+def _same_step(runs, ref_runs):
+    """Equal losses and gradients within bf16 rounding, rank by rank."""
+    for (loss, grads), (ref_loss, ref_grads) in zip(runs, ref_runs, strict=True):
         assert loss == pytest.approx(ref_loss, rel=2e-3)
         assert grads.keys() == ref_grads.keys()
         for name, g in grads.items():
             assert g.dtype == ref_grads[name].dtype == F32
             torch.testing.assert_close(g, ref_grads[name], rtol=1.6e-2, atol=1e-3, msg=name)
+
+
+def test_bf16_training_step_equals_the_unfused_program():
+    prog, (ids,), kwargs = _llama_prog()
+    off, _, _ = _llama_prog(enabled=False)
+    _same_step(_steps(prog, ids, kwargs["labels"]), _steps(off, ids, kwargs["labels"]))
+
+
+def test_compiled_bf16_program_runs_the_fused_norms_without_graph_breaks():
+    """compile="aot_eager": dynamo and AOTAutograd trace the op inside each compiled block
+    (its forward and backward), without a graph break, to the eager program's step."""
+    from autopar.ops.compiled import compile_stats
+
+    prog, (ids,), kwargs = _llama_prog(compile="aot_eager")
+    eager, _, _ = _llama_prog()
+    inner = [m for _, m in prog.module(0).named_modules() if isinstance(m, torch.fx.GraphModule)]
+    assert any(n.target is rms_norm_16 for m in inner for n in m.graph.nodes)
+    before = get_pool(2).run(compile_stats, prog.mesh.axes, [()] * 2)
+    runs = _steps(prog, ids, kwargs["labels"])
+    after = get_pool(2).run(compile_stats, prog.mesh.axes, [()] * 2)
+    for b, a in zip(before, after, strict=True):
+        assert a["graph_breaks"] == b["graph_breaks"] and a["unique_graphs"] > b["unique_graphs"]
+    _same_step(runs, _steps(eager, ids, kwargs["labels"]))
 
 
 def per_layer_activations(prog, sixteen: bool = False) -> float:
