@@ -364,3 +364,62 @@ def test_the_cost_model_counts_the_fused_norms_16_bit():
     shard = d.batch * d.seq * d.hidden / 4
     assert found[False][0] - found[True][0] == pytest.approx(2 * 4 * shard)
     assert found[True][0] == pytest.approx(found[True][1])  # nothing fp32 but statistics
+
+
+def _shifted_loss(out, labels: torch.Tensor) -> torch.Tensor:
+    """HF's shifted cross-entropy with the labels shifted outside (the cp tests' loss)."""
+    logits = out.logits.float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _hf_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids, labels = (torch.randint(0, 128, (2, 32), generator=g) for _ in range(2))
+    return ids, torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
+
+
+def _loss_step(rank, groups, module, x, y):
+    """``_step`` for a program with its own loss function."""
+    from autopar.ops import collectives
+    from autopar.runtime import cast_forward
+
+    collectives.bind(groups)
+    module = cast_forward(module, BF16)
+    loss = module(x, y)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in module.named_parameters()}
+
+
+def _hf_prog(axes, enabled=True, **options):
+    from autopar.tools.testing import hf_tiny_llama
+
+    fuse.ENABLED = enabled
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return autoparallelize(hf_tiny_llama(2), Mesh(**axes), _hf_batch(), _shifted_loss,
+                                   param_dtype=BF16, **options)  # fmt: skip
+    finally:
+        fuse.ENABLED = True
+
+
+def test_cp_splits_the_fused_norms_along_the_sequence():
+    """Mesh(cp=2, tp=2): the cp pass runs each fused norm on this rank's sequence chunks (its
+    sharding rule), and the step equals the unfused program's."""
+    prog, off = _hf_prog({"cp": 2, "tp": 2}), _hf_prog({"cp": 2, "tp": 2}, enabled=False)
+    seq = _hf_batch()[0].shape[1]
+    shapes = {n.args[0].meta["val"].shape[1] for n in prog.module(0).graph.nodes
+              if n.target is rms_norm_16}  # fmt: skip
+    assert shapes == {seq // 2}
+    x, y = _hf_batch()
+    runs = [get_pool(4).run(_loss_step, p.mesh.axes, [(p.module(r), x, y) for r in range(4)])
+            for p in (prog, off)]  # fmt: skip
+    _same_step(*runs)
+
+
+def test_a_norm_over_a_split_hidden_dim_stays_distributed():
+    """A plan splitting the norms' hidden dim (the tiny model under a large memory weight)
+    all-reduces their statistics between the mean and the rsqrt: none is fused."""
+    prog = _hf_prog({"tp": 2}, memory_weight=1e-6)
+    code = prog.code(0)
+    assert "rms_norm_16" not in code and code.count("aten.rsqrt") == 5
