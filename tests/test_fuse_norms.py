@@ -250,6 +250,9 @@ def test_every_rms_norm_of_a_bf16_llama_program_is_fused():
     code = prog.code(0)
     assert code.count("autopar_ops_norms_rms_norm_16(") == 2 * layers + 1
     assert "aten.rsqrt" not in code and "aten.pow" not in code
+    # the first layer's input norm, printed: the weight multiply's name and value, the gathered x
+    assert ('mul_4: "bf16[2, 16, 64]" = autopar_ops_norms_rms_norm_16(all_gather, '
+            "model_layers_0_input_layernorm_weight, 1e-06, torch.bfloat16)") in code
     assert "fuse_norms" in [r.name for r in prog.history]
 
 
