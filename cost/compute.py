@@ -4,7 +4,8 @@ Algorithm (`node_flops_bytes`, one call_function node of a torch.export graph):
 1. Read the output and tensor-argument shapes from `meta["val"]` (fake tensors).
 2. Dispatch on the op name: matmul family (2·M·K·N, plus M·N for a bias), SDPA (two
    batched matmuls; halved when causal), norms, softmax and cross-entropy (a few FLOPs per
-   element), embedding and copies (no FLOPs), elementwise and reductions (one FLOP per element).
+   element), embedding and copies (no FLOPs), elementwise and reductions (one FLOP per element);
+   autopar's fused 16-bit RMSNorm as the HF chain of ops it runs.
 3. Bytes moved = every tensor argument read once + the output written once (SDPA assumes a
    fused kernel: the s×s scores never reach HBM). Views and unknown ops cost (0, 0).
 
@@ -99,6 +100,8 @@ def node_flops_bytes(node: torch.fx.Node) -> tuple[float, float]:
         return 2.0 * out_elems * weight.numel() / max(weight.shape[0], 1), moved
     if name == "embedding":
         return 0.0, 2.0 * _nbytes(out[0]) + _nbytes(ins[1])
+    if name == "rms_norm_16":
+        return _rms_norm_16(ins, out[0], bool(node.kwargs.get("cast_last")))
     for table in (_NORMS, _SOFTMAX, _LOSSES):
         if name in table:
             return table[name] * float(ins[0].numel()), moved
@@ -107,6 +110,22 @@ def node_flops_bytes(node: torch.fx.Node) -> tuple[float, float]:
     if name in _ELEMENTWISE:
         return out_elems, moved
     return (0.0, moved) if name in _COPIES else (0.0, 0.0)
+
+
+def _rms_norm_16(ins: list[torch.Tensor], out: torch.Tensor,
+                 cast_last: bool) -> tuple[float, float]:  # fmt: skip
+    """autopar's fused 16-bit RMSNorm (autopar.ops.norms) runs the kernels of the HF chain it
+    replaces (up-cast, pow, mean, add, rsqrt, mul, down-cast and the weight multiply: after
+    the cast in 16 bits, or before it in fp32, ``cast_last``): their FLOPs and bytes, so
+    fusing changes what is saved, not the priced time."""
+    x, n = ins[0], float(ins[0].numel())
+    rows, narrow = n / max(x.shape[-1], 1), _nbytes(x)
+    flops = 3.0 * n + 2.0 * rows  # pow, mean, mul; add and rsqrt per row
+    moved = 2.0 * narrow + 28.0 * n + 24.0 * rows  # the casts' 16-bit ends, fp32 in between
+    if len(ins) > 1:  # the weight multiply
+        flops += n
+        moved += _nbytes(ins[1]) + (8.0 * n if cast_last else narrow + _nbytes(out))
+    return flops, moved
 
 
 def reads_whole_inputs(node: torch.fx.Node) -> bool:

@@ -83,10 +83,13 @@ _SAVES: dict[str, tuple[tuple[int, ...], bool]] = {
     # autopar's ring attention (autopar.ops.cp_ops): q, k, v and the merged output with its
     # log-sum-exp (the one-node ring saves its own; the per-step ring's last node takes them)
     "ring_attention": ((0, 1, 2), True), "ring_attention_out": ((0, 1, 2, 3, 4), False),
+    # autopar's fused 16-bit RMSNorm (autopar.ops.norms): its input in its own dtype and its
+    # weight (as the weight multiply it replaces keeps it: nothing when a parameter)
+    "rms_norm_16": ((0, 1), False),
 }  # fmt: skip
 _BILINEAR = {"mul", "div", "mm", "bmm", "matmul"}  # products: each operand kept for the other's gradient
 _STATS_BYTES = {"layer_norm": 8, "rms_norm": 4, "group_norm": 8, "scaled_dot_product_attention": 4,
-                "ring_attention": 4}  # fmt: skip
+                "ring_attention": 4, "rms_norm_16": 4}  # fmt: skip
 _BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
 
 

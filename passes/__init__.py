@@ -1,8 +1,9 @@
 """passes: graph rewrites that implement a plan, run in order by :func:`run_pipeline`.
 
-Per stage of the lowered graph :func:`default_pipeline` (the tp passes; the stage split and
-context parallelism are recorded with them), then ``overlap_tp`` when the overlap planner part
-(autopar.planner.overlap) decomposes any tp gather / scatter under its matmuls; then on each materialized stage
+Per stage of the lowered graph :func:`default_pipeline` (the tp passes, then ``fuse_norms``
+on 16-bit RMSNorms; the stage split and context parallelism are recorded with them), then
+``overlap_tp`` when the overlap planner part (autopar.planner.overlap) decomposes any tp
+gather / scatter under its matmuls; then on each materialized stage
 (autopar.codegen.materialize) :func:`batch_pipeline` for ep (``expert_parallel``,
 ``global_batch``), ``recompute`` in the program's mode, and dp's ``global_batch`` on a copy;
 codegen's shard step then cuts each rank's module.
@@ -133,12 +134,13 @@ def record(name: str, before: int, start: float, graphs: Sequence[fx.GraphModule
 
 def default_pipeline() -> list[Pass]:
     from passes.cleanup import cleanup
+    from passes.fuse_norms import fuse_norms
     from passes.localize import localize
     from passes.lower_collectives import lower_collectives
     from passes.propagate_layout import propagate_layout
     from passes.tensor_parallel import tensor_parallel
 
-    return [propagate_layout, tensor_parallel, lower_collectives, localize, cleanup]
+    return [propagate_layout, tensor_parallel, lower_collectives, localize, cleanup, fuse_norms]
 
 
 

@@ -152,9 +152,10 @@ def _per_layer_activations(prog, sixteen: bool = False) -> float:
 
 def test_hf_llama_h2048_tp4_moves_and_saves_16_bit_on_meta():
     """The issue's shape (HF Llama h 2048, s 2048, 16 heads, 4 KV heads, b 1; Mesh(tp=4), on
-    meta): every [b,s,h] tp collective moves bf16, and the activation row is within 10% of
-    the 16-bit count of the same saved tensors (what exceeds it: the fp32 copies HF's RMSNorm
-    makes itself).  Under mixed_precision="autocast" neither holds (fp32 residual stream)."""
+    meta): every [b,s,h] tp collective moves bf16, and the activation row is the 16-bit count
+    of the same saved tensors within 1% (the fp32 copies HF's RMSNorm makes itself are not
+    kept: passes/fuse_norms; fp32 row statistics remain).  Under mixed_precision="autocast"
+    neither holds (fp32 residual stream)."""
     from autopar.tools import zoo
 
     entry = zoo.family("llama")
@@ -172,7 +173,7 @@ def test_hf_llama_h2048_tp4_moves_and_saves_16_bit_on_meta():
         found[mode] = (moved, ratio)
     moved, ratio = found["cast"]
     assert moved == {"bfloat16"}, found
-    assert 1.0 <= ratio < 1.10, found
+    assert 1.0 <= ratio < 1.01, found
     assert found["autocast"][0] == {"bfloat16", "float32"} and found["autocast"][1] > 1.10, found
 
 

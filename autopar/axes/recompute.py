@@ -302,20 +302,26 @@ def saved_bytes(run: Any, exclude: set[int] = frozenset()) -> int:
     return sum(seen.values())
 
 
-def measure_saved(prog: Any, args: tuple, kwargs: dict | None = None) -> list[int]:
+def measure_saved(prog: Any, args: tuple, kwargs: dict | None = None,
+                  param_dtype: torch.dtype | None = None) -> list[int]:  # fmt: skip
     """Per rank of program ``prog`` (tp / cp), the activation bytes its forward saves,
-    measured on the worker pool (:func:`saved_bytes`)."""
+    measured on the worker pool (:func:`saved_bytes`); ``param_dtype``: run as ``bind`` runs
+    a program traced in that dtype (``mixed_precision="cast"``: autopar.runtime.cast_forward,
+    whose per-step cast copies of the weights count as saved where an op keeps them)."""
     from autopar.runtime.pool import get_pool
 
     world = prog.mesh.world_size
-    jobs = [(prog.module(r), tuple(args), dict(kwargs or {})) for r in range(world)]
+    jobs = [(prog.module(r), tuple(args), dict(kwargs or {}), param_dtype) for r in range(world)]
     return get_pool(world).run(_measure_rank, prog.mesh.axes, jobs)
 
 
 def _measure_rank(rank: int, groups: dict, module: torch.nn.Module, args: tuple,
-                  kwargs: dict) -> int:  # fmt: skip
+                  kwargs: dict, param_dtype: torch.dtype | None = None) -> int:  # fmt: skip
     from autopar.ops import collectives
+    from autopar.runtime import cast_forward
 
     collectives.bind(groups)
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    if param_dtype is not None:
+        module = cast_forward(module, param_dtype)
     return saved_bytes(lambda: module(*args, **kwargs), params)

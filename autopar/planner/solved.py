@@ -6,7 +6,8 @@ At tp > 1 a formula (Megatron's column/row pairing, with or without sequence par
 would guess what the tp planner chooses; this model asks the planner instead.
 
 Algorithm (`SolvedModel.workload`):
-1. tp = cp = 1: the traced graph's `GraphModel` (each value in its autocast dtype); with
+1. tp = cp = 1: the traced graph's `GraphModel` (each value in its autocast dtype, its
+   16-bit RMSNorms fused as the compiled program's: passes.fuse_norms); with
    `retrace`, that of a trace of the micro-batch's rows (traced once per row count).
 2. tp = t, cp = c, not both 1, once per (t, c, micro-batch rows) (memoised): compile the
    sub-mesh program the driver builds inside a data axis -- the tp program of `Mesh(tp=t)`
@@ -202,11 +203,14 @@ class SolvedModel:
 
 
 def _priced(traced: Traced, param_dtype: torch.dtype, name: str | None) -> GraphModel:
-    """`cost.graph` on a copy of ``traced``, each value in its autocast dtype."""
+    """`cost.graph` on a copy of ``traced``, each value in its autocast dtype, its 16-bit
+    RMSNorms fused as the compiled program's are (passes.fuse_norms)."""
     from autopar.frontend.precision import annotate_autocast, mark_run_dtypes
+    from passes.fuse_norms import fuse_norms
 
     gm = copy_module(traced.gm)
     annotate_autocast(gm, param_dtype)
+    gm = fuse_norms(gm, None)
     return GraphModel.from_traced(mark_run_dtypes(gm), name=name or traced.model_name,
                                   send_dtype=_send_dtype(param_dtype))  # fmt: skip
 

@@ -11,6 +11,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from autopar.frontend.trace import tensor_args
 from autopar.ir.layout import PARTIAL, R, Shard
+from autopar.ops.norms import rms_norm_16
 from autopar.rules.core import RuleContext, Strategy, _dim, _shape, aten, rule
 from autopar.rules.pointwise import _broadcast_placement
 
@@ -152,6 +153,15 @@ def norm(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
             found.append(Strategy((Shard(d, b),) + (w,) * (n_in - 1), Shard(d, b),
                                   "distributed_norm", comm))  # fmt: skip
     return found
+
+
+@rule(rms_norm_16)
+def fused_rms_norm(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """autopar's fused 16-bit RMSNorm (passes/fuse_norms.py writes it after the tp passes; the
+    cp pass splits it): split a dim it does not normalize, the weight replicated."""
+    nd, n_in = len(_shape(node.args[0])), len(tensor_args(node))
+    return [Strategy((Shard(d, b),) + (R,) * (n_in - 1), Shard(d, b))
+            for d in range(nd - 1) for b in ctx.blocks]  # fmt: skip
 
 
 @rule(aten.triu.default, aten.tril.default)

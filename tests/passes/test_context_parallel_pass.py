@@ -25,7 +25,7 @@ def test_runs_after_the_tp_passes_and_matches_one_device():
     prog = autoparallelize(model, Mesh(cp=2, tp=2), inputs, lm_loss, cp_attention="ring")
     assert [r.name for r in prog.history] == ["propagate_layout", "tensor_parallel",
                                               "lower_collectives", "localize", "cleanup",
-                                              "context_parallel"]  # fmt: skip
+                                              "fuse_norms", "context_parallel"]  # fmt: skip
     cp = prog.history[-1]
     assert cp.nodes_after > cp.nodes_before  # localized inputs, ring steps, the global mean
     assert "ring_send" in cp.graph and "cp_global_mean" in cp.graph

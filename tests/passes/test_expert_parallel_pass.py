@@ -24,7 +24,7 @@ def test_experts_split_on_dim_0_and_sliced_by_codegen():
     prog = autoparallelize(build_moe(SMALL), Mesh(ep=2, tp=2), tokens(SMALL), lm_loss)
     assert [r.name for r in prog.history] == ["propagate_layout", "tensor_parallel",
                                               "lower_collectives", "localize", "cleanup",
-                                              "expert_parallel", "global_batch"]  # fmt: skip
+                                              "fuse_norms", "expert_parallel", "global_batch"]  # fmt: skip
     ep = prog.history[-2]
     assert ep.nodes_after > ep.nodes_before  # dispatch, combine, gradient buckets, global loss
     assert "expert_dispatch" in ep.graph and "batch_loss" in ep.graph

@@ -17,7 +17,7 @@ def test_printed_graph():
     prog = autoparallelize(build("llama", SMALL), Mesh(tp=2), tokens(SMALL), lm_loss,
                            recompute="full")  # fmt: skip
     names = [r.name for r in prog.history]
-    assert names[-2:] == ["cleanup", "recompute"]
+    assert names[-3:] == ["cleanup", "fuse_norms", "recompute"]
     rec = prog.history[-1]
     assert rec.graph.count("= checkpoint(") == 2 and rec.nodes_after < rec.nodes_before
     assert_golden("llama_tp2_recompute", rec.graph)
