@@ -121,6 +121,26 @@ def test_dp_tp_bf16_loss_curve_equals_one_device_fsdp2_style(zero):
         assert off > 2 * worst, (off, worst)  # the fp32 run is farther: bf16 did run
 
 
+def test_full_recompute_under_cast_rereads_the_casts():
+    """Mesh(dp=2, tp=2) ZeRO-0 (DDP) bf16 "cast" with recompute="full": the re-run in backward
+    reads the same bf16 casts of the fp32 parameters the forward read (it raised
+    CheckpointError before: the casts exist only while the program's call runs), and two
+    AdamW steps give the losses of the program that keeps its activations."""
+    ids, labels = token_batch(4, 16, 128)
+    curves = {}
+    for mode in ("none", "full"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            prog = autoparallelize(hf_tiny_llama(2), Mesh(dp=2, tp=2), (ids,),
+                                   example_kwargs={"labels": labels}, param_dtype=BF16, zero=0,
+                                   recompute=mode)  # fmt: skip
+        jobs = [(prog.module(r), ids.chunk(2)[prog.mesh.coordinates(r)["dp"]],
+                 labels.chunk(2)[prog.mesh.coordinates(r)["dp"]], 0, 2) for r in range(4)]  # fmt: skip
+        results = get_pool(4).run(_train_cast, prog.mesh.axes, jobs)
+        curves[mode] = [x for losses, _, _ in results for x in losses]
+    assert curves["full"] == pytest.approx(curves["none"], rel=1e-6), curves
+
+
 def test_mixed_precision_is_validated():
     ids, labels = token_batch(2, 8, 128)
     with pytest.raises(InputError, match="mixed_precision='fp8'.*'cast'.*'autocast'"):

@@ -33,6 +33,7 @@ reads them (FSDP2 skips its forward hooks while in backward).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -61,8 +62,22 @@ class RecomputeDecisions:
 
 def checkpoint(region: torch.nn.Module, *args: Any) -> Any:
     """What a recomputing program calls: ``region(*args)``, its activations not kept but
-    re-run in backward (non-reentrant ``torch.utils.checkpoint``)."""
-    return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=False)
+    re-run in backward (non-reentrant ``torch.utils.checkpoint``).  Inside a 16-bit cast
+    program's call (``runtime.cast_call``: the parameters are their casts only while it
+    runs) the re-run reads the same casts the forward read."""
+    from autopar.runtime import casting
+
+    if not casting():
+        return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=False)
+    read = dict(region.named_parameters(remove_duplicate=False))
+
+    def contexts() -> tuple[Any, Any]:
+        from torch.nn.utils.stateless import _reparametrize_module
+
+        return contextlib.nullcontext(), _reparametrize_module(region, read, tie_weights=True)
+
+    return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=False,
+                                             context_fn=contexts)  # fmt: skip
 
 
 def check_mode(mode: str) -> str:

@@ -83,7 +83,20 @@ def cast_call(module: torch.nn.Module, body: Any, dtype: torch.dtype, args: tupl
                 casts[id(p)] = p.to(dtype)
             swapped[name] = casts[id(p)]
     with _reparametrize_module(module, swapped, tie_weights=True):
-        return body(*args, **kwargs)
+        _CASTING.append(dtype)
+        try:
+            return body(*args, **kwargs)
+        finally:
+            _CASTING.pop()
+
+
+_CASTING: list[torch.dtype] = []  # the dtypes of the cast_call bodies running now (innermost last)
+
+
+def casting() -> bool:
+    """Whether a :func:`cast_call` body is running: the parameters a module reads now are
+    its casts (what a recomputing region must read again in backward)."""
+    return bool(_CASTING)
 
 
 def bind_mesh(device_mesh: Any, mesh: Mesh, plan_collectives: Sequence[Any] = (),
