@@ -126,6 +126,8 @@ def _cfg(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, *, gbs: i
 EAGER = {"kernels": "eager"}
 TT_LAYER_SAC = {**EAGER, "recompute": "full", "checkpoint_every": 2}
 TT_OP_SAC = {**EAGER, "selective": "matmuls"}
+TT_COMPILED = {"loss_kernels": "eager"}  # torchtitan 9dec370 compiles the blocks, not the loss
+TT_COMPILED_SAC = {**TT_COMPILED, "selective": "matmuls"}
 # Megatron-Bridge's 70B / 405B performance configs set a userbuffers tp overlap config
 # (scripts/performance/configs/llama/llama3_llm_pretrain.py, llama31_llm_pretrain.py:
 # `tp_comm_overlap_cfg = userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192`, ..._h16384_tp8_cp2_...)
@@ -173,11 +175,15 @@ ROWS: tuple[Row, ...] = (
     # "+ torch.compile" rows price fused kernels (the estimator's default); "+ Float8" FP8 GEMMs.
     # Table 5 runs PP 8 at torchtitan 9dec370's defaults (parallelisms/pipelining_utils.py:
     # n_microbatches = pipeline_parallel_degree, so 32 / 8 = 4 per micro-batch; a looped
-    # schedule without split points gets 2 stages per rank).
+    # schedule without split points gets 2 stages per rank). At 9dec370 torch.compile wraps
+    # the TransformerBlocks only (parallelize_llama.py `apply_compile`; train.py leaves
+    # `loss_fn = torch.compile(loss_fn)` commented out): the loss runs eager on every row
+    # (`loss_kernels`); and `apply_fsdp` passes reshard_after_forward=False to every block
+    # when pp is enabled (`reshard_after_forward`).
     *(Row(name=f"tt Llama3.1 8B FSDP{n} {tech}", source=TT_H100 + f" Table {table}",
           model=_llama3("8b"), cluster=_cluster("dgx-h100", n, gpu=H100_GT),
           config=_cfg(dp=n, gbs=2 * n, mbs=2, zero=3, recompute="selective", grad_bytes=2,
-                      **(TT_OP_SAC if tech == "eager" else {"selective": "matmuls"})),
+                      **(TT_OP_SAC if tech == "eager" else TT_COMPILED_SAC)),
           precision="fp8" if tech.endswith("Float8") else "bf16", published=tps,
           memory_gib=mem, memory_metric="reserved", fit=fit, memory_fit=fit, peak_fit=fit)
       for n, table, tech, tps, mem, fit in (
@@ -187,14 +193,15 @@ ROWS: tuple[Row, ...] = (
     *(Row(name=f"tt Llama3.1 70B FSDP32 TP8{tech}", source=TT_H100 + " Table 4",
           model=_llama3("70b"), cluster=_cluster("dgx-h100", 256, gpu=H100_GT),
           config=_cfg(8, 1, 32, gbs=512, mbs=16, zero=3, recompute="full", grad_bytes=2,
-                      tp_overlap=bool(tech)),
+                      tp_overlap=bool(tech), **TT_COMPILED),
           precision="fp8", published=tps, memory_gib=mem, memory_metric="reserved",
           note="torch.compile + Float8")
       for tech, tps, mem in (("", 829, 71.9), (" AsyncTP", 876, 67.6))),
     *(Row(name=f"tt Llama3.1 405B 3D {sched}", source=TT_H100 + " Table 5",
           model=_llama3("405b"), cluster=_cluster("dgx-h100", 512, gpu=H100_GT),
           config=_cfg(8, 8, 8, gbs=256, mbs=4, zero=3, recompute="full", schedule=schedule,
-                      vp=vp, grad_bytes=2, tp_overlap=True),
+                      vp=vp, grad_bytes=2, tp_overlap=True, reshard_after_forward=False,
+                      **TT_COMPILED),
           precision="fp8", published=tps, memory_gib=mem, memory_metric="reserved",
           note="torch.compile + Float8 + AsyncTP")
       for sched, schedule, vp, tps, mem in (("1F1B", "1f1b", 1, 100, 82.5),

@@ -46,7 +46,11 @@ class ParallelConfig:
     `checkpoint_every` k > 1 under full recompute checkpoints one layer in k (torchtitan's
     selective layer option k); the others keep all their activations;
     `tp_overlap` pipelines Megatron's per-layer tp collectives with the layer's GEMMs
-    (userbuffers, `cost.step.overlapped_tp`); a solved tp plan's collectives stay exposed.
+    (userbuffers, `cost.step.overlapped_tp`); a solved tp plan's collectives stay exposed;
+    `loss_kernels` the loss's kernels when they differ from the blocks' (torchtitan compiles
+    the blocks only: its loss runs eager); `reshard_after_forward` False keeps every block's
+    ZeRO-3 weights gathered from forward into backward (FSDP2's option; torchtitan sets it
+    under pp), True frees them after forward but a stage's last block (autopar's runtime).
     """
 
     tp: int = 1
@@ -77,12 +81,15 @@ class ParallelConfig:
     selective: str = "attention"
     checkpoint_every: int = 1
     tp_overlap: bool = False
+    loss_kernels: str | None = None  # None: as `kernels`
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("recompute", self.recompute, RECOMPUTE)
         _choice("attention", self.attention, ATTENTION)
         _choice("kernels", self.kernels, KERNELS)
+        _choice("loss_kernels", self.loss_kernels, KERNELS)
         _choice("selective", self.selective, SELECTIVE)
         if self.zero not in (0, 1, 2, 3):
             raise CostInputError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")

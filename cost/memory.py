@@ -13,6 +13,8 @@ Algorithm (`rank_memory`, per pipeline rank; the most loaded one is the rank's m
    runtime and torchtitan run it) keeps the root group (embedding, final norm, LM head) and
    each stage's last block gathered from the end of forward into backward: those weights
    count whole (`model_state`'s `kept`; the compiled plan's memory table passes its own).
+   Without resharding after forward (FSDP2's `reshard_after_forward=False`, torchtitan's
+   choice under pp) every block's weights count whole.
 3. Activations: saved bytes per layer and micro-batch for the recompute mode × the rank's
    blocks (+ the fp32 logits on the rank holding the LM head) × the micro-batches in flight
    on that rank (`in_flight`: GPipe m, 1F1B min(p − r, m) on rank r, interleaved
@@ -98,30 +100,34 @@ def state_bytes(weight_bytes: int) -> tuple[int, int]:
 def rank_memory(work: Workload, *, pp: int, zero: int, dp_dense: int, dp_expert: int,
                 schedule: str, micro_batches: int, virtual: int, recompute: str,
                 capacity: float, grad_bytes: int = GRAD_BYTES, weight_bytes: int = WEIGHT_BYTES,
-                ranks: Sequence[RankShare] | None = None) -> MemoryBreakdown:  # fmt: skip
+                ranks: Sequence[RankShare] | None = None,
+                reshard_after_forward: bool = True) -> MemoryBreakdown:  # fmt: skip
     """Per-rank memory of the most loaded pipeline rank (see the module docstring); `ranks`
     are the ranks' shares as `cost.step.pipeline_shares` cuts them (default: cut on compute
-    alone, boundaries free)."""
+    alone, boundaries free); `reshard_after_forward` False: every block's ZeRO-3 weights
+    stay gathered into backward (FSDP2's option)."""
     v = virtual if schedule == "interleaved" else 1
     if ranks is None:
         unit = (work.pre_s, work.layer_fwd_s + work.layer_bwd_s, work.post_s)
         held = lambda r: in_flight(schedule, pp, micro_batches, v, r)  # noqa: E731
         ranks = pipeline_ranks(work.layers, unit, pp, v, held, 0.0)
     rows = [_rank_breakdown(work, share, zero, dp_dense, dp_expert, recompute, capacity,
-                            grad_bytes, weight_bytes) for share in ranks]  # fmt: skip
+                            grad_bytes, weight_bytes, reshard_after_forward)
+            for share in ranks]  # fmt: skip
     return max(rows, key=lambda m: m.total)
 
 
 def _rank_breakdown(work: Workload, share: RankShare, zero: int, dp_dense: int, dp_expert: int,
                     recompute: str, capacity: float, grad_bytes: int,
-                    weight_bytes: int) -> MemoryBreakdown:  # fmt: skip
+                    weight_bytes: int, reshard: bool = True) -> MemoryBreakdown:  # fmt: skip
     """Steps 2-3 for one pipeline rank: its blocks and end tables, its last block per stage
     (and the tables) kept gathered under ZeRO-3, its in-flight micro-batches of activations
     (the epilogue's logits with them, as the compiled memory table counts a stage), and one
     layer's working set under full recompute."""
     dense = share.blocks * work.layer_dense_params + share.edges * work.edge_params
     w_bytes, o_bytes = state_bytes(weight_bytes)
-    kept = share.edges * work.edge_params + min(share.chunks, share.blocks) * work.layer_dense_params
+    kept_blocks = min(share.chunks, share.blocks) if reshard else share.blocks
+    kept = share.edges * work.edge_params + kept_blocks * work.layer_dense_params
     weights, grads, optim = model_state(
         dense, share.blocks * work.layer_expert_params, zero, dp_dense, dp_expert, grad_bytes,
         w_bytes, o_bytes, kept,

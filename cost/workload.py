@@ -233,7 +233,7 @@ def loss_bytes(cfg: ParallelConfig) -> int:
     backward (torchtitan's `del pred`) peaks in the loss's backward at
     `EAGER_LOSS_BYTES`: the saved fp32 log-softmax output, nll's dense fp32 gradient and
     the log-softmax gradient it produces."""
-    return EAGER_LOSS_BYTES if cfg.kernels == "eager" else BF16 + 4
+    return EAGER_LOSS_BYTES if (cfg.loss_kernels or cfg.kernels) == "eager" else BF16 + 4
 
 
 def _matmuls(shape: ModelShape, cfg: ParallelConfig, b: int) -> list[tuple[float, float, float, float]]:
