@@ -79,3 +79,30 @@ def test_unknown_modes_are_refused():
     for field, value in (("kernels", "jit"), ("selective", "ops"), ("checkpoint_every", 0)):
         with pytest.raises(CostInputError, match=field):
             replace(CFG, **{field: value})
+
+
+def test_an_eager_loss_under_fused_blocks_holds_the_eager_peak():
+    """`loss_kernels="eager"` (torchtitan compiles its blocks, not its loss): the blocks keep
+    the fused kernels' time and saved bytes, the loss the eager peak of 12 bytes a logit."""
+    fused = shape_workload(LLAMA, CFG, 1, GPU)
+    eager_loss = shape_workload(LLAMA, replace(CFG, loss_kernels="eager"), 1, GPU)
+    eager = shape_workload(LLAMA, replace(CFG, kernels="eager"), 1, GPU)
+    assert eager_loss.layer_fwd_s == fused.layer_fwd_s and eager_loss.act_bytes == fused.act_bytes
+    assert eager_loss.post_act_bytes == eager.post_act_bytes == 2 * fused.post_act_bytes
+    with pytest.raises(CostInputError, match="loss_kernels"):
+        replace(CFG, loss_kernels="compiled")
+
+
+def test_without_resharding_after_forward_every_block_stays_gathered():
+    """ZeRO-3 on 8 data ranks: FSDP2's reshard_after_forward=False holds every block's bf16
+    weights whole (torchtitan under pp), where resharding holds the last block only."""
+    from cost.estimate import estimate
+
+    cluster = Cluster.preset("dgx-a100", nodes=1)
+    cfg = ParallelConfig(dp=8, zero=3, global_batch=8, micro_batch=1)
+    kept = estimate(LLAMA, cluster, cfg).memory
+    held = estimate(LLAMA, cluster, replace(cfg, reshard_after_forward=False)).memory
+    block = LLAMA.layer_params
+    assert held.weights - kept.weights == pytest.approx(3 * block * 2 * 7 / 8, rel=1e-9)
+    assert (held.grads, held.optimizer, held.activations) == (kept.grads, kept.optimizer,
+                                                              kept.activations)  # fmt: skip
