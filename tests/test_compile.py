@@ -85,6 +85,7 @@ ROUTES = [
     ("hf_llama", {"pp": 2, "tp": 2}, {"n_microbatches": 2}),
     ("hf_llama", {"tp": 2}, {"recompute": "full"}),
     ("llama", {"tp": 2}, {"tp_overlap": "all", "memory_weight": SP}),  # collective matmuls
+    ("llama", {"tp": 2}, {"memory_weight": SP}),  # whole gathers, shards re-gathered (ring=False)
     ("mixtral", {"ep": 2}, {}),  # the expert all-to-alls as custom ops
     ("moe", {"pp": 2, "ep": 2}, {"n_microbatches": 2}),  # + the pending bucket sums
 ]
