@@ -24,12 +24,14 @@ def compile_meta(kind: str, tp: int, **overrides):
     return c, autoparallelize(model, Mesh(tp=tp), tokens(c), loss_fn=lm_loss)
 
 
-def per_layer(prog, kind: str, layer: int) -> Counter:
+def per_layer(prog, kind: str, layer: int, regather: bool = False) -> Counter:
+    """The layer's collectives by (direction, kind, shape): Megatron's set, or (``regather``)
+    the backward re-gathers of the shards its gathered inputs keep (planner.overlap step 4)."""
     prefix = f"{'blocks' if kind == 'gpt' else 'layers'}.{layer}"
     return Counter(
         (c.direction, c.kind, c.shape)
         for c in prog.collectives()
-        if c.where == prefix or c.where.startswith(prefix + ".")
+        if (c.where == prefix or c.where.startswith(prefix + ".")) and c.regather == regather
     )
 
 
@@ -125,6 +127,9 @@ def test_memory_pressure_picks_sequence_parallelism(kind):
                         ("bwd", "reduce_scatter", bsh): 2, ("bwd", "all_gather", bsh): 2}  # fmt: skip
         norms = {k: v for k, v in got.items() if k[2] == (c.hidden,)}
         assert norms == {("bwd", "all_reduce", (c.hidden,)): 2}  # norm weights in the SP region
+        # Megatron's memory: each of the two gathered inputs is kept as its shard and gathered
+        # again in backward for its weights' gradients
+        assert per_layer(sp, kind, layer, regather=True) == {("bwd", "all_gather", bsh): 2}
     assert sp.plan.memory_bytes < plain.plan.memory_bytes
     # same bytes on the wire as plain TP (REFERENCE.md): 8·b·s·h·(t-1)/t elements per layer
     for prog in (plain, sp):
