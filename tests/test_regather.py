@@ -76,3 +76,13 @@ def test_kept_bytes_are_what_the_cost_model_counts():
         assert abs(counted[mode] - kept[mode]) <= 0.01 * kept[mode], (mode, counted, kept)
     assert gathered["none"] == 0 and gathered["auto"] > 0
     assert kept["none"] - kept["auto"] == pytest.approx(gathered["auto"] / 2, rel=0.02)
+
+
+@pytest.mark.parametrize("overlap", ["auto", "all"])
+def test_regather_inside_recomputed_blocks_verifies(overlap):
+    """recompute="full": the checkpointed blocks' gather_linears re-run in backward, keep their
+    shards then and re-gather them; loss and every gradient equal one device's (fp32)."""
+    model, args, kwargs = _llama()
+    report = verify(model, Mesh(tp=2), args, None, example_kwargs=kwargs, memory_weight=SP,
+                    tp_overlap=overlap, recompute="full", rtol=1e-5)  # fmt: skip
+    assert report.ok, str(report)
