@@ -41,7 +41,7 @@ from autopar.program import StageProgram, collectives_of
 from cost.comm import collective_time
 from cost.topology import Topology, nccl_advice
 from passes import PassContext, TpDecisions, run_pipeline
-from passes.overlap_tp import candidates, overlap_tp
+from passes.overlap_tp import overlap_tp
 
 
 def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
@@ -68,9 +68,10 @@ def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
     overlap = choose_overlap(gm, mesh.size(axis), mesh.cluster.axis_link(mesh.axes, axis),
                              mesh.cluster.gpu, options.tp_overlap, options.overlap_fixed)  # fmt: skip
     priced = gm
-    for c in candidates(gm):  # what the cost model counts as kept: the shard (planner.overlap)
-        if c.key in overlap.regather:
-            c.collective.meta["regather"] = True
+    regathered = overlap.regathered  # what the cost model counts as kept: the shard
+    for n in gm.graph.nodes:
+        if n.name in regathered:
+            n.meta["regather"] = True
     if overlap.keys or overlap.regather:
         tp = dataclasses.replace(ctx.section(axis), overlap=overlap.keys,
                                  regather=tuple(overlap.regather))  # fmt: skip

@@ -111,10 +111,7 @@ def regather_price(cand: Candidate, size: int, link: Link, gpu: GPU) -> tuple[fl
     m, k = math.prod(gathered.shape[:-1]), gathered.shape[-1]
     last = cand.dim == len(gathered.shape) - 1
     gemms = [(lin.args[1].meta["val"].shape[0], k, m) for lin in cand.linears]
-    split = 1 if last else 2
-    whole = sum(_gemm_s(g, gpu, itemsize) for g in gemms)
-    chunk = sum(_gemm_s(tuple(d / size if i == split else d for i, d in enumerate(g)), gpu,
-                        itemsize) for g in gemms)  # fmt: skip
+    whole, chunk = _whole_and_chunk(gemms, size, gpu, itemsize, 1 if last else 2)
     exposed = max(0.0, decomposed_time(nbytes, size, link, chunk) - whole)
     return collective_time("all_gather", nbytes, size, link), exposed
 
@@ -151,11 +148,19 @@ def _saving(kind: str, nbytes: float, size: int, link: Link, gpu: GPU, itemsize:
             gemms: list[tuple[float, float, float]], split: int) -> float:  # fmt: skip
     """Unfused minus decomposed seconds of ``kind`` over ``gemms`` (m, n, k), each step
     running a 1/size chunk of dim ``split`` (0: m, 1: n, 2: k) of every GEMM."""
+    whole, chunk = _whole_and_chunk(gemms, size, gpu, itemsize, split)
+    unfused = collective_time(kind, nbytes, size, link) + whole
+    return unfused - decomposed_time(nbytes, size, link, chunk)
+
+
+def _whole_and_chunk(gemms: list[tuple[float, float, float]], size: int, gpu: GPU,
+                     itemsize: int, split: int) -> tuple[float, float]:  # fmt: skip
+    """Seconds of ``gemms`` (m, n, k) whole, and of one ring step's chunk of them: a 1/size
+    piece of dim ``split`` (0: m, 1: n, 2: k) of every GEMM."""
     whole = sum(_gemm_s(g, gpu, itemsize) for g in gemms)
     chunk = sum(_gemm_s(tuple(d / size if i == split else d for i, d in enumerate(g)), gpu,
                         itemsize) for g in gemms)  # fmt: skip
-    unfused = collective_time(kind, nbytes, size, link) + whole
-    return unfused - decomposed_time(nbytes, size, link, chunk)
+    return whole, chunk
 
 
 def _gemm_s(g: tuple[float, float, float], gpu: GPU, itemsize: int) -> float:
