@@ -13,7 +13,10 @@ Algorithm (:func:`compile_traced`):
    then the overlap planner part (autopar.planner.overlap) prices decomposing each tp gather /
    scatter under its matmuls and re-gathering the gathered inputs in backward, and
    ``overlap_tp`` applies what it keeps (the graph the cost model prices marks each
-   re-gathered gather ``meta["regather"]``: its linears keep the shard).
+   re-gathered gather ``meta["regather"]``: its linears keep the shard).  The solve does not
+   see that part, so when it re-gathers anything a second solve prices each Megatron-SP
+   re-layout as the overlap part will (``PlanOptions.price_regather``); its plan, lowered the
+   same way, is kept when its step after the overlap part is cheaper (`_second_proposal`).
 4. Build the :class:`Plan`: parameter layouts, one step's collectives, predicted cost, and the
    "why" lines (what the cost model says beyond the choice).
 """
@@ -35,8 +38,14 @@ from autopar.ir.analysis import block_of, needs_grad
 from autopar.ir.printing import copy_module
 from autopar.mesh import Mesh
 from autopar.plan import Plan
-from autopar.planner.overlap import OverlapChoice, choose_overlap, overlap_line
-from autopar.planner.tp import AxisSolution, PlanOptions, describe_tp_dims, solve_axis
+from autopar.planner.overlap import OverlapChoice, choose_overlap, exposed_comm, overlap_line
+from autopar.planner.tp import (
+    MEMORY_PRICE_S,
+    AxisSolution,
+    PlanOptions,
+    describe_tp_dims,
+    solve_axis,
+)
 from autopar.program import StageProgram, collectives_of
 from cost.comm import collective_time
 from cost.topology import Topology, nccl_advice
@@ -60,6 +69,39 @@ def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
         f"{solution.tied_nodes} nodes tied to an identical block")  # fmt: skip
     if whole_model:
         _check_split(traced, solution, mesh, axis)
+    built = _lower(traced, mesh, options, solution, axis)
+    if built.overlap.regather and not options.fixed and options.overlap_fixed is None:
+        built = _second_proposal(traced, mesh, options, built, axis, log)
+        if whole_model:
+            _check_split(traced, built.solution, mesh, axis)
+    for rec in built.history:
+        log(str(rec))
+    plan = _plan(traced, built.priced, mesh, built.solution, axis, built.overlap, built.notes)
+    return StageProgram(plan=plan, mesh=mesh, graph_module=built.gm, traced=traced,
+                        history=built.history, priced_graph=built.priced)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lowered:
+    """One solution run through the passes and the overlap part (step 3)."""
+
+    solution: AxisSolution
+    gm: torch.fx.GraphModule
+    priced: torch.fx.GraphModule  # before overlap_tp: the graph the cost model prices
+    history: list
+    overlap: OverlapChoice
+    notes: tuple[str, ...] = ()
+
+    def objective(self, options: PlanOptions, gpu_bytes: float) -> float:
+        """The predicted step after the overlap part, plus the solver's memory price."""
+        sol, ov = self.solution, self.overlap
+        weight = options.memory_weight
+        weight = MEMORY_PRICE_S / gpu_bytes if weight is None else weight
+        return sol.compute_s + exposed_comm(ov, sol.comm_s) + weight * sol.memory_bytes
+
+
+def _lower(traced: Traced, mesh: Mesh, options: PlanOptions, solution: AxisSolution,
+           axis: str) -> _Lowered:  # fmt: skip
     grad = frozenset(n.name for n in needs_grad(traced))
     ctx = PassContext(mesh=mesh, grad=grad, traced=traced,
                       replicate_outputs=options.replicate_outputs,
@@ -79,11 +121,35 @@ def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
                                 dataclasses.replace(ctx, sections={**ctx.sections, axis: tp}),
                                 [overlap_tp])  # fmt: skip
         history += more
-    for rec in history:
-        log(str(rec))
-    plan = _plan(traced, priced, mesh, solution, axis, overlap)
-    return StageProgram(plan=plan, mesh=mesh, graph_module=gm, traced=traced, history=history,
-                        priced_graph=priced)  # fmt: skip
+    return _Lowered(solution=solution, gm=gm, priced=priced, history=history, overlap=overlap)
+
+
+def _second_proposal(traced: Traced, mesh: Mesh, options: PlanOptions, first: _Lowered,
+                     axis: str, log: Callable[[str], None]) -> _Lowered:  # fmt: skip
+    """Step 3's second proposal: the solve does not see the re-gathers the overlap part adds
+    after it, so a plan that gathers more activations for linears (a hidden-split residual
+    gathered before each projection) can win the solve and lose once they are added.  Solve
+    again with every such gather priced with its re-gather (``price_regather``), lower that
+    too, and keep the one whose step after the overlap part is cheaper (ties: the first)."""
+    link = mesh.cluster.axis_link(mesh.axes, axis)
+    proposal = solve_axis(traced, axis, mesh.size(axis), link, mesh.cluster.gpu,
+                          dataclasses.replace(options, price_regather=True))  # fmt: skip
+    if proposal.choice == first.solution.choice:
+        return first
+    # priced as the first was (the overlap part adds the re-gathers): the proposal pinned
+    pinned = tuple((name, str(s)) for name, s in proposal.choice.items())
+    solution = solve_axis(traced, axis, mesh.size(axis), link, mesh.cluster.gpu,
+                          dataclasses.replace(options, fixed=pinned))  # fmt: skip
+    second = _lower(traced, mesh, options, solution, axis)
+    cap = mesh.cluster.gpu.hbm_bytes
+    a, b = first.objective(options, cap), second.objective(options, cap)
+    if b >= a * (1 - 1e-6):
+        return first
+    line = (f"re-gather-aware second solve: {b * 1e3:.3f} ms per step after the overlap part, "
+            f"vs {a * 1e3:.3f} ms for the first solve's plan (whose solve did not price its "
+            f"{len(first.overlap.regather)} re-gathers)")  # fmt: skip
+    log(line)
+    return dataclasses.replace(second, notes=(line,))
 
 
 def _check_fixed(traced: Traced, fixed: tuple[tuple[str, str], ...], shown: int = 5) -> None:
@@ -116,7 +182,7 @@ def _check_split(traced: Traced, solution: AxisSolution, mesh: Mesh, axis: str) 
 
 
 def _plan(traced: Traced, gm: torch.fx.GraphModule, mesh: Mesh, sol: AxisSolution,
-          axis: str, overlap: OverlapChoice) -> Plan:  # fmt: skip
+          axis: str, overlap: OverlapChoice, extra: tuple[str, ...] = ()) -> Plan:  # fmt: skip
     names = {**traced.params, **traced.buffers}
     params = tuple(
         (names[n.name], str(meta.layout(n)))
@@ -129,6 +195,7 @@ def _plan(traced: Traced, gm: torch.fx.GraphModule, mesh: Mesh, sol: AxisSolutio
         f"{sol.tied_nodes} nodes share the decisions of an identical block",
         *_why(sol, mesh, axis),
         *([overlap_line(overlap, sol.comm_s)] if overlap.keys or overlap.regather else []),
+        *extra,
     )
     return Plan(
         model=traced.model_name,
@@ -139,7 +206,7 @@ def _plan(traced: Traced, gm: torch.fx.GraphModule, mesh: Mesh, sol: AxisSolutio
                                          overlap.regathered)),  # fmt: skip
         choice=tuple((k, str(v)) for k, v in sol.choice.items()),
         compute_s=sol.compute_s,
-        comm_s=max(0.0, sol.comm_s - overlap.saved_s) + overlap.regather_s,
+        comm_s=exposed_comm(overlap, sol.comm_s),
         overlap=overlap.keys,
         memory_bytes=sol.memory_bytes,
         notes=notes,

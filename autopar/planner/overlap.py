@@ -102,41 +102,56 @@ def choose_overlap(gm: fx.GraphModule, size: int, link: Link, gpu: GPU, mode: st
 
 def regather_price(cand: Candidate, size: int, link: Link, gpu: GPU) -> tuple[float, float]:
     """Step 4: (whole all-gather seconds, exposed seconds) of re-gathering ``cand``'s shard
-    in backward over the ring under the weight-gradient GEMMs [n, m] x [m, k], each step a
-    chunk of m (the gathered dim kept) or of k (the gathered last dim)."""
-    coll = cand.collective
-    itemsize = meta.dtype(coll).itemsize
-    gathered = coll.meta["val"]
-    nbytes = gathered.numel() * itemsize
-    m, k = math.prod(gathered.shape[:-1]), gathered.shape[-1]
-    last = cand.dim == len(gathered.shape) - 1
-    gemms = [(lin.args[1].meta["val"].shape[0], k, m) for lin in cand.linears]
-    whole, chunk = _whole_and_chunk(gemms, size, gpu, itemsize, 1 if last else 2)
-    exposed = max(0.0, decomposed_time(nbytes, size, link, chunk) - whole)
-    return collective_time("all_gather", nbytes, size, link), exposed
+    in backward over the ring under the weight-gradient GEMMs."""
+    return gather_terms(*_gather_dims(cand), size, link, gpu)[2]
 
 
 def price(cand: Candidate, size: int, link: Link, gpu: GPU) -> tuple[float, float]:
     """Step 2: (forward, backward) seconds the decomposition saves on ``cand``."""
     coll = cand.collective
-    itemsize = meta.dtype(coll).itemsize
-    last = cand.dim == len(coll.meta["val"].shape) - 1
     if cand.kind == "all_gather":
-        gathered = coll.meta["val"]
-        nbytes = gathered.numel() * itemsize
-        m, k = math.prod(gathered.shape[:-1]), gathered.shape[-1]
-        ns = [lin.args[1].meta["val"].shape[0] for lin in cand.linears]
-        # forward [m, k] x [k, n], each step a chunk of m (or of k, the gathered last dim);
-        # backward's input gradient [m, n] x [n, k] reduce-scattered by chunks of m (or k)
-        fwd = _saving("all_gather", nbytes, size, link, gpu, itemsize,
-                      [(m, n, k) for n in ns], 2 if last else 0)  # fmt: skip
-        bwd = _saving("reduce_scatter", nbytes, size, link, gpu, itemsize,
-                      [(m, k, n) for n in ns], 1 if last else 0)  # fmt: skip
+        fwd, bwd, _ = gather_terms(*_gather_dims(cand), size, link, gpu)
         return fwd, bwd
+    itemsize = meta.dtype(coll).itemsize
     full = coll.args[0].meta["val"]  # the partial sums [.., o]
-    nbytes = full.numel() * itemsize
     h = cand.linears[0].args[0].meta["val"]
     m, k, o = math.prod(h.shape[:-1]), h.shape[-1], full.shape[-1]
+    return scatter_terms(m, k, o, cand.dim == len(coll.meta["val"].shape) - 1,
+                         full.numel() * itemsize, itemsize, size, link, gpu)  # fmt: skip
+
+
+def _gather_dims(cand: Candidate) -> tuple:
+    coll = cand.collective
+    itemsize = meta.dtype(coll).itemsize
+    gathered = coll.meta["val"]
+    m, k = math.prod(gathered.shape[:-1]), gathered.shape[-1]
+    ns = [lin.args[1].meta["val"].shape[0] for lin in cand.linears]
+    return (m, k, ns, cand.dim == len(gathered.shape) - 1, gathered.numel() * itemsize,
+            itemsize)  # fmt: skip
+
+
+def gather_terms(m: float, k: float, ns: Sequence[float], last: bool, nbytes: float,
+                 itemsize: int, size: int, link: Link,
+                 gpu: GPU) -> tuple[float, float, tuple[float, float]]:  # fmt: skip
+    """A gather of [m, k] (by chunks of m, or of k: ``last``) for linears of output widths
+    ``ns``: the seconds decomposing saves forward ([m, k] x [k, n]) and backward (the input
+    gradient [m, n] x [n, k] reduce-scattered), and the re-gather's (whole, exposed)
+    seconds under the weight-gradient GEMMs [n, m] x [m, k] (step 4)."""
+    fwd = _saving("all_gather", nbytes, size, link, gpu, itemsize,
+                  [(m, n, k) for n in ns], 2 if last else 0)  # fmt: skip
+    bwd = _saving("reduce_scatter", nbytes, size, link, gpu, itemsize,
+                  [(m, k, n) for n in ns], 1 if last else 0)  # fmt: skip
+    whole, chunk = _whole_and_chunk([(n, k, m) for n in ns], size, gpu, itemsize,
+                                    1 if last else 2)  # fmt: skip
+    exposed = max(0.0, decomposed_time(nbytes, size, link, chunk) - whole)
+    return fwd, bwd, (collective_time("all_gather", nbytes, size, link), exposed)
+
+
+def scatter_terms(m: float, k: float, o: float, last: bool, nbytes: float, itemsize: int,
+                  size: int, link: Link, gpu: GPU) -> tuple[float, float]:  # fmt: skip
+    """A row-split linear's partial [m, o] (from [m, k] x [k, o]) reduce-scattered by chunks
+    of m (or of o: ``last``): the seconds decomposing saves forward and backward (the
+    gradient's all-gather under the input-gradient GEMM [m, o] x [o, k])."""
     fwd = _saving("reduce_scatter", nbytes, size, link, gpu, itemsize, [(m, o, k)],
                   1 if last else 0)  # fmt: skip
     bwd = _saving("all_gather", nbytes, size, link, gpu, itemsize, [(m, k, o)],
@@ -170,10 +185,16 @@ def _gemm_s(g: tuple[float, float, float], gpu: GPU, itemsize: int) -> float:
                    compute_efficiency=matmul_efficiency(m, n, k))
 
 
+def exposed_comm(choice: OverlapChoice, comm_s: float) -> float:
+    """The solved plan's ``comm_s`` after this part: less what the rings hide, plus what the
+    re-gathers expose (the plan's communication seconds)."""
+    return max(0.0, comm_s - choice.saved_s) + choice.regather_s
+
+
 def overlap_line(choice: OverlapChoice, comm_s: float) -> str:
     """The plan's note on the decomposition: how many candidates, and the exposed tp
     communication of the solved plan before and after."""
-    after = max(0.0, comm_s - choice.saved_s) + choice.regather_s
+    after = exposed_comm(choice, comm_s)
     line = (f"tp overlap: {len(choice.keys)} of {choice.considered} gathers / scatters "
             f"decomposed into ring steps under their matmuls (collective matmul)")  # fmt: skip
     if choice.regather:

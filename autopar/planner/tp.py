@@ -37,6 +37,7 @@ Algorithm (:func:`solve_axis`):
 """
 from __future__ import annotations
 
+import math
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator
@@ -77,12 +78,17 @@ from cost.compute import (
 )
 from cost.hardware import GPU, Link
 
+aten = torch.ops.aten
 COLLECTIVE_OVERHEAD_S = 10e-6  # launch + stream synchronisation per collective call
 SMALL_MATRIX_RATIO = 8  # a matrix 8x smaller than its block's median one may stay whole
 # GEMMs priced at their local shape; a grouped GEMM's tiles depend on the rows each expert
 # receives (routing, unknown at plan time), so it keeps the global time / size
 _LOCAL_GEMMS = {"linear", "addmm", "mm", "bmm", "matmul", "baddbmm"}
 MEMORY_PRICE_S = 1e-3  # default price of holding the GPU's whole memory, in seconds of step time
+# a weight split in blocks (``'tp:4'``) where one contiguous split costs the same is a tie the
+# solver would break arbitrarily (and differently whenever the problem grows); this price,
+# far below any collective or kernel, breaks it toward the plain split
+BLOCKED_TIE_S = 1e-7
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,6 +107,9 @@ class PlanOptions:
     tp_overlap: str = "auto"  # which tp gathers / scatters to decompose (planner.overlap.MODES)
     overlap_fixed: tuple[str, ...] | None = None  # a reloaded plan's decomposed collectives
     solve_cache: Any = None  # a folder of earlier answers (autopar.planner.cache.SolveCache)
+    # price each activation gather a linear reads with its backward re-gather (planner.overlap
+    # step 4), which the overlap part adds after the solve: compile_traced's second proposal
+    price_regather: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,7 +245,8 @@ def _solve(traced: Traced, axis: str, size: int, link: Link, gpu: GPU, options: 
     if weight is None:
         weight = MEMORY_PRICE_S / gpu.hbm_bytes
     prob = _Problem()
-    pricer = _Pricer(size=size, link=link, fixed_params=in_place, static=_static(traced))
+    pricer = _Pricer(size=size, link=link, fixed_params=in_place, static=_static(traced),
+                     gpu=gpu if options.price_regather else None)  # fmt: skip
     walks = _Walks(grad, _small_matrices(cands, traced))
     xvar = _choice_vars(prob, graph_nodes, rep, cands, grad, gpu, pricer, weight)
     for v in graph_nodes:
@@ -375,13 +385,18 @@ def _choice_vars(prob: _Problem, nodes: list[fx.Node], rep: dict, cands: dict, g
             t = max(t, min(base, KERNEL_LAUNCH_S)) * train_factor(n, n in grad)
             t += sum(pricer.t(kind, nbytes) for kind, nbytes in s.comm)
             mem = _memory(n, s, pieces(s, size), grad)
+            tie = BLOCKED_TIE_S if n.op == "placeholder" and _blocked(s.output) else 0.0
             xvar[(n, i)] = prob.var(
-                mult[n] * (t + memory_weight * mem), True, time=mult[n] * t
+                mult[n] * (t + memory_weight * mem + tie), True, time=mult[n] * t
             )
             prob.mem[xvar[(n, i)]] = mult[n] * mem
             ids.append(xvar[(n, i)])
         prob.row({i: 1.0 for i in ids}, 1.0, 1.0)
     return xvar
+
+
+def _blocked(p: Placement | tuple) -> bool:
+    return any(isinstance(q, Shard) and q.blocks > 1 for q in (p if isinstance(p, tuple) else (p,)))
 
 
 def _local_gemm_time(n: fx.Node, s: Strategy, size: int, gpu: GPU) -> float | None:
@@ -496,6 +511,7 @@ class _Pricer:
     link: Link
     fixed_params: frozenset[str] = frozenset()  # split weights (and views) are never moved
     static: frozenset[str] = frozenset()  # values computed from weights alone (no user input)
+    gpu: GPU | None = None  # PlanOptions.price_regather: edges priced as overlapped
     # (kind, bytes) -> seconds: a deep model prices the same few sizes on every edge
     _times: dict[tuple[str, float], float] = field(default_factory=dict, compare=False,
                                                    repr=False)  # fmt: skip
@@ -649,6 +665,9 @@ def _pairs(pricer: _Pricer, edge: tuple, cands: dict, nbytes: float, needs: bool
                 have = _out(sa, idx)
                 moved = cast if cast is not None and isinstance(have, Shard) else None
                 cost = pricer.relayout(have, want, nbytes if moved is None else moved, needs)
+                if pricer.gpu is not None and cost is not None:  # price_regather
+                    cost = _as_overlapped(pricer, ur, vr, slot, sa, sb, have, want,
+                                          nbytes if moved is None else moved, needs, cost)
                 if not moves and isinstance(have, Shard) and have != want:
                     cost = None
                 if isinstance(have, Replicate) and _rep(want) > 1 and ur.name not in pricer.static:
@@ -659,6 +678,52 @@ def _pairs(pricer: _Pricer, edge: tuple, cands: dict, nbytes: float, needs: bool
             p.cost > 0 or (needs and isinstance(p.want, Replicate) and not p.sb.redundant))]
         found = pricer.pairs[key] = (every, priced)
     return found
+
+
+def _as_overlapped(pricer: _Pricer, ur: fx.Node, vr: fx.Node, slot: int, sa: Strategy,
+                   sb: Strategy, have: Placement, want: Placement, nbytes: float, needs: bool,
+                   cost: float) -> float:  # fmt: skip
+    """``PlanOptions.price_regather``'s edge price: what the overlap part makes of a
+    Megatron-SP re-layout next to a split linear, priced by its own terms
+    (``autopar.planner.overlap.gather_terms`` / ``scatter_terms``) at the local shapes.
+    1. An activation gathered for a column-split linear: the gather and its gradient's
+       reduce-scatter less what decomposing them under that linear's GEMMs saves (when it
+       saves), plus the backward re-gather's exposed seconds.
+    2. A row-split linear's partial output reduce-scattered: the reduce-scatter and its
+       gradient's all-gather less the saving.
+    A gather several linears read (q, k and v) runs under all their GEMMs, each taken as
+    column-split.  Every other pair keeps ``cost``; the proposal is judged after the overlap
+    part in any case."""
+    from autopar.planner.overlap import gather_terms, scatter_terms
+
+    if not needs or not isinstance(vr.meta.get("val"), torch.Tensor):
+        return cost
+    if (slot == 0 and vr.target is aten.linear.default and isinstance(have, Shard)
+            and isinstance(want, Replicate) and isinstance(sb.output, Shard)
+            and sb.output.dim == _out_dims(vr) - 1):  # fmt: skip
+        arg = vr.args[0]
+        x = arg.meta["val"]
+        itemsize = max(1, round(nbytes / max(1, x.numel())))
+        ns = [u.args[1].meta["val"].shape[0] / pricer.size for u in arg.users
+              if u.target is aten.linear.default and u.args[0] is arg]  # fmt: skip
+        fwd, bwd, (_, regather) = gather_terms(
+            math.prod(x.shape[:-1]), x.shape[-1], ns, have.dim == x.dim() - 1, nbytes,
+            itemsize, pricer.size, pricer.link, pricer.gpu)  # fmt: skip
+        return cost - max(0.0, fwd + bwd) + regather
+    if (ur.target is aten.linear.default and isinstance(have, Partial)
+            and isinstance(want, Shard) and isinstance(sa.output, Partial)):  # fmt: skip
+        h, out = ur.args[0].meta["val"], ur.meta["val"]
+        itemsize = max(1, round(nbytes / max(1, out.numel())))
+        fwd, bwd = scatter_terms(math.prod(h.shape[:-1]), h.shape[-1] / pricer.size,
+                                 out.shape[-1], want.dim == out.dim() - 1, nbytes, itemsize,
+                                 pricer.size, pricer.link, pricer.gpu)  # fmt: skip
+        return cost - max(0.0, fwd + bwd)
+    return cost
+
+
+def _out_dims(n: fx.Node) -> int:
+    val = n.meta.get("val")
+    return val.dim() if isinstance(val, torch.Tensor) else 0
 
 
 def _relayout_key(ur: fx.Node, idx: int | None, a: int, want: Placement) -> tuple:
