@@ -19,6 +19,8 @@ Algorithm:
    ``all_reduce`` of it, divided by the global count less the correction (std: its root);
    the [..., 1] statistics are replicated, squeezed where the op does not keep the dims, and
    read through ``grad_partial`` (the all-reduces' backward sums partial gradients only).
+7. ``add_once``: partial + replicated (a bias after a row split inside a routed expert):
+   the replicated operand is kept on rank 0 only (``on_first_rank``), a partial sum itself.
 """
 
 from __future__ import annotations
@@ -223,7 +225,22 @@ def _emit(graph: fx.Graph, like: fx.Node, target: object, args: tuple, val: torc
     return node
 
 
+def _add_once(graph: fx.Graph, node: fx.Node, axis: str) -> None:
+    """``add`` / ``sub`` of a partial sum and a replicated value: the replicated operand goes
+    through ``on_first_rank``, so the parts of the sum hold it once."""
+    args = list(node.args)
+    i = next(i for i in (0, 1) if meta.layout(args[i]).placement(axis) == R)
+    with graph.inserting_before(node):
+        once = graph.call_function(parallel_ops.on_first_rank, (args[i], axis))
+    once.meta.update({k: v for k, v in args[i].meta.items() if k != "autopar"})
+    meta.update(once, layout=Layout.from_placements(args[i].meta["val"].dim(), {axis: PARTIAL}),
+                origin="tensor_parallel")  # fmt: skip
+    args[i] = once
+    node.args = tuple(args)
+
+
 _LOWERINGS = {
+    "add_once": _add_once,
     "vocab_parallel_embedding": _embedding,
     "vocab_parallel_cross_entropy": _cross_entropy,
     "replicated_kv_heads": _kv_heads,

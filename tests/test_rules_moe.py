@@ -252,3 +252,129 @@ def test_topk_histc_index_rules():
     _check_rule(lambda d, a: d[a], data, i, target=torch.ops.aten.index.Tensor, at_least=4)
     _check_rule(lambda d, a, b: d[a, :, b], data, i, j, target=torch.ops.aten.index.Tensor)
     _check_rule(lambda d, b: d[:, :, b], data, j, target=torch.ops.aten.index.Tensor, at_least=4)
+
+
+def test_qwen2_moe_at_tp8_keeps_the_second_solves_plan_once_its_re_gathers_are_priced(
+        monkeypatch):  # fmt: skip
+    """Qwen2-MoE at the node shape on Mesh(tp=8): the first solve, blind to the re-gathers
+    the overlap part adds after it, splits the residual on hidden (a gather before o_proj,
+    the router's [T, E] logits all-reduced); the second, re-gather-aware solve proposes
+    Megatron-SP, which is cheaper once the overlap part has run, and is kept: the hand
+    design's forward communication and a lower predicted step than the first plan's."""
+    pytest.importorskip("transformers")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    from autopar.axes import tensor_parallel
+
+    entry = zoo.family("qwen2_moe")
+    expected = zoo.expected_collectives(entry, zoo.dims(entry, "node", 4))
+
+    def plan():
+        model, args, kwargs, loss_fn = zoo.build(entry, "node", device="meta", kv_heads=4)
+        prog = autoparallelize(model, Mesh(tp=8), args, loss_fn, example_kwargs=kwargs,
+                               param_dtype=torch.bfloat16)  # fmt: skip
+        check = zoo.CommCheck(actual=zoo.forward_collectives(prog), expected=expected, tp=8)
+        return prog.plan, check
+
+    kept, check = plan()
+    assert check.ok, f"{check}; layer 0: {check.actual.detail(0)}"
+    assert any("second solve" in note for note in kept.notes), kept.notes
+    monkeypatch.setattr(tensor_parallel, "_second_proposal", lambda *a: a[3])
+    first, blind = plan()
+    assert not blind.ok  # the first solve's plan: hidden split, router logits all-reduced
+    assert "AR[8192,8]@model.layers.0.mlp.gate" in blind.actual.detail(0)
+    assert kept.compute_s + kept.comm_s < first.compute_s + first.comm_s
+
+
+def _gpt_oss(size: str) -> tuple[nn.Module, tuple, dict]:
+    """GPT-OSS at a tiny (CPU, random biases) or realistic (meta, h 2048) size: interleaved
+    gate / up columns (``gate_up[..., ::2]``, ``[..., 1::2]``), clamped SwiGLU, per-expert
+    biases after both grouped matmuls, a biased router, attention sinks."""
+    transformers = pytest.importorskip("transformers")
+    h, f, heads, b, s = (64, 32, 4, 1, 16) if size == "tiny" else (2048, 2048, 32, 1, 2048)
+    cfg = transformers.GptOssConfig(
+        vocab_size=128 if size == "tiny" else 32000, hidden_size=h, intermediate_size=f,
+        num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=heads // 4,
+        head_dim=h // heads, num_local_experts=4, num_experts_per_tok=2, use_cache=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=s,
+        layer_types=["full_attention"] * 2)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cpu" if size == "tiny" else "meta"):
+        model = transformers.GptOssForCausalLM(cfg).eval()
+    if size == "tiny":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn_like(p))  # the expert biases start at zero
+    ids = torch.randint(3, 128, (b, s), generator=torch.Generator().manual_seed(1))
+    return model, (ids.to(next(model.parameters()).device),), {"labels": ids}
+
+
+def test_gpt_oss_experts_split_on_the_ffn_with_their_interleaved_columns_and_biases():
+    """Megatron's MoE split of GPT-OSS's experts, which interleave gate and up columns and
+    add a per-expert bias after each grouped matmul: the interleave is sliced locally from
+    each rank's contiguous column shard (``x[..., ::2]`` of a split dim whose pieces hold
+    whole pairs), the down projection is row-split and its bias added once
+    (``on_first_rank``), so the routed sum is one partial [T, h] reduce-scattered: at the
+    realistic shape the MoE half moves the hand design's one gather and one scatter of
+    [T, h], and the plan pinned on the tiny model matches one device."""
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    from dataclasses import replace
+
+    model, args, kwargs = _gpt_oss("realistic")
+    plan = autoparallelize(model, Mesh(tp=2), args, example_kwargs=kwargs,
+                           param_dtype=torch.bfloat16).plan  # fmt: skip
+    tokens, h = args[0].numel(), 2048
+    moe = [(c.kind, c.shape) for c in plan.collectives
+           if c.direction == "fwd" and c.where.startswith("model.layers.0.mlp")]  # fmt: skip
+    assert sorted(moe) == [("all_gather", (tokens, h)), ("reduce_scatter", (tokens, h))], moe
+    from autopar.ir.meta import module_path
+
+    model, args, kwargs = _gpt_oss("tiny")
+    graph = autoparallelize(model, Mesh(tp=2), args, example_kwargs=kwargs).traced.gm.graph
+    mlp = {n.name for n in graph.nodes if ".mlp" in (module_path(n) or "")}  # its MoE half
+    plan = replace(plan, choice=tuple(c for c in plan.choice if c[0] in mlp), overlap=())
+    prog = autoparallelize(model, Mesh(tp=2), args, example_kwargs=kwargs, plan=plan)
+    assert "on_first_rank(" in prog.code(0)
+    report = verify(model, Mesh(tp=2), args, example_kwargs=kwargs, plan=plan)
+    assert report.ok, report
+    assert report.max_rel_error < 1e-5
+
+
+def test_the_router_reads_the_sequence_split_tokens_and_only_its_outputs_are_gathered():
+    """Megatron's MoE under sequence parallelism (megatron/core/transformer/moe/
+    token_dispatcher.py: the router runs on the local tokens, its probabilities and routing
+    map are gathered): the router (and Qwen2-MoE's shared-expert gate) run on each rank's
+    token shard, a linear over a blocked token split (the [b*s] merge of a sequence-split
+    [b, s, h] is split in b blocks): the router's [T, E] logits are gathered, where a router
+    on a hidden-split input all-reduces partial ones, and neither gate all-reduces.  Pinned
+    on the tiny Qwen2-MoE (the MLP's token view sequence-split, both gates on the shard) and
+    run: the loss and every gradient match one device."""
+    pytest.importorskip("transformers")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    from dataclasses import replace
+
+    from autopar.ir.meta import module_path
+
+    entry = zoo.family("qwen2_moe")
+    model, args, kwargs, loss_fn = zoo.build(entry, "tiny")
+    d = zoo.dims(entry, "tiny")
+    first = autoparallelize(model, Mesh(tp=2), args, loss_fn, example_kwargs=kwargs)
+    pin = []
+    for n in first.traced.gm.graph.nodes:
+        path = module_path(n) or ""
+        if n.target is torch.ops.aten.linear.default and path.endswith(
+                (".mlp.gate", ".mlp.shared_expert_gate")):  # fmt: skip
+            pin.append((n.name, f"(S(0:{d.batch}),R)->S(0:{d.batch})"))
+        elif (n.target is torch.ops.aten.view.default and path.endswith(".mlp")
+              and tuple(n.args[0].meta["val"].shape) == (d.batch, d.seq, d.hidden)):  # fmt: skip
+            pin.append((n.name, f"(S(1))->S(0:{d.batch})"))
+    assert len(pin) == 3 * d.layers, pin
+    plan = replace(first.plan, choice=tuple(pin))
+    prog = autoparallelize(model, Mesh(tp=2), args, loss_fn, example_kwargs=kwargs, plan=plan)
+    tokens = d.batch * d.seq
+    fwd = [(c.kind, c.shape) for c in prog.collectives()
+           if c.direction == "fwd" and c.where.startswith("model.layers.0.mlp.")]  # fmt: skip
+    assert ("all_gather", (tokens, d.experts)) in fwd, fwd
+    assert not [c for c in fwd if c[0] == "all_reduce" and c[1][-1] in (d.experts, 1)], fwd
+    report = verify(model, Mesh(tp=2), args, loss_fn, example_kwargs=kwargs, plan=plan)
+    assert report.ok, report
+    assert report.max_rel_error < 1e-5

@@ -295,6 +295,30 @@ def test_every_strategy_of_a_convolution_reassembles_the_single_device_value(nam
     assert (len(column), len(row)) == ((1, 0) if name == "grouped" else (1, 2)), seen
 
 
+def test_every_strategy_of_a_linear_reassembles_the_single_device_value():
+    """Rows are independent, so a linear reads any blocked split of a batch dim: the [b*s]
+    token merge of a sequence-split [b, s, h] (split in b blocks) feeds a router as it lies."""
+    x, w, b = torch.randn(8, 8), torch.randn(5, 8), torch.randn(5)
+    seen = check_strategies(F.linear, x, w, op=aten.linear.default, blocks=(1, 2))
+    assert "(S(0:2),R)->S(0:2)" in seen, seen
+    seen = check_strategies(F.linear, torch.randn(4, 4, 8), w, b, op=aten.linear.default,
+                            blocks=(1, 2))  # fmt: skip
+    assert {"(S(0:2),R)->S(0:2)", "(S(1:2),R)->S(1:2)"} <= set(seen), seen  # bias split off
+
+
+def test_a_strided_slice_of_a_split_dim_is_sliced_locally():
+    """``x[..., start::step]`` over a dim split in pieces of whole steps (GPT-OSS's
+    interleaved gate / up columns): each rank slices its own piece."""
+    x = torch.randn(3, 16)
+    for fn in (lambda x: x[..., ::2], lambda x: x[..., 1::2], lambda x: x[..., 3::4]):
+        seen = check_strategies(fn, x, op=aten.slice.Tensor, blocks=(1, 2))
+        assert {"(S(1))->S(1)", "(S(1:2))->S(1:2)"} <= set(seen), seen
+    seen = check_strategies(lambda x: x[..., 1::3], torch.randn(3, 12), op=aten.slice.Tensor)
+    assert "(S(1))->S(1)" in seen  # 6 a piece: whole steps of 3
+    seen = check_strategies(lambda x: x[..., ::4], torch.randn(3, 12), op=aten.slice.Tensor)
+    assert "(S(1))->S(1)" not in seen  # 6 a piece: not whole steps of 4
+
+
 class ConvStack(nn.Module):
     """Two overlapping 3x3 convolutions: column-parallel, then row-parallel (bias added once);
     between them a depthwise 3x3 (ConvNeXt / MobileNet) on this rank's channels."""

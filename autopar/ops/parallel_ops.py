@@ -9,6 +9,8 @@ rank along the axis at run time, so every rank along an axis runs the same progr
   heads attend to.
 - ``local_expert_ids``: under expert parallelism, each dispatched row's index among this
   rank's experts (a per-expert bias gathered by it).
+- ``on_first_rank``: a replicated addend of a partial sum, kept on rank 0 (zeros elsewhere),
+  so the sum's parts add it once; its gradient is rank 0's, a partial sum too.
 """
 
 from __future__ import annotations
@@ -83,6 +85,24 @@ def vocab_parallel_cross_entropy(
 ) -> torch.Tensor:
     """Cross-entropy of vocab-split logits [N, V/t] without gathering them."""
     return _VocabParallelCE.apply(logits, target, axis, ignore_index, _REDUCTIONS[reduction])
+
+
+@graph_op
+def on_first_rank(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """``x`` on rank 0 of ``axis``, zeros on the others (and so its gradient); the autograd
+    graph stays connected on every rank, so a collective in ``x``'s backward runs on all."""
+    return _OnFirstRank.apply(x, axis)
+
+
+class _OnFirstRank(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, axis: str) -> torch.Tensor:  # noqa: D102
+        ctx.first = axis_rank(axis) == 0
+        return x.clone() if ctx.first else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
+        return (grad if ctx.first else torch.zeros_like(grad)), None
 
 
 @graph_op

@@ -29,6 +29,9 @@ def linear(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
         for b in (1, *ctx.groups):  # blocked: an interleaved head layout's output projection
             found.append(Strategy((Shard(nd - 1, b), Shard(1, b)), PARTIAL))
         found.append(Strategy((PARTIAL, R), PARTIAL))
+    for d in range(nd - 1):  # rows are independent: a blocked split of a batch dim too (a
+        for b in ctx.blocks[1:]:  # [b*s, h] token dim split by sequence is blocked by b)
+            found.append(Strategy((Shard(d, b), R) + bias(R), Shard(d, b)))
     return found
 
 

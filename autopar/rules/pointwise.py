@@ -54,6 +54,9 @@ _LINEAR_ALL_P = {"add.Tensor", "sub.Tensor", "neg.default", "clone.default", "_t
 _LINEAR_ONE_P = {"mul.Tensor", "mul.Scalar", "div.Tensor", "div.Scalar", "mul_.Tensor",
                  "mul_.Scalar", "div_.Tensor", "div_.Scalar"}  # fmt: skip
 _WITH_SCALAR = {"add.Tensor", "sub.Tensor", "add_.Tensor", "sub_.Tensor"}
+# partial + replicated: the replicated operand is added on rank 0 only (tensor_parallel's
+# ``add_once`` lowering), e.g. a per-expert bias after a row-split expert projection
+_ADD_ONCE = {"add.Tensor", "sub.Tensor", "add_.Tensor", "sub_.Tensor"}
 
 
 def _aten(name: str) -> object:
@@ -85,7 +88,12 @@ def _partial_pointwise(node: fx.Node, n_in: int) -> list[Strategy]:
     name = f"{node.target._opname}.{node.target._overloadname}"
     non_tensor = [a for a in node.args[1:] if not isinstance(a, fx.Node)]
     if name in _LINEAR_ALL_P and not (name in _WITH_SCALAR and non_tensor):
-        return [Strategy((PARTIAL,) * n_in, PARTIAL)]
+        found = [Strategy((PARTIAL,) * n_in, PARTIAL)]
+        if name in _ADD_ONCE and n_in == 2:  # a replicated addend joins the partial sum once
+            found.append(Strategy((PARTIAL, R), PARTIAL, "add_once"))
+            if not name.endswith("_.Tensor"):  # in place: only into the partial operand
+                found.append(Strategy((R, PARTIAL), PARTIAL, "add_once"))
+        return found
     if name in _LINEAR_ONE_P:
         firsts = range(1) if name.startswith("div") else range(n_in)
         return [

@@ -179,9 +179,28 @@ def slice_select(node: fx.Node, ctx: RuleContext) -> list[Strategy]:
     nd = len(_shape(node.args[0]))
     at = _dim(node.args[1] if len(node.args) > 1 else 0, nd)
     drop = node.target is aten.select.int
-    return _unary_map(
+    found = _unary_map(
         node, ctx, lambda p: _remap(p, lambda d: None if d == at else d - (drop and d > at))
     )
+    return found + _strided_over_split(node, ctx, at)
+
+
+def _strided_over_split(node: fx.Node, ctx: RuleContext, at: int) -> list[Strategy]:
+    """``x[start::step]`` along the whole of dim ``at`` (start < step; an interleaved fused
+    projection's ``gate_up[..., ::2]``, ``[..., 1::2]``): output element j reads input
+    start + step * j, so each rank's contiguous piece of the input (each block's, blocked)
+    holds exactly its piece of the output, sliced locally, when the piece's length is a
+    multiple of ``step``.  The output splits as the input does."""
+    if node.target is not aten.slice.Tensor:
+        return []
+    size = _shape(node.args[0])[at]
+    start, end, step = (list(node.args[2:]) + [None, None, 1])[:3]
+    start, end, step = start or 0, size if end is None else end, step or 1
+    if start < 0 or not 0 <= start < step or end < size or step == 1:
+        return []
+    n_in = len(tensor_args(node))
+    return [Strategy((Shard(at, b),) + (R,) * (n_in - 1), Shard(at, b)) for b in ctx.blocks
+            if size % (b * ctx.size) == 0 and (size // (b * ctx.size)) % step == 0]  # fmt: skip
 
 
 @rule(aten.flip.default)
