@@ -25,6 +25,7 @@ Algorithm (:func:`compile_traced`):
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -141,15 +142,20 @@ def _second_proposal(traced: Traced, mesh: Mesh, options: PlanOptions, first: _L
     again with every such gather priced with its re-gather (``price_regather``), lower that
     too, and keep the one whose step after the overlap part is cheaper (ties: the first)."""
     link = mesh.cluster.axis_link(mesh.axes, axis)
-    proposal = solve_axis(traced, axis, mesh.size(axis), link, mesh.cluster.gpu,
-                          dataclasses.replace(options, price_regather=True))  # fmt: skip
-    if proposal.choice == first.solution.choice:
-        return first
-    # priced as the first was (the overlap part adds the re-gathers): the proposal pinned
-    pinned = tuple((name, str(s)) for name, s in proposal.choice.items())
-    solution = solve_axis(traced, axis, mesh.size(axis), link, mesh.cluster.gpu,
-                          dataclasses.replace(options, fixed=pinned))  # fmt: skip
-    second = _lower(traced, mesh, options, solution, axis)
+    with warnings.catch_warnings():  # the first solve said what there is to say of this graph
+        warnings.simplefilter("ignore")
+        try:
+            proposal = solve_axis(traced, axis, mesh.size(axis), link, mesh.cluster.gpu,
+                                  dataclasses.replace(options, price_regather=True))  # fmt: skip
+            if proposal.choice == first.solution.choice:
+                return first
+            # priced as the first was (the overlap part adds the re-gathers): pinned
+            pinned = tuple((name, str(s)) for name, s in proposal.choice.items())
+            solution = solve_axis(traced, axis, mesh.size(axis), link, mesh.cluster.gpu,
+                                  dataclasses.replace(options, fixed=pinned))  # fmt: skip
+            second = _lower(traced, mesh, options, solution, axis)
+        except PlanError:  # the proposal is optional; the first plan stands
+            return first
     cap = mesh.cluster.gpu.hbm_bytes
     a, b = first.objective(options, cap), second.objective(options, cap)
     if b >= a * (1 - 1e-6):
