@@ -42,14 +42,15 @@ from autopar.mesh import Mesh
 from autopar.plan import Plan
 from autopar.planner.overlap import OverlapChoice, choose_overlap, exposed_comm, overlap_line
 from autopar.planner.tp import (
-    MEMORY_PRICE_S,
     AxisSolution,
     PlanOptions,
     describe_tp_dims,
+    memory_weight,
     solve_axis,
 )
 from autopar.program import StageProgram, collectives_of
 from cost.comm import collective_time
+from cost.hardware import GPU
 from cost.topology import Topology, nccl_advice
 from passes import PassContext, TpDecisions, run_pipeline
 from passes.overlap_tp import overlap_tp
@@ -72,8 +73,7 @@ def compile_traced(traced: Traced, mesh: Mesh, options: PlanOptions,
     if whole_model:
         _check_split(traced, solution, mesh, axis)
     built = _lower(traced, mesh, options, solution, axis)
-    cap = mesh.cluster.gpu.hbm_bytes
-    if (built.overlap.regather_s > PROPOSAL_SHARE * built.objective(options, cap)
+    if (built.overlap.regather_s > PROPOSAL_SHARE * built.objective(options, mesh.cluster.gpu)
             and not options.fixed and options.overlap_fixed is None):  # fmt: skip
         built = _second_proposal(traced, mesh, options, built, axis, log)
         if whole_model:
@@ -102,12 +102,11 @@ class _Lowered:
     overlap: OverlapChoice
     notes: tuple[str, ...] = ()
 
-    def objective(self, options: PlanOptions, gpu_bytes: float) -> float:
+    def objective(self, options: PlanOptions, gpu: GPU) -> float:
         """The predicted step after the overlap part, plus the solver's memory price."""
-        sol, ov = self.solution, self.overlap
-        weight = options.memory_weight
-        weight = MEMORY_PRICE_S / gpu_bytes if weight is None else weight
-        return sol.compute_s + exposed_comm(ov, sol.comm_s) + weight * sol.memory_bytes
+        sol = self.solution
+        return (sol.compute_s + exposed_comm(self.overlap, sol.comm_s)
+                + memory_weight(options, gpu) * sol.memory_bytes)  # fmt: skip
 
 
 def _lower(traced: Traced, mesh: Mesh, options: PlanOptions, solution: AxisSolution,
@@ -156,8 +155,8 @@ def _second_proposal(traced: Traced, mesh: Mesh, options: PlanOptions, first: _L
             second = _lower(traced, mesh, options, solution, axis)
         except PlanError:  # the proposal is optional; the first plan stands
             return first
-    cap = mesh.cluster.gpu.hbm_bytes
-    a, b = first.objective(options, cap), second.objective(options, cap)
+    gpu = mesh.cluster.gpu
+    a, b = first.objective(options, gpu), second.objective(options, gpu)
     if b >= a * (1 - 1e-6):
         return first
     line = (f"re-gather-aware second solve: {b * 1e3:.3f} ms per step after the overlap part, "

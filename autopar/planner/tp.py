@@ -112,6 +112,14 @@ class PlanOptions:
     price_regather: bool = False
 
 
+def memory_weight(options: PlanOptions, gpu: GPU) -> float:
+    """Seconds a byte held per rank costs in the objective: ``options.memory_weight``, else
+    ``MEMORY_PRICE_S`` per GPU capacity."""
+    if options.memory_weight is not None:
+        return options.memory_weight
+    return MEMORY_PRICE_S / gpu.hbm_bytes
+
+
 @dataclass(frozen=True, kw_only=True)
 class AxisSolution:
     """The chosen strategy per node name, with the predicted cost of the choice."""
@@ -241,9 +249,7 @@ def _solve(traced: Traced, axis: str, size: int, link: Link, gpu: GPU, options: 
     cands = _candidates(graph_nodes, rep, traced, ctx, options.strict, dict(options.arrive))
     if axis == "tp" and size > 1:
         _drop_batch_splits(cands, traced, size)
-    weight = options.memory_weight
-    if weight is None:
-        weight = MEMORY_PRICE_S / gpu.hbm_bytes
+    weight = memory_weight(options, gpu)
     prob = _Problem()
     pricer = _Pricer(size=size, link=link, fixed_params=in_place, static=_static(traced),
                      gpu=gpu if options.price_regather else None)  # fmt: skip
