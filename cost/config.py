@@ -8,8 +8,10 @@ Algorithm (`validate`):
 1. Every degree is >= 1 and the product tp·pp·dp·cp equals the cluster's GPU count.
 2. tp fits in a node unless the user allows crossing nodes; heads divide by tp, and so do
    the KV heads when there are at least tp of them (else they are replicated).
-3. Every one of the pp·v pipeline chunks gets a layer (uneven splits are allowed: the slowest
-   stage holds ⌈L/(p·v)⌉·v layers); ep divides dp and the expert count; the sequence divides
+3. Every one of the pp·v pipeline chunks gets a unit: a layer, or with pp the embedding or
+   the head alone (Llama 3's schedule: the first chunk holds only the embedding, the last
+   only the output projection and the loss); uneven splits are allowed (the slowest stage
+   holds ⌈L/(p·v)⌉·v layers); ep divides dp and the expert count; the sequence divides
    by 2·cp (zig-zag chunks); the global batch divides by dp·micro_batch.
 """
 
@@ -47,6 +49,10 @@ class ParallelConfig:
     selective layer option k); the others keep all their activations;
     `tp_overlap` pipelines Megatron's per-layer tp collectives with the layer's GEMMs
     (userbuffers, `cost.step.overlapped_tp`); a solved tp plan's collectives stay exposed;
+    `tp_gather_bytes` 1: the tp all-gathers move FP8 activations (torchao's Float8 tp styles);
+    `defer_grad_sync` (pp, ZeRO >= 2): whole-stage gradient accumulators held across the
+    micro-batches and one reduce-scatter after the last backward (FSDP2 under torch's
+    pipeline schedules);
     `loss_kernels` the loss's kernels when they differ from the blocks' (torchtitan compiles
     the blocks only: its loss runs eager); `reshard_after_forward` False keeps every block's
     ZeRO-3 weights gathered from forward into backward (FSDP2's option; torchtitan sets it
@@ -81,6 +87,16 @@ class ParallelConfig:
     selective: str = "attention"
     checkpoint_every: int = 1
     tp_overlap: bool = False
+    # bytes per element of Megatron-SP's activation all-gathers (forward input, backward
+    # output gradient): 1 where FP8 linears cast before the gather (torchao's
+    # Float8ColwiseParallel / Float8RowwiseParallel / PrepareFloat8ModuleInput); the
+    # reduce-scatters stay 16-bit
+    tp_gather_bytes: int = 2
+    # under pp, ZeRO-2/3 gradients accumulate unsharded over the micro-batches (in the
+    # gradient dtype: FSDP2's fp32 `unsharded_accumulated_grad`) and are reduce-scattered once
+    # after the last backward; the weights stay gathered from the first forward to then
+    # (torch.distributed.pipelining's `backward_maybe_with_nosync` on an FSDP2 stage)
+    defer_grad_sync: bool = False
     loss_kernels: str | None = None  # None: as `kernels`
     reshard_after_forward: bool = True
 
@@ -100,6 +116,9 @@ class ParallelConfig:
         if not 1 <= self.gather_bytes <= 2:
             raise CostInputError(f"weight gathers move 1 to 2 bytes per parameter, got "
                                  f"{self.gather_bytes}")  # fmt: skip
+        if self.tp_gather_bytes not in (1, 2):
+            raise CostInputError(f"tp activation gathers move 1 (FP8) or 2 (bf16) bytes per "
+                                 f"element, got {self.tp_gather_bytes}")  # fmt: skip
         if self.weight_bytes not in (2, 4):
             raise CostInputError(f"weights are 2 (bf16) or 4 (fp32) bytes, got {self.weight_bytes}")
         degrees = {"tp": self.tp, "pp": self.pp, "dp": self.dp or 1, "cp": self.cp,
@@ -148,10 +167,11 @@ def validate(cfg: ParallelConfig, cluster: Cluster, layers: int, heads: int, kv_
     if kv_heads >= cfg.tp:
         _divides("kv_heads", kv_heads, "tp", cfg.tp)
     chunks = cfg.pp * (cfg.virtual_stages or 1)
-    if layers < chunks:
+    units = layers + 2 if cfg.pp > 1 else layers  # with pp the embedding and head are units
+    if units < chunks:
         raise CostInputError(
-            f"{layers} layers cannot fill pp·virtual_stages = {chunks} pipeline chunks; "
-            "lower pp or virtual_stages"
+            f"{layers} layers cannot fill pp·virtual_stages = {chunks} pipeline chunks "
+            f"({units} units with the embedding and the head); lower pp or virtual_stages"
         )
     _divides("seq", seq, "2·cp", 2 * cfg.cp if cfg.cp > 1 else 1)
     _divides("dp", cfg.dp or 1, "ep", cfg.ep)

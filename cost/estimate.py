@@ -214,7 +214,9 @@ def price(model: Priced, cluster: Cluster, cfg: ParallelConfig,
                          virtual=cfg.virtual_stages, recompute=cfg.recompute,
                          capacity=cluster.gpu.hbm_bytes, grad_bytes=cfg.grad_bytes,
                          weight_bytes=cfg.weight_bytes, ranks=ranks,
-                         reshard_after_forward=cfg.reshard_after_forward)  # fmt: skip
+                         reshard_after_forward=cfg.reshard_after_forward,
+                         gather_bytes=cfg.gather_bytes,
+                         defer_grad_sync=cfg.defer_grad_sync)  # fmt: skip
     step = step_time(work, cfg, cluster, micro_batches=m, schedule=cfg.schedule,
                      virtual=cfg.virtual_stages, recompute=cfg.recompute, ranks=ranks)  # fmt: skip
     return Estimate(model=model.name, cluster=cluster, config=cfg, memory=memory, step=step,

@@ -18,7 +18,7 @@ Algorithm (`rank_memory`, per pipeline rank; the most loaded one is the rank's m
 3. Activations: saved bytes per layer and micro-batch for the recompute mode × the rank's
    blocks (+ the fp32 logits on the rank holding the LM head) × the micro-batches in flight
    on that rank (`in_flight`: GPipe m, 1F1B min(p − r, m) on rank r, interleaved
-   min(p − r, m)·(1 + (p−1)/(p·v))); full recompute also holds one layer's un-recomputed
+   min(m, min(p − r, m)·(1 + (p−1)/(p·v)))); full recompute also holds one layer's un-recomputed
    working set during backward.
 4. Add a fixed reserve (CUDA context, NCCL buffers, allocator fragmentation) and compare with
    the GPU's HBM.
@@ -65,13 +65,16 @@ class MemoryBreakdown:
 def in_flight(schedule: str, pp: int, micro_batches: int, virtual: int, rank: int = 0) -> float:
     """Micro-batches whose activations pipeline rank `rank` (default the first) holds at its
     peak: GPipe all; 1F1B one per rank from it to the last (at most all); interleaved that
-    stretched by its longer warm-up (`autopar.axes.pipeline.PipelineConfig.in_flight`)."""
+    stretched by its longer warm-up, at most all of them (every chunk of every micro-batch;
+    `autopar.axes.pipeline.PipelineConfig.in_flight`)."""
     if pp == 1:
         return 1.0
     if schedule == "gpipe":
         return float(micro_batches)
     held = float(min(pp - rank, micro_batches))
-    return held * (1 + (pp - 1) / (pp * virtual)) if schedule == "interleaved" else held
+    if schedule != "interleaved":
+        return held
+    return min(float(micro_batches), held * (1 + (pp - 1) / (pp * virtual)))
 
 
 def model_state(params_dense: float, params_expert: float, zero: int, dp_dense: int,
@@ -101,25 +104,32 @@ def rank_memory(work: Workload, *, pp: int, zero: int, dp_dense: int, dp_expert:
                 schedule: str, micro_batches: int, virtual: int, recompute: str,
                 capacity: float, grad_bytes: int = GRAD_BYTES, weight_bytes: int = WEIGHT_BYTES,
                 ranks: Sequence[RankShare] | None = None,
-                reshard_after_forward: bool = True) -> MemoryBreakdown:  # fmt: skip
+                reshard_after_forward: bool = True, gather_bytes: float = WEIGHT_BYTES,
+                defer_grad_sync: bool = False) -> MemoryBreakdown:  # fmt: skip
     """Per-rank memory of the most loaded pipeline rank (see the module docstring); `ranks`
     are the ranks' shares as `cost.step.pipeline_shares` cuts them (default: cut on compute
     alone, boundaries free); `reshard_after_forward` False: every block's ZeRO-3 weights
-    stay gathered into backward (FSDP2's option)."""
+    stay gathered into backward (FSDP2's option), held at `gather_bytes` per block parameter
+    (1: FP8 linears gathered in float8); `defer_grad_sync` (pp, ZeRO >= 2): the stage's
+    gradients are held whole, in their dtype, across the micro-batches (FSDP2's unsharded
+    accumulator under torch's pipeline schedules) instead of sharded."""
     v = virtual if schedule == "interleaved" else 1
     if ranks is None:
         unit = (work.pre_s, work.layer_fwd_s + work.layer_bwd_s, work.post_s)
         held = lambda r: in_flight(schedule, pp, micro_batches, v, r)  # noqa: E731
         ranks = pipeline_ranks(work.layers, unit, pp, v, held, 0.0)
+    whole_grads = defer_grad_sync and pp > 1 and zero >= 2
     rows = [_rank_breakdown(work, share, zero, dp_dense, dp_expert, recompute, capacity,
-                            grad_bytes, weight_bytes, reshard_after_forward)
+                            grad_bytes, weight_bytes, reshard_after_forward, gather_bytes,
+                            whole_grads)
             for share in ranks]  # fmt: skip
     return max(rows, key=lambda m: m.total)
 
 
 def _rank_breakdown(work: Workload, share: RankShare, zero: int, dp_dense: int, dp_expert: int,
                     recompute: str, capacity: float, grad_bytes: int,
-                    weight_bytes: int, reshard: bool = True) -> MemoryBreakdown:  # fmt: skip
+                    weight_bytes: int, reshard: bool = True, gather_bytes: float = WEIGHT_BYTES,
+                    whole_grads: bool = False) -> MemoryBreakdown:  # fmt: skip
     """Steps 2-3 for one pipeline rank: its blocks and end tables, its last block per stage
     (and the tables) kept gathered under ZeRO-3, its in-flight micro-batches of activations
     (the epilogue's logits with them, as the compiled memory table counts a stage), and one
@@ -127,11 +137,15 @@ def _rank_breakdown(work: Workload, share: RankShare, zero: int, dp_dense: int, 
     dense = share.blocks * work.layer_dense_params + share.edges * work.edge_params
     w_bytes, o_bytes = state_bytes(weight_bytes)
     kept_blocks = min(share.chunks, share.blocks) if reshard else share.blocks
-    kept = share.edges * work.edge_params + kept_blocks * work.layer_dense_params
+    # 16-bit weights whose blocks are gathered narrower (float8) are held at that size
+    narrow = gather_bytes / w_bytes if gather_bytes < w_bytes == WEIGHT_BYTES else 1.0
+    kept = share.edges * work.edge_params + kept_blocks * work.layer_dense_params * narrow
     weights, grads, optim = model_state(
         dense, share.blocks * work.layer_expert_params, zero, dp_dense, dp_expert, grad_bytes,
         w_bytes, o_bytes, kept,
     )
+    if whole_grads:  # the unsharded accumulators replace the shards at the step's peak
+        grads = grad_bytes * (dense + share.blocks * work.layer_expert_params)
     working = work.act_bytes["none"] if recompute == "full" else 0.0
     held = share.blocks * work.act_bytes[recompute] + (work.post_act_bytes if share.last else 0.0)
     return MemoryBreakdown(weights=weights, grads=grads, optimizer=optim,

@@ -168,7 +168,7 @@ def overlapped_tp(comm: float, window: float) -> float:
 
 def tp_time(work: Workload, coll: Collective, span: tuple[int, int], recompute: str,
             per_stage: int, ends: tuple[bool, bool] = (True, True),
-            overlap: bool = False) -> float:  # fmt: skip
+            overlap: bool = False, gather_bytes: int = 2) -> float:  # fmt: skip
     """Tensor-parallel seconds of one micro-batch of `per_stage` layers (step 2), on the
     critical path.  A solved plan's collectives (`work.tp_collectives`): each once, a
     repeated block's scaled to the stage's layers, one outside the blocks only on a rank
@@ -177,9 +177,15 @@ def tp_time(work: Workload, coll: Collective, span: tuple[int, int], recompute: 
     decomposed under its matmuls (autopar.planner.overlap) less the seconds its ring steps
     hide; else Megatron's 2 all-reduces of [b, s/c, h] per layer per pass, exposed, or under
     `overlap` (a published run's Megatron userbuffers) pipelined with each pass's compute
-    (`overlapped_tp`)."""
+    (`overlapped_tp`); `gather_bytes` 1: each all-reduce is Megatron-SP's all-gather of FP8
+    activations (1 byte an element: torchao's Float8 tp styles cast before the gather) and
+    reduce-scatter of the 16-bit output."""
     if work.tp_collectives is None:
-        per_layer = work.tp_calls * coll("all_reduce", work.tp_bytes, *span)
+        per_call = coll("all_reduce", work.tp_bytes, *span)
+        if gather_bytes < 2:
+            per_call = (coll("all_gather", work.tp_bytes * gather_bytes / 2, *span)
+                        + coll("reduce_scatter", work.tp_bytes, *span))  # fmt: skip
+        per_layer = work.tp_calls * per_call
         if overlap:
             windows = [work.layer_fwd_s, work.layer_bwd_s] + [work.layer_fwd_s] * (recompute == "full")
             return per_stage * sum(overlapped_tp(per_layer, w) for w in windows)
@@ -210,7 +216,9 @@ def micro_batch_time(work: Workload, cfg: ParallelConfig, coll: Collective, span
     layer = work.layer_fwd_s + work.layer_bwd_s + work.recompute_s[recompute]
     ring = _ring(work, cfg, coll, spans, cluster)
     layer_comm = _layer_comm(work, cfg, coll, spans, recompute, ring)
-    comm = {"tp": tp_time(work, coll, spans["tp"], recompute, per_stage, ends, cfg.tp_overlap),
+    gather = cfg.tp_gather_bytes if cfg.sequence_parallel else 2
+    comm = {"tp": tp_time(work, coll, spans["tp"], recompute, per_stage, ends, cfg.tp_overlap,
+                          gather),
             **{k: per_stage * x for k, x in layer_comm.items()}}  # fmt: skip
     p2p = coll("send_recv", work.boundary_bytes, *spans["pp"])
     comm["pp"] = 2 * v * p2p if cfg.pp > 1 else 0.0
@@ -245,7 +253,8 @@ def _dp_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
     tables = 1.0 if any(ends) else 0.0
     if cfg.zero == 3:
         return _zero3(work, coll, spans, micro_batches, recompute, per_stage, ring, shared, ends,
-                      cfg.grad_bytes, cfg.gather_bytes)  # fmt: skip
+                      cfg.grad_bytes, cfg.gather_bytes,
+                      deferred=cfg.defer_grad_sync and cfg.pp > 1)  # fmt: skip
     if not cfg.overlap_grad_reduce:
         return _reduce(coll, _groups(work, spans, per_stage, tables), cfg.zero)
     bucket = _reduce(coll, _groups(work, spans, 1, 0), cfg.zero, cfg.gather_bytes)
@@ -258,7 +267,7 @@ def _dp_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
 def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, recompute: str,
            per_stage: int, ring: RingAttention, shared: bool,
            ends: tuple[bool, bool] = (True, True), grad_bytes: int = 4,
-           gather_bytes: float = 2) -> float:  # fmt: skip
+           gather_bytes: float = 2, deferred: bool = False) -> float:  # fmt: skip
     """ZeRO-3 exposed seconds per step (step 6).
 
     Derivation, per layer per micro-batch: its bf16 gather G (`gather_bytes` per parameter;
@@ -272,6 +281,10 @@ def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, re
     the end stages' work. The first layer's gather of the step has nothing before it: exposed.
     A stage's last layer is not resharded after forward (its backward comes first; autopar's
     runtime and torchtitan keep it), so its backward exposes only its reduce-scatter.
+    `deferred` (FSDP2 under torch's pipeline schedules: no reshard after forward or backward,
+    no gradient sync before the last micro-batch): each layer is gathered once, in the first
+    micro-batch's forward, and every gradient is reduce-scattered once, after the stage's
+    last backward, with no compute of the rank left to hide behind.
     """
     layer, edge = _groups(work, spans, 1, 0), _groups(work, spans, 0, 1.0 if any(ends) else 0.0)
     gather = _each(coll, layer, "all_gather", gather_bytes)
@@ -284,6 +297,8 @@ def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, re
     bwd = exposed_behind(gather + scatter, window, busy_b)
     last = exposed_behind(scatter, window, busy_b)
     tail = exposed_behind(tables, work.pre_s * ends[0] + work.post_s * ends[1])
+    if deferred:
+        return gather + per_stage * (fwd + scatter) + tail
     layers = per_stage * fwd + max(per_stage - 1, 0) * bwd + (last if per_stage else 0.0)
     return gather + micro_batches * (layers + tail)
 

@@ -117,7 +117,8 @@ class PipelineConfig:
         """Micro-batches of activations ``stage`` of ``stages`` holds at its peak: GPipe all
         of them; 1F1B one per stage still ahead of it (at most all); interleaved (stage s on
         pipeline rank r = s mod p of p ranks, v stages each) the rank's 1F1B count
-        stretched by its longer warm-up, (1 + (p - 1) / (p v)), as ``cost.memory`` prices it."""
+        stretched by its longer warm-up, (1 + (p - 1) / (p v)), at most all m micro-batches
+        (every chunk of each), as ``cost.memory`` prices it."""
         m = self.n_microbatches
         if self.schedule == "gpipe":
             return m
@@ -125,7 +126,7 @@ class PipelineConfig:
         if v == 1:
             return min(m, stages - stage)
         ranks = max(stages // v, 1)
-        return min(m, ranks - stage % ranks) * (1 + (ranks - 1) / (ranks * v))
+        return min(m, min(m, ranks - stage % ranks) * (1 + (ranks - 1) / (ranks * v)))
 
     @property
     def order(self) -> str:

@@ -51,6 +51,10 @@ def test_in_flight_micro_batches_per_schedule():
     assert in_flight("1f1b", 8, 32, 1) == 8
     assert in_flight("1f1b", 8, 4, 1) == 4
     assert in_flight("interleaved", 8, 32, 2) == pytest.approx(8 * (1 + 7 / 16))
+    # no rank holds more than every chunk of every micro-batch (torchtitan's PP 8, m = 8, v = 2:
+    # rank 0 runs all 16 chunk forwards before its first backward, 8 micro-batches' worth)
+    assert in_flight("interleaved", 8, 8, 2) == 8
+    assert in_flight("interleaved", 8, 10, 2) == 10
 
 
 @pytest.mark.parametrize("t", [1, 2, 8])

@@ -106,3 +106,77 @@ def test_without_resharding_after_forward_every_block_stays_gathered():
     assert held.weights - kept.weights == pytest.approx(3 * block * 2 * 7 / 8, rel=1e-9)
     assert (held.grads, held.optimizer, held.activations) == (kept.grads, kept.optimizer,
                                                               kept.activations)  # fmt: skip
+
+
+def test_float8_tp_gathers_move_one_byte_an_element():
+    """Megatron-SP under torchao's Float8 tp styles: the all-gathers move float8 activations
+    (cast before the gather), the reduce-scatters stay bf16; without sequence parallelism the
+    all-reduces are unchanged."""
+    from cost.step import micro_batch_time
+
+    tp = replace(CFG, tp=4)
+    work = shape_workload(LLAMA, tp, 1, GPU)
+    sizes = []
+    def coll(kind, nbytes, stride, size):  # a ring: an all-reduce is a reduce-scatter + gather
+        sizes.append((kind, nbytes))
+        return 2 * nbytes if kind == "all_reduce" else nbytes
+
+    bf16 = tp_time(work, coll, (1, 4), "none", 1)
+    fp8 = tp_time(work, coll, (1, 4), "none", 1, gather_bytes=1)
+    assert fp8 == pytest.approx(0.75 * bf16)  # AG at half the bytes, RS whole: 3 of 4 units
+    assert ("all_gather", work.tp_bytes / 2) in sizes and ("reduce_scatter", work.tp_bytes) in sizes
+    spans = {"tp": (1, 4), "cp": (4, 1), "ep": (4, 1), "pp": (4, 1)}
+    for sp, ratio in ((True, 0.75), (False, 1.0)):
+        cfg = replace(tp, sequence_parallel=sp)
+        w = shape_workload(LLAMA, cfg, 1, GPU)
+        base = micro_batch_time(w, cfg, coll, spans, "none", 4, 1, Cluster.default())[1]["tp"]
+        cast = micro_batch_time(w, replace(cfg, tp_gather_bytes=1), coll, spans, "none", 4, 1,
+                                Cluster.default())[1]["tp"]  # fmt: skip
+        assert cast == pytest.approx(ratio * base)
+    with pytest.raises(CostInputError, match="tp activation gathers"):
+        replace(CFG, tp_gather_bytes=4)
+
+
+def test_deferred_gradient_sync_holds_whole_fp32_accumulators_under_pp():
+    """FSDP2 under torch's pipeline schedules (torchtitan's 3D rows): every stage's gradients
+    accumulate whole, in fp32, across the micro-batches, in place of the fp32 shards; float8
+    gathered weights are held at one byte a block parameter; each layer is gathered once a
+    step and reduce-scattered once, after the last backward, all of it exposed."""
+    from cost.estimate import estimate
+
+    shape = ModelShape.llama(name="l8", layers=8, hidden=4096, heads=32, kv_heads=8,
+                             ffn=14336, seq=1024, vocab=32000)  # fmt: skip
+    cluster = Cluster.preset("dgx-h100", nodes=2)
+    cfg = ParallelConfig(pp=2, dp=8, zero=3, global_batch=64, micro_batch=1, schedule="1f1b",
+                         recompute="full", reshard_after_forward=False)  # fmt: skip
+    eager = estimate(shape, cluster, cfg)
+    deferred = estimate(shape, cluster, replace(cfg, defer_grad_sync=True))
+    stage = 4 * shape.layer_params + shape.embedding_params  # rank 0: 4 blocks + embedding
+    assert deferred.memory.grads == pytest.approx(4 * stage, rel=1e-9)
+    assert eager.memory.grads == pytest.approx(4 * stage / 8, rel=1e-9)
+    assert (deferred.memory.weights, deferred.memory.activations) == (
+        eager.memory.weights, eager.memory.activations)  # fmt: skip
+    fp8 = estimate(shape, cluster, replace(cfg, defer_grad_sync=True, gather_bytes=1))
+    held = 4 * shape.layer_params * 7 / 8  # the blocks' gathered part, beyond the shard
+    assert deferred.memory.weights - fp8.memory.weights == pytest.approx(held, rel=1e-9)
+    # 8 micro-batches: one gather and one reduce-scatter a step, where the eager path pays a
+    # gather per micro-batch and hides it; the reduce-scatters are now exposed
+    assert deferred.step.comm["dp"] != eager.step.comm["dp"]
+    without_pp = replace(cfg, pp=1, dp=16, schedule=None, defer_grad_sync=True)
+    assert estimate(shape, cluster, without_pp).memory.grads == pytest.approx(
+        4 * (8 * shape.layer_params + 2 * shape.embedding_params) / 16, rel=1e-9)
+
+
+def test_the_embedding_and_the_head_may_each_fill_a_pipeline_chunk():
+    """Llama 3's interleaved schedule: the first chunk holds only the embedding, the last only
+    the output projection and the loss, so pp·v may reach the layers + 2."""
+    from cost.estimate import estimate
+
+    cluster = Cluster.preset("dgx-h100", nodes=1)
+    cfg = ParallelConfig(pp=4, dp=2, global_batch=8, micro_batch=1, schedule="interleaved",
+                         virtual_stages=2, recompute="none")  # fmt: skip
+    shape = replace(LLAMA, layers=6)
+    est = estimate(shape, cluster, cfg)  # 8 chunks: embedding, 6 single layers, head
+    assert est.step.compute > 0
+    with pytest.raises(CostInputError, match="5 layers cannot fill pp·virtual_stages = 8"):
+        estimate(replace(LLAMA, layers=5), cluster, cfg)
