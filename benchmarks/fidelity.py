@@ -136,7 +136,11 @@ TT_REDUCE = 4
 # Float8RowwiseParallel / PrepareFloat8ModuleInput; torchao eab345c float8_tensor_parallel.py:
 # "the float8 cast happens before the all-gather"): the tp all-gathers move float8
 TT_FLOAT8_TP = {"tp_gather_bytes": 1}
-TT_COMPILED = {"loss_kernels": "eager"}  # torchtitan 9dec370 compiles the blocks, not the loss
+TT_COMPILED = {"loss_kernels": "eager"}
+# under tp torchtitan runs its loss in torch's loss_parallel (train.py @9dec370: ParallelDims(...,
+# enable_loss_parallel=not job_config.training.disable_loss_parallel), its train step inside
+# `parallel_dims.loss_parallel_enabled`, which is tp > 1 and that flag; the default is on)
+TT_LOSS_PARALLEL = {"loss_parallel": True}  # torchtitan 9dec370 compiles the blocks, not the loss
 TT_COMPILED_SAC = {**TT_COMPILED, "selective": "matmuls"}
 # Megatron-Bridge's 70B / 405B performance configs set a userbuffers tp overlap config
 # (scripts/performance/configs/llama/llama3_llm_pretrain.py, llama31_llm_pretrain.py:
@@ -152,11 +156,11 @@ LLAMA3_8K_MISS = ("without recompute the model prices it too fast and counts mor
 # its June-2025 rerun of the same setting, float8 tensorwise, 1.16x)
 ASYNC_TP_MISS = "AsyncTP as of Dec 2024 hid less tp traffic than Megatron's overlap model:"
 # memory components the model lacks (see NOTES.md): compiled blocks are priced with eager's
-# saved set (published compile holds ~5 GiB less than eager at the same settings); 70B: ~10
-# GiB of live tensors unaccounted; 405B: the published 1F1B peak is 9.8 GiB above interleaved
+# saved set (published compile holds ~5 GiB less than eager at the same settings); 70B:
+# AsyncTP's peak 4.3 GiB below the row without it; 405B: the published 1F1B peak is 9.8 GiB above interleaved
 # at the same stage weights, accumulators and in-flight micro-batches
 COMPILE_MEM_MISS = "compiled blocks' saved set and temporaries (priced as eager's)"
-TT70_MEM_MISS = "~10 GiB of live tensors under compile + Float8 + full AC at 131K tokens a rank"
+TT70_MEM_MISS = "AsyncTP's published peak is 4.3 GiB below the row without it; not modelled"
 TT405_MEM_MISS = "1F1B's peak above interleaved's (the model holds the same on both)"
 MEG_UNIT, A100_PEAK = "TFLOP/s/GPU megatron", "A100 312 TFLOP/s bf16"
 
@@ -225,7 +229,7 @@ ROWS: tuple[Row, ...] = (
     *(Row(name=f"tt Llama3.1 70B FSDP32 TP8{tech}", source=TT_H100 + " Table 4",
           model=_llama3("70b"), cluster=_cluster("dgx-h100", 256, gpu=H100_GT),
           config=_cfg(8, 1, 32, gbs=512, mbs=16, zero=3, recompute="full", grad_bytes=TT_REDUCE,
-                      tp_overlap=bool(tech), **TT_COMPILED, **TT_FLOAT8_TP),
+                      tp_overlap=bool(tech), **TT_COMPILED, **TT_FLOAT8_TP, **TT_LOSS_PARALLEL),
           precision="fp8", published=tps, memory_gib=mem, memory_metric="reserved",
           note=ASYNC_TP_MISS if tech else "", memory_note=TT70_MEM_MISS)
       for tech, tps, mem in (("", 829, 71.9), (" AsyncTP", 876, 67.6))),
@@ -233,7 +237,8 @@ ROWS: tuple[Row, ...] = (
           model=_llama3("405b"), cluster=_cluster("dgx-h100", 512, gpu=H100_GT),
           config=_cfg(8, 8, 8, gbs=256, mbs=4, zero=3, recompute="full", schedule=schedule,
                       vp=vp, grad_bytes=TT_REDUCE, tp_overlap=True, reshard_after_forward=False,
-                      defer_grad_sync=True, gather_bytes=1, **TT_COMPILED, **TT_FLOAT8_TP),
+                      defer_grad_sync=True, gather_bytes=1, **TT_COMPILED, **TT_FLOAT8_TP,
+                      **TT_LOSS_PARALLEL),
           precision="fp8", published=tps, memory_gib=mem, memory_metric="reserved",
           note=ASYNC_TP_MISS, memory_note=TT405_MEM_MISS)
       for sched, schedule, vp, tps, mem in (("1F1B", "1f1b", 1, 100, 82.5),

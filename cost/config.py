@@ -98,6 +98,9 @@ class ParallelConfig:
     # (torch.distributed.pipelining's `backward_maybe_with_nosync` on an FSDP2 stage)
     defer_grad_sync: bool = False
     loss_kernels: str | None = None  # None: as `kernels`
+    # an eager loss runs torch's DTensor `loss_parallel` decomposition over vocab-split logits
+    # (torchtitan's default under tp): its backward holds more per logit (`cost.workload`)
+    loss_parallel: bool = False
     reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:

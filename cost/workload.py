@@ -225,6 +225,10 @@ def eager_bytes(shape: ModelShape, cfg: ParallelConfig) -> float:
 
 
 EAGER_LOSS_BYTES = 3 * 4  # log-softmax output (saved), nll's gradient, log-softmax's gradient
+# torch's DTensor loss_parallel backward (`_nll_loss_and_log_softmax_backward`):
+# `grad_input = torch.zeros_like(x)` ... `(grad_input + torch.exp(x)) * grad_output`, x the
+# saved fp32 log-softmax output: x, the zeros, exp(x) and their sum at once
+LOSS_PARALLEL_BYTES = 4 * 4
 
 
 def loss_bytes(cfg: ParallelConfig) -> int:
@@ -232,8 +236,13 @@ def loss_bytes(cfg: ParallelConfig) -> int:
     (fused); eager `cross_entropy(logits.float(), ...)` with the logits freed before
     backward (torchtitan's `del pred`) peaks in the loss's backward at
     `EAGER_LOSS_BYTES`: the saved fp32 log-softmax output, nll's dense fp32 gradient and
-    the log-softmax gradient it produces."""
-    return EAGER_LOSS_BYTES if (cfg.loss_kernels or cfg.kernels) == "eager" else BF16 + 4
+    the log-softmax gradient it produces; under torch's `loss_parallel` (``loss_parallel``
+    with tp > 1, vocab-split logits) at `LOSS_PARALLEL_BYTES`, four fp32 tensors of its
+    decomposed backward (its forward peaks lower: the bf16 logits, the fp32 copy, the
+    shifted logits and their exp, 14 bytes)."""
+    if (cfg.loss_kernels or cfg.kernels) != "eager":
+        return BF16 + 4
+    return LOSS_PARALLEL_BYTES if cfg.loss_parallel and cfg.tp > 1 else EAGER_LOSS_BYTES
 
 
 def _matmuls(shape: ModelShape, cfg: ParallelConfig, b: int) -> list[tuple[float, float, float, float]]:

@@ -180,3 +180,16 @@ def test_the_embedding_and_the_head_may_each_fill_a_pipeline_chunk():
     assert est.step.compute > 0
     with pytest.raises(CostInputError, match="5 layers cannot fill pp·virtual_stages = 8"):
         estimate(replace(LLAMA, layers=5), cluster, cfg)
+
+
+def test_an_eager_loss_parallel_holds_four_fp32_tensors_a_logit():
+    """torch's loss_parallel backward keeps the saved fp32 log-softmax output, a zeros
+    tensor, its exp and their sum at once: 16 bytes a vocab-split logit; only under tp."""
+    from cost.workload import LOSS_PARALLEL_BYTES, loss_bytes
+
+    eager = replace(CFG, tp=4, loss_kernels="eager")
+    assert loss_bytes(eager) == 12 and loss_bytes(replace(eager, loss_parallel=True)) == 16
+    assert loss_bytes(replace(eager, tp=1, loss_parallel=True)) == 12  # no vocab split
+    assert loss_bytes(replace(CFG, tp=4, loss_parallel=True)) == 6  # a fused loss: unchanged
+    w = shape_workload(LLAMA, replace(eager, loss_parallel=True), 1, GPU)
+    assert w.post_act_bytes == 1024 * 32000 / 4 * LOSS_PARALLEL_BYTES
