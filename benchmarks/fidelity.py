@@ -54,6 +54,10 @@ FMS = "foundation-model-stack/fms-fsdp README.md @0d31998"
 LLAMA3 = ("Llama 3 paper (arXiv 2407.21783) Table 4, as reproduced at "
           "glennklockwood.com/garden/llama-3.1 (SC'24 slide, same figures)")  # fmt: skip
 BRIDGE = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @00b7660 (25.11 container)"
+KORTHIKANTI = ("Korthikanti et al. 2022 (arXiv 2205.05198) Tables 3 and 5, and §6's 8-way data "
+               "parallel 530B run")  # fmt: skip
+BLOOM = ("bigscience-workshop/bigscience train/tr11-176B-ml/README.md (BLOOM-176B: setup, and "
+         "the logged 'elapsed time per iteration (s): 104.70' at GBS 2048)")  # fmt: skip
 
 # ---- hardware ----
 # torchtitan's Grand Teton H100: 96 GB HBM2e at 2.4 TB/s, "the default 500W power limit", 400
@@ -64,6 +68,9 @@ H100_GT = GPU(name="h100-96gb-hbm2e", bf16_flops=989e12, fp8_flops=1979e12, fp32
               hbm_bytes=96 * GB, hbm_bw=2.4e12)  # fmt: skip
 FMS_FABRIC = Link(name="400Gb/s per node", bandwidth=400 / 8 / 8 * GB, latency=10e-6,
                   efficiency=0.9)  # fmt: skip
+# BLOOM's Jean Zay nodes: "8 GPUs per node Using NVLink 4 inter-gpu connects, 4 OmniPath
+# links"; Omni-Path Architecture links run at 100 Gb/s: 400 Gb/s a node, shared by its 8 GPUs
+OPA_FABRIC = replace(FMS_FABRIC, name="4 x 100Gb/s Omni-Path per node")
 
 
 def _cluster(preset: str, gpus: int, *, gpu: GPU | None = None, inter: Link | None = None) -> Cluster:
@@ -104,6 +111,7 @@ class Row:
     published: float
     memory_gib: float | None = None  # published peak memory per GPU
     memory_metric: str = "allocated"  # or "reserved": the caching allocator's peak reserved
+    # published figure's unit: "tok/s/GPU", "TFLOP/s/GPU megatron|palm", or "s/iteration"
     fit: bool = False  # the step-time constants were chosen on this row
     memory_fit: bool = False  # the allocator's reserve ratio is fitted on its memory
     peak_fit: bool = False  # its GPU's unknown sustained peak is fitted on its step time
@@ -154,6 +162,7 @@ LLAMA3_8K_MISS = ("without recompute the model prices it too fast and counts mor
 # priced with `tp_overlap`, Megatron userbuffers' model (every chunk but the first hidden):
 # 70B +22.6% over the row without it where torchtitan's Dec-2024 table measured +5.7% (and
 # its June-2025 rerun of the same setting, float8 tensorwise, 1.16x)
+TT_ASYNC_TP = "micro_pipeline"
 ASYNC_TP_MISS = "AsyncTP as of Dec 2024 hid less tp traffic than Megatron's overlap model:"
 # memory components the model lacks (see NOTES.md): compiled blocks are priced with eager's
 # saved set (published compile holds ~5 GiB less than eager at the same settings); 70B:
@@ -174,6 +183,22 @@ def _narayanan(name: str, shape: tuple[int, int, int], gpus: int, tp: int, pp: i
                unit=MEG_UNIT, peak=A100_PEAK, published=published, fit=fit)  # fmt: skip
 
 
+def _korthikanti(name: str, shape: tuple[int, int, int], gpus: int, tp: int, pp: int, gbs: int,
+                 mbs: int, seconds: float, present: bool, vp: int | None) -> Row:  # fmt: skip
+    """Korthikanti 2022: GPT (s 2048, V 51200) on Selene A100s (8 HDR HCAs a node), mixed
+    precision, no flash attention (2022 Megatron: the scores are materialised); "Full
+    Recompute" (tp without sequence parallelism) or "Present Work" (selective recompute of
+    the attention core + sequence parallelism); iteration seconds as published."""
+    mode = dict(recompute="selective", sequence_parallel=True) if present else dict(
+        recompute="full", sequence_parallel=False)
+    return Row(name=f"Korthikanti {name} {'sel+SP' if present else 'full AC'}",
+               source=KORTHIKANTI, model=_gpt(*shape), cluster=_cluster("dgx-a100", gpus),
+               config=_cfg(tp, pp, gpus // (tp * pp), gbs=gbs, mbs=mbs,
+                           zero=0, attention="unfused", overlap_grad_reduce=False,
+                           schedule="interleaved" if vp else "1f1b", vp=vp, **mode),
+               unit="s/iteration", published=seconds)  # fmt: skip
+
+
 ROWS: tuple[Row, ...] = (
     # Narayanan et al. 2021: GPT, A100 DGX (HDR IB), fp16 mixed precision, full recompute, s=2048
     _narayanan("Megatron 1.7B", (24, 2304, 24), 32, 1, 1, 512, 137, True),
@@ -186,6 +211,33 @@ ROWS: tuple[Row, ...] = (
     _narayanan("Megatron 76.1B", (60, 10240, 80), 1024, 8, 4, 1792, 140, False),
     _narayanan("Megatron 310.1B", (96, 16384, 128), 1920, 8, 16, 2160, 155, False),
     _narayanan("Megatron 529.6B", (105, 20480, 128), 2520, 8, 35, 2520, 163, False),
+    # Korthikanti et al. 2022, Table 3 (heads, hidden, layers, TP, PP, GPUs, global batch,
+    # micro-batch) and Table 5 (iteration seconds, full recompute / present work); "the
+    # interleaving schedule with three interleaving stages (m = 3) for the 175B and 530B";
+    # no data parallelism, except §6's 530B on 2240 GPUs (8-way dp): 39.15 s
+    *(_korthikanti(name, shape, gpus, 8, pp, gbs, mbs, t, present, vp)
+      for name, shape, gpus, pp, gbs, mbs, vp, full, sel in (
+          ("22B", (48, 6144, 64), 8, 1, 4, 4, None, 1.42, 1.10),
+          ("175B", (96, 12288, 96), 64, 8, 64, 1, 3, 18.13, 13.75),
+          ("530B", (105, 20480, 128), 280, 35, 280, 1, 3, 49.05, 37.83),
+          ("1T", (128, 25600, 160), 512, 64, 512, 1, None, 94.42, 71.49),
+          # §6: "if we scale the 530B model to 8-way data parallellism (2240 GPUs) ... the
+          # time per iteration increases slightly from 37.83 seconds to 39.15 seconds"
+          ("530B dp8", (105, 20480, 128), 2240, 35, 2240, 1, 3, None, 39.15))
+      for present, t in ((False, full), (True, sel)) if t is not None),
+    # BLOOM-176B (tr11 README): 384 A100 80GB, TP 4 PP 12 DP 8, MBS 2, GBS 2048, seq 2048,
+    # bf16, ZeRO-1 (DeepSpeed's BF16_Optimizer), DeepSpeed activation checkpointing (full),
+    # Megatron's default dropout 0.1, ALiBi, GeLU, V 250,680, tied embeddings on both end
+    # stages ("pp rank 0: [embed | 5 transformer blocks]" ... "pp rank 11: [5 blocks |
+    # embed]"); sequence parallelism "developed after BLOOM was trained" (HF blog); no flash
+    # attention (2022); DeepSpeed's pipeline engine reduces gradients after the flush
+    Row(name="BLOOM 176B", source=BLOOM,
+        model=ModelShape.gpt(name="bloom-176b", layers=70, hidden=14336, heads=112, seq=2048,
+                             vocab=250680),
+        cluster=_cluster("dgx-a100", 384, inter=OPA_FABRIC),
+        config=_cfg(4, 12, 8, gbs=2048, mbs=2, zero=1, recompute="full", schedule="1f1b",
+                    sequence_parallel=False, attention="unfused", overlap_grad_reduce=False),
+        unit="s/iteration", published=104.70),
     # Llama 3 405B, H100 80GB, 400 Gb/s RoCE, BF16, 16M tokens per batch; TFLOP/s/GPU (BF16 MFU
     # over 989): 430 (43%), 400 (41%), 380 (38%). The 8K rows run as §3.3.2 says: "we could
     # pre-train Llama 3 on sequences of 8K tokens without activation checkpointing"; an
@@ -229,14 +281,16 @@ ROWS: tuple[Row, ...] = (
     *(Row(name=f"tt Llama3.1 70B FSDP32 TP8{tech}", source=TT_H100 + " Table 4",
           model=_llama3("70b"), cluster=_cluster("dgx-h100", 256, gpu=H100_GT),
           config=_cfg(8, 1, 32, gbs=512, mbs=16, zero=3, recompute="full", grad_bytes=TT_REDUCE,
-                      tp_overlap=bool(tech), **TT_COMPILED, **TT_FLOAT8_TP, **TT_LOSS_PARALLEL),
+                      tp_overlap=TT_ASYNC_TP if tech else False, **TT_COMPILED, **TT_FLOAT8_TP,
+                      **TT_LOSS_PARALLEL),
           precision="fp8", published=tps, memory_gib=mem, memory_metric="reserved",
           note=ASYNC_TP_MISS if tech else "", memory_note=TT70_MEM_MISS)
       for tech, tps, mem in (("", 829, 71.9), (" AsyncTP", 876, 67.6))),
     *(Row(name=f"tt Llama3.1 405B 3D {sched}", source=TT_H100 + " Table 5",
           model=_llama3("405b"), cluster=_cluster("dgx-h100", 512, gpu=H100_GT),
           config=_cfg(8, 8, 8, gbs=256, mbs=4, zero=3, recompute="full", schedule=schedule,
-                      vp=vp, grad_bytes=TT_REDUCE, tp_overlap=True, reshard_after_forward=False,
+                      vp=vp, grad_bytes=TT_REDUCE, tp_overlap=TT_ASYNC_TP,
+                      reshard_after_forward=False,
                       defer_grad_sync=True, gather_bytes=1, **TT_COMPILED, **TT_FLOAT8_TP,
                       **TT_LOSS_PARALLEL),
           precision="fp8", published=tps, memory_gib=mem, memory_metric="reserved",
@@ -313,7 +367,7 @@ ROWS: tuple[Row, ...] = (
 def source_name(row: Row) -> str:
     """The document a row comes from (a paper, or one file of a repository)."""
     for prefix in ("Narayanan", "Llama 3 paper", "NVIDIA-NeMo", "foundation-model-stack",
-                   TT_H100, TT_A100):  # fmt: skip
+                   TT_H100, TT_A100, KORTHIKANTI, BLOOM):  # fmt: skip
         if row.source.startswith(prefix):
             return {"Narayanan": "Narayanan et al. 2021 (arXiv 2104.04473) Table 1",
                     "Llama 3 paper": LLAMA3, "NVIDIA-NeMo": BRIDGE,
@@ -362,9 +416,19 @@ def _peak_factor(fits: tuple[tuple[float, Row], ...]) -> float:
 
 def figure(row: Row, est: Estimate) -> float:
     """Step 3: the prediction in the row's unit."""
+    if row.unit == "s/iteration":
+        return est.step_time_s
     if row.unit == "tok/s/GPU":
         return est.tokens_per_s / row.cluster.world_size
     return est.tflops_per_gpu_megatron if row.unit.endswith("megatron") else est.tflops_per_gpu
+
+
+def error(row: Row, predicted: float) -> float:
+    """The prediction's relative error as a throughput error (positive: predicted faster),
+    whatever the unit: a time per iteration is inverted."""
+    if row.unit == "s/iteration":
+        return row.published / predicted - 1
+    return predicted / row.published - 1
 
 
 def missing(row: Row, error: float) -> str:
@@ -402,6 +466,10 @@ def memory_figure(row: Row, est: Estimate, ratio: float) -> float:
     return nbytes / GiB
 
 
+def _num(x: float) -> str:
+    return f"{x:9.2f}" if x < 100 else f"{x:9.0f}"
+
+
 def _print(title: str, rows: tuple[Row, ...], ratio: float) -> tuple[list[float], list[float]]:
     """Print `rows`; return their step-time errors and their memory errors (a `memory_fit`
     row's memory is printed, marked, and not returned)."""
@@ -414,7 +482,7 @@ def _print(title: str, rows: tuple[Row, ...], ratio: float) -> tuple[list[float]
     for row in rows:
         est = predict(row)
         ours = figure(row, est)
-        err = ours / row.published - 1
+        err = error(row, ours)
         times.append(err)
         mem = memory_figure(row, est, ratio)
         if row.memory_gib:
@@ -429,7 +497,7 @@ def _print(title: str, rows: tuple[Row, ...], ratio: float) -> tuple[list[float]
         miss = "" if abs(err) <= TIME_TOL or row.fit else f"  MISS: {missing(row, err)}"
         if row.memory_gib and not row.memory_fit and abs(merr) > MEMORY_TOL:
             miss += f"  MEMORY MISS: {row.memory_note or 'not found'}"
-        print(f"{row.name:<31} {row.unit:<20} {row.published:9.0f} {ours:9.0f} {err:+7.1%}  "
+        print(f"{row.name:<31} {row.unit:<20} {_num(row.published)} {_num(ours)} {err:+7.1%}  "
               f"{mtxt} {chosen}{miss}")  # fmt: skip
     return times, mems
 

@@ -48,7 +48,9 @@ class ParallelConfig:
     `checkpoint_every` k > 1 under full recompute checkpoints one layer in k (torchtitan's
     selective layer option k); the others keep all their activations;
     `tp_overlap` pipelines Megatron's per-layer tp collectives with the layer's GEMMs
-    (userbuffers, `cost.step.overlapped_tp`); a solved tp plan's collectives stay exposed;
+    (True or "userbuffers": Megatron's userbuffers, 4 chunks; "micro_pipeline": torch's
+    micro-pipelined tp, torchtitan's AsyncTP, one chunk a tp rank and a local sum after each
+    reduce-scatter; `cost.step.overlapped_tp`); a solved tp plan's collectives stay exposed;
     `tp_gather_bytes` 1: the tp all-gathers move FP8 activations (torchao's Float8 tp styles);
     `defer_grad_sync` (pp, ZeRO >= 2): whole-stage gradient accumulators held across the
     micro-batches and one reduce-scatter after the last backward (FSDP2 under torch's
@@ -86,7 +88,7 @@ class ParallelConfig:
     kernels: str = "fused"
     selective: str = "attention"
     checkpoint_every: int = 1
-    tp_overlap: bool = False
+    tp_overlap: bool | str = False  # True / "userbuffers", or "micro_pipeline"
     # bytes per element of Megatron-SP's activation all-gathers (forward input, backward
     # output gradient): 1 where FP8 linears cast before the gather (torchao's
     # Float8ColwiseParallel / Float8RowwiseParallel / PrepareFloat8ModuleInput); the
@@ -110,6 +112,9 @@ class ParallelConfig:
         _choice("kernels", self.kernels, KERNELS)
         _choice("loss_kernels", self.loss_kernels, KERNELS)
         _choice("selective", self.selective, SELECTIVE)
+        if self.tp_overlap not in (False, True, "userbuffers", "micro_pipeline"):
+            raise CostInputError(f"tp_overlap must be False, True, 'userbuffers' or "
+                                 f"'micro_pipeline', got {self.tp_overlap!r}")  # fmt: skip
         if self.zero not in (0, 1, 2, 3):
             raise CostInputError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")
         if self.grad_bytes not in (2, 4):

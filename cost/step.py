@@ -157,18 +157,29 @@ def _layer_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: di
 TP_OVERLAP_SPLITS = 4  # chunks of a pipelined tp collective (userbuffers' num_splits)
 
 
-def overlapped_tp(comm: float, window: float) -> float:
-    """Exposed seconds of a layer's tp collectives (`comm`) split into `TP_OVERLAP_SPLITS`
-    chunks and pipelined with the GEMMs of a pass (`window`, Megatron's userbuffers
-    overlap): the chunk that starts (all-gather) or ends (reduce-scatter) the chain is
-    exposed, the rest hides behind the pass's compute (`exposed_behind`)."""
-    chunk = comm / TP_OVERLAP_SPLITS
+def overlapped_tp(comm: float, window: float, splits: int = TP_OVERLAP_SPLITS) -> float:
+    """Exposed seconds of a layer's tp collectives (`comm`) split into `splits` chunks
+    (`TP_OVERLAP_SPLITS`: Megatron's userbuffers; the tp degree: torch's micro-pipelined tp)
+    and pipelined with the GEMMs of a pass (`window`): the chunk that starts (all-gather) or
+    ends (reduce-scatter) the chain is exposed, the rest hides behind the pass's compute
+    (`exposed_behind`)."""
+    chunk = comm / splits
     return chunk + exposed_behind(comm - chunk, window)
+
+
+def micro_pipeline_reduce_s(work: Workload, tp: int, hbm_bw: float) -> float:
+    """Seconds of one reduce-scatter's local sum under torch's micro-pipelined tp
+    (`torch.distributed._symmetric_memory._fused_matmul_reduce_scatter_impl`: each rank
+    produces the tp partials of [M/t, N], peers pull them into `stacked_partials`, then
+    `torch.sum(stacked_partials_view, dim=0)`): read t partials (the whole message), write
+    one, at streaming HBM bandwidth, after the last partial lands (exposed)."""
+    return work.tp_bytes * (1 + 1 / tp) / (hbm_bw * MEMORY_BW_FRACTION)
 
 
 def tp_time(work: Workload, coll: Collective, span: tuple[int, int], recompute: str,
             per_stage: int, ends: tuple[bool, bool] = (True, True),
-            overlap: bool = False, gather_bytes: int = 2) -> float:  # fmt: skip
+            overlap: bool = False, gather_bytes: int = 2, splits: int = TP_OVERLAP_SPLITS,
+            reduce_s: float = 0.0) -> float:  # fmt: skip
     """Tensor-parallel seconds of one micro-batch of `per_stage` layers (step 2), on the
     critical path.  A solved plan's collectives (`work.tp_collectives`): each once, a
     repeated block's scaled to the stage's layers, one outside the blocks only on a rank
@@ -179,7 +190,9 @@ def tp_time(work: Workload, coll: Collective, span: tuple[int, int], recompute: 
     `overlap` (a published run's Megatron userbuffers) pipelined with each pass's compute
     (`overlapped_tp`); `gather_bytes` 1: each all-reduce is Megatron-SP's all-gather of FP8
     activations (1 byte an element: torchao's Float8 tp styles cast before the gather) and
-    reduce-scatter of the 16-bit output."""
+    reduce-scatter of the 16-bit output; `splits` the chunks of an overlapped collective and
+    `reduce_s` the exposed local sum each overlapped reduce-scatter ends with (torch's
+    micro-pipelined tp, `micro_pipeline_reduce_s`)."""
     if work.tp_collectives is None:
         per_call = coll("all_reduce", work.tp_bytes, *span)
         if gather_bytes < 2:
@@ -188,7 +201,8 @@ def tp_time(work: Workload, coll: Collective, span: tuple[int, int], recompute: 
         per_layer = work.tp_calls * per_call
         if overlap:
             windows = [work.layer_fwd_s, work.layer_bwd_s] + [work.layer_fwd_s] * (recompute == "full")
-            return per_stage * sum(overlapped_tp(per_layer, w) for w in windows)
+            return per_stage * sum(overlapped_tp(per_layer, w, splits)
+                                   + work.tp_calls * reduce_s for w in windows)  # fmt: skip
         return per_stage * _passes(recompute) * per_layer
     total, per = 0.0, per_stage / max(work.layers, 1)
     for c in work.tp_collectives:
@@ -217,8 +231,11 @@ def micro_batch_time(work: Workload, cfg: ParallelConfig, coll: Collective, span
     ring = _ring(work, cfg, coll, spans, cluster)
     layer_comm = _layer_comm(work, cfg, coll, spans, recompute, ring)
     gather = cfg.tp_gather_bytes if cfg.sequence_parallel else 2
-    comm = {"tp": tp_time(work, coll, spans["tp"], recompute, per_stage, ends, cfg.tp_overlap,
-                          gather),
+    micro = cfg.tp_overlap == "micro_pipeline"
+    splits = cfg.tp if micro else TP_OVERLAP_SPLITS
+    reduce_s = micro_pipeline_reduce_s(work, cfg.tp, cluster.gpu.hbm_bw) if micro else 0.0
+    comm = {"tp": tp_time(work, coll, spans["tp"], recompute, per_stage, ends,
+                          bool(cfg.tp_overlap), gather, splits, reduce_s),
             **{k: per_stage * x for k, x in layer_comm.items()}}  # fmt: skip
     p2p = coll("send_recv", work.boundary_bytes, *spans["pp"])
     comm["pp"] = 2 * v * p2p if cfg.pp > 1 else 0.0
