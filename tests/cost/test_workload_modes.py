@@ -193,3 +193,31 @@ def test_an_eager_loss_parallel_holds_four_fp32_tensors_a_logit():
     assert loss_bytes(replace(CFG, tp=4, loss_parallel=True)) == 6  # a fused loss: unchanged
     w = shape_workload(LLAMA, replace(eager, loss_parallel=True), 1, GPU)
     assert w.post_act_bytes == 1024 * 32000 / 4 * LOSS_PARALLEL_BYTES
+
+
+def test_micro_pipelined_tp_chunks_per_rank_and_sums_its_partials():
+    """torchtitan's AsyncTP (torch's micro-pipelined tp): a collective split in one chunk a
+    tp rank, the first exposed; each reduce-scatter ends with the local sum of the t pulled
+    partials (read the whole message, write 1/t of it) at streaming bandwidth, exposed."""
+    from cost.step import micro_batch_time, micro_pipeline_reduce_s
+
+    assert overlapped_tp(8.0, 100.0, splits=8) == 1.0
+    tp = replace(CFG, tp=4)
+    work = shape_workload(LLAMA, tp, 1, GPU)
+    reduce_s = micro_pipeline_reduce_s(work, 4, GPU.hbm_bw)
+    assert reduce_s == pytest.approx(work.tp_bytes * 1.25 / (GPU.hbm_bw * MEMORY_BW_FRACTION))
+    coll = lambda kind, nbytes, stride, size: 1e-3  # noqa: E731
+    plain = tp_time(work, coll, (1, 4), "full", 2, overlap=True, splits=4)
+    summed = tp_time(work, coll, (1, 4), "full", 2, overlap=True, splits=4, reduce_s=reduce_s)
+    assert summed - plain == pytest.approx(2 * 3 * work.tp_calls * reduce_s)  # 2 layers, 3 passes
+    spans = {"tp": (1, 4), "cp": (4, 1), "ep": (4, 1), "pp": (4, 1)}
+    cluster = Cluster.preset("dgx-a100", nodes=1)
+    times = {mode: micro_batch_time(work, replace(tp, tp_overlap=mode), coll, spans, "none", 4, 1,
+                                    cluster)[1]["tp"]  # fmt: skip
+             for mode in (False, True, "userbuffers", "micro_pipeline")}
+    assert times[True] == times["userbuffers"] < times[False]
+    assert times["micro_pipeline"] == pytest.approx(
+        4 * sum(overlapped_tp(2 * 1e-3, w, 4) + 2 * reduce_s
+                for w in (work.layer_fwd_s, work.layer_bwd_s)))  # fmt: skip
+    with pytest.raises(CostInputError, match="tp_overlap"):
+        replace(CFG, tp_overlap="async")
