@@ -51,8 +51,8 @@ NARAYANAN_HELD = ("Narayanan et al. 2021 Table 1, rows as transcribed in benchma
 TT_H100 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @31a17bf"
 TT_A100 = "pytorch/torchtitan docs/performance.md @0413364"
 FMS = "foundation-model-stack/fms-fsdp README.md @0d31998"
-LLAMA3 = ("Llama 3 paper (arXiv 2407.21783) Table 4, as reproduced at "
-          "glennklockwood.com/garden/llama-3.1 (SC'24 slide, same figures)")  # fmt: skip
+LLAMA3 = ("Llama 3 paper (arXiv 2407.21783) Table 4 and §3.3.2, read from a stored full-text "
+          "copy (Table 4 also as reproduced at glennklockwood.com/garden/llama-3.1)")  # fmt: skip
 BRIDGE = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @00b7660 (25.11 container)"
 KORTHIKANTI = ("Korthikanti et al. 2022 (arXiv 2205.05198) Tables 3 and 5, and §6's 8-way data "
                "parallel 530B run")  # fmt: skip
@@ -158,12 +158,14 @@ MEGATRON_2021 = {"attention": "unfused", "sequence_parallel": False, "overlap_gr
 LLAMA3_8K_MISS = ("without recompute the model prices it too fast and counts more activation "
                   "memory than 80 GB (Meta's run fit): the per-layer saved set or in-flight "
                   "count of Meta's schedule, and a slower component,")
-# torchtitan's AsyncTP (torch's micro-pipelined tp: one chunk a rank, copy-engine P2P) is
-# priced with `tp_overlap`, Megatron userbuffers' model (every chunk but the first hidden):
-# 70B +22.6% over the row without it where torchtitan's Dec-2024 table measured +5.7% (and
-# its June-2025 rerun of the same setting, float8 tensorwise, 1.16x)
+# torchtitan's AsyncTP is torch's micro-pipelined tp (torch.distributed._symmetric_memory:
+# one chunk a tp rank over copy-engine P2P, each reduce-scatter ending in a local sum of the
+# pulled partials): `tp_overlap="micro_pipeline"`. It prices the 70B row +16.3% over the row
+# without it, where torchtitan's Dec-2024 table measured +5.7% (its June-2025 rerun of the
+# same setting, float8 tensorwise: 1.16x)
 TT_ASYNC_TP = "micro_pipeline"
-ASYNC_TP_MISS = "AsyncTP as of Dec 2024 hid less tp traffic than Megatron's overlap model:"
+ASYNC_TP_MISS = ("AsyncTP (Dec 2024) hid less tp traffic than every-chunk-but-the-first (+5.7% "
+                 "measured, +16% priced):")  # fmt: skip
 # memory components the model lacks (see NOTES.md): compiled blocks are priced with eager's
 # saved set (published compile holds ~5 GiB less than eager at the same settings); 70B:
 # AsyncTP's peak 4.3 GiB below the row without it; 405B: the published 1F1B peak is 9.8 GiB above interleaved
@@ -237,7 +239,9 @@ ROWS: tuple[Row, ...] = (
         cluster=_cluster("dgx-a100", 384, inter=OPA_FABRIC),
         config=_cfg(4, 12, 8, gbs=2048, mbs=2, zero=1, recompute="full", schedule="1f1b",
                     sequence_parallel=False, attention="unfused", overlap_grad_reduce=False),
-        unit="s/iteration", published=104.70),
+        unit="s/iteration", published=104.70,
+        note="Megatron-DeepSpeed priced as Megatron-LM (candidates: DeepSpeed's pipeline "
+             "engine, NCCL over Omni-Path)"),
     # Llama 3 405B, H100 80GB, 400 Gb/s RoCE, BF16, 16M tokens per batch; TFLOP/s/GPU (BF16 MFU
     # over 989): 430 (43%), 400 (41%), 380 (38%). The 8K rows run as §3.3.2 says: "we could
     # pre-train Llama 3 on sequences of 8K tokens without activation checkpointing"; an
@@ -435,6 +439,7 @@ def missing(row: Row, error: float) -> str:
     """The component the model lacks for a row that misses (step 4)."""
     if row.sharding == "HSDP":
         return "HSDP (shard in a node, replicate across): " + (
+            "the replica all-reduce (about the backward's length at b=1) priced as hidden, or "
             "compute efficiency too high at this local batch" if error > 0 else
             "replica all-reduce or exposed gathers priced too high")
     if row.note:
@@ -526,7 +531,8 @@ def main() -> None:
     for s in sorted(sources):
         print(f"  {s}")
     print("FLOP conventions: megatron = 96·B·s·L·h²(1 + s/6h + V/16Lh) per iteration (counts the "
-          "recompute forward); palm = 6N + 12·L·a·d·s per token. tok/s/GPU rows need none.")
+          "recompute forward); palm = 6N + 12·L·a·d·s per token. tok/s/GPU and s/iteration rows "
+          "need none (an s/iteration error is published/predicted − 1: + is predicted faster).")
 
 
 if __name__ == "__main__":
