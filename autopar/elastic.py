@@ -29,8 +29,9 @@ Algorithm (:meth:`Elastic.train`, on every (re)start of the workers):
    than the checkpoint's reads "the world is now N ranks".
 6. A straggler slow in compute for ``evict_after`` consecutive reports is evicted: its node's
    agent is sent SIGTERM (torchrun then leaves the rendezvous open for the others) and the
-   survivors exit with ``EXIT_CODE``, the reason recorded; they re-plan and resume as after a
-   failure.
+   survivors exit with ``EXIT_CODE`` after ``EVICT_GRACE_S`` (the evicted agent is gone by
+   then, so it cannot join the survivors' next rendezvous round and leave them waiting for
+   its role), the reason recorded; they re-plan and resume as after a failure.
 7. Each start prints and appends to ``root/elastic/replans.jsonl`` one :class:`Replan`: old mesh
    -> new mesh, the reason, the re-plan and resume times.
 """
@@ -57,6 +58,7 @@ from cost.hardware import Cluster
 
 REASON = "reason.txt"
 STOP_GRACE_S = 2.0  # a watchdog verdict waits this long for torchrun's own SIGTERM (step 5)
+EVICT_GRACE_S = 5.0  # survivors of an eviction exit this long after its SIGTERM (step 6)
 
 
 def init_attempt_group(timeout_s: float = 120.0) -> int:
@@ -417,6 +419,10 @@ class Elastic:
             if me % local == 0:
                 os.kill(os.getppid(), signal.SIGTERM)  # the agent stops its workers, leaves
             time.sleep(3600)
+        # an evicted agent still in its monitor loop when the survivors' agents open the next
+        # round would join it and never post its role (the others then time out after 60 s;
+        # seen once under load in the full suite): exit once it is gone
+        time.sleep(EVICT_GRACE_S)
         os._exit(EXIT_CODE)
 
     def _record(self, mesh: Mesh, replan_s: float, resume_s: float, resumed: int) -> None:
