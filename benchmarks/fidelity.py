@@ -144,11 +144,11 @@ TT_REDUCE = 4
 # Float8RowwiseParallel / PrepareFloat8ModuleInput; torchao eab345c float8_tensor_parallel.py:
 # "the float8 cast happens before the all-gather"): the tp all-gathers move float8
 TT_FLOAT8_TP = {"tp_gather_bytes": 1}
-TT_COMPILED = {"loss_kernels": "eager"}
+TT_COMPILED = {"loss_kernels": "eager"}  # torchtitan 9dec370 compiles the blocks, not the loss
 # under tp torchtitan runs its loss in torch's loss_parallel (train.py @9dec370: ParallelDims(...,
 # enable_loss_parallel=not job_config.training.disable_loss_parallel), its train step inside
 # `parallel_dims.loss_parallel_enabled`, which is tp > 1 and that flag; the default is on)
-TT_LOSS_PARALLEL = {"loss_parallel": True}  # torchtitan 9dec370 compiles the blocks, not the loss
+TT_LOSS_PARALLEL = {"loss_parallel": True}
 TT_COMPILED_SAC = {**TT_COMPILED, "selective": "matmuls"}
 # Megatron-Bridge's 70B / 405B performance configs set a userbuffers tp overlap config
 # (scripts/performance/configs/llama/llama3_llm_pretrain.py, llama31_llm_pretrain.py:

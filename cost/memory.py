@@ -138,7 +138,7 @@ def _rank_breakdown(work: Workload, share: RankShare, zero: int, dp_dense: int, 
     w_bytes, o_bytes = state_bytes(weight_bytes)
     kept_blocks = min(share.chunks, share.blocks) if reshard else share.blocks
     # 16-bit weights whose blocks are gathered narrower (float8) are held at that size
-    narrow = gather_bytes / w_bytes if gather_bytes < w_bytes == WEIGHT_BYTES else 1.0
+    narrow = gather_bytes / WEIGHT_BYTES if w_bytes == WEIGHT_BYTES else 1.0
     kept = share.edges * work.edge_params + kept_blocks * work.layer_dense_params * narrow
     weights, grads, optim = model_state(
         dense, share.blocks * work.layer_expert_params, zero, dp_dense, dp_expert, grad_bytes,

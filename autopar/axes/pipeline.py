@@ -47,6 +47,7 @@ from autopar.runtime import RankShare
 from cost.comm import collective_time
 from cost.compute import train_factor
 from cost.errors import CostInputError
+from cost.memory import in_flight as cost_in_flight
 from cost.stages import balanced_cuts as stage_cuts
 from passes import PassRecord, record
 from passes.pipeline_split import (
@@ -126,7 +127,7 @@ class PipelineConfig:
         if v == 1:
             return min(m, stages - stage)
         ranks = max(stages // v, 1)
-        return min(m, min(m, ranks - stage % ranks) * (1 + (ranks - 1) / (ranks * v)))
+        return cost_in_flight("interleaved", ranks, m, v, stage % ranks)
 
     @property
     def order(self) -> str:
