@@ -498,7 +498,8 @@ def _search_unit(model: Priced, cluster: Cluster, global_batch: int, space: Sear
         if prune and bound >= ranking.bar(degrees):
             break  # sorted: every later entry is bounded out too
         unit = _Unit(work=work, b=b, m=per_rank // b, schedule=schedule, virtual=v)
-        _price_settings(unit, cluster, zcfgs, recomputes, nests, pricer, ranking, counts, prune)
+        _price_settings(unit, cluster, _zero_stages(zcfgs, unit.m, prune), recomputes, nests,
+                        pricer, ranking, counts, prune)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -590,14 +591,23 @@ def _price_settings(unit: _Unit, cluster: Cluster, zcfgs: list[ParallelConfig],
 
 
 def _zeros(allowed: tuple[int, ...], prune: bool) -> list[int]:
-    """ZeRO stages worth pricing. ZeRO-1 and 2 take the same time (reduce-scatter + all-gather,
-    sharded optimizer) and 2 holds less; both are no slower than stage 0 (an fp32 all-reduce
+    """ZeRO stages worth pricing. ZeRO-1 is no slower than stage 0 (an fp32 all-reduce
     moves more than an fp32 reduce-scatter + bf16 all-gather, and its optimizer is unsharded)
-    and hold less. So pruning keeps the highest of 0-2 present, and 3."""
+    and holds less, so pruning keeps the higher of 0-1 present, and 2 and 3 (ZeRO-2 takes
+    ZeRO-1's time at one micro-batch, where `_zero_stages` drops the dominated one, but
+    reduces every micro-batch over several: `cost.step` step 6)."""
     if not prune:
         return list(allowed)
-    low = [z for z in allowed if z < 3]
-    return ([max(low)] if low else []) + ([3] if 3 in allowed else [])
+    low = [z for z in allowed if z < 2]
+    return ([max(low)] if low else []) + [z for z in (2, 3) if z in allowed]
+
+
+def _zero_stages(zcfgs: list[ParallelConfig], m: int, prune: bool) -> list[ParallelConfig]:
+    """The ZeRO stages of `zcfgs` worth pricing at m micro-batches: at one, ZeRO-2 takes the
+    time of 1 (or 0) and holds less, so pruning drops those below it."""
+    if not prune or m > 1 or not any(c.zero == 2 for c in zcfgs):
+        return zcfgs
+    return [c for c in zcfgs if c.zero >= 2]
 
 
 def _raise_nothing(model: Priced, cluster: Cluster, global_batch: int, space: SearchSpace,

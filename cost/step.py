@@ -20,7 +20,10 @@ Algorithm (`step_time`):
    bucket per layer: fp32 reduce-scatter + bf16 all-gather (ZeRO-1/2) or all-reduce (stage 0),
    once per step, hidden (`cost.comm.exposed_behind`) behind the last micro-batch's backward
    when overlap is on (the last layer's bucket is always exposed; the tables' gradients are
-   ready early, the LM head's first). ZeRO-3 (`_zero3`) gathers each layer's bf16 weights
+   ready early, the LM head's first). Over several micro-batches ZeRO-2's shards hold no
+   whole gradient to accumulate in, so it gathers and reduce-scatters every micro-batch
+   (FSDP2's default, DeepSpeed ZeRO-2), priced as ZeRO-3 without the backward's re-gather.
+   ZeRO-3 (`_zero3`) gathers each layer's bf16 weights
    before its forward and again before its backward (the recompute forward, if any, runs in
    the same window) and reduce-scatters its gradients after, every micro-batch: each layer's
    traffic hides only behind that layer's own compute in that pass; the first layer's gather
@@ -268,10 +271,11 @@ def _dp_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
     and the end tables when it runs an end (`ends`). `shared`: the dp traffic and the cp
     ring share the NIC."""
     tables = 1.0 if any(ends) else 0.0
-    if cfg.zero == 3:
+    deferred = cfg.defer_grad_sync and cfg.pp > 1
+    if cfg.zero == 3 or (cfg.zero == 2 and micro_batches > 1 and not deferred):
         return _zero3(work, coll, spans, micro_batches, recompute, per_stage, ring, shared, ends,
-                      cfg.grad_bytes, cfg.gather_bytes,
-                      deferred=cfg.defer_grad_sync and cfg.pp > 1)  # fmt: skip
+                      cfg.grad_bytes, cfg.gather_bytes, deferred=deferred,
+                      regather=cfg.zero == 3)  # fmt: skip
     if not cfg.overlap_grad_reduce:
         return _reduce(coll, _groups(work, spans, per_stage, tables), cfg.zero)
     bucket = _reduce(coll, _groups(work, spans, 1, 0), cfg.zero, cfg.gather_bytes)
@@ -284,8 +288,11 @@ def _dp_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
 def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, recompute: str,
            per_stage: int, ring: RingAttention, shared: bool,
            ends: tuple[bool, bool] = (True, True), grad_bytes: int = 4,
-           gather_bytes: float = 2, deferred: bool = False) -> float:  # fmt: skip
-    """ZeRO-3 exposed seconds per step (step 6).
+           gather_bytes: float = 2, deferred: bool = False,
+           regather: bool = True) -> float:  # fmt: skip
+    """ZeRO-3 exposed seconds per step (step 6); with `regather` False, ZeRO-2 over several
+    micro-batches (weights kept gathered from forward to backward, so only the forward
+    gathers).
 
     Derivation, per layer per micro-batch: its bf16 gather G (`gather_bytes` per parameter;
     less with FP8 weights gathered in float8) (alpha-beta over the dp group:
@@ -311,7 +318,7 @@ def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, re
     busy_f, busy_b = (ring.wire_fwd, ring.wire_bwd) if shared else (0.0, 0.0)
     window = work.layer_bwd_s + work.recompute_s[recompute]
     fwd = exposed_behind(gather, work.layer_fwd_s, busy_f)
-    bwd = exposed_behind(gather + scatter, window, busy_b)
+    bwd = exposed_behind(gather * regather + scatter, window, busy_b)
     last = exposed_behind(scatter, window, busy_b)
     tail = exposed_behind(tables, work.pre_s * ends[0] + work.post_s * ends[1])
     if deferred:

@@ -85,14 +85,20 @@ class StateBytes:
 
 
 def zero_memory(params: int, dp: int, stage: int, per: StateBytes,
-                activations: float, kept: int = 0) -> ZeroMemory:  # fmt: skip
+                activations: float, kept: int = 0, deferred: bool = False) -> ZeroMemory:  # fmt: skip
     """Step 4: stage 1 shards the optimizer state over dp, 2 also gradients, 3 also weights
     (the cost model's ``model_state``, with this plan's element sizes); at stage 3 the
     ``kept`` parameters (:func:`kept_gathered`: the root group and the last block) are held
-    whole between forward and backward."""
+    whole between forward and backward.  ``deferred`` (a pipeline schedule that syncs
+    FSDP2's gradients once, after its last micro-batch: zero-bubble, see
+    ``autopar.runtime.PipelineRunner`` step 6): stages 2 and 3 hold the whole gradients,
+    and stage 3 the whole weights, at the step's peak."""
     weights, grads, optimizer = model_state(params, 0.0, stage, dp, dp, grad_bytes=per.grads,
                                             weight_bytes=per.weights, optim_bytes=per.optimizer,
                                             kept=kept)  # fmt: skip
+    if deferred and stage >= 2:
+        grads = per.grads * params
+        weights = per.weights * params if stage == 3 else weights
     return ZeroMemory(stage=stage, weights=weights, grads=grads, optimizer=optimizer,
                       activations=activations)  # fmt: skip
 
@@ -307,14 +313,19 @@ def memory_table(inner: Program, dp: int, per: StateBytes) -> tuple[ZeroMemory, 
     """Step 4: per-rank bytes at each ZeRO stage of sub-mesh program ``inner``: per rank
     position (one per pipeline rank, holding its stages; one without pp) its parameters and
     saved activations (:func:`saved_activations`; under pp times the micro-batches the stage
-    holds at its peak), and at each stage the position that needs the most."""
+    holds at its peak), and at each stage the position that needs the most.  Under pp each
+    micro-batch's backward reduce-scatters ZeRO-2/3's gradients (the runtime's
+    ``PipelineRunner`` step 6), except under the zero-bubble schedule, which holds them whole
+    (`zero_memory`'s ``deferred``)."""
     rows = []
+    deferred = inner.pipeline is not None and inner.pipeline.config.schedule == "zero_bubble"
     for modules, held in _rank_positions(inner):
         shapes = _grad_shapes_of(modules)
         params = sum(torch.Size(s).numel() for s, _ in shapes.values())
         kept = sum(torch.Size(shapes[n][0]).numel() for n in _kept_in(modules) if n in shapes)
         activations = sum(n * saved_activations(inner.stages[i]) for i, n in held)
-        rows.append([zero_memory(params, dp, s, per, activations, kept) for s in ZERO_STAGES])
+        rows.append([zero_memory(params, dp, s, per, activations, kept, deferred)
+                     for s in ZERO_STAGES])  # fmt: skip
     return tuple(max((r[s] for r in rows), key=lambda m: m.total) for s in ZERO_STAGES)
 
 
@@ -333,7 +344,9 @@ def predict_step(inner: Program, mesh: Mesh, stage: int, axes: tuple[str, ...],
     pp = mesh.size("pp")
     m = inner.pipeline.config.n_microbatches if pp > 1 else 1
     v = max(inner.pipeline.config.virtual_stages, 1) if pp > 1 else 1
-    cfg = dataclasses.replace(_step_config(mesh, stage, m), gather_bytes=gather_bytes)
+    deferred = pp > 1 and inner.pipeline.config.schedule == "zero_bubble"  # memory_table's
+    cfg = dataclasses.replace(_step_config(mesh, stage, m), gather_bytes=gather_bytes,
+                              defer_grad_sync=deferred)  # fmt: skip
     spans = _mesh_spans(mesh, axes)
     best: PlanStep | None = None
     for _, held in _rank_positions(inner):

@@ -165,6 +165,17 @@ class PipelineRunner:
        micro-batch, start s, end s) event per forward and backward chunk (a zero-bubble weight
        pass counts as 'B'), timed from the step's start (:attr:`events`;
        :meth:`gather_events` collects every pipeline rank's for ``prog.report(measured=...)``).
+    6. ZeRO-2/3 keep their promise under the schedule: torch's schedules turn FSDP2's
+       gradient sync and reshard-after-backward off until the last micro-batch
+       (``backward_maybe_with_nosync``), so a stage would hold its whole gradients, and from
+       its first backward its whole weights, for the step -- ZeRO-1's memory at more traffic.
+       Each FSDP2 stage therefore runs inside a plain module (:class:`_SyncEachMicroBatch`):
+       every micro-batch's backward reduce-scatters its gradients into the shards and
+       reshards its weights, as the plan's memory table and step time price it
+       (``data_parallel.memory_table``, ``cost.step``: a gather and a reduce-scatter per layer
+       per micro-batch).  The zero-bubble schedule keeps torch's deferral: its weight pass
+       runs outside autograd's hooks, so only the schedule's own post-backward reduces, and
+       the plan counts that stage's gradients and weights whole.
     """
 
     def __init__(self, share: RankShare, pp_group: Any, device: str = "cpu",
@@ -182,6 +193,8 @@ class PipelineRunner:
         wrapped = {s: data.wrap(m, dtype) if data else m for s, m in self.modules.items()}
         self.modules = {s: _unwrapped(m) for s, m in wrapped.items()}  # ZeRO-2/3 run per-block
         last = share.n_stages - 1
+        if sharded and share.config.schedule != "zero_bubble":  # step 6
+            wrapped = {s: _SyncEachMicroBatch(m) for s, m in wrapped.items()}
         if data is not None and data.grad_scale != 1 and last in wrapped:
             wrapped[last] = _ScaledLoss(wrapped[last], data.grad_scale)
         io = {s: tuple(_on_wire(specs, share.config.autocast_dtype) for specs in share.io[s])
@@ -287,6 +300,20 @@ class PipelineRunner:
         src = dist.get_global_rank(self.pp_group, holder)
         dist.broadcast(value, src=src, group=self.pp_group)
         return value
+
+
+class _SyncEachMicroBatch(torch.nn.Module):
+    """An FSDP2 stage inside a plain module (step 6): torch's schedules defer only an
+    ``FSDPModule`` stage's gradient sync, so this one reduce-scatters its gradients and
+    reshards its weights in every micro-batch's backward (FSDP2's own hooks), and the
+    schedule scales the accumulated shards by the micro-batch count at the end."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
 
 
 class _ScaledLoss(torch.nn.Module):

@@ -221,3 +221,31 @@ def test_micro_pipelined_tp_chunks_per_rank_and_sums_its_partials():
                 for w in (work.layer_fwd_s, work.layer_bwd_s)))  # fmt: skip
     with pytest.raises(CostInputError, match="tp_overlap"):
         replace(CFG, tp_overlap="async")
+
+
+def test_zero2_over_micro_batches_reduces_every_micro_batch():
+    """ZeRO-2 keeps no whole gradient to accumulate micro-batches in: over m micro-batches it
+    gathers and reduce-scatters every one (priced as ZeRO-3 without the backward's re-gather),
+    where ZeRO-1 reduces once a step; at one micro-batch the two take the same time."""
+    from cost.estimate import estimate
+
+    shape = ModelShape.llama(name="l8", layers=8, hidden=4096, heads=32, kv_heads=8,
+                             ffn=14336, seq=1024, vocab=32000)  # fmt: skip
+    slow = Cluster.preset("dgx-h100", nodes=2)
+    slow = replace(slow, inter=replace(slow.inter, bandwidth=slow.inter.bandwidth / 50))
+    dp = {}
+    for m in (1, 2, 4, 8):
+        for zero in (1, 2, 3):
+            cfg = ParallelConfig(pp=2, dp=8, zero=zero, global_batch=8 * m, micro_batch=1,
+                                 schedule="1f1b", recompute="none")  # fmt: skip
+            dp[m, zero] = estimate(shape, slow, cfg).step.comm["dp"]
+    assert dp[1, 2] == dp[1, 1]
+    assert dp[2, 1] == dp[4, 1] == dp[8, 1] == dp[1, 1]  # ZeRO-1: once a step
+    # ZeRO-2 from two micro-batches on: a fixed first gather plus the same exposed traffic
+    # every micro-batch, more than ZeRO-1's once but less than ZeRO-3's
+    each = dp[4, 2] - dp[2, 2]
+    assert each > 0 and dp[8, 2] - dp[4, 2] == pytest.approx(2 * each, rel=1e-9)
+    assert dp[1, 1] < dp[4, 2] < dp[4, 3]
+    deferred = ParallelConfig(pp=2, dp=8, zero=2, global_batch=32, micro_batch=1,
+                              schedule="1f1b", recompute="none", defer_grad_sync=True)  # fmt: skip
+    assert estimate(shape, slow, deferred).step.comm["dp"] == dp[4, 1]  # once: whole grads

@@ -1,0 +1,131 @@
+"""ZeRO-2/3 under a pipeline hold what the plan says they hold, measured on real Gloo ranks.
+
+torch's pipeline schedules turn an FSDP2 stage's gradient sync and reshard-after-backward off
+until the last micro-batch; run that way, a ZeRO-2/3 stage holds its whole gradients, and
+ZeRO-3 from its first backward its whole weights, for the step: ZeRO-1's memory, while the
+plan's memory table counts them sharded.  autopar's runtime keeps FSDP2's per-micro-batch
+sync on (``PipelineRunner`` step 6), so the peak of unsharded gradients is a block or two and
+ZeRO-3 gathers a few blocks at a time; the zero-bubble schedule, which needs torch's
+deferral, holds them whole, and its plan says so.  Sampled at every dispatched op of a step,
+per rank: the bytes of FSDP2's unsharded gradients and of gathered (whole) parameters.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar import Mesh, autoparallelize, verify
+from autopar.runtime.pool import get_pool
+from autopar.tools.testing import Config, build, lm_loss, tokens
+from autopar.verify import program_view, rank_jobs
+
+C = Config(layers=12, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=48, seq=8, batch=8)
+M = 4  # micro-batches per step
+
+
+def _held_during_step(rank, groups, share, args, kwargs, cots, data):
+    """A warm-up step, then one step sampled at every dispatched op: the peak bytes of
+    FSDP2's unsharded gradients and of gathered parameters on this rank, its parameters'
+    whole bytes per stage module (root group and blocks apart), and its gradient shards'
+    bytes after the step."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.ops import collectives
+    from autopar.runtime import DataAxis, PipelineRunner, gathered_bytes
+
+    collectives.bind(groups)
+    zero, reduction, _ = data
+    mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
+    axis = DataAxis(group=groups["dp"], mesh=mesh, zero=zero, reduction=reduction)
+    runner = PipelineRunner(share, groups["pp"], data=axis)
+    groups_of = [m._get_fsdp_state()._fsdp_param_group for st in runner.modules.values()
+                 for m in st.modules() if isinstance(m, FSDPModule)]  # fmt: skip
+    groups_of = [g for g in groups_of if g is not None]
+
+    def unsharded_grads() -> int:
+        seen = {}
+        for g in groups_of:
+            for fp in g.fsdp_params:
+                param = getattr(fp, "_unsharded_param", None)
+                for t in (fp.unsharded_accumulated_grad, None if param is None else param.grad):
+                    if t is not None and t.untyped_storage().nbytes():
+                        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    class Sample(TorchDispatchMode):
+        grads = weights = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.grads = max(self.grads, unsharded_grads())
+            self.weights = max(self.weights, sum(gathered_bytes(m)[0]
+                                                 for m in runner.modules.values()))
+            return out
+
+    runner.step(*args, **kwargs)
+    for m in runner.modules.values():
+        m.zero_grad(set_to_none=True)
+    with (mode := Sample()):
+        runner.step(*args, **kwargs)
+    sizes = [sum(fp._orig_size.numel() * 4 for fp in g.fsdp_params) for g in groups_of]
+    shards = sum(p.grad.to_local().numel() * 4 for m in runner.modules.values()
+                 for p in m.parameters() if p.grad is not None)  # fmt: skip
+    return mode.grads, mode.weights, sizes, shards
+
+
+def _measure(zero: int, schedule: str):
+    x, y = tokens(C)
+    prog = autoparallelize(build("llama", C), Mesh(dp=2, pp=2), (x, y), loss_fn=lm_loss,
+                           zero=zero, n_microbatches=M, schedule=schedule)  # fmt: skip
+    jobs = rank_jobs(program_view(prog), (x, y), None, [])
+    return prog, get_pool(4).run(_held_during_step, prog.mesh.axes, jobs)
+
+
+def _split(sizes: list[int]) -> tuple[int, int, int]:
+    """(whole, one block, the root groups) bytes of a rank's FSDP2 groups: the blocks are the
+    largest groups, all of one size (the test model's), the rest are its stages' roots."""
+    block = max(sizes)
+    return sum(sizes), block, sum(s for s in sizes if s != block)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_stages_under_pp_stay_sharded_across_micro_batches(zero, schedule):
+    prog, results = _measure(zero, schedule)
+    for rank, (grads, weights, sizes, shards) in enumerate(results):
+        whole, block, roots = _split(sizes)
+        # gradients are reduce-scattered in every micro-batch's backward: at most the running
+        # block's and the next one's are whole at once, with the roots', never the stage's
+        # (torch's deferral holds all of them: grads == whole, as under zero-bubble below)
+        assert grads <= roots + 2 * block < whole / 2, (rank, grads, roots, block, whole)
+        assert shards == whole // 2  # after the step: this rank's dp shard of every gradient
+        if zero == 3:  # a few blocks at a time: per stage its kept last, running, prefetched
+            stages = len(prog.stages_of(prog.mesh.coordinates(rank)["pp"]))
+            assert weights <= roots + (2 + stages) * block < whole, (rank, weights, whole)
+    # the plan's table counts what the ranks hold: the rank position with the most in total
+    assert prog.plan.dp.memory[zero].grads in {r[3] for r in results}
+
+
+def test_zero_bubble_defers_and_its_plan_counts_the_whole_stage():
+    """The zero-bubble schedule's weight pass runs outside autograd's hooks, so torch's own
+    post-backward reduces once after the last micro-batch: whole gradients for the step,
+    which the plan's memory table now counts (it counted them sharded)."""
+    prog, results = _measure(2, "zero_bubble")
+    for grads, _, sizes, _ in results:
+        assert grads == sum(sizes)
+    assert prog.plan.dp.memory[2].grads in {sum(r[2]) for r in results}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_zero_stages_under_pp_still_equal_one_device(schedule):
+    """Reduce-scattering every micro-batch into the shards (and the schedule's final scaling
+    by the micro-batch count) gives one device's loss and gradients."""
+    x, y = tokens(C)
+    for zero in (2, 3):
+        report = verify(build("llama", C), Mesh(dp=2, pp=2), (x, y), loss_fn=lm_loss, zero=zero,
+                        n_microbatches=M, schedule=schedule, reference_dtype=torch.float64,
+                        rtol=1e-5)  # fmt: skip
+        assert report.ok, f"zero={zero} {schedule}\n{report}"
