@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 from cost.config import ParallelConfig
 from cost.estimate import Estimate, estimate
-from cost.hardware import GPU, Cluster, Link
+from cost.hardware import FA2_ON_HOPPER, GPU, Cluster, Link
 from cost.model import ModelShape
 
 TIME_TOL, MEMORY_TOL = 0.10, 0.05
@@ -65,7 +65,7 @@ BLOOM = ("bigscience-workshop/bigscience train/tr11-176B-ml/README.md (BLOOM-176
 # its exact value" (the benchmark's footnote 2). The SXM data sheet below is scaled by
 # `peak_factor`, fitted on the one `peak_fit` row; every other row on this GPU is held out.
 H100_GT = GPU(name="h100-96gb-hbm2e", bf16_flops=989e12, fp8_flops=1979e12, fp32_flops=67e12,
-              hbm_bytes=96 * GB, hbm_bw=2.4e12)  # fmt: skip
+              hbm_bytes=96 * GB, hbm_bw=2.4e12, fa2_fraction=FA2_ON_HOPPER)  # fmt: skip
 FMS_FABRIC = Link(name="400Gb/s per node", bandwidth=400 / 8 / 8 * GB, latency=10e-6,
                   efficiency=0.9)  # fmt: skip
 # BLOOM's Jean Zay nodes: "8 GPUs per node Using NVLink 4 inter-gpu connects, 4 OmniPath
@@ -133,7 +133,10 @@ def _cfg(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, *, gbs: i
 # "selective layer" is torchtitan's selective_ac_option default "2" (config_manager.py: full
 # recompute of every other layer); "selective" on the H100 8B rows is taken as the 8B train
 # config's `selective_ac_option = 'op'` (an assumption: the benchmark page names no option).
-EAGER = {"kernels": "eager"}
+# Both run torch's SDPA, whose flash backend is FlashAttention-2 (`attention="flash2"`: on
+# Hopper at most `cost.hardware.FA2_ON_HOPPER` of the peak; on A100 as any fused kernel)
+SDPA = {"attention": "flash2"}
+EAGER = {"kernels": "eager", **SDPA}
 TT_LAYER_SAC = {**EAGER, "recompute": "full", "checkpoint_every": 2}
 TT_OP_SAC = {**EAGER, "selective": "matmuls"}
 # torchtitan's FSDP2 policy reduces in fp32 (config_manager.py `mixed_precision_reduce`,
@@ -144,7 +147,7 @@ TT_REDUCE = 4
 # Float8RowwiseParallel / PrepareFloat8ModuleInput; torchao eab345c float8_tensor_parallel.py:
 # "the float8 cast happens before the all-gather"): the tp all-gathers move float8
 TT_FLOAT8_TP = {"tp_gather_bytes": 1}
-TT_COMPILED = {"loss_kernels": "eager"}  # torchtitan 9dec370 compiles the blocks, not the loss
+TT_COMPILED = {"loss_kernels": "eager", **SDPA}  # 9dec370 compiles the blocks, not the loss
 # under tp torchtitan runs its loss in torch's loss_parallel (train.py @9dec370: ParallelDims(...,
 # enable_loss_parallel=not job_config.training.disable_loss_parallel), its train step inside
 # `parallel_dims.loss_parallel_enabled`, which is tp > 1 and that flag; the default is on)
@@ -172,7 +175,16 @@ ASYNC_TP_MISS = ("AsyncTP (Dec 2024) hid less tp traffic than every-chunk-but-th
 # at the same stage weights, accumulators and in-flight micro-batches
 COMPILE_MEM_MISS = "compiled blocks' saved set and temporaries (priced as eager's)"
 TT70_MEM_MISS = "AsyncTP's published peak is 4.3 GiB below the row without it; not modelled"
-TT405_MEM_MISS = "1F1B's peak above interleaved's (the model holds the same on both)"
+TT405_MEM_MISS = ("the pipelined runs' peak (the max over ranks, reserved) is 8-22 GiB above "
+                  "the model's busiest rank (whole fp32 gradients, fp8 weights, in-flight "
+                  "activations) x the reserve ratio fitted without pp: not modelled")
+# Tables 2 and 6 at cp >= 2: the published time per token grows faster with the sequence
+# than the work does (8B: x2.37 from 64K to 128K tokens, where even all-attention work
+# grows x2; the model x1.78), so the miss is outside the FLOPs and the ring's traffic
+TT_CP_MISS = ("per-token time growing faster than the work with the sequence (8B: x2.37 from "
+              "64K to 128K, the work at most x2): a cost beyond FLOPs and ring traffic (torch's "
+              "experimental CP at 9dec370: per chunk pair one SDPA call, a cat of K/V and an "
+              "fp32 merge; the allocator at 84 GiB of 96)")
 MEG_UNIT, A100_PEAK = "TFLOP/s/GPU megatron", "A100 312 TFLOP/s bf16"
 
 
@@ -259,7 +271,7 @@ ROWS: tuple[Row, ...] = (
     Row(name="Llama3 405B 128K CP16", source=LLAMA3, model=_llama3("405b", 131072),
         cluster=_cluster("dgx-h100", 16384), config=_cfg(8, 16, 8, 16, gbs=128),
         unit="TFLOP/s/GPU palm", peak="H100 989 TFLOP/s bf16", published=380),
-    # torchtitan, H100 96GB HBM2e (Grand Teton), FSDP2, bf16; every row of Tables 1, 3, 4 and 5.
+    # torchtitan, H100 96GB HBM2e (Grand Teton), FSDP2, bf16; every row of Tables 1 to 6.
     # Memory published, taken as torchtitan's logged peak (`max_reserved_gib`, the metric its
     # train loop prints: the benchmark page does not name it -- an assumption). FSDP8 eager is
     # the fit row of the allocator's reserve ratio and of the GPU's sustained peak.
@@ -301,6 +313,30 @@ ROWS: tuple[Row, ...] = (
           note=ASYNC_TP_MISS, memory_note=TT405_MEM_MISS)
       for sched, schedule, vp, tps, mem in (("1F1B", "1f1b", 1, 100, 82.5),
                                             ("interl.", "interleaved", 2, 128, 72.7))),
+    # Table 2: FSDP + CP + compile + Float8 on 8 GPUs, local batch 1, full recompute; the
+    # sequence split by torch's experimental context_parallel (9dec370's default rotate
+    # method "allgather"), FSDP over dp x cp; the 8B config gathers in bf16 (no
+    # `enable_fsdp_float8_all_gather` in llama3_8b.toml)
+    *(Row(name=f"tt Llama3.1 8B FSDP{n} CP{c} {seq // 1024}K", source=TT_H100 + " Table 2",
+          model=_llama3("8b", seq), cluster=_cluster("dgx-h100", 8, gpu=H100_GT),
+          config=_cfg(dp=n, cp=c, gbs=n, mbs=1, zero=3, recompute="full", grad_bytes=TT_REDUCE,
+                      **TT_COMPILED),
+          precision="fp8", published=tps, memory_gib=mem, memory_metric="reserved",
+          note=TT_CP_MISS if c > 1 else "")
+      for n, c, seq, tps, mem in ((8, 1, 32768, 3890, 83.9), (4, 2, 65536, 2540, 84.2),
+                                  (2, 4, 131072, 1071, 84.0), (1, 8, 262144, 548, 84.5))),
+    # Table 6: Table 5's 405B setting with CP, 1F1B, local batch 8 (8 micro-batches of one
+    # sequence: n_microbatches = pp)
+    *(Row(name=f"tt Llama3.1 405B FSDP{n} CP{c} {seq // 1024}K", source=TT_H100 + " Table 6",
+          model=_llama3("405b", seq), cluster=_cluster("dgx-h100", 512, gpu=H100_GT),
+          config=_cfg(8, 8, n, c, gbs=8 * n, mbs=1, zero=3, recompute="full", schedule="1f1b",
+                      grad_bytes=TT_REDUCE, tp_overlap=TT_ASYNC_TP, reshard_after_forward=False,
+                      defer_grad_sync=True, gather_bytes=1, **TT_COMPILED, **TT_FLOAT8_TP,
+                      **TT_LOSS_PARALLEL),
+          precision="fp8", published=tps, memory_gib=mem, memory_metric="reserved",
+          note=TT_CP_MISS if c > 1 else ASYNC_TP_MISS, memory_note=TT405_MEM_MISS)
+      for n, c, seq, tps, mem in ((8, 1, 32768, 76, 75.3), (4, 2, 65536, 47, 75.9),
+                                  (2, 4, 131072, 31, 77.1), (1, 8, 262144, 16, 84.9))),
     # torchtitan, 64 A100 80GB, FSDP2, local batch as published; WPS = tokens/s/GPU
     Row(name="tt Llama3 8B sel. layer", source=TT_A100, model=_llama3("8b"),
         cluster=_cluster("dgx-a100", 64),

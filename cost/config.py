@@ -24,7 +24,7 @@ from cost.hardware import Cluster
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
-ATTENTION = ("flash", "unfused")
+ATTENTION = ("flash", "flash2", "unfused")
 KERNELS = ("fused", "eager")
 SELECTIVE = ("attention", "matmuls")
 
@@ -34,7 +34,10 @@ class ParallelConfig:
     """Degrees of parallelism and step settings; a field left None is chosen by `estimate`
     to minimise step time (dp: whatever GPUs remain).
 
-    `attention` "unfused" materialises the s×s scores (pre-FlashAttention kernels);
+    `attention` "unfused" materialises the s×s scores (pre-FlashAttention kernels); "flash"
+    is a fused kernel at its score GEMM's efficiency (FlashAttention-3, cuDNN, or
+    FlashAttention-2 on the Ampere it was written for); "flash2" is FlashAttention-2 (torch
+    SDPA's flash backend) on any GPU, capped at the GPU's `fa2_fraction` of its peak;
     `overlap_grad_reduce` overlaps data-parallel gradient reduction with backward;
     `sequence_parallel` shards norms/dropout activations over tp (Megatron-SP);
     `tp_across_nodes` permits a tp group larger than a node.

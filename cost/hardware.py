@@ -35,6 +35,9 @@ class GPU:
     fp32_flops: float
     hbm_bytes: float
     hbm_bw: float
+    # the fraction of the bf16 peak FlashAttention-2 reaches at best, where it is below what
+    # the kernel's score GEMM would (a kernel written for another architecture); None: no cap
+    fa2_fraction: float | None = None
 
     def peak_flops(self, dtype_bytes: int = 2) -> float:
         """Dense tensor-core peak for an element size: 1 → fp8, 2 → bf16/fp16, 4 → fp32."""
@@ -139,6 +142,11 @@ ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "h100-sxm5": "h100-sxm",
            "hgx-h100": "dgx-h100", "hgx-h200": "dgx-h200", "hgx-h800": "dgx-h800",
            "hgx-b200": "dgx-b200", "hgx-a100": "dgx-a100"}  # fmt: skip
 
+# FlashAttention-2 on Hopper: "FlashAttention-2 achieving only 35% utilization on the H100
+# GPU" (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608, abstract); FA2 was written for
+# Ampere, where it reaches 50-73% of the peak (Dao 2023, arXiv 2307.08691): no cap there
+FA2_ON_HOPPER = 0.35
+
 GPU_PRESETS: dict[str, GPU] = {
     g.name: g
     for g in (
@@ -148,11 +156,11 @@ GPU_PRESETS: dict[str, GPU] = {
         GPU(name="a100-80gb", bf16_flops=312e12, fp8_flops=312e12, fp32_flops=19.5e12,
             hbm_bytes=80 * GiB, hbm_bw=2.039 * TB),
         GPU(name="h100-sxm", bf16_flops=989e12, fp8_flops=1979e12, fp32_flops=67e12,
-            hbm_bytes=80 * GiB, hbm_bw=3.35 * TB),
+            fa2_fraction=FA2_ON_HOPPER, hbm_bytes=80 * GiB, hbm_bw=3.35 * TB),
         GPU(name="h200", bf16_flops=989e12, fp8_flops=1979e12, fp32_flops=67e12,
-            hbm_bytes=141 * GB, hbm_bw=4.8 * TB),
+            fa2_fraction=FA2_ON_HOPPER, hbm_bytes=141 * GB, hbm_bw=4.8 * TB),
         GPU(name="h800", bf16_flops=989e12, fp8_flops=1979e12, fp32_flops=67e12,
-            hbm_bytes=80 * GiB, hbm_bw=3.35 * TB),
+            fa2_fraction=FA2_ON_HOPPER, hbm_bytes=80 * GiB, hbm_bw=3.35 * TB),
         GPU(name="b200", bf16_flops=2.25e15, fp8_flops=4.5e15, fp32_flops=80e12,
             hbm_bytes=192 * GB, hbm_bw=8.0 * TB),
     )

@@ -98,6 +98,7 @@ class _Kernel:
     core: bool = False
     attn: bool = False
     dtype: int = BF16
+    fa2: bool = False  # FlashAttention-2: at most the GPU's `fa2_fraction` of its peak
 
 
 FP8_CAST_BYTES = 5  # per cast element, current scaling: read bf16 for amax, read it again, write fp8
@@ -131,11 +132,12 @@ def _attention(shape: ModelShape, cfg: ParallelConfig, b: int) -> list[_Kernel]:
     """Attention core on the local heads and the local query chunk (keys: whole sequence)."""
     t, s, d = cfg.tp, shape.seq, shape.head_dim
     sq, heads = s // cfg.cp, b * shape.heads // t
-    if cfg.attention == "flash":
+    if cfg.attention != "unfused":
         causal = 0.5 * (s + 1) / s
         flops = 4.0 * heads * sq * s * d * causal
         nbytes = BF16 * heads * sq * d * 4
-        return [_Kernel(flops, nbytes, matmul_efficiency(sq, s, d), bwd=2.5, attn=True)]
+        return [_Kernel(flops, nbytes, matmul_efficiency(sq, s, d), bwd=2.5, attn=True,
+                        fa2=cfg.attention == "flash2")]  # fmt: skip
     scores = heads * sq * s
     chain = [
         _Kernel(2.0 * scores * d, BF16 * scores, matmul_efficiency(sq, s, d), core=True, attn=True),
@@ -268,10 +270,18 @@ def saved_matmuls(shape: ModelShape, cfg: ParallelConfig, b: int) -> tuple[list,
 
 def _time(kernels: list[_Kernel], gpu: GPU, factor: bool = False) -> float:
     return sum(
-        ((k.bwd if factor else 1.0) * op_time(k.flops, k.nbytes, gpu, k.dtype, compute_efficiency=k.eff)
+        ((k.bwd if factor else 1.0) * op_time(k.flops, k.nbytes, gpu, k.dtype,
+                                              compute_efficiency=_efficiency(k, gpu))
          for k in kernels),
         0.0,
     )  # fmt: skip
+
+
+def _efficiency(kernel: _Kernel, gpu: GPU) -> float:
+    """A kernel's fraction of the peak: its own, or FlashAttention-2's ceiling on this GPU."""
+    if kernel.fa2 and gpu.fa2_fraction is not None:
+        return min(kernel.eff, gpu.fa2_fraction)
+    return kernel.eff
 
 
 def _edges(shape: ModelShape, cfg: ParallelConfig, b: int, gpu: GPU) -> tuple[float, float]:

@@ -223,6 +223,27 @@ def test_micro_pipelined_tp_chunks_per_rank_and_sums_its_partials():
         replace(CFG, tp_overlap="async")
 
 
+def test_flash_attention_2_is_capped_on_hopper_only():
+    """attention="flash2" (torch SDPA's FlashAttention-2) runs at most the GPU's
+    `fa2_fraction` of its peak: on an H100 (0.35, the FlashAttention-3 paper's figure for FA2)
+    its attention is slower than a Hopper-native kernel's by their efficiencies' ratio, both
+    passes; on an A100, which FA2 was written for, nothing changes."""
+    from cost.compute import matmul_efficiency
+    from cost.hardware import FA2_ON_HOPPER, GPU as GPUS
+
+    h100 = GPUS.preset("h100")
+    fa2 = replace(CFG, attention="flash2")
+    native, capped = shape_workload(LLAMA, CFG, 1, h100), shape_workload(LLAMA, fa2, 1, h100)
+    eff = matmul_efficiency(1024, 1024, 128)
+    assert eff > FA2_ON_HOPPER == h100.fa2_fraction
+    assert capped.attn_fwd_s == pytest.approx(native.attn_fwd_s * eff / FA2_ON_HOPPER, rel=1e-9)
+    slower = capped.attn_fwd_s - native.attn_fwd_s
+    assert capped.layer_fwd_s - native.layer_fwd_s == pytest.approx(slower, rel=1e-9)
+    assert capped.layer_bwd_s - native.layer_bwd_s == pytest.approx(2.5 * slower, rel=1e-9)
+    assert GPU.fa2_fraction is None  # the A100
+    assert shape_workload(LLAMA, fa2, 1, GPU) == shape_workload(LLAMA, CFG, 1, GPU)
+
+
 def test_zero2_over_micro_batches_reduces_every_micro_batch():
     """ZeRO-2 keeps no whole gradient to accumulate micro-batches in: over m micro-batches it
     gathers and reduce-scatters every one (priced as ZeRO-3 without the backward's re-gather),
