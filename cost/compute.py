@@ -180,28 +180,41 @@ def node_time(node: torch.fx.Node, gpu: GPU, itemsize: int | None = None) -> flo
     if itemsize is not None and out:
         moved *= itemsize / traced
     dtype_bytes = min(max(itemsize or traced, 2), 4)
-    return op_time(flops, moved, gpu, dtype_bytes, compute_efficiency=node_efficiency(node))
+    return op_time(flops, moved, gpu, dtype_bytes, compute_efficiency=node_efficiency(node, gpu))
 
 
 def attention_time(flops: float, nbytes: float, gpu: GPU, dtype_bytes: int, q_len: int,
                    k_len: int, head_dim: int) -> float:
     """Roofline seconds of a fused attention at the efficiency of its score GEMM
-    [q_len, head_dim] x [head_dim, k_len] (what `node_efficiency` gives SDPA): a ring
-    attention's FLOPs over the whole sequence are priced at the whole sequence's efficiency,
-    as the search prices the SDPA it replaces."""
+    [q_len, head_dim] x [head_dim, k_len], capped as torch SDPA's kernel runs on `gpu`
+    (`sdpa_efficiency`, what `node_efficiency` gives SDPA): a ring attention's FLOPs over
+    the whole sequence are priced at the whole sequence's efficiency, as the search prices
+    the SDPA it replaces."""
     return op_time(flops, nbytes, gpu, dtype_bytes,
-                   compute_efficiency=matmul_efficiency(q_len, k_len, head_dim))
+                   compute_efficiency=sdpa_efficiency(q_len, k_len, head_dim, gpu))
 
 
-def node_efficiency(node: torch.fx.Node) -> float:
+def sdpa_efficiency(q_len: int, k_len: int, head_dim: int, gpu: GPU | None = None) -> float:
+    """Fraction of the peak torch's SDPA reaches: its score GEMM's `matmul_efficiency`, at
+    most `gpu.fa2_fraction` where that is set (torch's default flash backend is
+    FlashAttention-2, FlashAttention-3 being an opt-in prototype in torch 2.13; on Hopper FA2
+    reaches 35% of the peak: `cost.hardware.FA2_ON_HOPPER`)."""
+    eff = matmul_efficiency(q_len, k_len, head_dim)
+    if gpu is not None and gpu.fa2_fraction is not None:
+        return min(eff, gpu.fa2_fraction)
+    return eff
+
+
+def node_efficiency(node: torch.fx.Node, gpu: GPU | None = None) -> float:
     """Compute efficiency of a node's kernel: `matmul_efficiency` of its GEMM shape (for SDPA
-    the score GEMM, whose K loop is the head dim), else the large-GEMM fraction."""
+    the score GEMM, whose K loop is the head dim, capped on `gpu` by `sdpa_efficiency`),
+    else the large-GEMM fraction."""
     name, out = op_name(node), tensors_of(node.meta.get("val"))
     if name in MATMUL_OPS and out:
         return matmul_efficiency(*gemm_dims(node, out[0]))
     if name == "scaled_dot_product_attention":
         q, k = (_val(a) for a in node.args[:2])
-        return matmul_efficiency(q.shape[-2], k.shape[-2], q.shape[-1])
+        return sdpa_efficiency(q.shape[-2], k.shape[-2], q.shape[-1], gpu)
     return MATMUL_PEAK_FRACTION
 
 

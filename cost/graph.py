@@ -141,7 +141,10 @@ class GraphModel:
         """Roofline seconds of every node for `share` of the traced sequences split over t."""
         a = self.arrays
         peak = np.vectorize(gpu.peak_flops, otypes=[float])(a["dtype"].astype(int))
-        compute = a["flops"] * share / t / (peak * a["eff"])
+        eff = a["eff"]
+        if gpu.fa2_fraction is not None:  # torch SDPA's FlashAttention-2 (`sdpa_efficiency`)
+            eff = np.where(a["sdpa"] > 0, np.minimum(eff, gpu.fa2_fraction), eff)
+        compute = a["flops"] * share / t / (peak * eff)
         moved = a["act_bytes"] * share / t + a["weight_bytes"] / t
         memory = moved / (gpu.hbm_bw * MEMORY_BW_FRACTION)
         roof = np.maximum(np.maximum(compute, memory), KERNEL_LAUNCH_S)
@@ -380,11 +383,12 @@ def _node_arrays(walk: _Walk, regions: dict, seq: int) -> dict[str, np.ndarray]:
         bwd = backward_factor(_name(n), n in walk.grad)
         launch = 1.0 if (flops or moved) and not _no_op(n) else 0.0
         core = _is_core(n, seq, walk)
-        attn = core or _name(n) == "scaled_dot_product_attention"
+        sdpa = _name(n) == "scaled_dot_product_attention"
+        attn = core or sdpa
         rows.append((flops, (moved - weights) * scale, weights * scale, eff, bwd, launch,
-                     regions[n], float(core), float(attn), peak))  # fmt: skip
+                     regions[n], float(core), float(attn), peak, float(sdpa)))  # fmt: skip
     keys = ("flops", "act_bytes", "weight_bytes", "eff", "bwd", "launch", "region", "core", "attn",
-            "dtype")  # fmt: skip
+            "dtype", "sdpa")  # fmt: skip
     cols = np.array(rows, dtype=np.float64).reshape(-1, len(keys)).T
     return dict(zip(keys, cols, strict=True))
 

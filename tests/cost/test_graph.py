@@ -182,3 +182,30 @@ def test_saved_bytes_equal_what_autograd_saves_on_a_real_run():
     stats = norms * 2 * S * B * (2 - 4)  # mean and rstd per row: bf16 on CPU, fp32 on CUDA
     token_ids = B * S * 8  # int64 ids saved by the embedding, before the first layer
     assert sum(saved.values()) == derived + masks + stats + token_ids
+
+
+def test_sdpa_is_priced_as_torch_runs_it_flash_attention_2_on_hopper():
+    """autopar's rank programs call torch SDPA, whose default flash backend is
+    FlashAttention-2 (FA3 is an opt-in prototype in torch 2.13): on an H100 its score GEMM's
+    efficiency is capped at the GPU's `fa2_fraction` (0.35), on an A100 it is not; the
+    graph's vectorised times and `node_time` agree."""
+    from cost.compute import matmul_efficiency, node_efficiency, node_time
+
+    class Attend(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q = torch.zeros(1, 8, 1024, 128, dtype=torch.bfloat16)
+    ep = torch.export.export(Attend(), (q, q, q), strict=False)
+    node = next(n for n in ep.graph.nodes if "scaled_dot_product" in str(n.target))
+    h100, a100 = GPU.preset("h100-sxm"), GPU.preset("a100-80gb")
+    shape_eff = matmul_efficiency(1024, 1024, 128)
+    assert shape_eff > 0.35 == h100.fa2_fraction
+    assert node_efficiency(node) == node_efficiency(node, a100) == shape_eff
+    assert node_efficiency(node, h100) == 0.35
+    assert node_time(node, h100) == pytest.approx(node_time(node, a100) * 312e12 / 989e12
+                                                  * shape_eff / 0.35, rel=0.05)  # fmt: skip
+    graph = GraphModel.from_traced(ep)
+    row = int(next(i for i, s in enumerate(graph.arrays["sdpa"]) if s))
+    for gpu in (h100, a100):
+        assert graph.node_times(1.0, 1, gpu)[row] == pytest.approx(node_time(node, gpu), rel=1e-6)
