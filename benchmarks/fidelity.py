@@ -169,11 +169,11 @@ LLAMA3_8K_MISS = ("without recompute the model prices it too fast and counts mor
 TT_ASYNC_TP = "micro_pipeline"
 ASYNC_TP_MISS = ("AsyncTP (Dec 2024) hid less tp traffic than every-chunk-but-the-first (+5.7% "
                  "measured, +16% priced):")  # fmt: skip
-# memory components the model lacks (see NOTES.md): compiled blocks are priced with eager's
-# saved set (published compile holds ~5 GiB less than eager at the same settings); 70B:
+# memory components the model lacks (see NOTES.md): compiled blocks' backward working set
+# (the saved set is compiled's: `cost.workload.saved_matmuls`); 70B:
 # AsyncTP's peak 4.3 GiB below the row without it; 405B: the published 1F1B peak is 9.8 GiB above interleaved
 # at the same stage weights, accumulators and in-flight micro-batches
-COMPILE_MEM_MISS = "compiled blocks' saved set and temporaries (priced as eager's)"
+COMPILE_MEM_MISS = "compiled blocks' backward working set (not priced under op-level recompute)"
 TT70_MEM_MISS = "AsyncTP's published peak is 4.3 GiB below the row without it; not modelled"
 TT405_MEM_MISS = ("the pipelined runs' peak (the max over ranks, reserved) is 8-22 GiB above "
                   "the model's busiest rank (whole fp32 gradients, fp8 weights, in-flight "

@@ -263,9 +263,17 @@ def _matmuls(shape: ModelShape, cfg: ParallelConfig, b: int) -> list[tuple[float
 
 def saved_matmuls(shape: ModelShape, cfg: ParallelConfig, b: int) -> tuple[list, list]:
     """torchtitan's op-level selective recompute: (recomputed, saved) matmuls of one layer;
-    its policy saves every matmul output except every second one (counted per layer)."""
+    its policy saves every matmul output except every second one (counted per layer).
+    Compiled blocks (``kernels`` other than "eager") keep only what their backward reads:
+    the two output projections' results (attention's and the MLP's down projection) feed
+    only a residual add, whose backward needs neither, so the partitioner drops them where
+    eager's checkpoint caches them (measured: `benchmarks/sac_memory.py`)."""
     mms = _matmuls(shape, cfg, b)
-    return mms[1::2], mms[0::2]
+    saved = mms[0::2]
+    if cfg.kernels != "eager":
+        dead = (3, len(mms) - 1)  # the output projection and the down projection
+        saved = [m for i, m in enumerate(mms) if i % 2 == 0 and i not in dead]
+    return mms[1::2], saved
 
 
 def _time(kernels: list[_Kernel], gpu: GPU, factor: bool = False) -> float:

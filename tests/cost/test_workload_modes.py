@@ -54,12 +54,15 @@ def test_checkpoint_every_other_layer_is_the_mean_of_full_and_none():
 
 def test_matmul_policy_saves_every_other_matmul_output():
     """q, v, MLP up and down outputs saved (k, o, gate recomputed), with the layer input and
-    attention's output and log-sum-exp."""
+    attention's output and log-sum-exp; compiled blocks drop the down projection's output,
+    which only a residual add reads (`test_compiled_blocks_do_not_save_...` below)."""
     w = shape_workload(LLAMA, replace(CFG, selective="matmuls"), 1, GPU)
     megatron = shape_workload(LLAMA, CFG, 1, GPU)
     h, kv, f, tokens = 4096, 1024, 14336, 1024
     per_token = 2 * h + 2 * (h + kv + f + h) + 2 * h + 4 * 32
-    assert w.act_bytes["selective"] == pytest.approx(tokens * per_token)
+    eager = shape_workload(LLAMA, replace(CFG, selective="matmuls", kernels="eager"), 1, GPU)
+    assert eager.act_bytes["selective"] == pytest.approx(tokens * per_token)
+    assert w.act_bytes["selective"] == pytest.approx(tokens * (per_token - 2 * h))
     assert w.act_bytes["selective"] < megatron.act_bytes["selective"]
     assert megatron.recompute_s["selective"] < w.recompute_s["selective"] < w.layer_fwd_s
 
@@ -270,3 +273,29 @@ def test_zero2_over_micro_batches_reduces_every_micro_batch():
     deferred = ParallelConfig(pp=2, dp=8, zero=2, global_batch=32, micro_batch=1,
                               schedule="1f1b", recompute="none", defer_grad_sync=True)  # fmt: skip
     assert estimate(shape, slow, deferred).step.comm["dp"] == dp[4, 1]  # once: whole grads
+
+
+def test_compiled_blocks_do_not_save_what_only_a_residual_add_reads():
+    """torchtitan's op-level policy saves every other matmul output. Eager's checkpoint caches
+    them all; a compiled block's partitioner keeps only what its backward reads, and the two
+    output projections feed only a residual add: at Llama's 7 matmuls the down projection
+    (the 7th, saved by the policy) is dropped, 2h bytes a token (measured on CPU with torch's
+    own checkpoint and inductor: benchmarks/sac_memory.py, 7952 vs 6928 B a token a layer at
+    h 512)."""
+    from cost.workload import activation_bytes, saved_matmuls
+
+    op = replace(CFG, selective="matmuls")
+    eager, fused = replace(op, kernels="eager"), replace(op, kernels="fused")
+    assert len(saved_matmuls(LLAMA, eager, 1)[1]) == 4  # q, v, gate, down
+    assert len(saved_matmuls(LLAMA, fused, 1)[1]) == 3  # q, v, gate
+    assert saved_matmuls(LLAMA, eager, 1)[0] == saved_matmuls(LLAMA, fused, 1)[0]  # same replay
+    gap = activation_bytes(LLAMA, eager, 1)["selective"] - activation_bytes(LLAMA, fused, 1)["selective"]
+    assert gap == 2 * 4096 * 1024
+    # the measured shape: 7952 B a token a layer eager, 6928 compiled
+    small = ModelShape.llama(name="s", layers=2, hidden=512, heads=4, kv_heads=1, ffn=1792,
+                             seq=1024, vocab=1000)  # fmt: skip
+    per_token = {k: activation_bytes(small, replace(op, kernels=k), 2)["selective"] / 2048
+                 for k in ("eager", "fused")}  # fmt: skip
+    assert per_token == {"eager": 7952, "fused": 6928}
+    # GPT (6 matmuls): the down projection is the 6th, recomputed either way
+    assert activation_bytes(GPT, eager, 1) == activation_bytes(GPT, fused, 1)
