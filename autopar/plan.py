@@ -117,6 +117,9 @@ class DpSection:
     reduce_dtype: str = fact("float32")  # gradient reduction dtype
     step: PlanStep | None = fact()  # predicted step time, the search's functions
     notes: tuple[str, ...] = fact(())  # why this stage (and engine)
+    # times a step runs each forward/backward gather and reduce-scatter: the micro-batches of
+    # a pipeline under ZeRO-2/3 (each micro-batch's backward syncs), else 1
+    micro_batches: int = fact(1)
 
     @staticmethod
     def revive(d: dict[str, Any]) -> DpSection:
@@ -230,6 +233,18 @@ class Plan:
     @property
     def step_s(self) -> float:
         return self.compute_s + self.comm_s
+
+    def runs_per_step(self, c: Collective) -> int:
+        """How many times one training step runs collective ``c`` of this plan (the plan
+        lists a pipeline stage's collectives for one micro-batch): under pp the stage
+        programs' and the expert axis's once per micro-batch, the data axis's ZeRO-2/3
+        gathers and reduce-scatters `DpSection.micro_batches` times; the loss all-reduce
+        and the once-a-step gradient reductions and post-step gather once."""
+        if self.pp is None or c.where == "loss":
+            return 1
+        if "dp" in c.axis.split("_"):
+            return self.dp.micro_batches if self.dp and _per_micro_batch(c) else 1
+        return self.pp.n_microbatches
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -376,19 +391,31 @@ def _dp_lines(plan: Plan) -> list[str]:
            f"ZeRO stage {dp.zero}; per-rank memory by stage "
            f"(limit {_fmt_bytes(dp.memory_limit)}):"]  # fmt: skip
     out += [f"  {'*' if m.stage == dp.zero else ' '} {m}" for m in dp.memory]
-    out.append("data-axis traffic of one training step (message = local shard):")
+    m = dp.micro_batches  # (plan.runs_per_step)
+    out.append("data-axis traffic of one training step (message = local shard"
+               + (f"; 'per micro-batch' rows run x{m}, once for each of the {m} "
+                  "micro-batches):" if m > 1 else "):"))  # fmt: skip
     mine = [c for c in plan.collectives if "dp" in c.axis.split("_")]
-    groups: dict[tuple[str, str], list[int]] = {}
+    groups: dict[tuple[str, str], list[Collective]] = {}
     for c in mine:
-        groups.setdefault((str(c), _pattern(c.where + ".").rstrip(".")), []).append(c.bytes)
-    for (text, where), nbytes in groups.items():
-        out.append(f"  {text:<44} {_fmt_bytes(nbytes[0]):>10}  x{len(nbytes):<3} {where}")
-    wire = sum(wire_bytes(c, n if c.axis == "dp" else group) for c in mine)
+        groups.setdefault((str(c), _pattern(c.where + ".").rstrip(".")), []).append(c)
+    for (text, where), cs in groups.items():
+        each = " per micro-batch" if m > 1 and _per_micro_batch(cs[0]) else ""
+        out.append(f"  {text:<44} {_fmt_bytes(cs[0].bytes):>10}  x{len(cs):<3} {where}{each}")
+    wire = sum(wire_bytes(c, n if c.axis == "dp" else group) * plan.runs_per_step(c)
+               for c in mine)  # fmt: skip
     out.append(f"  total {_fmt_bytes(wire)} sent per rank per step (ring)")
     out += [f"why: {note}" for note in dp.notes]
     out += [f"advice (launch environment; autopar sets none of it): {a}" for a in plan.advice]
     out.append("sub-mesh program (every dp rank runs it on its batch slice):")
     return [*out, str(replace(plan.without("dp"), advice=()))]
+
+
+def _per_micro_batch(c: Collective) -> bool:
+    """Whether a data-axis collective runs every micro-batch under ZeRO-2/3 in a pipeline
+    (`DpSection.micro_batches`): the forward and backward gathers and reduce-scatters; the
+    loss all-reduce and ZeRO-0/1's once-a-step reductions and post-step gather do not."""
+    return c.direction in ("fwd", "bwd") and c.kind in ("all_gather", "reduce_scatter")
 
 
 def _ep_lines(plan: Plan) -> list[str]:

@@ -313,7 +313,8 @@ class Program:
         return "\n".join(lines) + "\n"
 
     def collectives(self) -> list[Collective]:
-        """One training step's collectives: kind, axis, shape, dtype, bytes, direction."""
+        """The plan's collectives: kind, axis, shape, dtype, bytes, direction; under pp each
+        stage's for one micro-batch (`Plan.runs_per_step` says how often a step runs each)."""
         return list(self.plan.collectives)
 
     def timeline(self) -> Any:

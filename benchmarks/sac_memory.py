@@ -26,7 +26,11 @@ import collections
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 H, HEADS, KV, HD, FF, B, S = 512, 4, 1, 128, 1792, 2, 1024
 DT = torch.bfloat16

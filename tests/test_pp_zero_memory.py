@@ -129,3 +129,32 @@ def test_zero_stages_under_pp_still_equal_one_device(schedule):
                         n_microbatches=M, schedule=schedule, reference_dtype=torch.float64,
                         rtol=1e-5)  # fmt: skip
         assert report.ok, f"zero={zero} {schedule}\n{report}"
+
+
+@pytest.mark.parametrize(("zero", "schedule", "times"), [(3, "1f1b", M), (2, "interleaved", M),
+                                                         (2, "zero_bubble", 1), (1, "1f1b", 1)])
+def test_printed_data_axis_traffic_counts_every_micro_batch(zero, schedule, times):
+    """The plan's data-axis traffic says how often a step runs each collective: under pp a
+    ZeRO-2/3 gather or reduce-scatter runs once per micro-batch (as the runtime issues them
+    and `cost.step` prices them), the loss all-reduce once; zero-bubble and ZeRO-1 sync once."""
+    import re
+
+    from autopar.plan import _fmt_bytes, wire_bytes
+
+    x, y = tokens(C)
+    prog = autoparallelize(build("llama", C), Mesh(dp=2, pp=2), (x, y), loss_fn=lm_loss,
+                           zero=zero, n_microbatches=M, schedule=schedule)  # fmt: skip
+    assert prog.plan.dp.micro_batches == times
+    text = str(prog.plan)
+    rows = text[text.index("data-axis traffic of one training step"):].splitlines()[1:]
+    rows = rows[:next(i for i, r in enumerate(rows) if r.lstrip().startswith("total"))]
+    each = [r for r in rows if r.endswith(" per micro-batch")]
+    synced = [r for r in rows if re.match(r"\s+(fwd|bwd) (all_gather|reduce_scatter)", r)]
+    assert each == (synced if times > 1 else []) and bool(synced) == (zero >= 2)
+    assert all("per micro-batch" not in r for r in rows if " loss" in r)
+    dp = [c for c in prog.plan.collectives if c.axis == "dp"]
+    per_mb = sum(wire_bytes(c, 2) for c in dp if c.direction in ("fwd", "bwd")
+                 and c.kind in ("all_gather", "reduce_scatter"))  # fmt: skip
+    once = sum(wire_bytes(c, 2) for c in dp) - per_mb
+    total = re.search(r"total (.+) sent per rank per step", text).group(1)
+    assert total == _fmt_bytes(times * per_mb + once)

@@ -281,6 +281,7 @@ def compile_data_parallel(mesh: Mesh, batch: int,
         param_dtype=_dtype_name(param_dtype), reduce_dtype=_dtype_name(reduce_dtype),
         mixed_precision=mixed_precision, step=predict_step(inner, mesh, stage, axes, param_dtype),
         notes=(why, *([resolved] if resolved else []), *_engine_note(stage, axes)),
+        micro_batches=_synced_micro_batches(inner, stage),
     )  # fmt: skip
     traffic = dp_collectives(_grad_shapes(inner), stage, param_dtype, reduce_dtype,
                              kept_gathered(inner), "_".join(axes))  # fmt: skip
@@ -288,6 +289,16 @@ def compile_data_parallel(mesh: Mesh, batch: int,
                                collectives=(*inner.plan.collectives, *traffic),
                                advice=nccl_advice(Topology(cluster=mesh.cluster), mesh.axes))  # fmt: skip
     return inner.then(mesh, plan, dp_phase(mesh, section.reduction, _model_name(inner)))
+
+
+def _synced_micro_batches(inner: Program, stage: int) -> int:
+    """How many times a step runs ZeRO-2/3's forward/backward gathers and reduce-scatters:
+    under pp every micro-batch (the runtime's ``PipelineRunner`` step 6), except under the
+    zero-bubble schedule, which syncs once (see :func:`memory_table`); else once."""
+    pipe = inner.pipeline
+    if stage < 2 or pipe is None or pipe.config.schedule == "zero_bubble":
+        return 1
+    return pipe.config.n_microbatches
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -11,7 +11,8 @@ Algorithm (`facts_of`):
 2. Mesh on the cluster: each axis's (stride, size) in rank order and the link its groups
    ride: the topology's `links` for a search (the split `Plan.links` reports), the cluster's
    `axis_link` for a compiled mesh (what `Mesh.describe` prints).
-3. Communication: bytes per (axis, kind, direction) summed over the program's collectives;
+3. Communication: bytes per (axis, kind, direction) summed over one step's collectives (under
+   pp a stage's run once per micro-batch: `Plan.runs_per_step`);
    the step's components (compute, exposed communication per axis, bubble, optimizer) from
    the step breakdown or each stage's `Plan.compute_s` / `comm_s`.
 4. Memory: per ZeRO stage the search's `rank_memory` at that stage, or the data-parallel
@@ -296,12 +297,14 @@ def simulated(schedule: str, p: int, m: int, v: int, name: str | None = None) ->
     return Schedule(name=title, slots=tuple(slots), bubble=timeline.bubble)
 
 
-def comm_rows(collectives: list[Any]) -> tuple[CommRow, ...]:
-    """Step 3 for a compiled program: bytes of its collectives by (axis, kind, direction)."""
+def comm_rows(collectives: list[Any], times: Any = lambda c: 1) -> tuple[CommRow, ...]:
+    """Step 3 for a compiled program: bytes of one step's collectives by (axis, kind,
+    direction); ``times(c)``: how many times a step runs ``c`` (`Plan.runs_per_step`: under
+    pp a stage's collectives once per micro-batch)."""
     total: Counter = Counter()
     count: Counter = Counter()
     for c in collectives:
-        total[(c.axis, c.kind, c.direction)] += c.bytes
-        count[(c.axis, c.kind, c.direction)] += 1
+        total[(c.axis, c.kind, c.direction)] += c.bytes * times(c)
+        count[(c.axis, c.kind, c.direction)] += times(c)
     return tuple(CommRow(axis=a, kind=k, direction=d, bytes=float(total[(a, k, d)]),
                          count=count[(a, k, d)]) for a, k, d in sorted(total))  # fmt: skip

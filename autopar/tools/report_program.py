@@ -6,8 +6,9 @@ Algorithm (`program_facts`):
 2. Mesh: each axis's stride in the mesh's row-major rank order and the link
    `Cluster.axis_link` gives it (the one `Mesh.describe` prints).
 3. Communication: every collective the program lists (`prog.collectives()`: the stages'
-   plus the data axis's gradient reduction), bytes by axis, kind and direction; the time of
-   each stage's step is its plan's `compute_s` and `comm_s`, the expert axis's its `comm_s`.
+   plus the data axis's gradient reduction), bytes by axis, kind and direction, each as many
+   times as a step runs it (`Plan.runs_per_step`: under pp a stage's every micro-batch); the
+   time of each stage's step is its plan's `compute_s` and `comm_s`, the expert axis's its `comm_s`.
 4. Memory: with a data axis its plan's ZeRO table as recorded (the dp section's `memory`,
    limit `memory_limit`); per pipeline rank the rows `data_parallel.memory_table` takes its
    maximum over, at the chosen stage; without a data axis the same measure at dp = 1.
@@ -36,7 +37,7 @@ def program_facts(prog: Any, measured: Any = None) -> Facts:
     return Facts(
         title=f"{prog.model_name} on {prog.mesh}",
         summary=_summary(prog, plans, dp), cluster=prog.mesh.cluster,
-        axes=_axes(prog, plans), comm=comm_rows(list(prog.collectives())),
+        axes=_axes(prog, plans), comm=comm_rows(list(prog.collectives()), prog.plan.runs_per_step),
         step=step, step_note=step_note, memory=memory, capacity=capacity, memory_note=note,
         pipeline_memory=_pipeline_memory(prog, dp),
         schedule=_schedule(prog, measured), layouts=_layouts(plans), code=_code(prog),

@@ -232,7 +232,8 @@ def test_flash_attention_2_is_capped_on_hopper_only():
     its attention is slower than a Hopper-native kernel's by their efficiencies' ratio, both
     passes; on an A100, which FA2 was written for, nothing changes."""
     from cost.compute import matmul_efficiency
-    from cost.hardware import FA2_ON_HOPPER, GPU as GPUS
+    from cost.hardware import FA2_ON_HOPPER
+    from cost.hardware import GPU as GPUS
 
     h100 = GPUS.preset("h100")
     fa2 = replace(CFG, attention="flash2")
