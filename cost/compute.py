@@ -200,9 +200,7 @@ def sdpa_efficiency(q_len: int, k_len: int, head_dim: int, gpu: GPU | None = Non
     FlashAttention-2, FlashAttention-3 being an opt-in prototype in torch 2.13; on Hopper FA2
     reaches 35% of the peak: `cost.hardware.FA2_ON_HOPPER`)."""
     eff = matmul_efficiency(q_len, k_len, head_dim)
-    if gpu is not None and gpu.fa2_fraction is not None:
-        return min(eff, gpu.fa2_fraction)
-    return eff
+    return eff if gpu is None else gpu.fa2_efficiency(eff)
 
 
 def node_efficiency(node: torch.fx.Node, gpu: GPU | None = None) -> float:

@@ -141,9 +141,8 @@ class GraphModel:
         """Roofline seconds of every node for `share` of the traced sequences split over t."""
         a = self.arrays
         peak = np.vectorize(gpu.peak_flops, otypes=[float])(a["dtype"].astype(int))
-        eff = a["eff"]
-        if gpu.fa2_fraction is not None:  # torch SDPA's FlashAttention-2 (`sdpa_efficiency`)
-            eff = np.where(a["sdpa"] > 0, np.minimum(eff, gpu.fa2_fraction), eff)
+        # torch SDPA's FlashAttention-2 (`sdpa_efficiency`) on the SDPA nodes
+        eff = np.where(a["sdpa"] > 0, gpu.fa2_efficiency(a["eff"]), a["eff"])
         compute = a["flops"] * share / t / (peak * eff)
         moved = a["act_bytes"] * share / t + a["weight_bytes"] / t
         memory = moved / (gpu.hbm_bw * MEMORY_BW_FRACTION)

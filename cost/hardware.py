@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from cost.errors import CostInputError
 
@@ -38,6 +41,17 @@ class GPU:
     # the fraction of the bf16 peak FlashAttention-2 reaches at best, where it is below what
     # the kernel's score GEMM would (a kernel written for another architecture); None: no cap
     fa2_fraction: float | None = None
+
+    def fa2_efficiency(self, efficiency: Any) -> Any:
+        """A FlashAttention-2 kernel's fraction of the peak, given what its score GEMM alone
+        would reach (a float or an array): at most `fa2_fraction` where that is set.  The one
+        place the cap is applied (the formula path's kernels, the graph path's SDPA nodes,
+        `cost.compute.sdpa_efficiency`)."""
+        if self.fa2_fraction is None:
+            return efficiency
+        if isinstance(efficiency, np.ndarray):
+            return np.minimum(efficiency, self.fa2_fraction)
+        return min(efficiency, self.fa2_fraction)
 
     def peak_flops(self, dtype_bytes: int = 2) -> float:
         """Dense tensor-core peak for an element size: 1 → fp8, 2 → bf16/fp16, 4 → fp32."""
