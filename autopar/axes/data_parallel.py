@@ -365,16 +365,33 @@ def predict_step(inner: Program, mesh: Mesh, stage: int, axes: tuple[str, ...],
         works = [plan_work(inner.stages[i], param_dtype) for i in stages]
         per_mb = sum(_micro_batch_s(inner, i, w, mesh, cfg, spans)
                      for w, i in zip(works, stages, strict=True))  # fmt: skip
-        dp = sum(data_parallel_time(w, cfg, mesh.cluster, micro_batches=m,
-                                    recompute=inner.stages[i].recompute,
-                                    per_stage=w.layers, spans=spans)
-                 for w, i in zip(works, stages, strict=True))  # fmt: skip
+        rank = _rank_work(works)
+        dp = data_parallel_time(rank, cfg, mesh.cluster, micro_batches=m,
+                                recompute=inner.stages[stages[0]].recompute,
+                                per_stage=rank.layers, spans=spans)  # fmt: skip
         params = sum(w.layers * w.layer_dense_params + w.edge_params for w in works)
         shard = math.prod(mesh.size(a) for a in axes) if stage >= 1 else 1
         step = PlanStep(sub_mesh=m * per_mb, bubble=bubble_time(per_mb, pp, v), dp=dp,
                         optimizer=optimizer_time(params, shard, mesh.cluster.gpu))  # fmt: skip
         best = step if best is None or step.total > best.total else best
     return best
+
+
+def _rank_work(works: list[Any]) -> Any:
+    """One rank position's stages (its chunks under an interleaved schedule) as one
+    `Workload` for the data axis: blocks counted together (a block's costs are alike in every
+    chunk), edge tables and the seconds around the blocks summed.  The data axis is priced
+    once a rank, as the search prices a rank (`cost.step._rank_step`: its blocks over all its
+    chunks, one call): a chunk's gradients reduce behind the rank's later backward, so the
+    step pays the one-bucket floor (ZeRO-0/1) and the step's first gather (ZeRO-3) once, not
+    once a chunk."""
+    if len(works) == 1:
+        return works[0]
+    blocks = [w for w in works if w.layers] or works
+    total = lambda field: sum(getattr(w, field) for w in works)  # noqa: E731
+    return dataclasses.replace(blocks[0], layers=total("layers"), pre_s=total("pre_s"),
+                               post_s=total("post_s"), edge_params=total("edge_params"),
+                               post_act_bytes=total("post_act_bytes"))  # fmt: skip
 
 
 def _step_config(mesh: Mesh, stage: int, micro_batches: int) -> Any:

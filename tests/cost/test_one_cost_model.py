@@ -5,7 +5,8 @@ A small HF Llama on the meta device, 16 H100: the search's step time and memory 
 degree priced from the program the compiler builds for it; under pp the stages cut as the
 compiled pipeline cuts them) and the compiled plan's (its predicted step and its ZeRO row)
 agree within 2% for FSDP, FSDP with full recompute, tp x FSDP, tp x dp with full
-recompute, pp x dp, pp x tp x dp and dp x cp (the runtime reserve left out of both).  Each
+recompute, pp x dp, pp x tp x dp, dp x cp, and pp x dp and pp x FSDP under the interleaved
+schedule (the runtime reserve left out of both).  Each
 mesh nests its axes as the search prices them (Megatron's order: pp outermost, then dp, cp,
 tp innermost).
 """
@@ -30,7 +31,10 @@ CONFIGS = {"fsdp": ({"dp": 16}, 3, "none"), "fsdp-full": ({"dp": 16}, 3, "full")
            "tp-dp-full": ({"dp": 4, "tp": 4}, 1, "full"),
            "pp-dp": ({"pp": 2, "dp": 8}, 1, "none"),
            "pp-tp-dp": ({"pp": 2, "dp": 2, "tp": 4}, 1, "none"),
-           "dp-cp": ({"dp": 8, "cp": 2}, 2, "none")}  # fmt: skip
+           "dp-cp": ({"dp": 8, "cp": 2}, 2, "none"),
+           # interleaved: each rank holds two chunks; the data axis is priced once a rank
+           "pp-dp-interleaved": ({"pp": 2, "dp": 8}, 1, "none", "interleaved"),
+           "pp-fsdp-interleaved": ({"pp": 2, "dp": 8}, 3, "none", "interleaved")}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +44,7 @@ def setup():
     from autopar.frontend.trace import trace
     from autopar.planner.solved import SolvedModel
 
-    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=1024, num_attention_heads=8,
+    cfg = LlamaConfig(num_hidden_layers=4, hidden_size=1024, num_attention_heads=8,
                       num_key_value_heads=4, intermediate_size=2816, vocab_size=VOCAB,
                       max_position_embeddings=SEQ, use_cache=False)  # fmt: skip
     with torch.device("meta"):
@@ -54,13 +58,14 @@ def setup():
     return model, x, priced, cluster
 
 
-def _searched(priced, cluster: Cluster, degrees: dict, zero: int, recompute: str):
+def _searched(priced, cluster: Cluster, degrees: dict, zero: int, recompute: str,
+              schedule: str = "1f1b"):  # fmt: skip
     dp, pp = degrees.get("dp", 1), degrees.get("pp", 1)
     cfg = ParallelConfig(tp=degrees.get("tp", 1), pp=pp, dp=dp, cp=degrees.get("cp", 1),
                          zero=zero, global_batch=BATCH,
-                         micro_batch=1 if pp > 1 else BATCH // dp, schedule="1f1b",
-                         virtual_stages=1, recompute=recompute,
-                         sequence_parallel=False)  # fmt: skip
+                         micro_batch=1 if pp > 1 else BATCH // dp, schedule=schedule,
+                         virtual_stages=2 if schedule == "interleaved" else 1,
+                         recompute=recompute, sequence_parallel=False)  # fmt: skip
     return estimate(priced, cluster, cfg)
 
 
@@ -73,9 +78,11 @@ def test_search_prices_equal_compiled(setup, name):
     from autopar import Mesh, autoparallelize
 
     model, x, priced, cluster = setup
-    degrees, zero, recompute = CONFIGS[name]
-    est = _searched(priced, cluster, degrees, zero, recompute)
+    degrees, zero, recompute, *schedule = CONFIGS[name]
+    est = _searched(priced, cluster, degrees, zero, recompute, *schedule)
     options = {"n_microbatches": BATCH // degrees["dp"]} if "pp" in degrees else {}
+    if schedule:
+        options |= {"schedule": schedule[0], "virtual_stages": 2}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prog = autoparallelize(model, Mesh.ordered(tuple(degrees.items()), cluster), (x, x), loss_fn=_loss,
