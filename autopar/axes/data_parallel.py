@@ -33,7 +33,8 @@ Algorithm (:func:`compile_data_parallel`):
 7. Predict the step time (:func:`predict_step`) with the whole-cluster search's functions
    (`cost.step`) on the program's local work (`cost.graph` on rank 0's graph) and its plan's
    tp collectives: each micro-batch (`micro_batch_time`) and the pipeline bubble, the exposed
-   gradient traffic over the ZeRO group and the optimizer step.
+   gradient traffic over the ZeRO group (once a rank, over all its chunks, as the search
+   prices a rank) and the optimizer step.
 The runtime (autopar.runtime.DataParallelModule) reuses torch's engines for the reduction.
 """
 
