@@ -244,16 +244,21 @@ ROWS: tuple[Row, ...] = (
     # Megatron's default dropout 0.1, ALiBi, GeLU, V 250,680, tied embeddings on both end
     # stages ("pp rank 0: [embed | 5 transformer blocks]" ... "pp rank 11: [5 blocks |
     # embed]"); sequence parallelism "developed after BLOOM was trained" (HF blog); no flash
-    # attention (2022); DeepSpeed's pipeline engine reduces gradients after the flush
+    # attention (2022); DeepSpeed's pipeline engine reduces gradients after the flush, and
+    # its TrainSchedule issues a micro-batch's SendGrad, RecvActivation, RecvGrad and
+    # SendActivation as four blocking P2P ops (`pp_p2p="serial"`; the activations
+    # partitioned over tp, `is_pipe_partitioned`, as Megatron's scatter-gather)
     Row(name="BLOOM 176B", source=BLOOM,
         model=ModelShape.gpt(name="bloom-176b", layers=70, hidden=14336, heads=112, seq=2048,
                              vocab=250680),
         cluster=_cluster("dgx-a100", 384, inter=OPA_FABRIC),
         config=_cfg(4, 12, 8, gbs=2048, mbs=2, zero=1, recompute="full", schedule="1f1b",
-                    sequence_parallel=False, attention="unfused", overlap_grad_reduce=False),
+                    sequence_parallel=False, attention="unfused", overlap_grad_reduce=False,
+                    pp_p2p="serial"),
         unit="s/iteration", published=104.70,
-        note="Megatron-DeepSpeed priced as Megatron-LM (candidates: DeepSpeed's pipeline "
-             "engine, NCCL over Omni-Path)"),
+        note="Megatron-DeepSpeed's engine beyond its serial P2P (candidates: "
+             "tr11-176B-ml.slurm's CUDA_LAUNCH_BLOCKING=1, every kernel launch synchronous; "
+             "NCCL over Omni-Path)"),
     # Llama 3 405B, H100 80GB, 400 Gb/s RoCE, BF16, 16M tokens per batch; TFLOP/s/GPU (BF16 MFU
     # over 989): 430 (43%), 400 (41%), 380 (38%). The 8K rows run as §3.3.2 says: "we could
     # pre-train Llama 3 on sequences of 8K tokens without activation checkpointing"; an

@@ -27,6 +27,11 @@ RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("flash", "flash2", "unfused")
 KERNELS = ("fused", "eager")
 SELECTIVE = ("attention", "matmuls")
+# a pipeline rank's boundary transfers per micro-batch and chunk, as they reach the step:
+# "paired" (Megatron's send_forward_recv_backward / send_backward_recv_forward, torch's
+# batched P2P: a send and a receive at once, two transfer times), "serial" (DeepSpeed's
+# pipeline engine: SendGrad, RecvActivation, RecvGrad, SendActivation as four blocking ops)
+P2P_TRANSFERS = {"paired": 2, "serial": 4}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +66,8 @@ class ParallelConfig:
     `loss_kernels` the loss's kernels when they differ from the blocks' (torchtitan compiles
     the blocks only: its loss runs eager); `reshard_after_forward` False keeps every block's
     ZeRO-3 weights gathered from forward into backward (FSDP2's option; torchtitan sets it
-    under pp), True frees them after forward but a stage's last block (autopar's runtime).
+    under pp), True frees them after forward but a stage's last block (autopar's runtime);
+    `pp_p2p` how a pipeline rank's boundary transfers reach the step (`P2P_TRANSFERS`).
     """
 
     tp: int = 1
@@ -107,6 +113,7 @@ class ParallelConfig:
     # (torchtitan's default under tp): its backward holds more per logit (`cost.workload`)
     loss_parallel: bool = False
     reshard_after_forward: bool = True
+    pp_p2p: str = "paired"
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULES)
@@ -115,6 +122,7 @@ class ParallelConfig:
         _choice("kernels", self.kernels, KERNELS)
         _choice("loss_kernels", self.loss_kernels, KERNELS)
         _choice("selective", self.selective, SELECTIVE)
+        _choice("pp_p2p", self.pp_p2p, tuple(P2P_TRANSFERS))
         if self.tp_overlap not in (False, True, "userbuffers", "micro_pipeline"):
             raise CostInputError(f"tp_overlap must be False, True, 'userbuffers' or "
                                  f"'micro_pipeline', got {self.tp_overlap!r}")  # fmt: skip

@@ -15,7 +15,9 @@ Algorithm (`step_time`):
    launches and the online-softmax merge of the partial outputs.
 4. Expert parallelism: dispatch + combine all-to-alls per layer per pass, exposed.
 5. Pipeline: a send and a receive of the boundary activation per micro-batch per virtual
-   stage; the bubble is (p−1)/v micro-batch times (GPipe and 1F1B: v = 1).
+   stage, paired with the gradient's (two transfer times; four where the engine issues each
+   as its own blocking op: `ParallelConfig.pp_p2p`); the bubble is (p−1)/v micro-batch times
+   (GPipe and 1F1B: v = 1).
 6. Data parallelism (gradients of dense weights over dp·cp, of experts over dp·cp/ep), one
    bucket per layer: fp32 reduce-scatter + bf16 all-gather (ZeRO-1/2) or all-reduce (stage 0),
    once per step, hidden (`cost.comm.exposed_behind`) behind the last micro-batch's backward
@@ -43,7 +45,7 @@ from dataclasses import dataclass
 
 from cost.comm import crosses_nodes, exposed_behind, span_time
 from cost.compute import KERNEL_LAUNCH_S, MEMORY_BW_FRACTION
-from cost.config import ParallelConfig
+from cost.config import P2P_TRANSFERS, ParallelConfig
 from cost.hardware import Cluster
 from cost.memory import in_flight
 from cost.stages import RankShare, pipeline_ranks
@@ -241,7 +243,7 @@ def micro_batch_time(work: Workload, cfg: ParallelConfig, coll: Collective, span
                           bool(cfg.tp_overlap), gather, splits, reduce_s),
             **{k: per_stage * x for k, x in layer_comm.items()}}  # fmt: skip
     p2p = coll("send_recv", work.boundary_bytes, *spans["pp"])
-    comm["pp"] = 2 * v * p2p if cfg.pp > 1 else 0.0
+    comm["pp"] = P2P_TRANSFERS[cfg.pp_p2p] * v * p2p if cfg.pp > 1 else 0.0
     return per_stage * layer + edge_s, comm
 
 

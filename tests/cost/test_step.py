@@ -10,6 +10,7 @@ import pytest
 from cost.comm import collective_time, span_time
 from cost.compute import KERNEL_LAUNCH_S, MEMORY_BW_FRACTION
 from cost.config import ParallelConfig
+from cost.errors import CostInputError
 from cost.hardware import Cluster
 from cost.model import ModelShape
 from cost.step import CP_MERGE_BWD, CP_MERGE_FWD, CP_STEP_KERNELS, ring_attention, step_time
@@ -81,6 +82,21 @@ def test_interleaving_sends_v_times_more_point_to_point():
     assert inter.comm["pp"] == pytest.approx(4 * plain.comm["pp"])
     p2p = span_time("send_recv", 2 * 2048 * 4096 / 8, CLUSTER, 8 * 2, 4)
     assert plain.comm["pp"] == pytest.approx(16 * 2 * p2p)
+
+
+def test_serial_point_to_point_exposes_four_transfers_per_micro_batch():
+    """DeepSpeed's pipeline engine issues a micro-batch's SendGrad, RecvActivation, RecvGrad
+    and SendActivation as four blocking ops: four transfer times where Megatron's paired
+    send-and-receive takes two; nothing else in the step moves."""
+    _, paired = _step(BASE)
+    _, serial = _step(BASE, pp_p2p="serial")
+    p2p = span_time("send_recv", 2 * 2048 * 4096 / 8, CLUSTER, 8 * 2, 4)
+    assert serial.comm["pp"] == pytest.approx(16 * 4 * p2p) == 2 * paired.comm["pp"]
+    assert serial.total - paired.total == pytest.approx(16 * 2 * p2p * (1 + 3 / 16))  # + bubble
+    assert {k: v for k, v in serial.comm.items() if k != "pp"} == {
+        k: v for k, v in paired.comm.items() if k != "pp"}
+    with pytest.raises(CostInputError, match="pp_p2p"):
+        replace(BASE, pp_p2p="async")
 
 
 def test_gradient_reduction_overlap_only_hides_time():
