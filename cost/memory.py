@@ -12,7 +12,8 @@ Algorithm (`rank_memory`, per pipeline rank; the most loaded one is the rank's m
    (dp·cp for dense parameters, dp·cp/ep for experts). Per-block ZeRO-3 (FSDP2, as autopar's
    runtime and torchtitan run it) keeps the root group (embedding, final norm, LM head) and
    each stage's last block gathered from the end of forward into backward: those weights
-   count whole (`model_state`'s `kept`; the compiled plan's memory table passes its own).
+   count whole (`model_state`'s `kept`; the compiled plan's memory table passes its own); a
+   table alone in a stage without blocks (`RankShare.bare_edges`) is resharded like any group.
    Without resharding after forward (FSDP2's `reshard_after_forward=False`, torchtitan's
    choice under pp) every block's weights count whole.
 3. Activations: saved bytes per layer and micro-batch for the recompute mode × the rank's
@@ -139,7 +140,9 @@ def _rank_breakdown(work: Workload, share: RankShare, zero: int, dp_dense: int, 
     kept_blocks = min(share.chunks, share.blocks) if reshard else share.blocks
     # 16-bit weights whose blocks are gathered narrower (float8) are held at that size
     narrow = gather_bytes / WEIGHT_BYTES if w_bytes == WEIGHT_BYTES else 1.0
-    kept = share.edges * work.edge_params + kept_blocks * work.layer_dense_params * narrow
+    # the tables stay gathered with their stage's blocks; alone in a stage they are resharded
+    tables = 0.0 if reshard and share.bare_edges else share.edges
+    kept = tables * work.edge_params + kept_blocks * work.layer_dense_params * narrow
     weights, grads, optim = model_state(
         dense, share.blocks * work.layer_expert_params, zero, dp_dense, dp_expert, grad_bytes,
         w_bytes, o_bytes, kept,

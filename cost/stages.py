@@ -32,13 +32,17 @@ from cost.errors import CostInputError
 class RankShare:
     """What one pipeline rank runs per micro-batch: `blocks` repeated blocks over `chunks`
     stages, the prologue (`first`) and/or the epilogue (`last`), and `held` micro-batches of
-    activations at its peak."""
+    activations at its peak; `bare_edges`: every end table on the rank lies in a stage
+    without blocks (an interleaved chunk of the embedding or the head alone), which ZeRO-3
+    reshards after forward like any group (`autopar.axes.data_parallel.kept_gathered`: a
+    stage without blocks keeps nothing gathered)."""
 
     blocks: int
     first: bool
     last: bool
     chunks: int
     held: float
+    bare_edges: bool = False
 
     @property
     def edges(self) -> float:
@@ -135,6 +139,8 @@ def pipeline_ranks(layers: int, unit_s: tuple[float, float, float], pp: int, vir
     out = []
     for r in range(pp):
         mine = stages[r::pp]
+        ends = [s for s in mine if s[1] or s[2]]
         out.append(RankShare(blocks=sum(s[0] for s in mine), first=any(s[1] for s in mine),
-                             last=any(s[2] for s in mine), chunks=len(mine), held=held(r)))  # fmt: skip
+                             last=any(s[2] for s in mine), chunks=len(mine), held=held(r),
+                             bare_edges=bool(ends) and not any(s[0] for s in ends)))  # fmt: skip
     return tuple(out)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -112,6 +114,32 @@ def test_rank_memory_breakdown_and_fit():
     assert mem.reserved == RESERVED_BYTES
     assert mem.total == pytest.approx(sum(v for k, v in mem.rows() if k != "total"))
     assert mem.fits == (mem.total <= gpu.hbm_bytes)
+
+
+def test_a_table_alone_in_a_stage_is_resharded_under_zero3():
+    """Interleaved, 2 blocks over pp 2 x v 2: the embedding and the head each get a stage of
+    their own, which per-block ZeRO-3 reshards after forward like any group (the runtime's
+    `shard_per_block`: a stage without blocks is one group); only a stage's last block is
+    kept gathered. With a block beside it the table is FSDP2's root, kept gathered."""
+    from cost.stages import pipeline_ranks
+
+    gpu = GPU.preset("h100")
+    shape = ModelShape.gpt(layers=2, hidden=1024, heads=16, seq=2048, vocab=16384)
+    cfg = ParallelConfig(tp=1, pp=2, dp=8, zero=3, global_batch=64, micro_batch=1,
+                         schedule="interleaved", virtual_stages=2, recompute="none")  # fmt: skip
+    work = shape_workload(shape, cfg, 1, gpu)
+    unit = (work.pre_s, work.layer_fwd_s + work.layer_bwd_s, work.post_s)
+    bare = pipeline_ranks(2, unit, 2, 2, lambda r: 1.0, 0.0)
+    assert [(s.blocks, s.bare_edges) for s in bare] == [(1, True), (1, True)]
+    args = dict(pp=2, zero=3, dp_dense=8, dp_expert=8, schedule="interleaved",
+                micro_batches=8, virtual=2, recompute="none", capacity=gpu.hbm_bytes)  # fmt: skip
+    alone = rank_memory(work, ranks=bare, **args)
+    beside = rank_memory(work, ranks=[replace(s, bare_edges=False) for s in bare], **args)
+    block, table = work.layer_dense_params, work.edge_params
+    assert alone.weights == pytest.approx(2 * (block + table) / 8 + 2 * block * 7 / 8)
+    assert beside.weights - alone.weights == pytest.approx(2 * table * 7 / 8)
+    kept = rank_memory(work, ranks=bare, reshard_after_forward=False, **args)
+    assert kept.weights == pytest.approx(2 * (block + table))  # torchtitan: nothing resharded
 
 
 @pytest.mark.parametrize(("zero", "gb"), [(0, 112.0), (1, 29.3), (2, 15.5), (3, 1.75)])
