@@ -47,11 +47,8 @@ class GPU:
         would reach (a float or an array): at most `fa2_fraction` where that is set.  The one
         place the cap is applied (the formula path's kernels, the graph path's SDPA nodes,
         `cost.compute.sdpa_efficiency`)."""
-        if self.fa2_fraction is None:
-            return efficiency
-        if isinstance(efficiency, np.ndarray):
-            return np.minimum(efficiency, self.fa2_fraction)
-        return min(efficiency, self.fa2_fraction)
+        return efficiency if self.fa2_fraction is None else np.minimum(efficiency,
+                                                                       self.fa2_fraction)
 
     def peak_flops(self, dtype_bytes: int = 2) -> float:
         """Dense tensor-core peak for an element size: 1 → fp8, 2 → bf16/fp16, 4 → fp32."""

@@ -292,14 +292,20 @@ def compile_data_parallel(mesh: Mesh, batch: int,
     return inner.then(mesh, plan, dp_phase(mesh, section.reduction, _model_name(inner)))
 
 
+def _defers_sync(inner: Program) -> bool:
+    """Whether ``inner``'s pipeline syncs FSDP2's gradients once, after its last micro-batch
+    (the zero-bubble schedule: its weight pass runs outside autograd's hooks); every other
+    schedule syncs each micro-batch (the runtime's ``PipelineRunner`` step 6)."""
+    return inner.pipeline is not None and inner.pipeline.config.schedule == "zero_bubble"
+
+
 def _synced_micro_batches(inner: Program, stage: int) -> int:
     """How many times a step runs ZeRO-2/3's forward/backward gathers and reduce-scatters:
-    under pp every micro-batch (the runtime's ``PipelineRunner`` step 6), except under the
-    zero-bubble schedule, which syncs once (see :func:`memory_table`); else once."""
-    pipe = inner.pipeline
-    if stage < 2 or pipe is None or pipe.config.schedule == "zero_bubble":
+    under pp every micro-batch, unless the schedule defers the sync (:func:`_defers_sync`);
+    else once."""
+    if stage < 2 or inner.pipeline is None or _defers_sync(inner):
         return 1
-    return pipe.config.n_microbatches
+    return inner.pipeline.config.n_microbatches
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -330,7 +336,7 @@ def memory_table(inner: Program, dp: int, per: StateBytes) -> tuple[ZeroMemory, 
     ``PipelineRunner`` step 6), except under the zero-bubble schedule, which holds them whole
     (`zero_memory`'s ``deferred``)."""
     rows = []
-    deferred = inner.pipeline is not None and inner.pipeline.config.schedule == "zero_bubble"
+    deferred = _defers_sync(inner)
     for modules, held in _rank_positions(inner):
         shapes = _grad_shapes_of(modules)
         params = sum(torch.Size(s).numel() for s, _ in shapes.values())
@@ -356,7 +362,7 @@ def predict_step(inner: Program, mesh: Mesh, stage: int, axes: tuple[str, ...],
     pp = mesh.size("pp")
     m = inner.pipeline.config.n_microbatches if pp > 1 else 1
     v = max(inner.pipeline.config.virtual_stages, 1) if pp > 1 else 1
-    deferred = pp > 1 and inner.pipeline.config.schedule == "zero_bubble"  # memory_table's
+    deferred = pp > 1 and _defers_sync(inner)  # memory_table's
     cfg = dataclasses.replace(_step_config(mesh, stage, m), gather_bytes=gather_bytes,
                               defer_grad_sync=deferred)  # fmt: skip
     spans = _mesh_spans(mesh, axes)
@@ -391,8 +397,7 @@ def _rank_work(works: list[Any]) -> Any:
     blocks = [w for w in works if w.layers] or works
     total = lambda field: sum(getattr(w, field) for w in works)  # noqa: E731
     return dataclasses.replace(blocks[0], layers=total("layers"), pre_s=total("pre_s"),
-                               post_s=total("post_s"), edge_params=total("edge_params"),
-                               post_act_bytes=total("post_act_bytes"))  # fmt: skip
+                               post_s=total("post_s"), edge_params=total("edge_params"))
 
 
 def _step_config(mesh: Mesh, stage: int, micro_batches: int) -> Any:
