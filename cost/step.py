@@ -268,16 +268,16 @@ def _reduce(coll: Collective, groups: tuple, zero: int, gather_bytes: float = 2)
 
 def _dp_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
              micro_batches: int, recompute: str, per_stage: int, ring: RingAttention,
-             shared: bool, ends: tuple[bool, bool]) -> float:  # fmt: skip
+             shared: bool, ends: tuple[bool, bool], bare_edges: bool = False) -> float:  # fmt: skip
     """Exposed data-parallel seconds per step (step 6), for `per_stage` layers on the rank
-    and the end tables when it runs an end (`ends`). `shared`: the dp traffic and the cp
-    ring share the NIC."""
+    and the end tables when it runs an end (`ends`; `bare_edges`: they lie alone in stages
+    without blocks). `shared`: the dp traffic and the cp ring share the NIC."""
     tables = 1.0 if any(ends) else 0.0
     deferred = cfg.defer_grad_sync and cfg.pp > 1
     if cfg.zero == 3 or (cfg.zero == 2 and micro_batches > 1 and not deferred):
         return _zero3(work, coll, spans, micro_batches, recompute, per_stage, ring, shared, ends,
                       cfg.grad_bytes, cfg.gather_bytes, deferred=deferred,
-                      regather=cfg.zero == 3)  # fmt: skip
+                      regather=cfg.zero == 3, bare_edges=bare_edges)  # fmt: skip
     if not cfg.overlap_grad_reduce:
         return _reduce(coll, _groups(work, spans, per_stage, tables), cfg.zero)
     bucket = _reduce(coll, _groups(work, spans, 1, 0), cfg.zero, cfg.gather_bytes)
@@ -291,7 +291,7 @@ def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, re
            per_stage: int, ring: RingAttention, shared: bool,
            ends: tuple[bool, bool] = (True, True), grad_bytes: int = 4,
            gather_bytes: float = 2, deferred: bool = False,
-           regather: bool = True) -> float:  # fmt: skip
+           regather: bool = True, bare_edges: bool = False) -> float:  # fmt: skip
     """ZeRO-3 exposed seconds per step (step 6); with `regather` False, ZeRO-2 over several
     micro-batches (weights kept gathered from forward to backward, so only the forward
     gathers).
@@ -304,7 +304,11 @@ def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, re
     max(0, G + R − free backward window); the backward window includes the recompute forward
     (it runs between the gather and the backward). A window is free of the cp ring's wire
     time when both share the NIC (`exposed_behind`). The embedding/head tables stream behind
-    the end stages' work. The first layer's gather of the step has nothing before it: exposed.
+    the end stages' work, gathered once a micro-batch: they are FSDP's root, which torch keeps
+    gathered from the end of forward into backward (FSDP1 and FSDP2 alike; autopar's runtime,
+    `autopar.axes.data_parallel.kept_gathered`), unless they lie alone in a stage without
+    blocks (`bare_edges`), resharded and gathered again for backward like any group. The
+    first layer's gather of the step has nothing before it: exposed.
     A stage's last layer is not resharded after forward (its backward comes first; autopar's
     runtime and torchtitan keep it), so its backward exposes only its reduce-scatter.
     `deferred` (FSDP2 under torch's pipeline schedules: no reshard after forward or backward,
@@ -315,7 +319,7 @@ def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, re
     layer, edge = _groups(work, spans, 1, 0), _groups(work, spans, 0, 1.0 if any(ends) else 0.0)
     gather = _each(coll, layer, "all_gather", gather_bytes)
     scatter = _reduce(coll, layer, 3) + _replicas(work, coll, spans, 1, 0, grad_bytes)
-    tables = (2 * _each(coll, edge, "all_gather", 2) + _reduce(coll, edge, 3)
+    tables = ((1 + bare_edges) * _each(coll, edge, "all_gather", 2) + _reduce(coll, edge, 3)
               + _replicas(work, coll, spans, 0, 1.0 if any(ends) else 0.0, grad_bytes))  # fmt: skip
     busy_f, busy_b = (ring.wire_fwd, ring.wire_bwd) if shared else (0.0, 0.0)
     window = work.layer_bwd_s + work.recompute_s[recompute]
@@ -354,17 +358,19 @@ def optimizer_time(params: float, shard: int, gpu) -> float:
 def data_parallel_time(work: Workload, cfg: ParallelConfig, cluster: Cluster, *,
                        micro_batches: int, recompute: str, per_stage: int,
                        spans: dict | None = None, collective: Collective | None = None,
-                       ends: tuple[bool, bool] = (True, True)) -> float:  # fmt: skip
+                       ends: tuple[bool, bool] = (True, True),
+                       bare_edges: bool = False) -> float:  # fmt: skip
     """Exposed data-parallel seconds of one step (step 6) for `per_stage` layers of `work`
-    on the rank (and its end tables, when `ends` says it runs one): what `step_time`
-    prices, and what the compiled plan's step prices."""
+    on the rank (and its end tables, when `ends` says it runs one; `bare_edges`: each in a
+    stage without blocks, `cost.stages.RankShare.bare_edges`): what `step_time` prices, and
+    what the compiled plan's step prices."""
     spans = spans or _spans(cfg)
     coll = collective or default_collective(cluster)
     ring = _ring(work, cfg, coll, spans, cluster)
     gpn = cluster.gpus_per_node
     shared = crosses_nodes(*spans["cp"], gpn) and crosses_nodes(*spans["dp"], gpn)
     return _dp_comm(work, cfg, coll, spans, micro_batches, recompute, per_stage, ring, shared,
-                    ends)  # fmt: skip
+                    ends, bare_edges)  # fmt: skip
 
 
 def pipeline_shares(work: Workload, cfg: ParallelConfig, cluster: Cluster, *, schedule: str,
@@ -397,7 +403,7 @@ def step_time(work: Workload, cfg: ParallelConfig, cluster: Cluster, *, micro_ba
                                      micro_batches=micro_batches)  # fmt: skip
     # a rank's step reads its blocks, ends and chunks, not its in-flight count: price each
     # distinct share once (the first of equals, as over all ranks)
-    distinct = {(s.blocks, s.first, s.last, s.chunks): s for s in reversed(ranks)}
+    distinct = {(s.blocks, s.first, s.last, s.chunks, s.bare_edges): s for s in reversed(ranks)}
     steps = [_rank_step(work, cfg, cluster, share, micro_batches, v, recompute, spans, coll)
              for share in sorted(distinct.values(), key=ranks.index)]  # fmt: skip
     return max(steps, key=lambda s: s.total)
@@ -415,7 +421,8 @@ def _rank_step(work: Workload, cfg: ParallelConfig, cluster: Cluster, share: Ran
     comm = {k: micro_batches * x for k, x in comm_mb.items()}
     comm["dp"] = data_parallel_time(work, cfg, cluster, micro_batches=micro_batches,
                                     recompute=recompute, per_stage=share.blocks, spans=spans,
-                                    collective=coll, ends=ends)  # fmt: skip
+                                    collective=coll, ends=ends,
+                                    bare_edges=share.bare_edges)  # fmt: skip
     params = (share.blocks * (work.layer_dense_params + work.layer_expert_params)
               + share.edges * work.edge_params)  # fmt: skip
     shard = cfg.shard_degree if cfg.zero >= 1 else 1

@@ -373,9 +373,11 @@ def predict_step(inner: Program, mesh: Mesh, stage: int, axes: tuple[str, ...],
         per_mb = sum(_micro_batch_s(inner, i, w, mesh, cfg, spans)
                      for w, i in zip(works, stages, strict=True))  # fmt: skip
         rank = _rank_work(works)
+        bare = any(w.edge_params for w in works) and not any(w.layers for w in works
+                                                              if w.edge_params)  # fmt: skip
         dp = data_parallel_time(rank, cfg, mesh.cluster, micro_batches=m,
                                 recompute=inner.stages[stages[0]].recompute,
-                                per_stage=rank.layers, spans=spans)  # fmt: skip
+                                per_stage=rank.layers, spans=spans, bare_edges=bare)  # fmt: skip
         params = sum(w.layers * w.layer_dense_params + w.edge_params for w in works)
         shard = math.prod(mesh.size(a) for a in axes) if stage >= 1 else 1
         step = PlanStep(sub_mesh=m * per_mb, bubble=bubble_time(per_mb, pp, v), dp=dp,

@@ -126,12 +126,13 @@ def test_zero_stages_change_dp_traffic_not_compute():
     # ZeRO-3: per layer, a bf16 gather before the forward and before the backward, an fp32
     # reduce-scatter after it, each hidden only behind that layer's own pass; a stage's last
     # layer stays gathered into backward (no second gather); the first layer's gather is
-    # exposed; the tables stream behind the end's own work (the last rank: the epilogue)
+    # exposed; the tables stream behind the end's own work (the last rank: the epilogue),
+    # gathered once: FSDP's root, kept gathered into backward
     g_layer = span_time("all_gather", 2 * work.layer_dense_params, CLUSTER, *span)
     r_layer = span_time("reduce_scatter", 4 * work.layer_dense_params, CLUSTER, *span)
     fwd = max(0.0, g_layer - work.layer_fwd_s)
     bwd = max(0.0, g_layer + r_layer - work.layer_bwd_s)
-    ends = (2 * span_time("all_gather", 2 * work.edge_params, CLUSTER, *span)
+    ends = (span_time("all_gather", 2 * work.edge_params, CLUSTER, *span)
             + span_time("reduce_scatter", 4 * work.edge_params, CLUSTER, *span))  # fmt: skip
     tail = max(0.0, ends - work.post_s)
     last = max(0.0, r_layer - work.layer_bwd_s)
@@ -240,3 +241,23 @@ def test_cp_ring_and_dp_traffic_share_the_nic_only_when_both_cross_nodes():
     inside, across = run((4, 2)), run((32, 2))  # cp in one node vs cp across two
     assert inside.comm["cp"] == across.comm["cp"] and inside.compute == across.compute
     assert across.comm["dp"] > inside.comm["dp"]
+
+
+def test_zero3_gathers_the_root_tables_once_unless_alone_in_a_stage():
+    """FSDP's root (the embedding and head with blocks beside them) stays gathered from
+    forward into backward, as torch does for a root and autopar's runtime does
+    (`kept_gathered`): one gather a micro-batch.  A table alone in a stage is resharded and
+    gathered again for backward.  With no compute at the ends to hide behind, the two differ
+    by exactly one bf16 gather of the tables per micro-batch."""
+    from cost.step import data_parallel_time
+
+    cluster = Cluster.preset("dgx-h100", nodes=4)
+    cfg = ParallelConfig(tp=1, pp=1, dp=32, zero=3, global_batch=64, micro_batch=1,
+                         recompute="none")  # fmt: skip
+    work = replace(shape_workload(SHAPE, cfg, 1, cluster.gpu), pre_s=0.0, post_s=0.0)
+    kept, bare = (data_parallel_time(work, cfg, cluster, micro_batches=2, recompute="none",
+                                     per_stage=work.layers, bare_edges=b)
+                  for b in (False, True))  # fmt: skip
+    gather = span_time("all_gather", 2 * work.edge_params, cluster, 1, 32)
+    assert gather > 0
+    assert bare - kept == pytest.approx(2 * gather, rel=1e-9)
