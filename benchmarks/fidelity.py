@@ -245,7 +245,12 @@ ROWS: tuple[Row, ...] = (
     # stages ("pp rank 0: [embed | 5 transformer blocks]" ... "pp rank 11: [5 blocks |
     # embed]"); sequence parallelism "developed after BLOOM was trained" (HF blog); no flash
     # attention (2022); DeepSpeed's pipeline engine reduces gradients after the flush, and
-    # its TrainSchedule issues a micro-batch's SendGrad, RecvActivation, RecvGrad and
+    # with bf16 at ZeRO stage 0 (tr11-176B-ml.slurm: "ZERO_STAGE=0 # important: bf16 must use
+    # z0! it implements its own zero stage 1 equivalent") its `_bf16_reduce_grads`
+    # all-reduces the BF16_Optimizer's whole fp32 gradient accumulators
+    # (`get_grads_for_reduction()`: `fp32_groups_gradients_flat`); the optimizer steps its
+    # fp32 shard and all-gathers the bf16 weights (`all_gather_dp_groups`):
+    # `grad_sync="all_reduce"` at ZeRO-1. Its TrainSchedule issues a micro-batch's SendGrad, RecvActivation, RecvGrad and
     # SendActivation as four blocking P2P ops (`pp_p2p="serial"`; the activations
     # partitioned over tp, `is_pipe_partitioned`, as Megatron's scatter-gather)
     Row(name="BLOOM 176B", source=BLOOM,
@@ -254,9 +259,9 @@ ROWS: tuple[Row, ...] = (
         cluster=_cluster("dgx-a100", 384, inter=OPA_FABRIC),
         config=_cfg(4, 12, 8, gbs=2048, mbs=2, zero=1, recompute="full", schedule="1f1b",
                     sequence_parallel=False, attention="unfused", overlap_grad_reduce=False,
-                    pp_p2p="serial"),
+                    pp_p2p="serial", grad_sync="all_reduce"),
         unit="s/iteration", published=104.70,
-        note="Megatron-DeepSpeed's engine beyond its serial P2P (candidates: "
+        note="Megatron-DeepSpeed's engine beyond its serial P2P and fp32 all-reduce (candidates: "
              "tr11-176B-ml.slurm's CUDA_LAUNCH_BLOCKING=1, every kernel launch synchronous; "
              "NCCL over Omni-Path)"),
     # Llama 3 405B, H100 80GB, 400 Gb/s RoCE, BF16, 16M tokens per batch; TFLOP/s/GPU (BF16 MFU

@@ -32,6 +32,11 @@ SELECTIVE = ("attention", "matmuls")
 # batched P2P: a send and a receive at once, two transfer times), "serial" (DeepSpeed's
 # pipeline engine: SendGrad, RecvActivation, RecvGrad, SendActivation as four blocking ops)
 P2P_TRANSFERS = {"paired": 2, "serial": 4}
+# ZeRO-1's gradient synchronisation: "reduce_scatter" (each rank receives the reduced shard
+# it steps: Megatron's distributed optimizer, torch's ZeRO), "all_reduce" (the whole
+# gradient reduced, then each rank steps its shard: DeepSpeed's BF16_Optimizer, which its
+# pipeline engine all-reduces as `get_grads_for_reduction()`, the fp32 accumulators)
+GRAD_SYNC = ("reduce_scatter", "all_reduce")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,7 +72,9 @@ class ParallelConfig:
     the blocks only: its loss runs eager); `reshard_after_forward` False keeps every block's
     ZeRO-3 weights gathered from forward into backward (FSDP2's option; torchtitan sets it
     under pp), True frees them after forward but a stage's last block (autopar's runtime);
-    `pp_p2p` how a pipeline rank's boundary transfers reach the step (`P2P_TRANSFERS`).
+    `pp_p2p` how a pipeline rank's boundary transfers reach the step (`P2P_TRANSFERS`);
+    `grad_sync` ZeRO-1's gradient collective (`GRAD_SYNC`); every gradient collective moves
+    `grad_bytes` per element.
     """
 
     tp: int = 1
@@ -114,6 +121,7 @@ class ParallelConfig:
     loss_parallel: bool = False
     reshard_after_forward: bool = True
     pp_p2p: str = "paired"
+    grad_sync: str = "reduce_scatter"
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULES)
@@ -123,6 +131,10 @@ class ParallelConfig:
         _choice("loss_kernels", self.loss_kernels, KERNELS)
         _choice("selective", self.selective, SELECTIVE)
         _choice("pp_p2p", self.pp_p2p, tuple(P2P_TRANSFERS))
+        _choice("grad_sync", self.grad_sync, GRAD_SYNC)
+        if self.grad_sync == "all_reduce" and self.zero != 1:
+            raise CostInputError(f"grad_sync='all_reduce' is ZeRO-1's choice (stage 0 always "
+                                 f"all-reduces, 2 and 3 reduce-scatter), got zero={self.zero}")
         if self.tp_overlap not in (False, True, "userbuffers", "micro_pipeline"):
             raise CostInputError(f"tp_overlap must be False, True, 'userbuffers' or "
                                  f"'micro_pipeline', got {self.tp_overlap!r}")  # fmt: skip

@@ -257,13 +257,16 @@ def _each(coll: Collective, groups: tuple, kind: str, bytes_per_param: int) -> f
     return sum(coll(kind, bytes_per_param * p, *span) for p, span in groups)
 
 
-def _reduce(coll: Collective, groups: tuple, zero: int, gather_bytes: float = 2) -> float:
-    """Gradient synchronisation of `groups`: fp32 all-reduce (stage 0), fp32 reduce-scatter
-    + bf16 all-gather (1, 2; `gather_bytes` per parameter), fp32 reduce-scatter alone (3)."""
+def _reduce(coll: Collective, groups: tuple, zero: int, gather_bytes: float = 2,
+            grad_bytes: int = 4, whole: bool = False) -> float:  # fmt: skip
+    """Gradient synchronisation of `groups`, `grad_bytes` per gradient element: all-reduce
+    (stage 0), reduce-scatter + bf16 all-gather of the stepped weights (1, 2; `gather_bytes`
+    per parameter), reduce-scatter alone (3).  `whole` (stage 1): the whole gradient is
+    all-reduced before each rank steps its shard (`ParallelConfig.grad_sync`)."""
     if zero == 0:
-        return _each(coll, groups, "all_reduce", 4)
+        return _each(coll, groups, "all_reduce", grad_bytes)
     gather = _each(coll, groups, "all_gather", gather_bytes) if zero < 3 else 0.0
-    return _each(coll, groups, "reduce_scatter", 4) + gather
+    return _each(coll, groups, "all_reduce" if whole else "reduce_scatter", grad_bytes) + gather
 
 
 def _dp_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
@@ -278,10 +281,11 @@ def _dp_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
         return _zero3(work, coll, spans, micro_batches, recompute, per_stage, ring, shared, ends,
                       cfg.grad_bytes, cfg.gather_bytes, deferred=deferred,
                       regather=cfg.zero == 3, bare_edges=bare_edges)  # fmt: skip
+    sync = {"grad_bytes": cfg.grad_bytes, "whole": cfg.grad_sync == "all_reduce"}
     if not cfg.overlap_grad_reduce:
-        return _reduce(coll, _groups(work, spans, per_stage, tables), cfg.zero)
-    bucket = _reduce(coll, _groups(work, spans, 1, 0), cfg.zero, cfg.gather_bytes)
-    edges = _reduce(coll, _groups(work, spans, 0, tables), cfg.zero)
+        return _reduce(coll, _groups(work, spans, per_stage, tables), cfg.zero, **sync)
+    bucket = _reduce(coll, _groups(work, spans, 1, 0), cfg.zero, cfg.gather_bytes, **sync)
+    edges = _reduce(coll, _groups(work, spans, 0, tables), cfg.zero, **sync)
     busy = ring.wire_bwd if shared else 0.0
     window = per_stage * max(0.0, work.layer_bwd_s - busy)
     return max(bucket, exposed_behind(per_stage * bucket + edges, window))
@@ -318,8 +322,10 @@ def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, re
     """
     layer, edge = _groups(work, spans, 1, 0), _groups(work, spans, 0, 1.0 if any(ends) else 0.0)
     gather = _each(coll, layer, "all_gather", gather_bytes)
-    scatter = _reduce(coll, layer, 3) + _replicas(work, coll, spans, 1, 0, grad_bytes)
-    tables = ((1 + bare_edges) * _each(coll, edge, "all_gather", 2) + _reduce(coll, edge, 3)
+    scatter = (_reduce(coll, layer, 3, grad_bytes=grad_bytes)
+               + _replicas(work, coll, spans, 1, 0, grad_bytes))  # fmt: skip
+    tables = ((1 + bare_edges) * _each(coll, edge, "all_gather", 2)
+              + _reduce(coll, edge, 3, grad_bytes=grad_bytes)
               + _replicas(work, coll, spans, 0, 1.0 if any(ends) else 0.0, grad_bytes))  # fmt: skip
     busy_f, busy_b = (ring.wire_fwd, ring.wire_bwd) if shared else (0.0, 0.0)
     window = work.layer_bwd_s + work.recompute_s[recompute]

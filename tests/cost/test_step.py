@@ -261,3 +261,29 @@ def test_zero3_gathers_the_root_tables_once_unless_alone_in_a_stage():
     gather = span_time("all_gather", 2 * work.edge_params, cluster, 1, 32)
     assert gather > 0
     assert bare - kept == pytest.approx(2 * gather, rel=1e-9)
+
+
+def test_gradient_collectives_move_the_gradient_dtype_and_zero1_may_all_reduce_whole():
+    """Every gradient collective moves `grad_bytes` per element (fms-fsdp's bf16 policy
+    reduces in bf16); ZeRO-1's sync is a reduce-scatter unless `grad_sync="all_reduce"`
+    (DeepSpeed's BF16_Optimizer: the whole fp32 gradient all-reduced, then the shard stepped
+    and the bf16 weights all-gathered)."""
+    span = (8, 2)  # BASE's dp groups: stride tp = 8, two ranks
+    work, fp32 = _step(BASE, shape=EVEN, zero=0, overlap_grad_reduce=False)
+    _, bf16 = _step(BASE, shape=EVEN, zero=0, overlap_grad_reduce=False, grad_bytes=2)
+    params = 4 * work.layer_dense_params + work.edge_params  # the slowest (last) rank's
+    assert fp32.comm["dp"] == pytest.approx(span_time("all_reduce", 4 * params, CLUSTER, *span))
+    assert bf16.comm["dp"] == pytest.approx(span_time("all_reduce", 2 * params, CLUSTER, *span))
+    _, scatter = _step(BASE, shape=EVEN, zero=1, overlap_grad_reduce=False)
+    _, whole = _step(BASE, shape=EVEN, zero=1, overlap_grad_reduce=False,
+                     grad_sync="all_reduce")  # fmt: skip
+    gather = span_time("all_gather", 2 * params, CLUSTER, *span)
+    assert scatter.comm["dp"] == pytest.approx(
+        span_time("reduce_scatter", 4 * params, CLUSTER, *span) + gather)
+    assert whole.comm["dp"] == pytest.approx(fp32.comm["dp"] + gather)
+    assert whole.compute == scatter.compute
+    for zero in (0, 2, 3):
+        with pytest.raises(CostInputError, match="grad_sync"):
+            replace(BASE, zero=zero, grad_sync="all_reduce")
+    with pytest.raises(CostInputError, match="grad_sync"):
+        replace(BASE, grad_sync="ring")
