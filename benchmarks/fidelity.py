@@ -120,12 +120,27 @@ class Row:
     memory_note: str = ""  # the memory component the model lacks, printed when it misses
 
 
+# What a pipeline runtime holds besides the in-flight micro-batches' saved tensors
+# (`ParallelConfig.pp_buffers`): Megatron-LM's p2p_communication receives into a fresh
+# `torch.empty` per transfer and frees a sent output's storage (`deallocate_output_tensor`);
+# DeepSpeed's pipeline engine reuses one receive buffer and a pipe buffer per in-flight
+# micro-batch; Meta's Llama 3 runtime is unpublished (priced as Megatron's): "in_flight", the
+# default of every row below.  torchtitan's rows run torch.distributed.pipelining of Dec 2024
+# (torch 1963fc8): a receive buffer per micro-batch for activations and gradients
+# (`_prepare_forward_infra`, `_prepare_backward_infra`), and every stage appends its output
+# of every micro-batch to `output_chunks` until the step ends (the last stage's, the
+# logits, for `step()`'s merged return; PR 153383 of May 2025 kept only the last's):
+# "torch_2024"
+TT_PP = {"pp_buffers": "torch_2024"}
+
+
 def _cfg(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, *, gbs: int,
          mbs: int | None = None, zero: int = 1, recompute: str | None = None,
-         schedule: str | None = None, vp: int | None = None, **kw) -> ParallelConfig:  # fmt: skip
+         schedule: str | None = None, vp: int | None = None, pp_buffers: str = "in_flight",
+         **kw) -> ParallelConfig:  # fmt: skip
     return ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, global_batch=gbs,
                           micro_batch=mbs, recompute=recompute, schedule=schedule,
-                          virtual_stages=vp, **kw)  # fmt: skip
+                          virtual_stages=vp, pp_buffers=pp_buffers, **kw)  # fmt: skip
 
 
 # torchtitan eager runs (`compile = false` in its train configs; the H100 tables name their
@@ -318,7 +333,7 @@ ROWS: tuple[Row, ...] = (
                       vp=vp, grad_bytes=TT_REDUCE, tp_overlap=TT_ASYNC_TP,
                       reshard_after_forward=False,
                       defer_grad_sync=True, gather_bytes=1, **TT_COMPILED, **TT_FLOAT8_TP,
-                      **TT_LOSS_PARALLEL),
+                      **TT_LOSS_PARALLEL, **TT_PP),
           precision="fp8", published=tps, memory_gib=mem, memory_metric="reserved",
           note=ASYNC_TP_MISS, memory_note=TT405_MEM_MISS)
       for sched, schedule, vp, tps, mem in (("1F1B", "1f1b", 1, 100, 82.5),
@@ -342,7 +357,7 @@ ROWS: tuple[Row, ...] = (
           config=_cfg(8, 8, n, c, gbs=8 * n, mbs=1, zero=3, recompute="full", schedule="1f1b",
                       grad_bytes=TT_REDUCE, tp_overlap=TT_ASYNC_TP, reshard_after_forward=False,
                       defer_grad_sync=True, gather_bytes=1, **TT_COMPILED, **TT_FLOAT8_TP,
-                      **TT_LOSS_PARALLEL),
+                      **TT_LOSS_PARALLEL, **TT_PP),
           precision="fp8", published=tps, memory_gib=mem, memory_metric="reserved",
           note=TT_CP_MISS if c > 1 else ASYNC_TP_MISS, memory_note=TT405_MEM_MISS)
       for n, c, seq, tps, mem in ((8, 1, 32768, 76, 75.3), (4, 2, 65536, 47, 75.9),

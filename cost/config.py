@@ -37,6 +37,15 @@ P2P_TRANSFERS = {"paired": 2, "serial": 4}
 # gradient reduced, then each rank steps its shard: DeepSpeed's BF16_Optimizer, which its
 # pipeline engine all-reduces as `get_grads_for_reduction()`, the fp32 accumulators)
 GRAD_SYNC = ("reduce_scatter", "all_reduce")
+# what a pipeline runtime holds beyond the in-flight micro-batches' saved tensors
+# (`cost.memory.pipeline_buffers`): "torch" (torch.distributed.pipelining, autopar's runtime:
+# a receive buffer per micro-batch, allocated once and kept, for the activations of every
+# stage but the first and the gradients of every stage but the last; a stage's output held
+# for its backward), "torch_2024" (as "torch", and every stage keeps its output of every
+# micro-batch until the step ends: `output_chunks`, appended on every stage until torch PR
+# 153383 of May 2025, the last stage's, the logits, kept for `step()`'s merged return),
+# "in_flight" (Megatron, DeepSpeed: receive tensors freed or reused, outputs freed once sent)
+PP_BUFFERS = ("torch", "torch_2024", "in_flight")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +83,8 @@ class ParallelConfig:
     under pp), True frees them after forward but a stage's last block (autopar's runtime);
     `pp_p2p` how a pipeline rank's boundary transfers reach the step (`P2P_TRANSFERS`);
     `grad_sync` ZeRO-1's gradient collective (`GRAD_SYNC`); every gradient collective moves
-    `grad_bytes` per element.
+    `grad_bytes` per element; `pp_buffers` what the pipeline runtime holds besides the
+    in-flight micro-batches' saved tensors (`PP_BUFFERS`).
     """
 
     tp: int = 1
@@ -122,6 +132,7 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     pp_p2p: str = "paired"
     grad_sync: str = "reduce_scatter"
+    pp_buffers: str = "torch"
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULES)
@@ -132,6 +143,7 @@ class ParallelConfig:
         _choice("selective", self.selective, SELECTIVE)
         _choice("pp_p2p", self.pp_p2p, tuple(P2P_TRANSFERS))
         _choice("grad_sync", self.grad_sync, GRAD_SYNC)
+        _choice("pp_buffers", self.pp_buffers, PP_BUFFERS)
         if self.grad_sync == "all_reduce" and self.zero != 1:
             raise CostInputError(f"grad_sync='all_reduce' is ZeRO-1's choice (stage 0 always "
                                  f"all-reduces, 2 and 3 reduce-scatter), got zero={self.zero}")

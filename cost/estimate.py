@@ -216,7 +216,8 @@ def price(model: Priced, cluster: Cluster, cfg: ParallelConfig,
                          weight_bytes=cfg.weight_bytes, ranks=ranks,
                          reshard_after_forward=cfg.reshard_after_forward,
                          gather_bytes=cfg.gather_bytes,
-                         defer_grad_sync=cfg.defer_grad_sync)  # fmt: skip
+                         defer_grad_sync=cfg.defer_grad_sync,
+                         pp_buffers=cfg.pp_buffers)  # fmt: skip
     step = step_time(work, cfg, cluster, micro_batches=m, schedule=cfg.schedule,
                      virtual=cfg.virtual_stages, recompute=cfg.recompute, ranks=ranks)  # fmt: skip
     return Estimate(model=model.name, cluster=cluster, config=cfg, memory=memory, step=step,

@@ -20,7 +20,11 @@ Algorithm (`rank_memory`, per pipeline rank; the most loaded one is the rank's m
    blocks (+ the fp32 logits on the rank holding the LM head) × the micro-batches in flight
    on that rank (`in_flight`: GPipe m, 1F1B min(p − r, m) on rank r, interleaved
    min(m, min(p − r, m)·(1 + (p−1)/(p·v)))); full recompute also holds one layer's un-recomputed
-   working set during backward.
+   working set during backward. Under pp the runtime's buffers come on top
+   (`pipeline_buffers`, `ParallelConfig.pp_buffers`): torch.distributed.pipelining allocates
+   one receive buffer per micro-batch for a stage's input activations (all but the first
+   stage; an in-flight micro-batch's is its saved input, already counted) and one for its
+   output gradients (all but the last), and holds a stage's output until its backward.
 4. Add a fixed reserve (CUDA context, NCCL buffers, allocator fragmentation) and compare with
    the GPU's HBM.
 """
@@ -28,7 +32,7 @@ Algorithm (`rank_memory`, per pipeline rank; the most loaded one is the rank's m
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cost.stages import RankShare, pipeline_ranks
 from cost.workload import Workload
@@ -106,14 +110,15 @@ def rank_memory(work: Workload, *, pp: int, zero: int, dp_dense: int, dp_expert:
                 capacity: float, grad_bytes: int = GRAD_BYTES, weight_bytes: int = WEIGHT_BYTES,
                 ranks: Sequence[RankShare] | None = None,
                 reshard_after_forward: bool = True, gather_bytes: float = WEIGHT_BYTES,
-                defer_grad_sync: bool = False) -> MemoryBreakdown:  # fmt: skip
+                defer_grad_sync: bool = False, pp_buffers: str = "torch") -> MemoryBreakdown:  # fmt: skip
     """Per-rank memory of the most loaded pipeline rank (see the module docstring); `ranks`
     are the ranks' shares as `cost.step.pipeline_shares` cuts them (default: cut on compute
     alone, boundaries free); `reshard_after_forward` False: every block's ZeRO-3 weights
     stay gathered into backward (FSDP2's option), held at `gather_bytes` per block parameter
     (1: FP8 linears gathered in float8); `defer_grad_sync` (pp, ZeRO >= 2): the stage's
     gradients are held whole, in their dtype, across the micro-batches (FSDP2's unsharded
-    accumulator under torch's pipeline schedules) instead of sharded."""
+    accumulator under torch's pipeline schedules) instead of sharded; `pp_buffers` the
+    pipeline runtime's buffers (`pipeline_buffers`)."""
     v = virtual if schedule == "interleaved" else 1
     if ranks is None:
         unit = (work.pre_s, work.layer_fwd_s + work.layer_bwd_s, work.post_s)
@@ -124,7 +129,41 @@ def rank_memory(work: Workload, *, pp: int, zero: int, dp_dense: int, dp_expert:
                             grad_bytes, weight_bytes, reshard_after_forward, gather_bytes,
                             whole_grads)
             for share in ranks]  # fmt: skip
+    if pp > 1:
+        rows = [replace(row, activations=row.activations
+                        + pipeline_buffers(work, share, micro_batches, pp_buffers))
+                for row, share in zip(rows, ranks, strict=True)]  # fmt: skip
     return max(rows, key=lambda m: m.total)
+
+
+def pipeline_buffers(work: Workload, share: RankShare, micro_batches: int,
+                     pp_buffers: str = "torch") -> float:
+    """Step 3 under pp: bytes pipeline rank `share`'s runtime holds besides its in-flight
+    micro-batches' saved tensors, `ParallelConfig.pp_buffers` being how it keeps them.
+
+    Derivation ("torch": torch.distributed.pipelining's `PipelineStage`, autopar's runtime):
+    `_prepare_forward_infra` / `_prepare_backward_infra` allocate, for each of the m
+    micro-batches, a receive buffer for the stage's input activations (every stage but the
+    first) and one for its output gradients (every stage but the last), kept for the run;
+    an in-flight micro-batch's input buffer is its first block's saved input (counted in the
+    activations), the other m − held are not.  A stage's output (the boundary it sends) is
+    held in its forward cache until its backward: held of them.  "torch_2024" (torch before
+    PR 153383, May 2025) keeps every stage's output of every micro-batch until the step ends
+    (`output_chunks`): m of them, the last stage's being the logits (`output_bytes`).
+    "in_flight" (Megatron, DeepSpeed) holds nothing more.  Each boundary weighs the cut's
+    bytes (`cut_bytes`, else `boundary_bytes`); under interleaving every chunk of the rank
+    counts the rank's held micro-batches."""
+    if pp_buffers == "in_flight":
+        return 0.0
+    m = float(micro_batches)
+    held = min(share.held, m)
+    sent = work.boundary_bytes if work.cut_bytes is None else work.cut_bytes
+    receives = share.chunks - share.first  # chunks with a previous stage
+    sends = share.chunks - share.last  # chunks with a next stage
+    keeps = pp_buffers == "torch_2024"
+    outputs = m if keeps else held
+    total = sent * (receives * (m - held) + sends * (m + outputs))
+    return total + (m * work.output_bytes if keeps and share.last else 0.0)
 
 
 def _rank_breakdown(work: Workload, share: RankShare, zero: int, dp_dense: int, dp_expert: int,

@@ -131,7 +131,8 @@ def _memory_share(est):
                           micro_batches=est.micro_batches, virtual=c.virtual_stages,
                           recompute=c.recompute, capacity=est.cluster.gpu.hbm_bytes,
                           grad_bytes=c.grad_bytes, weight_bytes=c.weight_bytes,
-                          ranks=(share,)).total for share in shares]  # fmt: skip
+                          ranks=(share,), pp_buffers=c.pp_buffers).total
+              for share in shares]  # fmt: skip
     return shares[totals.index(max(totals))]
 
 

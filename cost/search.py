@@ -564,7 +564,8 @@ def _price_settings(unit: _Unit, cluster: Cluster, zcfgs: list[ParallelConfig],
                                  micro_batches=m, virtual=v, recompute=recompute,
                                  capacity=cluster.gpu.hbm_bytes,
                                  grad_bytes=zcfg.grad_bytes,
-                                 weight_bytes=zcfg.weight_bytes, ranks=ranks)  # fmt: skip
+                                 weight_bytes=zcfg.weight_bytes, ranks=ranks,
+                                 pp_buffers=zcfg.pp_buffers)  # fmt: skip
             if not memory.fits:
                 continue
             if prune and bound_spans is not None:
@@ -683,7 +684,8 @@ def reprice(choice: Choice, model, cluster: Cluster,
                          schedule=cfg.schedule, micro_batches=choice.micro_batches,
                          virtual=cfg.virtual_stages, recompute=cfg.recompute,
                          capacity=cluster.gpu.hbm_bytes, grad_bytes=cfg.grad_bytes,
-                         weight_bytes=cfg.weight_bytes, ranks=ranks)  # fmt: skip
+                         weight_bytes=cfg.weight_bytes, ranks=ranks,
+                         pp_buffers=cfg.pp_buffers)  # fmt: skip
     step = step_time(work, cfg, cluster, micro_batches=choice.micro_batches,
                      schedule=cfg.schedule, virtual=cfg.virtual_stages, recompute=cfg.recompute,
                      spans=spans(choice.order, cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep),

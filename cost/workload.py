@@ -62,6 +62,9 @@ class Workload:
     layer_expert_params: float
     edge_params: float
     attn_out_bytes: float = 0.0  # bf16 attention output of one layer (the cp ring's merge)
+    # the model's output of one micro-batch as the last stage returns it (16-bit logits, the
+    # vocabulary split over tp); held per micro-batch under `pp_buffers="torch_2024"`
+    output_bytes: float = 0.0
     # the tensor-parallel collectives of one micro-batch as a solved tp plan lists them
     # (`TpCollective`); None: Megatron's two all-reduces per layer per pass (tp_bytes, tp_calls)
     tp_collectives: tuple[TpCollective, ...] | None = None
@@ -387,4 +390,5 @@ def shape_workload(shape: ModelShape, cfg: ParallelConfig, b: int, gpu: GPU) -> 
         layer_expert_params=experts / t,
         edge_params=tables * shape.embedding_params / t,
         attn_out_bytes=BF16 * tokens * shape.heads // t * shape.head_dim,
+        output_bytes=BF16 * tokens * shape.vocab / t,
     )

@@ -158,3 +158,77 @@ def test_printed_data_axis_traffic_counts_every_micro_batch(zero, schedule, time
     once = sum(wire_bytes(c, 2) for c in dp) - per_mb
     total = re.search(r"total (.+) sent per rank per step", text).group(1)
     assert total == _fmt_bytes(times * per_mb + once)
+
+
+def _pipeline_buffers_held(rank, groups, share, args, kwargs, cots, data):
+    """After a step: the bytes of the receive buffers this rank's torch ``PipelineStage`` s
+    keep (distinct storages, activation and gradient buffers), and the most outputs its
+    stages that send on hold at once for backward (forward-cache entries, summed over them,
+    seen at any dispatched op)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.ops import collectives
+    from autopar.runtime import DataAxis, PipelineRunner
+
+    collectives.bind(groups)
+    zero, reduction, _ = data
+    mesh = DeviceMesh.from_group(groups["dp"], "cpu", mesh_dim_names=("dp",))
+    axis = DataAxis(group=groups["dp"], mesh=mesh, zero=zero, reduction=reduction)
+    runner = PipelineRunner(share, groups["pp"], data=axis)
+    senders = [st for st in runner.stages if not st.is_last]
+
+    class Sample(TorchDispatchMode):
+        peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.peak = max(self.peak, sum(len(st.fwd_cache) for st in senders))
+            return func(*args, **(kwargs or {}))
+
+    runner.step(*args, **kwargs)
+    with (mode := Sample()):
+        runner.step(*args, **kwargs)
+    storages = {}
+    for st in runner.stages:
+        for infos in (*st.args_recv_info.values(), *st.grad_recv_info.values()):
+            for info in infos:
+                buf = getattr(info, "buffer", None)
+                if isinstance(buf, torch.Tensor) and buf.untyped_storage().nbytes():
+                    storages[buf.untyped_storage().data_ptr()] = buf.untyped_storage().nbytes()
+    return sum(storages.values()), mode.peak
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_plan_counts_the_pipeline_runtime_buffers(schedule):
+    """torch's ``PipelineStage`` keeps a receive buffer per micro-batch for a stage's input
+    activations (every stage but the first) and its output gradients (every stage but the
+    last; only the values that carry one), each the size the cut sends across that
+    boundary, and holds a stage's output for
+    each micro-batch in flight: what the plan's memory table adds to the saved activations
+    (``data_parallel.pipeline_buffers``), and what the search prices
+    (``cost.memory.pipeline_buffers``)."""
+    from autopar.axes.data_parallel import pipeline_buffers
+
+    x, y = tokens(C)
+    prog = autoparallelize(build("llama", C), Mesh(dp=2, pp=2), (x, y), loss_fn=lm_loss,
+                           zero=1, n_microbatches=M, schedule=schedule)  # fmt: skip
+    jobs = rank_jobs(program_view(prog), (x, y), None, [])
+    results = get_pool(4).run(_pipeline_buffers_held, prog.mesh.axes, jobs)
+    pipe, n = prog.pipeline, len(prog.stages)
+    sent, back = pipe.cut.boundary_bytes, pipe.cut.gradient_bytes
+    assert all(0 < g < b for g, b in zip(back[:-1], sent[:-1], strict=True))  # ids: no grad
+    assert sent[-1] == back[-1] == 0
+    for rank, (recv, peak) in enumerate(results):
+        stages = prog.stages_of(prog.mesh.coordinates(rank)["pp"])
+        buffers = sum(M * (sent[i - 1] if i > 0 else 0) + M * (back[i] if i < n - 1 else 0)
+                      for i in stages)  # fmt: skip
+        assert recv == buffers, (rank, recv, buffers)  # one buffer per micro-batch, cut-sized
+        held = [(i, pipe.config.in_flight(i, n)) for i in stages]
+        if schedule == "1f1b":  # the outputs held for backward at once: the in-flight count
+            # (an interleaved rank's count is its average over its chunks, `in_flight`, so
+            # one chunk may hold more while the other holds less)
+            assert peak == sum(min(h, M) for i, h in held if i < n - 1), (rank, peak, held)
+        # the table's term: the buffers less the in-flight inputs, plus the held outputs
+        inputs = sum(min(h, M) * sent[i - 1] for i, h in held if i > 0)
+        outputs = sum(min(h, M) * sent[i] for i, h in held if i < n - 1)
+        assert pipeline_buffers(prog, held) == pytest.approx(buffers - inputs + outputs)

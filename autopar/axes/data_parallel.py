@@ -328,23 +328,60 @@ def join_cp(inner: Program) -> tuple[Program, tuple[str, ...]]:
 
 
 def memory_table(inner: Program, dp: int, per: StateBytes) -> tuple[ZeroMemory, ...]:
-    """Step 4: per-rank bytes at each ZeRO stage of sub-mesh program ``inner``: per rank
-    position (one per pipeline rank, holding its stages; one without pp) its parameters and
-    saved activations (:func:`saved_activations`; under pp times the micro-batches the stage
-    holds at its peak), and at each stage the position that needs the most.  Under pp each
-    micro-batch's backward reduce-scatters ZeRO-2/3's gradients (the runtime's
-    ``PipelineRunner`` step 6), except under the zero-bubble schedule, which holds them whole
-    (`zero_memory`'s ``deferred``)."""
-    rows = []
+    """Step 4: per-rank bytes at each ZeRO stage of sub-mesh program ``inner``: at each
+    stage the rank position that needs the most (:func:`position_rows`)."""
+    state = _position_state(inner)
+    rows = [position_rows(inner, dp, s, per, state) for s in ZERO_STAGES]
+    return tuple(max(r, key=lambda m: m.total) for r in rows)
+
+
+def position_rows(inner: Program, dp: int, stage: int, per: StateBytes,
+                  state: tuple | None = None) -> list[ZeroMemory]:  # fmt: skip
+    """Per rank position (one per pipeline rank, holding its stages; one without pp) its
+    bytes at ZeRO ``stage``: its parameters and saved activations (:func:`saved_activations`;
+    under pp times the micro-batches the stage holds at its peak, plus the pipeline runtime's
+    buffers: :func:`pipeline_buffers`).  Under pp each micro-batch's backward reduce-scatters
+    ZeRO-2/3's gradients (the runtime's ``PipelineRunner`` step 6), except under the
+    zero-bubble schedule, which holds them whole (`zero_memory`'s ``deferred``).  ``state``:
+    :func:`_position_state` of ``inner`` when already computed."""
     deferred = _defers_sync(inner)
+    return [zero_memory(params, dp, stage, per, activations, kept, deferred)
+            for params, kept, activations in state or _position_state(inner)]  # fmt: skip
+
+
+def _position_state(inner: Program) -> tuple[tuple[int, int, float], ...]:
+    """Per rank position: (parameters, parameters kept gathered, activation bytes)."""
+    out = []
     for modules, held in _rank_positions(inner):
         shapes = _grad_shapes_of(modules)
         params = sum(torch.Size(s).numel() for s, _ in shapes.values())
         kept = sum(torch.Size(shapes[n][0]).numel() for n in _kept_in(modules) if n in shapes)
-        activations = sum(n * saved_activations(inner.stages[i]) for i, n in held)
-        rows.append([zero_memory(params, dp, s, per, activations, kept, deferred)
-                     for s in ZERO_STAGES])  # fmt: skip
-    return tuple(max((r[s] for r in rows), key=lambda m: m.total) for s in ZERO_STAGES)
+        activations = (sum(n * saved_activations(inner.stages[i]) for i, n in held)
+                       + pipeline_buffers(inner, held))  # fmt: skip
+        out.append((params, kept, activations))
+    return tuple(out)
+
+
+def pipeline_buffers(inner: Program, held: list[tuple[int, float]]) -> float:
+    """Bytes torch.distributed.pipelining holds on a rank position besides the saved tensors
+    of the micro-batches in flight (`cost.memory.pipeline_buffers`, "torch"): per stage it
+    holds (index, micro-batches in flight), a receive buffer per micro-batch for its input
+    activations (every stage but the first; an in-flight one is its saved input, counted
+    already) and for its output gradients (every stage but the last), and the outputs of its
+    in-flight micro-batches, kept for their backward; each the size the cut sends across
+    that boundary (`StageCut.boundary_bytes`; a gradient buffer only for the values that
+    carry a gradient, `StageCut.gradient_bytes`).  0 without pp."""
+    pipe = inner.pipeline
+    if pipe is None:
+        return 0.0
+    m, last = pipe.config.n_microbatches, len(inner.stages) - 1
+    sent, back = pipe.cut.boundary_bytes, pipe.cut.gradient_bytes
+    total = 0.0
+    for i, n in held:
+        n = min(n, m)
+        total += (m - n) * sent[i - 1] if i > 0 else 0.0
+        total += m * back[i] + n * sent[i] if i < last else 0.0
+    return total
 
 
 def predict_step(inner: Program, mesh: Mesh, stage: int, axes: tuple[str, ...],

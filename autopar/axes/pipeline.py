@@ -71,6 +71,14 @@ class StageCut:
     units: tuple[str, ...]
     stage_s: tuple[float, ...]  # predicted forward+backward seconds per micro-batch per stage
     boundary_bytes: tuple[float, ...]  # bytes sent by each stage per micro-batch (forward)
+    # of those, the bytes of the values that carry a gradient (what comes back in backward);
+    # None: all of them
+    grad_bytes: tuple[float, ...] | None = None
+
+    @property
+    def gradient_bytes(self) -> tuple[float, ...]:
+        """Bytes of each stage's sent values whose gradient comes back per micro-batch."""
+        return self.boundary_bytes if self.grad_bytes is None else self.grad_bytes
 
     @property
     def slowest_s(self) -> float:
@@ -153,14 +161,15 @@ def choose_cuts(traced: Traced, units: list[Unit], mesh: Mesh, config: PipelineC
         return _stage_cut(saved_cuts(units, saved, p, traced), units, costs, boundary, sent)
     pinned = [_pin_index(units, name, traced) for name in split_points]
     capacity = memory_limit if memory_limit is not None else mesh.cluster.gpu.hbm_bytes
-    fits = _memory_check(traced, units, mesh, config, p, capacity)
+    fits = _memory_check(traced, units, mesh, config, p, capacity, sent)
     try:
         cuts, _ = balanced_cuts(costs, boundary, p, pinned, fits)
     except PlanError as exc:
         held = config.in_flight(0, p)
         raise FitError(
-            f"{exc}: a stage must hold its parameters with Adam state (16 B each) and "
-            f"{held:g} in-flight micro-batch(es) of activations within {capacity / 2**30:.2f} GiB "
+            f"{exc}: a stage must hold its parameters with Adam state (16 B each), "
+            f"{held:g} in-flight micro-batch(es) of activations and a receive buffer per "
+            f"micro-batch at each boundary within {capacity / 2**30:.2f} GiB "
             f"per GPU ({'memory_limit' if memory_limit is not None else mesh.cluster.gpu.name}); "
             "use more pipeline stages, more micro-batches, tp, or a larger memory_limit"
         ) from None
@@ -228,8 +237,12 @@ def _pin_index(units: list[Unit], name: str, traced: Traced) -> int:
 
 
 def _memory_check(traced: Traced, units: list[Unit], mesh: Mesh, config: PipelineConfig,
-                  p: int, capacity: float) -> Callable[[int, int], bool]:  # fmt: skip
+                  p: int, capacity: float, sent: Sequence[float] = ()) -> Callable[[int, int], bool]:  # fmt: skip
+    """A stage over units [a, b) fits: its parameters with Adam state, the first stage's
+    in-flight micro-batches of its activations, and the runtime's buffers at its boundaries
+    (``sent[i]``: bytes live before unit i; `data_parallel.pipeline_buffers`), all ÷ tp."""
     tp = mesh.size("tp")
+    m = config.n_microbatches
     param_bytes = []
     act_bytes = []
     for u in units:
@@ -238,8 +251,15 @@ def _memory_check(traced: Traced, units: list[Unit], mesh: Mesh, config: Pipelin
         act_bytes.append(sum(_nbytes(n) for n in u.nodes) / tp)
     held = config.in_flight(0, p)  # every stage is checked with the first stage's worst case
 
+    def buffers(a: int, b: int) -> float:
+        if not sent:
+            return 0.0
+        inputs = (m - min(held, m)) * sent[a] if a > 0 else 0.0
+        outputs = (m + min(held, m)) * sent[b] if b < len(units) else 0.0
+        return (inputs + outputs) / tp
+
     def fits(a: int, b: int) -> bool:
-        return sum(param_bytes[a:b]) + held * sum(act_bytes[a:b]) <= capacity
+        return sum(param_bytes[a:b]) + held * sum(act_bytes[a:b]) + buffers(a, b) <= capacity
 
     return fits
 
@@ -483,7 +503,9 @@ def compile_pipeline(traced: Traced, mesh: Mesh, config: PipelineConfig, options
     grad = frozenset(n.name for n in needs_grad(traced))
     sent = [_sent_bytes(st.graph_module, g, grad, param_dtype) if g is not graphs[-1] else 0.0
             for st, g in zip(stages, graphs, strict=True)]  # fmt: skip
-    cut = dataclasses.replace(cut, boundary_bytes=tuple(sent))
+    back = [_sent_bytes(st.graph_module, g, grad, param_dtype, only_grad=True)
+            if g is not graphs[-1] else 0.0 for st, g in zip(stages, graphs, strict=True)]  # fmt: skip
+    cut = dataclasses.replace(cut, boundary_bytes=tuple(sent), grad_bytes=tuple(back))
     return stages, PipelineLayout(cut=cut, config=config, graphs=tuple(graphs), grad_names=grad,
                                   split=split, tied=_tied(stages),
                                   model_name=traced.model_name)  # fmt: skip
@@ -549,12 +571,16 @@ def sent_placements(gm: fx.GraphModule, stage: StageGraph) -> dict[str, str]:
 
 
 def _sent_bytes(gm: fx.GraphModule, stage: StageGraph, grad: frozenset[str],
-                param_dtype: torch.dtype) -> float:  # fmt: skip
+                param_dtype: torch.dtype, only_grad: bool = False) -> float:  # fmt: skip
     """Bytes one rank of ``stage`` sends per micro-batch: its boundary values' local shards
-    in the dtype they cross in (``passes.pipeline_split.boundary_dtype``)."""
+    in the dtype they cross in (``passes.pipeline_split.boundary_dtype``); ``only_grad``:
+    only the values that carry a gradient (whose gradients come back in backward)."""
     total = 0.0
     for node, name in zip(_outputs(gm), stage.outputs, strict=True):
         v = node.meta.get("val") if isinstance(node, fx.Node) else None
+        if only_grad and not (name in grad and isinstance(v, torch.Tensor)
+                              and v.dtype.is_floating_point):  # fmt: skip
+            continue
         if isinstance(v, torch.Tensor):
             total += v.numel() * boundary_dtype(v.dtype, v.shape, name in grad, param_dtype).itemsize
     return total

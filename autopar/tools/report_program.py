@@ -125,17 +125,10 @@ def _param_dtype(prog: Any) -> torch.dtype:
 
 def position_rows(prog: Any, dp: int, stage: int, param_dtype: torch.dtype) -> list[Any]:
     """Step 4: per pipeline rank the `ZeroMemory` row at `stage` that `memory_table` takes
-    its maximum over (the same helpers, the rows kept)."""
+    its maximum over (`data_parallel.position_rows`, the rows kept)."""
     from autopar.axes import data_parallel as D
 
-    per, rows = D.StateBytes.for_dtype(param_dtype), []
-    for modules, held in D._rank_positions(prog):
-        shapes = D._grad_shapes_of(modules)
-        params = sum(torch.Size(s).numel() for s, _ in shapes.values())
-        kept = sum(torch.Size(shapes[n][0]).numel() for n in D._kept_in(modules) if n in shapes)
-        activations = sum(n * D.saved_activations(prog.stages[i]) for i, n in held)
-        rows.append(D.zero_memory(params, dp, stage, per, activations, kept))
-    return rows
+    return D.position_rows(prog, dp, stage, D.StateBytes.for_dtype(param_dtype))
 
 
 def _pipeline_memory(prog: Any, dp: Any) -> tuple[MemoryBar, ...]:

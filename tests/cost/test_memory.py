@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cost.config import ParallelConfig
+from cost.errors import CostInputError
 from cost.hardware import GPU
 from cost.memory import RESERVED_BYTES, in_flight, model_state, rank_memory
 from cost.model import ModelShape
@@ -88,7 +89,10 @@ def test_rank_memory_breakdown_and_fit():
     """Two pipeline ranks, cut as the compiled pipeline cuts (the slowest stage least; with
     no boundary priced, on compute alone): rank 0 the embedding and k blocks with p = 2
     micro-batches in flight (1F1B), rank 1 the other blocks and the LM head with one
-    micro-batch and its logits; the memory is the fuller rank's."""
+    micro-batch and its logits; each with torch's pipeline buffers over m = 8 micro-batches
+    (rank 0: a gradient receive buffer per micro-batch and its two in-flight outputs; rank
+    1: an activation receive buffer per micro-batch, the in-flight one its saved input);
+    the memory is the fuller rank's."""
     gpu = GPU.preset("a100-40gb")
     shape = ModelShape.gpt(layers=4, hidden=1024, heads=16, seq=2048, vocab=16384)
     cfg = ParallelConfig(tp=1, pp=2, dp=4, global_batch=64, micro_batch=2, schedule="1f1b",
@@ -101,9 +105,11 @@ def test_rank_memory_breakdown_and_fit():
     assert k == 3  # the epilogue (a 16384-entry head and its loss) outweighs a layer
     assert work.post_act_bytes == 2 * shape.seq * shape.vocab * (2 + 4)
     ranks = []
-    for blocks, held, logits in ((k, 2, 0.0), (4 - k, 1, work.post_act_bytes)):
+    sent = work.boundary_bytes
+    for blocks, held, logits, buffers in ((k, 2, 0.0, (8 + 2) * sent),
+                                          (4 - k, 1, work.post_act_bytes, (8 - 1) * sent)):
         params = blocks * shape.layer_params + shape.embedding_params  # an end's table each
-        acts = held * (blocks * work.act_bytes["none"] + logits)
+        acts = held * (blocks * work.act_bytes["none"] + logits) + buffers
         ranks.append((params, acts, (2 + 4 + 12 / 4) * params + acts))  # ZeRO-1, d = 4
     params, acts, _ = max(ranks, key=lambda r: r[2])
     assert params == ranks[0][0]  # rank 0: three blocks, two micro-batches
@@ -161,3 +167,43 @@ def test_cli_grad_dtype_changes_the_gradient_bytes(capsys):
         rows[dtype] = float(next(ln.split()[-1] for ln in out.splitlines()
                                  if ln.strip().startswith("gradients")))  # fmt: skip
     assert rows["fp32"] == pytest.approx(2 * rows["bf16"], rel=1e-3)
+
+
+def test_pipeline_buffers_follow_the_runtime():
+    """What a pipeline rank holds besides its in-flight saved tensors, per runtime: torch's
+    `PipelineStage` a receive buffer per micro-batch for its input activations (beyond the
+    in-flight ones, which are its saved inputs) and for its output gradients, plus its
+    in-flight outputs; torch before May 2025 every output of every micro-batch, the last
+    stage's the logits; Megatron nothing more."""
+    from cost.memory import pipeline_buffers
+    from cost.stages import RankShare
+
+    gpu = GPU.preset("h100")
+    shape = ModelShape.gpt(layers=8, hidden=1024, heads=16, seq=2048, vocab=16384)
+    cfg = ParallelConfig(tp=2, pp=4, dp=1, global_batch=16, micro_batch=1, schedule="1f1b",
+                         virtual_stages=1, recompute="none")  # fmt: skip
+    work = shape_workload(shape, cfg, 1, gpu)
+    sent = work.boundary_bytes
+    assert sent == 2 * 2048 * 1024 / 2  # bf16, split over tp
+    assert work.output_bytes == 2 * 2048 * 16384 / 2  # bf16 logits, the vocabulary over tp
+    first = RankShare(blocks=2, first=True, last=False, chunks=1, held=4)
+    middle = RankShare(blocks=2, first=False, last=False, chunks=1, held=3)
+    last = RankShare(blocks=2, first=False, last=True, chunks=1, held=1)
+    looped = RankShare(blocks=2, first=True, last=True, chunks=2, held=5)  # 2 chunks, both ends
+    m = 16
+    assert pipeline_buffers(work, first, m) == (m + 4) * sent
+    assert pipeline_buffers(work, middle, m) == ((m - 3) + (m + 3)) * sent
+    assert pipeline_buffers(work, last, m) == (m - 1) * sent
+    assert pipeline_buffers(work, looped, m) == ((m - 5) + (m + 5)) * sent
+    assert pipeline_buffers(work, middle, m, "torch_2024") == ((m - 3) + 2 * m) * sent
+    assert pipeline_buffers(work, last, m, "torch_2024") == (m - 1) * sent + m * work.output_bytes
+    for share in (first, middle, last, looped):
+        assert pipeline_buffers(work, share, m, "in_flight") == 0.0
+    with pytest.raises(CostInputError, match="pp_buffers"):
+        ParallelConfig(global_batch=8, pp_buffers="none")
+    # without pp no rank has a neighbour: rank_memory adds nothing
+    flat = ParallelConfig(tp=2, pp=1, dp=4, global_batch=16, micro_batch=1, recompute="none")
+    one = shape_workload(shape, flat, 1, gpu)
+    mem = rank_memory(one, pp=1, zero=1, dp_dense=4, dp_expert=4, schedule="1f1b",
+                      micro_batches=4, virtual=1, recompute="none", capacity=gpu.hbm_bytes)  # fmt: skip
+    assert mem.activations == one.layers * one.act_bytes["none"] + one.post_act_bytes
