@@ -186,13 +186,16 @@ ASYNC_TP_MISS = ("AsyncTP (Dec 2024) hid less tp traffic than every-chunk-but-th
                  "measured, +16% priced):")  # fmt: skip
 # memory components the model lacks (see NOTES.md): compiled blocks' backward working set
 # (the saved set is compiled's: `cost.workload.saved_matmuls`); 70B:
-# AsyncTP's peak 4.3 GiB below the row without it; 405B: the published 1F1B peak is 9.8 GiB above interleaved
-# at the same stage weights, accumulators and in-flight micro-batches
+# AsyncTP's peak 4.3 GiB below the row without it; 405B: the published 1F1B peak is 9.8 GiB
+# above interleaved at the same stage weights, accumulators and in-flight micro-batches
 COMPILE_MEM_MISS = "compiled blocks' backward working set (not priced under op-level recompute)"
 TT70_MEM_MISS = "AsyncTP's published peak is 4.3 GiB below the row without it; not modelled"
-TT405_MEM_MISS = ("the pipelined runs' peak (the max over ranks, reserved) is 8-22 GiB above "
+TT405_MEM_MISS = ("the pipelined runs' peak (the max over ranks, reserved) is 9-19 GiB above "
                   "the model's busiest rank (whole fp32 gradients, fp8 weights, in-flight "
-                  "activations) x the reserve ratio fitted without pp: not modelled")
+                  "activations, torch's per-micro-batch receive buffers and kept outputs) x "
+                  "the reserve ratio fitted without pp, and Table 5's 1F1B peak 9.8 GiB above "
+                  "its interleaved one at the same stage weights and in-flight count: not "
+                  "modelled")
 # Tables 2 and 6 at cp >= 2: the published time per token grows faster with the sequence
 # than the work does (8B: x2.37 from 64K to 128K tokens, where even all-attention work
 # grows x2; the model x1.78), so the miss is outside the FLOPs and the ring's traffic
