@@ -60,15 +60,19 @@ class ZeroMemory:
     grads: float
     optimizer: float
     activations: float
+    # of the activations, what the pipeline runtime holds besides the saved tensors (receive
+    # buffers, in-flight outputs: `autopar.axes.data_parallel.pipeline_buffers`); 0 without pp
+    buffers: float = 0.0
 
     @property
     def total(self) -> float:
         return self.weights + self.grads + self.optimizer + self.activations
 
     def __str__(self) -> str:
+        held = f" incl. pipeline buffers {_fmt_bytes(self.buffers)}" if self.buffers else ""
         parts = (f"weights {_fmt_bytes(self.weights)}, gradients {_fmt_bytes(self.grads)}, "
                  f"optimizer {_fmt_bytes(self.optimizer)}, activations "
-                 f"{_fmt_bytes(self.activations)}")  # fmt: skip
+                 f"{_fmt_bytes(self.activations)}{held}")  # fmt: skip
         return f"ZeRO-{self.stage}: {_fmt_bytes(self.total):>10} per rank ({parts})"
 
 

@@ -86,14 +86,16 @@ class StateBytes:
 
 
 def zero_memory(params: int, dp: int, stage: int, per: StateBytes,
-                activations: float, kept: int = 0, deferred: bool = False) -> ZeroMemory:  # fmt: skip
+                activations: float, kept: int = 0, deferred: bool = False,
+                buffers: float = 0.0) -> ZeroMemory:  # fmt: skip
     """Step 4: stage 1 shards the optimizer state over dp, 2 also gradients, 3 also weights
     (the cost model's ``model_state``, with this plan's element sizes); at stage 3 the
     ``kept`` parameters (:func:`kept_gathered`: the root group and the last block) are held
     whole between forward and backward.  ``deferred`` (a pipeline schedule that syncs
     FSDP2's gradients once, after its last micro-batch: zero-bubble, see
     ``autopar.runtime.PipelineRunner`` step 6): stages 2 and 3 hold the whole gradients,
-    and stage 3 the whole weights, at the step's peak."""
+    and stage 3 the whole weights, at the step's peak.  ``buffers``: of ``activations``, the
+    pipeline runtime's (:func:`pipeline_buffers`), shown apart."""
     weights, grads, optimizer = model_state(params, 0.0, stage, dp, dp, grad_bytes=per.grads,
                                             weight_bytes=per.weights, optim_bytes=per.optimizer,
                                             kept=kept)  # fmt: skip
@@ -101,7 +103,7 @@ def zero_memory(params: int, dp: int, stage: int, per: StateBytes,
         grads = per.grads * params
         weights = per.weights * params if stage == 3 else weights
     return ZeroMemory(stage=stage, weights=weights, grads=grads, optimizer=optimizer,
-                      activations=activations)  # fmt: skip
+                      activations=activations, buffers=buffers)  # fmt: skip
 
 
 def choose_zero(table: Sequence[ZeroMemory], limit: float, forced: int | None,
@@ -345,20 +347,20 @@ def position_rows(inner: Program, dp: int, stage: int, per: StateBytes,
     zero-bubble schedule, which holds them whole (`zero_memory`'s ``deferred``).  ``state``:
     :func:`_position_state` of ``inner`` when already computed."""
     deferred = _defers_sync(inner)
-    return [zero_memory(params, dp, stage, per, activations, kept, deferred)
-            for params, kept, activations in state or _position_state(inner)]  # fmt: skip
+    return [zero_memory(params, dp, stage, per, saved + buffers, kept, deferred, buffers)
+            for params, kept, saved, buffers in state or _position_state(inner)]  # fmt: skip
 
 
-def _position_state(inner: Program) -> tuple[tuple[int, int, float], ...]:
-    """Per rank position: (parameters, parameters kept gathered, activation bytes)."""
+def _position_state(inner: Program) -> tuple[tuple[int, int, float, float], ...]:
+    """Per rank position: (parameters, parameters kept gathered, saved activation bytes,
+    pipeline buffer bytes)."""
     out = []
     for modules, held in _rank_positions(inner):
         shapes = _grad_shapes_of(modules)
         params = sum(torch.Size(s).numel() for s, _ in shapes.values())
         kept = sum(torch.Size(shapes[n][0]).numel() for n in _kept_in(modules) if n in shapes)
-        activations = (sum(n * saved_activations(inner.stages[i]) for i, n in held)
-                       + pipeline_buffers(inner, held))  # fmt: skip
-        out.append((params, kept, activations))
+        saved = sum(n * saved_activations(inner.stages[i]) for i, n in held)
+        out.append((params, kept, saved, pipeline_buffers(inner, held)))
     return tuple(out)
 
 
