@@ -19,8 +19,9 @@ Algorithm (`rank_memory`, per pipeline rank; the most loaded one is the rank's m
 3. Activations: saved bytes per layer and micro-batch for the recompute mode × the rank's
    blocks (+ the fp32 logits on the rank holding the LM head) × the micro-batches in flight
    on that rank (`in_flight`: GPipe m, 1F1B min(p − r, m) on rank r, interleaved
-   min(m, min(p − r, m)·(1 + (p−1)/(p·v)))); full recompute also holds one layer's un-recomputed
-   working set during backward. Under pp the runtime's buffers come on top
+   min(m, p + (p − 1 − 2r)/v), its warm-up's chunk forwards plus one; an interleaved head's
+   logits once); full recompute also holds one layer's un-recomputed working set during
+   backward. Under pp the runtime's buffers come on top
    (`pipeline_buffers`, `ParallelConfig.pp_buffers`): torch.distributed.pipelining allocates
    one receive buffer per micro-batch for a stage's input activations (all but the first
    stage; an in-flight micro-batch's is its saved input, already counted) and one for its
@@ -69,17 +70,22 @@ class MemoryBreakdown:
 
 def in_flight(schedule: str, pp: int, micro_batches: int, virtual: int, rank: int = 0) -> float:
     """Micro-batches whose activations pipeline rank `rank` (default the first) holds at its
-    peak: GPipe all; 1F1B one per rank from it to the last (at most all); interleaved that
-    stretched by its longer warm-up, at most all of them (every chunk of every micro-batch;
-    `autopar.axes.pipeline.PipelineConfig.in_flight`)."""
+    peak: GPipe all; 1F1B one per rank from it to the last (at most all); interleaved its
+    warm-up's chunk forwards plus one, in micro-batches of all its chunks, p + (p − 1 − 2r)/v,
+    at most all of them (`autopar.axes.pipeline.PipelineConfig.in_flight`).  An interleaved
+    rank's last chunk runs each forward just before its backward: the logits of the rank
+    that holds the head are counted once (`_rank_breakdown`)."""
     if pp == 1:
         return 1.0
     if schedule == "gpipe":
         return float(micro_batches)
-    held = float(min(pp - rank, micro_batches))
     if schedule != "interleaved":
-        return held
-    return min(float(micro_batches), held * (1 + (pp - 1) / (pp * virtual)))
+        return float(min(pp - rank, micro_batches))
+    # torch's ScheduleInterleaved1F1B and Megatron's interleaved schedule warm up with
+    # (v - 1)·p + 2·(p - 1 - r) chunk forwards on rank r and run one more before its first
+    # backward; from then on each forward is followed by a backward
+    chunks = min(micro_batches * virtual, (virtual - 1) * pp + 2 * (pp - 1 - rank) + 1)
+    return chunks / virtual
 
 
 def model_state(params_dense: float, params_expert: float, zero: int, dp_dense: int,
@@ -189,7 +195,10 @@ def _rank_breakdown(work: Workload, share: RankShare, zero: int, dp_dense: int, 
     if whole_grads:  # the unsharded accumulators replace the shards at the step's peak
         grads = grad_bytes * (dense + share.blocks * work.layer_expert_params)
     working = work.act_bytes["none"] if recompute == "full" else 0.0
-    held = share.blocks * work.act_bytes[recompute] + (work.post_act_bytes if share.last else 0.0)
+    # the epilogue's logits: every held micro-batch's, but an interleaved rank's last chunk
+    # runs each forward just before its backward, so it holds one's
+    logits = work.post_act_bytes * (1.0 if share.chunks > 1 else share.held) if share.last else 0.0
+    saved = share.held * share.blocks * work.act_bytes[recompute] + logits
     return MemoryBreakdown(weights=weights, grads=grads, optimizer=optim,
-                           activations=share.held * held + working, reserved=RESERVED_BYTES,
+                           activations=saved + working, reserved=RESERVED_BYTES,
                            capacity=capacity)  # fmt: skip

@@ -179,10 +179,11 @@ def _pipeline_buffers_held(rank, groups, share, args, kwargs, cots, data):
     senders = [st for st in runner.stages if not st.is_last]
 
     class Sample(TorchDispatchMode):
-        peak = 0
+        peak = chunks = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.peak = max(self.peak, sum(len(st.fwd_cache) for st in senders))
+            self.chunks = max(self.chunks, sum(len(st.fwd_cache) for st in runner.stages))
             return func(*args, **(kwargs or {}))
 
     runner.step(*args, **kwargs)
@@ -195,7 +196,7 @@ def _pipeline_buffers_held(rank, groups, share, args, kwargs, cots, data):
                 buf = getattr(info, "buffer", None)
                 if isinstance(buf, torch.Tensor) and buf.untyped_storage().nbytes():
                     storages[buf.untyped_storage().data_ptr()] = buf.untyped_storage().nbytes()
-    return sum(storages.values()), mode.peak
+    return sum(storages.values()), mode.peak, mode.chunks
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
@@ -218,12 +219,18 @@ def test_plan_counts_the_pipeline_runtime_buffers(schedule):
     sent, back = pipe.cut.boundary_bytes, pipe.cut.gradient_bytes
     assert all(0 < g < b for g, b in zip(back[:-1], sent[:-1], strict=True))  # ids: no grad
     assert sent[-1] == back[-1] == 0
-    for rank, (recv, peak) in enumerate(results):
+    for rank, (recv, peak, chunks) in enumerate(results):
         stages = prog.stages_of(prog.mesh.coordinates(rank)["pp"])
         buffers = sum(M * (sent[i - 1] if i > 0 else 0) + M * (back[i] if i < n - 1 else 0)
                       for i in stages)  # fmt: skip
         assert recv == buffers, (rank, recv, buffers)  # one buffer per micro-batch, cut-sized
         held = [(i, pipe.config.in_flight(i, n)) for i in stages]
+        # the micro-batches in flight at the rank's peak, counted over its stages: the
+        # schedule's warm-up plus one (interleaved: (v - 1) p + 2 (p - 1 - r) + 1 chunks); a
+        # rank holding only the loss stage is not sampled (its one cache entry lives between
+        # forward and backward, where no op is dispatched)
+        if stages != [n - 1]:
+            assert chunks == sum(h for _, h in held), (rank, chunks, held)
         if schedule == "1f1b":  # the outputs held for backward at once: the in-flight count
             # (an interleaved rank's count is its average over its chunks, `in_flight`, so
             # one chunk may hold more while the other holds less)

@@ -359,9 +359,22 @@ def _position_state(inner: Program) -> tuple[tuple[int, int, float, float], ...]
         shapes = _grad_shapes_of(modules)
         params = sum(torch.Size(s).numel() for s, _ in shapes.values())
         kept = sum(torch.Size(shapes[n][0]).numel() for n in _kept_in(modules) if n in shapes)
-        saved = sum(n * saved_activations(inner.stages[i]) for i, n in held)
-        out.append((params, kept, saved, pipeline_buffers(inner, held)))
+        out.append((params, kept, _held_activations(inner, held), pipeline_buffers(inner, held)))
     return tuple(out)
+
+
+def _held_activations(inner: Program, held: list[tuple[int, float]]) -> float:
+    """A rank position's saved activations at its peak: each stage's blocks times the
+    micro-batches it holds; what lies after the blocks (head, loss) likewise, but once on an
+    interleaved rank (its last stage runs each forward just before its backward); full
+    recompute's one-layer working set once (`cost.memory._rank_breakdown`)."""
+    looped = inner.pipeline is not None and inner.pipeline.config.virtual_stages > 1
+    saved = working = 0.0
+    for i, n in held:
+        blocks, layer, post = _activation_parts(inner.stages[i])
+        saved += n * blocks + (post if looped else n * post)
+        working = max(working, layer)
+    return saved + working
 
 
 def pipeline_buffers(inner: Program, held: list[tuple[int, float]]) -> float:
@@ -561,6 +574,12 @@ def saved_activations(program: Any) -> float:
     parallelism included, counts) and in each value's run-time dtype, its blocks under its recompute mode plus what lies after
     them (head, loss); a graph the cost model cannot price (float64) falls back to its plan's
     memory less the fp32 model state its solver counts."""
+    return sum(_activation_parts(program))
+
+
+def _activation_parts(program: Any) -> tuple[float, float, float]:
+    """:func:`saved_activations` in parts: (its blocks' saved bytes, full recompute's one-layer
+    working set, what lies after the blocks)."""
     mode = getattr(program, "recompute", "none")
     work = local_work(program)
     if work is None:
@@ -568,9 +587,9 @@ def saved_activations(program: Any) -> float:
 
         local = build_module(program.priced_graph, program.traced, program.mesh, 0)
         state = 16.0 * sum(p.numel() for p in local.parameters() if p.requires_grad)
-        return max(0.0, getattr(program.plan, "memory_bytes", 0.0) - state)
+        return max(0.0, getattr(program.plan, "memory_bytes", 0.0) - state), 0.0, 0.0
     working = work.act_bytes["none"] if mode == "full" else 0.0
-    return work.layers * work.act_bytes[mode] + working + work.post_act_bytes
+    return work.layers * work.act_bytes[mode], working, work.post_act_bytes
 
 
 def _rank_positions(inner: Program) -> list[tuple[list[Any], list[tuple[int, int]]]]:

@@ -125,9 +125,9 @@ class PipelineConfig:
     def in_flight(self, stage: int, stages: int) -> float:
         """Micro-batches of activations ``stage`` of ``stages`` holds at its peak: GPipe all
         of them; 1F1B one per stage still ahead of it (at most all); interleaved (stage s on
-        pipeline rank r = s mod p of p ranks, v stages each) the rank's 1F1B count
-        stretched by its longer warm-up, (1 + (p - 1) / (p v)), at most all m micro-batches
-        (every chunk of each), as ``cost.memory`` prices it."""
+        pipeline rank r = s mod p of p ranks, v stages each) the rank's warm-up chunk
+        forwards plus one, (v - 1) p + 2 (p - 1 - r) + 1, in micro-batches of all its
+        stages (÷ v), at most all m, as ``cost.memory.in_flight`` prices it."""
         m = self.n_microbatches
         if self.schedule == "gpipe":
             return m
