@@ -161,15 +161,27 @@ def pipeline_buffers(work: Workload, share: RankShare, micro_batches: int,
     counts the rank's held micro-batches."""
     if pp_buffers == "in_flight":
         return 0.0
-    m = float(micro_batches)
-    held = min(share.held, m)
     sent = work.boundary_bytes if work.cut_bytes is None else work.cut_bytes
     receives = share.chunks - share.first  # chunks with a previous stage
     sends = share.chunks - share.last  # chunks with a next stage
     keeps = pp_buffers == "torch_2024"
-    outputs = m if keeps else held
-    total = sent * (receives * (m - held) + sends * (m + outputs))
-    return total + (m * work.output_bytes if keeps and share.last else 0.0)
+    total = (receives * stage_buffers(micro_batches, share.held, sent, 0.0)
+             + sends * stage_buffers(micro_batches, share.held, 0.0, sent, keeps=keeps))  # fmt: skip
+    return total + (micro_batches * work.output_bytes if keeps and share.last else 0.0)
+
+
+def stage_buffers(micro_batches: int, held: float, received: float, sent: float,
+                  returned: float | None = None, keeps: bool = False) -> float:  # fmt: skip
+    """One pipeline stage's share of `pipeline_buffers` ("torch"): m receive buffers of its
+    input boundary (`received` bytes, 0 on the first stage) less the `held` in-flight ones
+    (its saved inputs), m receive buffers of the gradient coming back over its output
+    boundary (`returned`, default `sent`; 0 on the last stage), and its outputs (`sent`
+    bytes) of the held micro-batches, of all m when the runtime `keeps` them to the step's
+    end.  The search, the compiled memory table and the cut's fit check all price by it."""
+    m = float(micro_batches)
+    held = min(held, m)
+    back = sent if returned is None else returned
+    return (m - held) * received + m * back + (m if keeps else held) * sent
 
 
 def _rank_breakdown(work: Workload, share: RankShare, zero: int, dp_dense: int, dp_expert: int,

@@ -386,17 +386,16 @@ def pipeline_buffers(inner: Program, held: list[tuple[int, float]]) -> float:
     in-flight micro-batches, kept for their backward; each the size the cut sends across
     that boundary (`StageCut.boundary_bytes`; a gradient buffer only for the values that
     carry a gradient, `StageCut.gradient_bytes`).  0 without pp."""
+    from cost.memory import stage_buffers
+
     pipe = inner.pipeline
     if pipe is None:
         return 0.0
     m, last = pipe.config.n_microbatches, len(inner.stages) - 1
     sent, back = pipe.cut.boundary_bytes, pipe.cut.gradient_bytes
-    total = 0.0
-    for i, n in held:
-        n = min(n, m)
-        total += (m - n) * sent[i - 1] if i > 0 else 0.0
-        total += m * back[i] + n * sent[i] if i < last else 0.0
-    return total
+    return sum(stage_buffers(m, n, sent[i - 1] if i > 0 else 0.0, sent[i] if i < last else 0.0,
+                             back[i] if i < last else 0.0)
+               for i, n in held)  # fmt: skip
 
 
 def predict_step(inner: Program, mesh: Mesh, stage: int, axes: tuple[str, ...],

@@ -48,6 +48,7 @@ from cost.comm import collective_time
 from cost.compute import train_factor
 from cost.errors import CostInputError
 from cost.memory import in_flight as cost_in_flight
+from cost.memory import stage_buffers
 from cost.stages import balanced_cuts as stage_cuts
 from passes import PassRecord, record
 from passes.pipeline_split import (
@@ -254,9 +255,8 @@ def _memory_check(traced: Traced, units: list[Unit], mesh: Mesh, config: Pipelin
     def buffers(a: int, b: int) -> float:
         if not sent:
             return 0.0
-        inputs = (m - min(held, m)) * sent[a] if a > 0 else 0.0
-        outputs = (m + min(held, m)) * sent[b] if b < len(units) else 0.0
-        return (inputs + outputs) / tp
+        inputs, outputs = sent[a] if a > 0 else 0.0, sent[b] if b < len(units) else 0.0
+        return stage_buffers(m, held, inputs, outputs) / tp
 
     def fits(a: int, b: int) -> bool:
         return sum(param_bytes[a:b]) + held * sum(act_bytes[a:b]) + buffers(a, b) <= capacity
