@@ -173,6 +173,7 @@ TT_COMPILED_SAC = {**TT_COMPILED, "selective": "matmuls"}
 # `tp_comm_overlap_cfg = userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192`, ..._h16384_tp8_cp2_...)
 MB_OVERLAP = {"tp_overlap": True}
 MEGATRON_2021 = {"attention": "unfused", "sequence_parallel": False, "overlap_grad_reduce": False}
+LLAMA3_FSDP = {"zero": 3, "reshard_after_forward": False, "defer_grad_sync": True}
 LLAMA3_8K_MISS = ("without recompute the model prices it too fast and counts more activation "
                   "memory than 80 GB (Meta's run fit): the per-layer saved set or in-flight "
                   "count of Meta's schedule, and a slower component,")
@@ -288,16 +289,22 @@ ROWS: tuple[Row, ...] = (
     # interleaved schedule whose "first model chunk on the first stage has only the
     # embedding, and the last model chunk on the last stage has only output projection and
     # loss", after they "reduce one Transformer layer each from the first and the last
-    # stages": one layer a chunk, so 16·V − 2 = 126 layers, V = 8 (derived, not stated)
+    # stages": one layer a chunk, so 16·V − 2 = 126 layers, V = 8 (derived, not stated).
+    # Data parallelism on every row as §3.3.2 describes it: "Our use of FSDP for Llama 3 shards
+    # optimizer states and gradients, but for model shards we do not reshard after forward
+    # computation" (ZeRO-3, `reshard_after_forward=False`), and "we use FP32 gradient
+    # accumulation during backward computation over multiple micro-batches and also
+    # reduce-scatter gradients in FP32" (fp32 accumulators over the micro-batches, one fp32
+    # reduce-scatter after the last: `defer_grad_sync`)
     *(Row(name=f"Llama3 405B 8K, {n} GPU", source=LLAMA3, model=_llama3("405b"),
           cluster=_cluster("dgx-h100", n),
           config=_cfg(8, 16, n // 128, gbs=2048, mbs=1, recompute="none",
-                      schedule="interleaved", vp=8),
+                      schedule="interleaved", vp=8, **LLAMA3_FSDP),
           unit="TFLOP/s/GPU palm", peak="H100 989 TFLOP/s bf16", published=tf,
           note=LLAMA3_8K_MISS)
       for n, tf in ((8192, 430), (16384, 400))),
     Row(name="Llama3 405B 128K CP16", source=LLAMA3, model=_llama3("405b", 131072),
-        cluster=_cluster("dgx-h100", 16384), config=_cfg(8, 16, 8, 16, gbs=128),
+        cluster=_cluster("dgx-h100", 16384), config=_cfg(8, 16, 8, 16, gbs=128, **LLAMA3_FSDP),
         unit="TFLOP/s/GPU palm", peak="H100 989 TFLOP/s bf16", published=380),
     # torchtitan, H100 96GB HBM2e (Grand Teton), FSDP2, bf16; every row of Tables 1 to 6.
     # Memory published, taken as torchtitan's logged peak (`max_reserved_gib`, the metric its
