@@ -36,6 +36,10 @@ Algorithm (`step_time`):
    NIC, so the ring's time on the wire in a pass is subtracted from the window the dp traffic
    hides behind (pp sends are priced on the critical path, never inside a compute window).
 7. Optimizer: Adam reads and writes ~34 B per local parameter shard at HBM speed.
+8. Gradient accumulation (`accumulation_time`): where ZeRO-2/3 gradients accumulate unsharded
+   over the micro-batches (`ParallelConfig.defer_grad_sync`, FSDP2 under torch's pipeline
+   schedules) each micro-batch's 16-bit gradient is added into the accumulators by a kernel
+   of its own, at streaming HBM speed, on the critical path of the rank's backward.
 """
 
 from __future__ import annotations
@@ -355,6 +359,24 @@ def bubble_time(micro_batch_s: float, pp: int, virtual: int = 1) -> float:
     return (pp - 1) / virtual * micro_batch_s
 
 
+def accumulation_time(params: float, micro_batches: int, cfg: ParallelConfig, gpu,
+                      new_bytes: int = 2) -> float:  # fmt: skip
+    """Seconds a pipeline rank spends accumulating the unsharded gradients of its `params`
+    local parameters over `micro_batches` (step 8): only under `cfg.defer_grad_sync` with pp
+    and ZeRO >= 2 (else gradients are reduce-scattered each micro-batch, or accumulate inside
+    the weight-gradient GEMM as Megatron's fused accumulation does).  FSDP2 (torch's
+    `FSDPParam.to_accumulated_grad_if_needed` / `accumulate_unsharded_grad_if_needed`): the
+    first micro-batch's `new_bytes`-per-element gradient is cast into a `cfg.grad_bytes`
+    accumulator when the dtypes differ (read `new_bytes`, write `grad_bytes`), every later one
+    is added to it (read `new_bytes` + `grad_bytes`, write `grad_bytes`)."""
+    if not (cfg.defer_grad_sync and cfg.pp > 1 and cfg.zero >= 2) or micro_batches < 1:
+        return 0.0
+    first = new_bytes + cfg.grad_bytes if cfg.grad_bytes != new_bytes else 0
+    later = new_bytes + 2 * cfg.grad_bytes
+    moved = params * (first + (micro_batches - 1) * later)
+    return moved / (gpu.hbm_bw * MEMORY_BW_FRACTION)
+
+
 def optimizer_time(params: float, shard: int, gpu) -> float:
     """Adam's step over `params` local parameters sharded `shard` ways (step 7): it reads and
     writes `ADAM_BYTES_PER_PARAM` bytes per parameter of the shard at streaming HBM speed."""
@@ -418,8 +440,9 @@ def step_time(work: Workload, cfg: ParallelConfig, cluster: Cluster, *, micro_ba
 def _rank_step(work: Workload, cfg: ParallelConfig, cluster: Cluster, share: RankShare,
                micro_batches: int, v: int, recompute: str, spans: dict,
                coll: Collective) -> StepBreakdown:  # fmt: skip
-    """Steps 1-7 on one pipeline rank: its micro-batches, the bubble at its micro-batch
-    time, its gradients' exposed traffic and its optimizer step."""
+    """Steps 1-8 on one pipeline rank: its micro-batches, the bubble at its micro-batch
+    time, its gradients' exposed traffic, its optimizer step and its deferred gradients'
+    accumulation (counted with the compute)."""
     ends = (share.first, share.last)
     compute_mb, comm_mb = micro_batch_time(work, cfg, coll, spans, recompute, share.blocks, v,
                                            cluster, ends)  # fmt: skip
@@ -432,6 +455,7 @@ def _rank_step(work: Workload, cfg: ParallelConfig, cluster: Cluster, share: Ran
     params = (share.blocks * (work.layer_dense_params + work.layer_expert_params)
               + share.edges * work.edge_params)  # fmt: skip
     shard = cfg.shard_degree if cfg.zero >= 1 else 1
-    return StepBreakdown(compute=micro_batches * compute_mb, comm=comm,
+    accumulate = accumulation_time(params, micro_batches, cfg, cluster.gpu, cfg.weight_bytes)
+    return StepBreakdown(compute=micro_batches * compute_mb + accumulate, comm=comm,
                          bubble=bubble_time(per_mb, cfg.pp, v),
                          optimizer=optimizer_time(params, shard, cluster.gpu))  # fmt: skip

@@ -19,6 +19,7 @@ from autopar import Mesh, autoparallelize, verify
 from autopar.runtime.pool import get_pool
 from autopar.tools.testing import Config, build, lm_loss, tokens
 from autopar.verify import program_view, rank_jobs
+from cost.config import ParallelConfig
 
 C = Config(layers=12, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=48, seq=8, batch=8)
 M = 4  # micro-batches per step
@@ -239,3 +240,28 @@ def test_plan_counts_the_pipeline_runtime_buffers(schedule):
         inputs = sum(min(h, M) * sent[i - 1] for i, h in held if i > 0)
         outputs = sum(min(h, M) * sent[i] for i, h in held if i < n - 1)
         assert pipeline_buffers(prog, held) == pytest.approx(buffers - inputs + outputs)
+
+
+def test_zero_bubble_plan_prices_the_accumulation_of_its_deferred_gradients(monkeypatch):
+    """The deferred sync keeps each parameter's gradient whole over the micro-batches, so
+    FSDP2 adds every micro-batch's into its fp32 accumulator (`cost.step.accumulation_time`,
+    what the search prices under `defer_grad_sync`): the plan's predicted step counts it with
+    the sub-mesh's compute, and only that term moves when the deferral is taken away."""
+    from autopar.axes import data_parallel
+    from cost.step import accumulation_time
+
+    x, y = tokens(C)
+    prog = autoparallelize(build("llama", C), Mesh(dp=2, pp=2), (x, y), loss_fn=lm_loss,
+                           zero=2, n_microbatches=M, schedule="zero_bubble")  # fmt: skip
+    axes = prog.plan.dp.zero_axes
+    deferred = data_parallel.predict_step(prog, prog.mesh, 2, axes)
+    assert deferred == prog.plan.dp.step  # the compiled plan's own
+    monkeypatch.setattr(data_parallel, "_defers_sync", lambda _: False)
+    synced = data_parallel.predict_step(prog, prog.mesh, 2, axes)
+    cfg = ParallelConfig(tp=1, pp=2, dp=2, zero=2, global_batch=2 * M, micro_batch=1,
+                         defer_grad_sync=True)  # fmt: skip
+    params = [sum(p.numel() for s in prog.stages_of(r) for p in prog.module(
+        prog.mesh.rank_of({"pp": r, "dp": 0}), s).parameters()) for r in range(2)]
+    added = {accumulation_time(n, M, cfg, prog.mesh.cluster.gpu, new_bytes=4) for n in params}
+    assert min(added) > 0
+    assert any(deferred.sub_mesh - synced.sub_mesh == pytest.approx(a, rel=1e-6) for a in added)

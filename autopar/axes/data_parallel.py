@@ -404,11 +404,13 @@ def predict_step(inner: Program, mesh: Mesh, stage: int, axes: tuple[str, ...],
     """Step 7: the plan's step time.  Per rank position (`_rank_positions`) its micro-batch
     seconds (the plan's compute + communication, plus the boundary sends under pp), its
     local work (`local_work`: layers, parameters, per-layer seconds at its local shapes) for
-    `cost.step.data_parallel_time` over the ZeRO group, and `cost.step.optimizer_time` over
-    its parameters; the slowest position sets the step.  ``gather_bytes``: bytes per
+    `cost.step.data_parallel_time` over the ZeRO group, `cost.step.optimizer_time` over
+    its parameters and, where the schedule defers the gradient sync, its gradients'
+    accumulation over the micro-batches (`cost.step.accumulation_time`, counted with the
+    sub-mesh's compute); the slowest position sets the step.  ``gather_bytes``: bytes per
     parameter of a layer's ZeRO-2/3 weight gather (`cost.config.ParallelConfig`; less than 2
     where FP8 weights are gathered in float8)."""
-    from cost.step import bubble_time, data_parallel_time, optimizer_time
+    from cost.step import accumulation_time, bubble_time, data_parallel_time, optimizer_time
 
     pp = mesh.size("pp")
     m = inner.pipeline.config.n_microbatches if pp > 1 else 1
@@ -417,6 +419,7 @@ def predict_step(inner: Program, mesh: Mesh, stage: int, axes: tuple[str, ...],
     cfg = dataclasses.replace(_step_config(mesh, stage, m), gather_bytes=gather_bytes,
                               defer_grad_sync=deferred)  # fmt: skip
     spans = _mesh_spans(mesh, axes)
+    new_bytes = 2 if param_dtype in (torch.bfloat16, torch.float16) else 4  # a micro-batch's grads
     best: PlanStep | None = None
     for _, held in _rank_positions(inner):
         stages = [i for i, _ in held]
@@ -431,7 +434,8 @@ def predict_step(inner: Program, mesh: Mesh, stage: int, axes: tuple[str, ...],
                                 per_stage=rank.layers, spans=spans, bare_edges=bare)  # fmt: skip
         params = sum(w.layers * w.layer_dense_params + w.edge_params for w in works)
         shard = math.prod(mesh.size(a) for a in axes) if stage >= 1 else 1
-        step = PlanStep(sub_mesh=m * per_mb, bubble=bubble_time(per_mb, pp, v), dp=dp,
+        accumulate = accumulation_time(params, m, cfg, mesh.cluster.gpu, new_bytes)
+        step = PlanStep(sub_mesh=m * per_mb + accumulate, bubble=bubble_time(per_mb, pp, v), dp=dp,
                         optimizer=optimizer_time(params, shard, mesh.cluster.gpu))  # fmt: skip
         best = step if best is None or step.total > best.total else best
     return best

@@ -13,7 +13,14 @@ from cost.config import ParallelConfig
 from cost.errors import CostInputError
 from cost.hardware import Cluster
 from cost.model import ModelShape
-from cost.step import CP_MERGE_BWD, CP_MERGE_FWD, CP_STEP_KERNELS, ring_attention, step_time
+from cost.step import (
+    CP_MERGE_BWD,
+    CP_MERGE_FWD,
+    CP_STEP_KERNELS,
+    pipeline_shares,
+    ring_attention,
+    step_time,
+)
 from cost.workload import shape_workload
 
 SHAPE = ModelShape.gpt(layers=16, hidden=4096, heads=32, seq=2048, vocab=51200)
@@ -287,3 +294,32 @@ def test_gradient_collectives_move_the_gradient_dtype_and_zero1_may_all_reduce_w
             replace(BASE, zero=zero, grad_sync="all_reduce")
     with pytest.raises(CostInputError, match="grad_sync"):
         replace(BASE, grad_sync="ring")
+
+
+def test_deferred_fp32_accumulation_is_a_pass_per_micro_batch():
+    """Under `defer_grad_sync` (FSDP2 under torch's pipeline schedules) each micro-batch's
+    bf16 gradient is cast into (first) or added to (later) the fp32 accumulators by a kernel
+    of its own: 2 + 4 bytes, then 2 + 4 + 4 a parameter, at streaming HBM speed on the rank's
+    compute.  Syncing each micro-batch, a bf16 accumulator of bf16 gradients' first
+    micro-batch, or no pp: nothing added."""
+    from cost.step import accumulation_time
+
+    gpu, params, m = CLUSTER.gpu, 1e9, 16
+    deferred = replace(BASE, zero=3, defer_grad_sync=True)
+    bw = gpu.hbm_bw * MEMORY_BW_FRACTION
+    assert accumulation_time(params, m, deferred, gpu) == pytest.approx(
+        params * (6 + (m - 1) * 10) / bw, rel=1e-12)
+    bf16 = replace(deferred, grad_bytes=2)
+    assert accumulation_time(params, m, bf16, gpu) == pytest.approx(params * (m - 1) * 6 / bw)
+    for cfg in (replace(BASE, zero=3), replace(deferred, zero=1),
+                replace(deferred, pp=1, schedule=None, virtual_stages=None)):
+        assert accumulation_time(params, m, cfg, gpu) == 0.0
+    # the step counts it with the compute of the slowest rank: one of the ranks' parameters
+    work, synced = _step(BASE, m, zero=3, defer_grad_sync=False)
+    _, held = _step(BASE, m, zero=3, defer_grad_sync=True)
+    shares = pipeline_shares(work, deferred, CLUSTER, schedule="1f1b", virtual=1,
+                             micro_batches=m)  # fmt: skip
+    added = {accumulation_time(s.blocks * work.layer_dense_params + s.edges * work.edge_params,
+                               m, deferred, gpu) for s in shares}  # fmt: skip
+    assert min(added) > 0
+    assert any(held.compute - synced.compute == pytest.approx(a, rel=1e-9) for a in added)
