@@ -179,12 +179,16 @@ LLAMA3_8K_MISS = ("without recompute the model prices it too fast and counts mor
                   "count of Meta's schedule, and a slower component,")
 # torchtitan's AsyncTP is torch's micro-pipelined tp (torch.distributed._symmetric_memory:
 # one chunk a tp rank over copy-engine P2P, each reduce-scatter ending in a local sum of the
-# pulled partials): `tp_overlap="micro_pipeline"`. It prices the 70B row +16.3% over the row
-# without it, where torchtitan's Dec-2024 table measured +5.7% (its June-2025 rerun of the
-# same setting, float8 tensorwise: 1.16x)
+# pulled partials): `tp_overlap="micro_pipeline"`; inductor's pass fuses the forward's
+# matmul -> reduce-scatter pairs but not the backward's, whose reduce-scatters take a sum of
+# the Q/K/V (gate/up) input gradients (pytorch/pytorch#149946 review, Mar 2025: "only valid
+# scaled_mm-reduce-scatter patterns in the forward graph, but not in the backward graph").
+# It prices the 70B row +12.6% over the row without it, where torchtitan's Dec-2024 table
+# measured +5.7% (its June-2025 rerun of the same setting, float8 tensorwise: 1.16x;
+# pytorch/pytorch#149990, Mar 2025, 70B FSDP16 TP8 full AC tensorwise: +15.9%)
 TT_ASYNC_TP = "micro_pipeline"
-ASYNC_TP_MISS = ("AsyncTP (Dec 2024) hid less tp traffic than every-chunk-but-the-first (+5.7% "
-                 "measured, +16% priced):")  # fmt: skip
+ASYNC_TP_MISS = ("AsyncTP (Dec 2024) hid less tp traffic than the forward's collectives and "
+                 "the backward's all-gathers (+5.7% measured, +12.6% priced):")  # fmt: skip
 # memory components the model lacks (see NOTES.md): compiled blocks' backward working set
 # (the saved set is compiled's: `cost.workload.saved_matmuls`); 70B:
 # AsyncTP's peak 4.3 GiB below the row without it; 405B: the published 1F1B peak is 9.8 GiB

@@ -188,7 +188,7 @@ def micro_pipeline_reduce_s(work: Workload, tp: int, hbm_bw: float) -> float:
 def tp_time(work: Workload, coll: Collective, span: tuple[int, int], recompute: str,
             per_stage: int, ends: tuple[bool, bool] = (True, True),
             overlap: bool = False, gather_bytes: int = 2, splits: int = TP_OVERLAP_SPLITS,
-            reduce_s: float = 0.0) -> float:  # fmt: skip
+            reduce_s: float = 0.0, micro: bool = False) -> float:  # fmt: skip
     """Tensor-parallel seconds of one micro-batch of `per_stage` layers (step 2), on the
     critical path.  A solved plan's collectives (`work.tp_collectives`): each once, a
     repeated block's scaled to the stage's layers, one outside the blocks only on a rank
@@ -201,13 +201,27 @@ def tp_time(work: Workload, coll: Collective, span: tuple[int, int], recompute: 
     activations (1 byte an element: torchao's Float8 tp styles cast before the gather) and
     reduce-scatter of the 16-bit output; `splits` the chunks of an overlapped collective and
     `reduce_s` the exposed local sum each overlapped reduce-scatter ends with (torch's
-    micro-pipelined tp, `micro_pipeline_reduce_s`)."""
+    micro-pipelined tp, `micro_pipeline_reduce_s`); `micro` (that pass, inductor's
+    `micro_pipeline_tp`): the forward's collectives and the backward's all-gathers are
+    pipelined, the backward's reduce-scatters are not (each takes a sum of matmuls, where the
+    pass fuses one matmul into its reduce-scatter: the input gradient of Q, K and V, and of
+    the gate and up projections, which the model shapes and torchtitan's Llama keep apart;
+    pytorch/pytorch#149946: "only valid scaled_mm-reduce-scatter patterns in the forward
+    graph, but not in the backward graph")."""
     if work.tp_collectives is None:
-        per_call = coll("all_reduce", work.tp_bytes, *span)
-        if gather_bytes < 2:
-            per_call = (coll("all_gather", work.tp_bytes * gather_bytes / 2, *span)
-                        + coll("reduce_scatter", work.tp_bytes, *span))  # fmt: skip
+        gather = coll("all_gather", work.tp_bytes * gather_bytes / 2, *span)
+        scatter = coll("reduce_scatter", work.tp_bytes, *span)
+        per_call = coll("all_reduce", work.tp_bytes, *span) if gather_bytes == 2 else gather + scatter
         per_layer = work.tp_calls * per_call
+        if overlap and micro:
+            # torch's pass fuses a reduce-scatter only with the one matmul that feeds it: in
+            # backward each reduce-scatter takes the sum of the input-gradient matmuls of the
+            # projections sharing an input (Q, K, V; gate and up), so it runs unfused, whole
+            forward = [work.layer_fwd_s] * (1 + (recompute == "full"))
+            fused = sum(overlapped_tp(per_layer, w, splits) + work.tp_calls * reduce_s
+                        for w in forward)  # fmt: skip
+            backward = overlapped_tp(work.tp_calls * gather, work.layer_bwd_s, splits)
+            return per_stage * (fused + backward + work.tp_calls * scatter)
         if overlap:
             windows = [work.layer_fwd_s, work.layer_bwd_s] + [work.layer_fwd_s] * (recompute == "full")
             return per_stage * sum(overlapped_tp(per_layer, w, splits)
@@ -244,7 +258,7 @@ def micro_batch_time(work: Workload, cfg: ParallelConfig, coll: Collective, span
     splits = cfg.tp if micro else TP_OVERLAP_SPLITS
     reduce_s = micro_pipeline_reduce_s(work, cfg.tp, cluster.gpu.hbm_bw) if micro else 0.0
     comm = {"tp": tp_time(work, coll, spans["tp"], recompute, per_stage, ends,
-                          bool(cfg.tp_overlap), gather, splits, reduce_s),
+                          bool(cfg.tp_overlap), gather, splits, reduce_s, micro),
             **{k: per_stage * x for k, x in layer_comm.items()}}  # fmt: skip
     p2p = coll("send_recv", work.boundary_bytes, *spans["pp"])
     comm["pp"] = P2P_TRANSFERS[cfg.pp_p2p] * v * p2p if cfg.pp > 1 else 0.0
