@@ -209,9 +209,10 @@ def tp_time(work: Workload, coll: Collective, span: tuple[int, int], recompute: 
     pytorch/pytorch#149946: "only valid scaled_mm-reduce-scatter patterns in the forward
     graph, but not in the backward graph")."""
     if work.tp_collectives is None:
-        gather = coll("all_gather", work.tp_bytes * gather_bytes / 2, *span)
-        scatter = coll("reduce_scatter", work.tp_bytes, *span)
-        per_call = coll("all_reduce", work.tp_bytes, *span) if gather_bytes == 2 else gather + scatter
+        split = gather_bytes < 2 or (overlap and micro)
+        gather = coll("all_gather", work.tp_bytes * gather_bytes / 2, *span) if split else 0.0
+        scatter = coll("reduce_scatter", work.tp_bytes, *span) if split else 0.0
+        per_call = gather + scatter if gather_bytes < 2 else coll("all_reduce", work.tp_bytes, *span)
         per_layer = work.tp_calls * per_call
         if overlap and micro:
             # torch's pass fuses a reduce-scatter only with the one matmul that feeds it: in
