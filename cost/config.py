@@ -72,7 +72,8 @@ class ParallelConfig:
     `tp_overlap` pipelines Megatron's per-layer tp collectives with the layer's GEMMs
     (True or "userbuffers": Megatron's userbuffers, 4 chunks; "micro_pipeline": torch's
     micro-pipelined tp, torchtitan's AsyncTP, one chunk a tp rank and a local sum after each
-    reduce-scatter; `cost.step.overlapped_tp`); a solved tp plan's collectives stay exposed;
+    reduce-scatter, the backward's reduce-scatters unfused; `cost.step.overlapped_tp`,
+    `cost.step.tp_time`); a solved tp plan's collectives stay exposed;
     `tp_gather_bytes` 1: the tp all-gathers move FP8 activations (torchao's Float8 tp styles);
     `defer_grad_sync` (pp, ZeRO >= 2): whole-stage gradient accumulators held across the
     micro-batches and one reduce-scatter after the last backward (FSDP2 under torch's
