@@ -52,6 +52,7 @@ class MemoryBreakdown:
     activations: float
     reserved: float
     capacity: float
+    buffers: float = 0.0  # of `activations`: the pipeline runtime's buffers (`pipeline_buffers`)
 
     @property
     def total(self) -> float:
@@ -136,9 +137,9 @@ def rank_memory(work: Workload, *, pp: int, zero: int, dp_dense: int, dp_expert:
                             whole_grads)
             for share in ranks]  # fmt: skip
     if pp > 1:
-        rows = [replace(row, activations=row.activations
-                        + pipeline_buffers(work, share, micro_batches, pp_buffers))
-                for row, share in zip(rows, ranks, strict=True)]  # fmt: skip
+        buffers = [pipeline_buffers(work, share, micro_batches, pp_buffers) for share in ranks]
+        rows = [replace(row, activations=row.activations + b, buffers=b)
+                for row, b in zip(rows, buffers, strict=True)]  # fmt: skip
     return max(rows, key=lambda m: m.total)
 
 

@@ -36,7 +36,10 @@ def render(est) -> str:
         "",
         f"memory per rank (GiB)          capacity {mem.capacity / GIB:8.2f}",
     ]
-    lines += [f"  {name:<28} {value / GIB:8.2f}" for name, value in mem.rows()]
+    for name, value in mem.rows():
+        lines.append(f"  {name:<28} {value / GIB:8.2f}")
+        if name == "activations" and mem.buffers > 0:  # shown apart, as the plan's table does
+            lines.append(f"    {'incl. pipeline buffers':<26} {mem.buffers / GIB:8.2f}")
     spare = (mem.capacity - mem.total) / GIB
     lines.append(f"  fits, {spare:.2f} GiB spare" if mem.fits else
                  f"  DOES NOT FIT: {-spare:.2f} GiB over; add GPUs, raise tp/pp/zero, recompute, or "

@@ -207,3 +207,16 @@ def test_pipeline_buffers_follow_the_runtime():
     mem = rank_memory(one, pp=1, zero=1, dp_dense=4, dp_expert=4, schedule="1f1b",
                       micro_batches=4, virtual=1, recompute="none", capacity=gpu.hbm_bytes)  # fmt: skip
     assert mem.activations == one.layers * one.act_bytes["none"] + one.post_act_bytes
+    assert mem.buffers == 0.0
+    # with pp the busiest rank's buffers are part of its activations and shown apart
+    ranks = (first, middle, RankShare(blocks=2, first=False, last=False, chunks=1, held=2), last)
+    piped = rank_memory(work, pp=4, zero=1, dp_dense=1, dp_expert=1, schedule="1f1b",
+                        micro_batches=m, virtual=1, recompute="none", capacity=gpu.hbm_bytes,
+                        ranks=ranks)  # fmt: skip
+    busiest = max(ranks, key=lambda s: rank_memory(
+        work, pp=4, zero=1, dp_dense=1, dp_expert=1, schedule="1f1b", micro_batches=m,
+        virtual=1, recompute="none", capacity=gpu.hbm_bytes, ranks=(s,)).total)  # fmt: skip
+    assert piped.buffers == pipeline_buffers(work, busiest, m) > 0
+    saved = busiest.held * busiest.blocks * work.act_bytes["none"]
+    assert piped.activations == pytest.approx(saved + piped.buffers
+                                              + busiest.last * work.post_act_bytes)
