@@ -184,6 +184,12 @@ class ParallelConfig:
         """Ranks a sharded (ZeRO) state is split over: dp · cp, or the HSDP shard group."""
         return min(self.shard_group or self.data_parallel, self.data_parallel)
 
+    @property
+    def whole_grads(self) -> bool:
+        """Whether ZeRO-2/3 gradients stay whole over the micro-batches and are reduced once
+        after the last (`defer_grad_sync` under pp), not reduce-scattered each micro-batch."""
+        return self.defer_grad_sync and self.pp > 1 and self.zero >= 2
+
 
 def _choice(field: str, value: str | None, allowed: tuple[str, ...]) -> None:
     if value is not None and value not in allowed:

@@ -551,17 +551,16 @@ def _price_settings(unit: _Unit, cluster: Cluster, zcfgs: list[ParallelConfig],
     work, m, v, schedule = unit.work, unit.m, unit.virtual, unit.schedule
     key = _key(zcfgs[0], cluster)
     bound_spans = nests[-1][1] if nests[-1][0] is None else None
-    shares: list = []  # the cut: the same for every ZeRO stage and recompute mode (its degrees)
+    ranks = None  # the cut: the same for every ZeRO stage and recompute mode (its degrees)
     for zcfg in zcfgs:
         for recompute in recomputes:
             floor = _floor(work, zcfg, cluster, m, v, v, work.recompute_s[recompute])
             if prune and floor >= ranking.bar(key):
                 break
             dpd = zcfg.data_parallel
-            if not shares:
-                shares.append(pipeline_shares(work, zcfg, cluster, schedule=schedule,
-                                              virtual=v, micro_batches=m))  # fmt: skip
-            ranks = shares[0]
+            if ranks is None:
+                ranks = pipeline_shares(work, zcfg, cluster, schedule=schedule, virtual=v,
+                                        micro_batches=m)  # fmt: skip
             memory = rank_memory(work, pp=zcfg.pp, zero=zcfg.zero, dp_dense=dpd,
                                  dp_expert=dpd // zcfg.ep, schedule=schedule,
                                  micro_batches=m, virtual=v, recompute=recompute,

@@ -295,7 +295,7 @@ def _dp_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
     and the end tables when it runs an end (`ends`; `bare_edges`: they lie alone in stages
     without blocks). `shared`: the dp traffic and the cp ring share the NIC."""
     tables = 1.0 if any(ends) else 0.0
-    deferred = cfg.defer_grad_sync and cfg.pp > 1
+    deferred = cfg.whole_grads
     if cfg.zero == 3 or (cfg.zero == 2 and micro_batches > 1 and not deferred):
         return _zero3(work, coll, spans, micro_batches, recompute, per_stage, ring, shared, ends,
                       cfg.grad_bytes, cfg.gather_bytes, deferred=deferred,
@@ -384,7 +384,7 @@ def accumulation_time(params: float, micro_batches: int, cfg: ParallelConfig, gp
     first micro-batch's `new_bytes`-per-element gradient is cast into a `cfg.grad_bytes`
     accumulator when the dtypes differ (read `new_bytes`, write `grad_bytes`), every later one
     is added to it (read `new_bytes` + `grad_bytes`, write `grad_bytes`)."""
-    if not (cfg.defer_grad_sync and cfg.pp > 1 and cfg.zero >= 2) or micro_batches < 1:
+    if not cfg.whole_grads or micro_batches < 1:
         return 0.0
     first = new_bytes + cfg.grad_bytes if cfg.grad_bytes != new_bytes else 0
     later = new_bytes + 2 * cfg.grad_bytes
