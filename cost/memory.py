@@ -33,7 +33,7 @@ Algorithm (`rank_memory`, per pipeline rank; the most loaded one is the rank's m
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from cost.stages import RankShare, pipeline_ranks
 from cost.workload import Workload
@@ -134,12 +134,10 @@ def rank_memory(work: Workload, *, pp: int, zero: int, dp_dense: int, dp_expert:
     whole_grads = defer_grad_sync and pp > 1 and zero >= 2
     rows = [_rank_breakdown(work, share, zero, dp_dense, dp_expert, recompute, capacity,
                             grad_bytes, weight_bytes, reshard_after_forward, gather_bytes,
-                            whole_grads)
+                            whole_grads,
+                            pipeline_buffers(work, share, micro_batches, pp_buffers)
+                            if pp > 1 else None)
             for share in ranks]  # fmt: skip
-    if pp > 1:
-        buffers = [pipeline_buffers(work, share, micro_batches, pp_buffers) for share in ranks]
-        rows = [replace(row, activations=row.activations + b, buffers=b)
-                for row, b in zip(rows, buffers, strict=True)]  # fmt: skip
     return max(rows, key=lambda m: m.total)
 
 
@@ -188,11 +186,13 @@ def stage_buffers(micro_batches: int, held: float, received: float, sent: float,
 def _rank_breakdown(work: Workload, share: RankShare, zero: int, dp_dense: int, dp_expert: int,
                     recompute: str, capacity: float, grad_bytes: int,
                     weight_bytes: int, reshard: bool = True, gather_bytes: float = WEIGHT_BYTES,
-                    whole_grads: bool = False) -> MemoryBreakdown:  # fmt: skip
+                    whole_grads: bool = False, buffers: float | None = None,
+                    ) -> MemoryBreakdown:  # fmt: skip
     """Steps 2-3 for one pipeline rank: its blocks and end tables, its last block per stage
     (and the tables) kept gathered under ZeRO-3, its in-flight micro-batches of activations
-    (the epilogue's logits with them, as the compiled memory table counts a stage), and one
-    layer's working set under full recompute."""
+    (the epilogue's logits with them, as the compiled memory table counts a stage), one
+    layer's working set under full recompute, and under pp its runtime's `buffers`
+    (`pipeline_buffers`; None without pp)."""
     dense = share.blocks * work.layer_dense_params + share.edges * work.edge_params
     w_bytes, o_bytes = state_bytes(weight_bytes)
     kept_blocks = min(share.chunks, share.blocks) if reshard else share.blocks
@@ -212,6 +212,7 @@ def _rank_breakdown(work: Workload, share: RankShare, zero: int, dp_dense: int, 
     # runs each forward just before its backward, so it holds one's
     logits = work.post_act_bytes * (1.0 if share.chunks > 1 else share.held) if share.last else 0.0
     saved = share.held * share.blocks * work.act_bytes[recompute] + logits
+    activations = saved + working if buffers is None else saved + working + buffers
     return MemoryBreakdown(weights=weights, grads=grads, optimizer=optim,
-                           activations=saved + working, reserved=RESERVED_BYTES,
-                           capacity=capacity)  # fmt: skip
+                           activations=activations, reserved=RESERVED_BYTES, capacity=capacity,
+                           buffers=buffers or 0.0)  # fmt: skip

@@ -104,26 +104,33 @@ def stage_blocks(layers: int, pre: float, layer: float, post: float, stages: int
 def _fast_cuts(costs: Sequence[float], boundary: float, stages: int) -> list[int]:
     """`balanced_cuts` without pins or vetoes and one boundary price, each DP row in one
     array step: the same sums (prefix differences), the same first-of-equals choice
-    (`argmin`), so the same cuts, at the search's thousands of configurations."""
+    (`argmin`), so the same cuts, at the search's thousands of configurations.
+
+    Stage k (of p, over n units) can only end at a unit b in [k, n - p + k] (every stage
+    before it holds at least one unit, and every one after it too), so each row works on
+    that band of width w = n - p + 1: a [w, w] block of the stage spans, its starts a in
+    [k - 1, n - p + k - 1] (the previous row's band, in order) below its ends (a <= b's
+    offset), the cells no partition reaches never built."""
     n = len(costs)
+    width = n - stages + 1
+    if width < 1:
+        raise CostInputError(f"no split of {n} units into {stages} stages fits")
     prefix = np.array([0.0, *itertools.accumulate(costs)])
-    a_idx = np.arange(n + 1)[:, None]
-    b_idx = np.arange(n + 1)[None, :]
-    span = prefix[None, :] - prefix[:, None] + np.where(b_idx < n, boundary, 0.0)
-    best = np.full(n + 1, np.inf)
+    span = prefix[None, :] - prefix[:, None] + np.where(np.arange(n + 1) < n, boundary, 0.0)
+    offsets = np.arange(width)
+    below = offsets[:, None] <= offsets[None, :]  # start a = k-1+i before end b = k+j
+    best = np.full(width, np.inf)
     best[0] = 0.0
     backs = []
     for k in range(1, stages + 1):
-        allowed = (a_idx >= k - 1) & (a_idx < b_idx) & (b_idx >= k)
-        value = np.where(allowed, np.maximum(best[:, None], span), np.inf)
+        block = span[k - 1:k - 1 + width, k:k + width]
+        value = np.where(below, np.maximum(best[:, None], block), np.inf)
         back = np.argmin(value, axis=0)
-        best = value[back, np.arange(n + 1)]
-        backs.append(back)
-    if not np.isfinite(best[n]):
-        raise CostInputError(f"no split of {n} units into {stages} stages fits")
+        best = value[back, offsets]
+        backs.append(back + (k - 1))
     cuts, b = [], n
     for k in range(stages, 0, -1):
-        b = int(backs[k - 1][b])
+        b = int(backs[k - 1][b - k])
         cuts.append(b)
     return sorted(cuts)[1:]
 
