@@ -48,6 +48,28 @@ def test_balanced_cuts_equal_brute_force(costs, data):
     assert value == pytest.approx(brute_force(costs, boundary, stages, pinned))
 
 
+@settings(max_examples=150)
+@given(st.integers(1, 24), st.data())
+def test_the_searchs_banded_cut_is_the_exact_cut(n, data):
+    """`cost.stages._fast_cuts` (the search's one-boundary cut, each DP row on the band of
+    ends a partition can reach) returns `balanced_cuts`'s cuts, ties included: blocks of one
+    cost between two end units, or any costs."""
+    from cost.stages import _fast_cuts
+
+    if data.draw(st.booleans()):
+        layer = data.draw(st.sampled_from([1.0, 0.5, 2.5]))
+        ends = data.draw(st.lists(st.sampled_from([0.0, 0.1, layer, 3.0]), min_size=2,
+                                  max_size=2))  # fmt: skip
+        costs = [ends[0], *([layer] * n), ends[1]]
+    else:
+        costs = data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0, 1.5]) | st.floats(0, 4),
+                                   min_size=n, max_size=n))  # fmt: skip
+    boundary = data.draw(st.sampled_from([0.0, 0.1]) | st.floats(0.0, 2.0))
+    stages = data.draw(st.integers(1, len(costs)))
+    cuts, _ = balanced_cuts(costs, [boundary] * (len(costs) + 1), stages)
+    assert _fast_cuts(costs, boundary, stages) == cuts
+
+
 @pytest.mark.parametrize("pp", [2, 3, 4])
 def test_unequal_blocks_cut_at_the_brute_force_optimum(pp):
     # a 16k-row vocabulary makes the embedding and LM-head units far heavier than a block
