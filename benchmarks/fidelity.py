@@ -208,6 +208,13 @@ TT_CP_MISS = ("per-token time growing faster than the work with the sequence (8B
               "64K to 128K, the work at most x2): a cost beyond FLOPs and ring traffic (torch's "
               "experimental CP at 9dec370: per chunk pair one SDPA call, a cat of K/V and an "
               "fp32 merge; the allocator at 84 GiB of 96)")
+# fine-grained MoE (Qwen3-30B-A3B on 16 H100): the published step (24.8 s) is 2.6x the
+# model's (9.7 s: 6.5 of compute, 2.0 of exposed all-to-all), far beyond what the GEMM FLOPs
+# and the all-to-all's bytes explain at any plausible efficiency
+MOE_MISS = ("the MoE layer's cost beyond its GEMM FLOPs and its all-to-all bytes (model 9.7 s "
+            "a step, published 24.8 s): grouped GEMMs of ~4096 rows an expert, token "
+            "permutation, router, per-expert FP8 casts, achieved all-to-all bandwidth, host "
+            "launch overheads:")
 MEG_UNIT, A100_PEAK = "TFLOP/s/GPU megatron", "A100 312 TFLOP/s bf16"
 
 
@@ -433,6 +440,23 @@ ROWS: tuple[Row, ...] = (
         model=_llama3("405b"), cluster=_cluster("dgx-h100", 1024),
         config=_cfg(8, 8, 8, 2, gbs=512, mbs=1, schedule="interleaved", vp=8, **MB_OVERLAP),
         precision="fp8", published=292),
+    # Megatron-Bridge's one H100 MoE row whose columns are whole: Qwen3-30B-A3B (48 layers,
+    # hidden 2048, 32 query heads of 128 -- wider than hidden/heads: `head_size` --, 4 K/V
+    # heads, 128 experts of ffn 768, top 8, vocab 151,936), seq 4096, FP8-CS, GBS 512, MBS 2,
+    # TP 1, PP 2, VP 24, EP 8, GA 32 (the table; its preset at the same commit,
+    # QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_BASE_CONFIG, says VP 12 and the default MBS 1,
+    # but the table's GA 32 = 512 / (2 · 8) agrees with MBS 2); scripts/performance/configs/
+    # qwen/qwen3_llm_pretrain.py `set_qwen3_common_configs`: no recompute, gradients reduced
+    # in bf16 (`grad_reduce_in_fp32 = False`), forced router load balance; the recipe's
+    # distributed optimizer (ZeRO-1)
+    Row(name="MB Qwen3 30B-A3B 16xH100 FP8", source=BRIDGE + " DGX-H100",
+        model=ModelShape.llama(name="qwen3-30b-a3b", layers=48, hidden=2048, heads=32,
+                               kv_heads=4, head_size=128, ffn=768, experts=128, top_k=8,
+                               seq=4096, vocab=151936),
+        cluster=_cluster("dgx-h100", 16),
+        config=_cfg(1, 2, 8, ep=8, gbs=512, mbs=2, recompute="none", schedule="interleaved",
+                    vp=24, grad_bytes=2),
+        precision="fp8", published=5275, note=MOE_MISS),
     Row(name="MB Llama3 8B 8xB200 FP8", source=BRIDGE + " DGX-B200", model=_llama3("8b"),
         cluster=_cluster("dgx-b200", 8), config=_cfg(dp=8, gbs=128, mbs=2),
         precision="fp8", published=30624),

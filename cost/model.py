@@ -4,7 +4,7 @@ A `ModelShape` describes a decoder-only transformer (GPT or Llama style, dense o
 dimensions. Traced models are priced from their graph instead (`cost.graph`); named shapes let a
 user price models far too large to trace here.
 
-Parameter counts (per layer): attention h·(a+2g)·d + a·d·h (+ biases), MLP 2·h·f or 3·h·f when
+Parameter counts (per layer): attention h·(a+2g)·d + a·d·h (+ biases; d = h/a unless given), MLP 2·h·f or 3·h·f when
 gated (SwiGLU), times E experts for MoE plus an h·E router; two norms. Embedding V·h, LM head
 V·h unless tied.
 """
@@ -22,7 +22,9 @@ class ModelShape:
 
     `kv_heads` None means multi-head attention (g = a); `ffn` None means 4·h; `gated` selects a
     SwiGLU MLP (three matrices); `experts` > 1 makes every MLP a top-`top_k` MoE layer; `dropout`
-    marks hidden/attention dropout layers (they cost memory traffic and saved masks).
+    marks hidden/attention dropout layers (they cost memory traffic and saved masks);
+    `head_size` the width d of one head where it is not h/a (Qwen3, Gemma: the query
+    projection is a·d wide, the output projection a·d by h).
     """
 
     name: str = "custom"
@@ -40,18 +42,20 @@ class ModelShape:
     tied_embeddings: bool = False
     experts: int = 1
     top_k: int = 1
+    head_size: int | None = None
 
     def __post_init__(self) -> None:
         dims = {"layers": self.layers, "hidden": self.hidden, "heads": self.heads,
                 "seq": self.seq, "vocab": self.vocab, "kv_heads": self.g, "ffn": self.f,
-                "experts": self.experts, "top_k": self.top_k}  # fmt: skip
+                "experts": self.experts, "top_k": self.top_k,
+                **({"head_size": self.head_size} if self.head_size is not None else {})}  # fmt: skip
         bad = [f"{k}={v}" for k, v in dims.items() if v < 1]
         if bad:
             raise CostInputError(f"model {self.name}: dimensions must be >= 1, got {bad}")
-        if self.hidden % self.heads or self.heads % self.g:
+        if (self.hidden % self.heads and not self.head_size) or self.heads % self.g:
             raise CostInputError(
                 f"model {self.name}: hidden ({self.hidden}) must divide by heads ({self.heads}) "
-                f"and heads by kv_heads ({self.g})"
+                f"(or give head_size) and heads by kv_heads ({self.g})"
             )
         if self.top_k > self.experts:
             raise CostInputError(f"model {self.name}: top_k {self.top_k} > experts {self.experts}")
@@ -66,7 +70,7 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
     @property
     def attn_params(self) -> int:
@@ -121,11 +125,12 @@ class ModelShape:
 
     @staticmethod
     def llama(*, layers: int, hidden: int, heads: int, seq: int, vocab: int, kv_heads: int,
-              ffn: int, experts: int = 1, top_k: int = 1, name: str = "llama") -> ModelShape:  # fmt: skip
-        """Llama / Mixtral style: RMSNorm, no biases, SwiGLU, GQA, untied embeddings."""
+              ffn: int, experts: int = 1, top_k: int = 1, head_size: int | None = None,
+              name: str = "llama") -> ModelShape:  # fmt: skip
+        """Llama / Mixtral / Qwen3 style: RMSNorm, no biases, SwiGLU, GQA, untied embeddings."""
         return ModelShape(name=name, layers=layers, hidden=hidden, heads=heads, seq=seq,
                           vocab=vocab, kv_heads=kv_heads, ffn=ffn, gated=True, norm="rmsnorm",
-                          experts=experts, top_k=top_k)  # fmt: skip
+                          experts=experts, top_k=top_k, head_size=head_size)  # fmt: skip
 
     @staticmethod
     def preset(name: str) -> ModelShape:

@@ -120,6 +120,8 @@ def _model_args(est: argparse.ArgumentParser) -> None:
         est.add_argument(f"--{name}", type=int)
     est.add_argument("--experts", type=int, default=1, help="llama: experts per MoE layer")
     est.add_argument("--top-k", type=int, default=1, help="llama: experts per token")
+    est.add_argument("--head-size", type=int,
+                     help="llama: width of one head where it is not hidden/heads (Qwen3)")
     est.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
     est.add_argument("--cluster", default="dgx-h100", help=f"one of {', '.join(CLUSTER_PRESETS)}")
     est.add_argument("--gpu", help=f"replace the cluster's GPU: one of {', '.join(GPU_PRESETS)}")
@@ -149,6 +151,8 @@ def _shape(args: argparse.Namespace) -> ModelShape:
         missing = [f"--{k.replace('_', '-')}" for k, v in dims.items() if v is None]
         if missing:
             raise CostInputError(f"--model {args.model} needs {' '.join(missing)}")
+        if args.model == "llama" and args.head_size:
+            dims.update(head_size=args.head_size)
         build = ModelShape.gpt if args.model == "gpt" else ModelShape.llama
         return build(name=args.model, **dims)
     if args.model is None:

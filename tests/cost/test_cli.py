@@ -44,6 +44,25 @@ def test_custom_shape_and_gpu(capsys):
     assert "estimate: llama on 1 × 8 b200 (8 GPUs)" in capsys.readouterr().out
 
 
+def test_head_size_flag_widens_the_heads(capsys):
+    """Qwen3's 32 heads of 128 on a hidden of 2048: `--head-size` prices the 4096-wide query
+    projection (more weights than heads of 64); heads that do not divide the hidden width
+    need it."""
+    argv = ["estimate", "--model", "llama", "--layers", "8", "--hidden", "2048", "--heads", "32",
+            "--kv-heads", "4", "--ffn", "6144", "--seq", "4096", "--vocab", "151936",
+            "--tp", "1", "--dp", "8", "--global-batch", "8"]  # fmt: skip
+    weights = {}
+    for extra in ([], ["--head-size", "128"]):
+        assert main(argv + extra) == 0
+        out = capsys.readouterr().out
+        weights[bool(extra)] = float(next(line for line in out.splitlines()
+                                          if line.strip().startswith("weights")).split()[-1])  # fmt: skip
+    assert weights[True] > weights[False]
+    odd = argv[:7] + ["--heads", "24"] + argv[9:]
+    assert main(odd) == 2 and "(or give head_size)" in capsys.readouterr().err
+    assert main(odd + ["--head-size", "128"]) == 0
+
+
 def test_custom_shape_names_missing_dimensions(capsys):
     argv = ["estimate", "--model", "gpt", "--layers", "4", "--global-batch", "8"]
     assert main(argv) == 2

@@ -11,6 +11,7 @@ from torch import nn
 
 from cost.config import ParallelConfig
 from cost.errors import CostInputError
+from cost.estimate import ShapeModel
 from cost.graph import GraphModel
 from cost.hardware import GPU
 from cost.model import ModelShape
@@ -209,3 +210,25 @@ def test_sdpa_is_priced_as_torch_runs_it_flash_attention_2_on_hopper():
     row = int(next(i for i, s in enumerate(graph.arrays["sdpa"]) if s))
     for gpu in (h100, a100):
         assert graph.node_times(1.0, 1, gpu)[row] == pytest.approx(node_time(node, gpu), rel=1e-6)
+
+
+def test_a_head_width_apart_from_hidden_over_heads_prices_as_the_traced_model():
+    """Qwen3 sizes its heads apart from the hidden width (here 8 heads of 64 on a hidden 256):
+    `ModelShape(head_size=64)` counts the traced model's parameters but the q/k norms (two
+    vectors of d a layer) and its FLOPs per token; without it the shape prices heads of 32."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                                      vocab_size=1000, max_position_embeddings=512,
+                                      tie_word_embeddings=False)  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
+        ids = torch.zeros(2, 128, dtype=torch.long)
+    traced = torch.export.export(model, (ids,), kwargs={"use_cache": False}, strict=False)
+    graph = GraphModel.from_traced(traced)
+    dims = dict(layers=2, hidden=256, heads=8, kv_heads=2, ffn=688, seq=128, vocab=1000)
+    shape = ModelShape.llama(**dims, head_size=64)
+    assert sum(graph.params.values()) == shape.params + 2 * 2 * 64
+    palm = ShapeModel(shape=shape).flops_per_token()[0]
+    assert palm == pytest.approx(graph.flops_per_token()[0], rel=0.02)
+    assert ModelShape.llama(**dims).params < shape.params
