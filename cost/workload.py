@@ -311,7 +311,10 @@ def activation_bytes(shape: ModelShape, cfg: ParallelConfig, b: int) -> dict[str
     Bytes per token (16-bit): norm inputs 4h, QKV input 2h, MLP input 2h, dropout masks h each
     (outside the tp region: ÷t only with sequence parallelism); Q,K,V 2(a+2g)d, output-projection
     input 2ad (2h where d = h/a), MLP activation input and output 2·2f (gated: gate, up,
-    product 3·2f), times top-k (inside: ÷t). Attention core, dropped by selective recompute: unfused scores 5·a·s
+    product 3·2f), times top-k, and for MoE each routed row's copy of its token going into
+    its expert (the grouped GEMM's weight gradient reads it) and the expert's output row (the
+    routing weight's gradient reads it), 2·2h times top-k (inside: ÷t; the routing indices
+    and weights, a few bytes a row, are not counted). Attention core, dropped by selective recompute: unfused scores 5·a·s
     (softmax output 2, dropout mask 1, dropout output 2); flash keeps only a 4-byte
     log-sum-exp per head. Full recompute keeps the layer input 2h.
     """
@@ -324,7 +327,8 @@ def activation_bytes(shape: ModelShape, cfg: ParallelConfig, b: int) -> dict[str
     outer = (4 * BF16 + 2 * drop) * h / sp
     unfused = cfg.attention == "unfused"
     lse = 0 if unfused else 4 * shape.heads
-    inner = (qkv + BF16 * shape.heads * shape.head_dim + f_act + lse) / t
+    routed = 2 * BF16 * h * shape.top_k if shape.experts > 1 else 0
+    inner = (qkv + BF16 * shape.heads * shape.head_dim + f_act + routed + lse) / t
     core = (2 * BF16 + drop) * shape.heads * s / t if unfused else 0.0
     layer_in = BF16 * h / sp
     saved = {"none": tokens * (outer + inner + core), "selective": tokens * (outer + inner),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -83,6 +84,46 @@ def test_flash_attention_keeps_no_scores():
     s, b, h, a = GPT.seq, 2, GPT.hidden, GPT.heads
     assert flash["none"] == pytest.approx(34 * s * b * h + 4 * a * s * b)
     assert flash["selective"] == flash["none"]
+
+
+@pytest.mark.parametrize(("h", "f"), [(256, 128), (128, 384)])
+def test_routed_rows_are_saved_as_autograd_saves_them(h, f):
+    """A routed MoE layer saves, per routed row, its token's copy going into the expert (the
+    grouped GEMM's weight gradient reads it), the expert's gate/up and product, and the
+    expert's output row (the routing weight's gradient reads it). Measured on the reference
+    MoE block (`autopar.tools.testing.MoEBlock`, bf16, autograd's pack hook) between top-2
+    and top-4: the shape's count per routed row, 2·2h + 3·2f, plus what the eager block keeps
+    besides (silu's output, 2f, which a fused SwiGLU recomputes; the int64 top-k indices, sort
+    permutation, its gather and scatter indices and two bf16 weight columns, 36 bytes)."""
+    from autopar.tools.testing import MoEBlock, MoEConfig
+
+    tokens = 512
+
+    def measured(k: int) -> int:
+        torch.manual_seed(0)
+        block = MoEBlock(MoEConfig(hidden=h, expert_ffn=f, experts=8, top_k=k, seq=tokens,
+                                   batch=1)).to(torch.bfloat16)  # fmt: skip
+        x = torch.randn(1, tokens, h, dtype=torch.bfloat16, requires_grad=True)
+        fixed = {t.untyped_storage().data_ptr() for t in (x, *block.parameters())}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in fixed:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block(x)
+        return sum(saved.values())
+
+    def priced(k: int) -> float:
+        shape = ModelShape.llama(layers=1, hidden=h, heads=4, kv_heads=4, ffn=f, seq=tokens,
+                                 vocab=64, experts=8, top_k=k)  # fmt: skip
+        return activation_bytes(shape, ParallelConfig(global_batch=1), 1)["none"]
+
+    rows = tokens * (4 - 2)
+    assert priced(4) - priced(2) == rows * (2 * 2 * h + 3 * 2 * f)
+    assert measured(4) - measured(2) == priced(4) - priced(2) + rows * (2 * f + 36)
 
 
 def test_rank_memory_breakdown_and_fit():
