@@ -4,9 +4,9 @@ A `ModelShape` describes a decoder-only transformer (GPT or Llama style, dense o
 dimensions. Traced models are priced from their graph instead (`cost.graph`); named shapes let a
 user price models far too large to trace here.
 
-Parameter counts (per layer): attention h·(a+2g)·d + a·d·h (+ biases; d = h/a unless given), MLP 2·h·f or 3·h·f when
-gated (SwiGLU), times E experts for MoE plus an h·E router; two norms. Embedding V·h, LM head
-V·h unless tied.
+Parameter counts (per layer): attention h·(a+2g)·d + a·d·h (+ biases; d = h/a unless given),
+MLP 2·h·f or 3·h·f when gated (SwiGLU), times E experts for MoE plus an h·E router; two norms.
+Embedding V·h, LM head V·h unless tied.
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ class ModelShape:
     def __post_init__(self) -> None:
         dims = {"layers": self.layers, "hidden": self.hidden, "heads": self.heads,
                 "seq": self.seq, "vocab": self.vocab, "kv_heads": self.g, "ffn": self.f,
-                "experts": self.experts, "top_k": self.top_k,
-                **({"head_size": self.head_size} if self.head_size is not None else {})}  # fmt: skip
+                "experts": self.experts, "top_k": self.top_k}  # fmt: skip
+        if self.head_size is not None:
+            dims["head_size"] = self.head_size
         bad = [f"{k}={v}" for k, v in dims.items() if v < 1]
         if bad:
             raise CostInputError(f"model {self.name}: dimensions must be >= 1, got {bad}")

@@ -314,9 +314,9 @@ def activation_bytes(shape: ModelShape, cfg: ParallelConfig, b: int) -> dict[str
     product 3·2f), times top-k, and for MoE each routed row's copy of its token going into
     its expert (the grouped GEMM's weight gradient reads it) and the expert's output row (the
     routing weight's gradient reads it), 2·2h times top-k (inside: ÷t; the routing indices
-    and weights, a few bytes a row, are not counted). Attention core, dropped by selective recompute: unfused scores 5·a·s
-    (softmax output 2, dropout mask 1, dropout output 2); flash keeps only a 4-byte
-    log-sum-exp per head. Full recompute keeps the layer input 2h.
+    and weights, a few bytes a row, are not counted). Attention core, dropped by selective
+    recompute: unfused scores 5·a·s (softmax output 2, dropout mask 1, dropout output 2);
+    flash keeps only a 4-byte log-sum-exp per head. Full recompute keeps the layer input 2h.
     """
     t, h, s = cfg.tp, shape.hidden, shape.seq
     tokens = b * s / cfg.cp
