@@ -82,9 +82,9 @@ def _annotate(node: fx.Node, ctx: PassContext, have: dict) -> None:
             have[node] = lay.placement(ctx.section("tp").axis)
         return
     strat = ctx.section("tp").choice.get(node.name)
-    if strat is None:
-        return
     val = node.meta.get("val")
+    if strat is None or not (isinstance(val, torch.Tensor) or isinstance(strat.output, tuple)):
+        return  # a non-tensor value (a bool or int input such as HF's use_cache) has no layout
     if isinstance(strat.output, tuple):
         lay = tuple(_layout(v, p, ctx) for v, p in zip(val, strat.output, strict=True))
     else:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from autopar.runtime.pool import get_pool
 from autopar.runtime.resilience import (
@@ -294,3 +295,21 @@ def test_loss_scaler_backs_off_on_overflow_and_grows_after_clean_steps():
 if __name__ == "__main__":
     _rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
     sys.exit(0)
+
+
+def _fail_or_wait(rank: int, groups: dict) -> None:
+    if rank == 0:
+        raise ValueError("rank 0's own mistake")
+    dist.barrier()  # rank 1 waits on rank 0, which never comes
+
+
+def test_a_failed_rank_is_reported_while_the_others_wait_on_it():
+    """A rank that raises while the others wait on it (a pipeline receive, a collective) is
+    reported with its traceback once the grace period ends, naming the ranks left waiting,
+    not as the pool's timeout with the cause lost."""
+    from autopar.runtime.pool import WorkerError
+
+    with pytest.raises(WorkerError) as err:
+        get_pool(2).run(_fail_or_wait, (("tp", 2),), [(), ()])
+    assert "rank 0 failed" in str(err.value) and "rank 0's own mistake" in str(err.value)
+    assert "ranks [1] never finished (waiting on it)" in str(err.value)

@@ -45,6 +45,7 @@ import contextlib
 import gc
 import logging
 import operator
+import re
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -430,9 +431,27 @@ def _explain_failure(
     return TraceError(
         f"torch.export could not trace {type(model).__name__}: {_first_line(exc)}\n"
         f"  at {where}\n"
-        "  what to do: make that code traceable (no data-dependent Python control flow, "
-        "no .item()/.tolist() steering shapes), or wrap it in a torch.cond."
+        f"  what to do: {_remedy(exc)}"
     )
+
+
+# torch.export's refusal of a returned object it cannot flatten into tensors
+_UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output, which is not a known type")
+
+
+def _remedy(exc: Exception) -> str:
+    """What the user can change for an export failure: an output that is not tensors (a
+    Hugging Face model's KV cache among them), or code export cannot trace."""
+    found = _UNKNOWN_OUTPUT.search(str(exc))
+    if found is None:
+        return ("make that code traceable (no data-dependent Python control flow, no "
+                ".item()/.tolist() steering shapes), or wrap it in a torch.cond.")
+    name = found.group(1).rsplit(".", 1)[-1]
+    cache = ("; a Hugging Face model returns its KV cache unless use_cache=False (set "
+             "config.use_cache = False, or pass example_kwargs={'use_cache': False})"
+             if "cache" in found.group(1).lower() else "")  # fmt: skip
+    return (f"the forward returns a {name}, which torch.export cannot return: return tensors "
+            f"(or register {name} as a pytree){cache}.")
 
 
 def _first_line(exc: Exception) -> str:

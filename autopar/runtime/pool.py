@@ -16,7 +16,10 @@ Algorithm:
 3. Before a job runs, every worker creates (collectively, once per mesh) the process groups of
    the job's mesh axes; ranks outside the job skip the function.
 4. Results come back per rank; an exception on any rank is re-raised with that rank's
-   traceback.  A job that does not finish within ``timeout`` kills the pool (never a hang).
+   traceback.  A job that does not finish within ``timeout`` kills the pool (never a hang);
+   once a rank has failed, the others get ``FAILED_RANK_GRACE`` seconds more (a rank waiting
+   on the failed one, in a collective or a pipeline receive, never finishes), then the pool
+   stops and the failed rank's traceback is raised, naming the ranks left waiting.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 _POOL: WorkerPool | None = None
+FAILED_RANK_GRACE = 10.0  # seconds the other ranks get to finish once one has failed
 
 
 class WorkerError(RuntimeError):
@@ -91,6 +95,12 @@ class WorkerPool:
                 rank, ok, value = self.results.get(timeout=1.0)
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                if errors and time.monotonic() > deadline:  # step 4: left waiting on it
+                    self.close()
+                    rank, tb = sorted(errors)[0]
+                    waiting = sorted(set(range(count)) - set(out) - {r for r, _ in errors})
+                    raise WorkerError(f"rank {rank} failed:\n{tb}\nranks {waiting} never "
+                                      "finished (waiting on it); pool stopped") from None
                 if dead or time.monotonic() > deadline:
                     self.close()
                     why = f"ranks {dead} died" if dead else f"no result in {self.timeout:.0f}s"
@@ -99,6 +109,8 @@ class WorkerPool:
             if ok:
                 out[rank] = value
             else:
+                if not errors:
+                    deadline = min(deadline, time.monotonic() + FAILED_RANK_GRACE)
                 errors.append((rank, value))
         if errors:
             rank, tb = sorted(errors)[0]
