@@ -95,6 +95,7 @@ def test_routed_rows_are_saved_as_autograd_saves_them(h, f):
     and top-4: the shape's count per routed row, 2·2h + 3·2f, plus what the eager block keeps
     besides (silu's output, 2f, which a fused SwiGLU recomputes; the int64 top-k indices, sort
     permutation, its gather and scatter indices and two bf16 weight columns, 36 bytes)."""
+    from autopar.axes.recompute import saved_bytes
     from autopar.tools.testing import MoEBlock, MoEConfig
 
     tokens = 512
@@ -105,16 +106,7 @@ def test_routed_rows_are_saved_as_autograd_saves_them(h, f):
                                    batch=1)).to(torch.bfloat16)  # fmt: skip
         x = torch.randn(1, tokens, h, dtype=torch.bfloat16, requires_grad=True)
         fixed = {t.untyped_storage().data_ptr() for t in (x, *block.parameters())}
-        saved: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.untyped_storage().data_ptr() not in fixed:
-                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            block(x)
-        return sum(saved.values())
+        return saved_bytes(lambda: block(x), fixed)
 
     def priced(k: int) -> float:
         shape = ModelShape.llama(layers=1, hidden=h, heads=4, kv_heads=4, ffn=f, seq=tokens,
