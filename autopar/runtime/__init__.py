@@ -14,7 +14,6 @@ Algorithm (:func:`bind_mesh`):
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -143,23 +142,13 @@ def check_world(mesh: Mesh) -> None:
         )
 
 
-def _stage_kwargs(stage: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+def _stage_kwargs(program: torch.fx.GraphModule, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The keyword inputs the first stage's program takes: a non-tensor one it does not take
     (a flag such as HF's ``use_cache=False``) was a constant when the model was traced, and
     the split left it out of every stage, so it is not passed on (torch's schedule hands every
     keyword to the stage)."""
-    inner = stage
-    while not isinstance(inner, torch.fx.GraphModule) and isinstance(
-            getattr(inner, "module", None), torch.nn.Module):
-        inner = inner.module  # through DDP / FSDP2 / autocast wrappers to the program
-    if isinstance(inner, torch.fx.GraphModule):
-        names = {n.target for n in inner.graph.nodes if n.op == "placeholder"}
-    else:
-        params = inspect.signature(inner.forward).parameters
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            return kwargs
-        names = set(params)
-    return {k: v for k, v in kwargs.items() if k in names or isinstance(v, torch.Tensor)}
+    takes = {n.target for n in program.graph.nodes if n.op == "placeholder"}
+    return {k: v for k, v in kwargs.items() if k in takes or isinstance(v, torch.Tensor)}
 
 
 class PipelineRunner:
