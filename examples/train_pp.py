@@ -29,7 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 from autopar import Mesh, autoparallelize
-from autopar.runtime.pool import free_port, gloo_rank
+from autopar.runtime.pool import free_port, gloo_rank, rank_context, start_ranks
 from autopar.tools.testing import compare_losses, hf_tiny_llama, token_batch, train_hf_single
 
 PP, TP, BATCH, SEQ, VOCAB, MICROBATCHES, SCHEDULE = 2, 2, 8, 16, 128, 4, "1f1b"
@@ -80,8 +80,8 @@ def main() -> int:
     print(prog.train_step(optimizer), flush=True)
 
     print(f"2. spawning {WORLD} Gloo ranks", flush=True)
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(rank_main, args=(free_port(), results), nprocs=WORLD)
+    results = rank_context().SimpleQueue()
+    start_ranks(rank_main, (free_port(), results), WORLD)
     per_rank = dict(results.get() for _ in range(WORLD))
     parallel = per_rank[0]
     agree = all(per_rank[r] == parallel for r in range(WORLD))

@@ -23,7 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 from autopar import Mesh, autoparallelize
-from autopar.runtime.pool import free_port, gloo_rank
+from autopar.runtime.pool import free_port, gloo_rank, rank_context, start_ranks
 from autopar.tools.testing import Config, build, compare_losses, lm_loss, tokens, train_loop
 
 CONFIG = Config(layers=2, hidden=128, heads=8, kv_heads=4, ffn=256, vocab=256, seq=32, batch=4)
@@ -57,8 +57,8 @@ def main() -> int:
     print(prog.code(rank=1), flush=True)
 
     print(f"2. spawning {WORLD} Gloo ranks", flush=True)
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(rank_main, args=(free_port(), results), nprocs=WORLD)
+    results = rank_context().SimpleQueue()
+    start_ranks(rank_main, (free_port(), results), WORLD)
     parallel = results.get()
 
     print("3. training the unmodified model on one device", flush=True)

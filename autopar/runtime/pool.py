@@ -4,10 +4,13 @@ Starting a torch process costs seconds, so the pool starts ``world`` workers onc
 them for every job (tests and :func:`autopar.verify` share one pool per process).
 
 Algorithm:
-1. Spawn ``world`` processes with the user's ``__main__`` hidden from multiprocessing's
+1. Start ``world`` processes with the user's ``__main__`` hidden from multiprocessing's
    preparation data, so workers never import (re-run) the calling script or notebook: a script
-   without an ``if __name__ == "__main__":`` guard works.  Each worker joins one Gloo process
-   group (loopback rendezvous on a free port) and waits on its own task queue.
+   without an ``if __name__ == "__main__":`` guard works.  They are forked from a fork server
+   that imported torch and autopar once (``rank_context``): a pool started again (another
+   world size, a rank lost) costs a fraction of a second, not seconds of imports per rank.
+   Each worker joins one Gloo process group (loopback rendezvous on a free port) and waits on
+   its own task queue.
 2. A job is a picklable function plus per-rank arguments for the first ``n`` ranks, pickled in
    the parent by a pickler that refuses (with the fix in the message) any class or function
    the workers cannot import: one defined in ``__main__`` or in a module without a spec
@@ -60,14 +63,14 @@ class WorkerPool:
         self, world: int, timeout: float = float(os.environ.get("AUTOPAR_POOL_TIMEOUT", 300))
     ) -> None:
         self.world, self.timeout = world, timeout
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         port = free_port()
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         self.procs = [
-            ctx.Process(
-                target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True
-            )
+            ctx.Process(target=with_environment, daemon=True,
+                        args=(r, dict(os.environ), _worker, world, port, self.tasks[r],
+                              self.results))  # fmt: skip
             for r in range(world)
         ]
         with _main_hidden():
@@ -147,9 +150,9 @@ def _shutdown() -> None:
 
 @contextlib.contextmanager
 def _main_hidden() -> Iterator[None]:
-    """Step 1: multiprocessing's spawn re-imports ``__main__`` in every child (by its module
-    spec, else its file); a stand-in ``__main__`` without either keeps the children from
-    running the user's script while they start."""
+    """Step 1: multiprocessing (spawn, fork server) re-imports ``__main__`` in every child (by
+    its module spec, else its file); a stand-in ``__main__`` without either keeps the children
+    from running the user's script while they start."""
     main = sys.modules.get("__main__")
     stand_in = types.ModuleType("__main__")
     stand_in.__spec__ = None
@@ -211,6 +214,37 @@ def _namedtuple(module: str, qualname: str, fields: tuple[str, ...]) -> type:
     return cls
 
 
+# imported by the fork server before it forks a rank, where the parent has imported them
+FORKSERVER_PRELOAD = ("torch", "torch.export", "autopar", "transformers", "torchao")
+
+
+def start_ranks(fn: Callable[..., None], args: tuple, nprocs: int) -> None:
+    """Run ``fn(rank, *args)`` on ``nprocs`` fresh processes and wait for them, as
+    ``torch.multiprocessing.spawn`` does, but fork each from a server process that imported
+    the heavy modules this process has (torch, autopar, transformers: seconds per process)
+    once, instead of each rank importing them again. The server never ran a torch op, so the
+    forked ranks start with no threads; each takes this process's environment as it is now
+    (the server's is as it was when it started). A queue in ``args`` comes from
+    ``rank_context()``."""
+    rank_context()
+    mp.start_processes(with_environment, args=(dict(os.environ), fn, *args), nprocs=nprocs,
+                       start_method="forkserver")  # fmt: skip
+
+
+def with_environment(rank: int, env: dict[str, str], fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(rank, *args)`` in the environment ``env`` (a forked rank's start)."""
+    os.environ.clear()
+    os.environ.update(env)
+    return fn(rank, *args)
+
+
+def rank_context() -> Any:
+    """The fork-server context of ``start_ranks``, its preload set on first use."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([m for m in FORKSERVER_PRELOAD if m in sys.modules])
+    return ctx
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -218,6 +252,9 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
+    import gc
+
+    gc.freeze()  # the modules the fork server imported: never traversed (or copied) by gc
     import torch
     import torch.distributed as dist
 
