@@ -14,6 +14,12 @@ recompute / sequence-parallel mode, FLOP counts — and print each with the plan
 from __future__ import annotations
 
 GIB = 2**30
+# printed under an MoE model's step time: what benchmarks/fidelity.py measured of its pricing
+MOE_CAVEAT = [
+    "  MoE: optimistic. Priced from the experts' GEMM FLOPs and all-to-all bytes only (router,",
+    "  token permutation, per-expert casts and host launches are not); Megatron-Bridge's",
+    "  Qwen3-30B-A3B on 16 H100 measured 2.6x this model's step (benchmarks/fidelity.py)",
+]
 
 
 def _config_line(cfg) -> str:
@@ -55,6 +61,8 @@ def render(est) -> str:
         per_layer = step.comm["ep"] / (est.micro_batches * layers)
         lines.append(f"  {'ep all-to-all per layer':<28} {per_layer * 1e3:8.4f} ms per "
                      "micro-batch (dispatch + combine, forward and backward)")  # fmt: skip
+    if est.work.layer_expert_params > 0:
+        lines += MOE_CAVEAT
     lines += [
         "",
         "throughput",
