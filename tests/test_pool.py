@@ -53,3 +53,10 @@ def test_a_script_rank_that_outlives_the_timeout_is_killed(tmp_path):
     script.write_text("import time\ntime.sleep(60)\n")
     codes, _ = run_rank_scripts(str(script), 2, timeout=1)
     assert codes == [-9, -9]
+
+
+def test_without_a_fork_server_ranks_are_spawned(monkeypatch):
+    import torch.multiprocessing as mp
+
+    monkeypatch.setattr(mp, "get_all_start_methods", lambda: ["spawn"])  # Windows
+    assert rank_context().get_start_method() == "spawn"

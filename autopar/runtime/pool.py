@@ -226,9 +226,9 @@ def start_ranks(fn: Callable[..., None], args: tuple, nprocs: int) -> None:
     forked ranks start with no threads; each takes this process's environment as it is now
     (the server's is as it was when it started). A queue in ``args`` comes from
     ``rank_context()``."""
-    rank_context()
+    method = rank_context().get_start_method()
     mp.start_processes(with_environment, args=(dict(os.environ), fn, *args), nprocs=nprocs,
-                       start_method="forkserver")  # fmt: skip
+                       start_method=method)  # fmt: skip
 
 
 def with_environment(rank: int, env: dict[str, str], fn: Callable[..., Any], *args: Any) -> Any:
@@ -239,7 +239,10 @@ def with_environment(rank: int, env: dict[str, str], fn: Callable[..., Any], *ar
 
 
 def rank_context() -> Any:
-    """The fork-server context of ``start_ranks``, its preload set on first use."""
+    """The fork-server context of ``start_ranks``, its preload set on first use (``spawn``
+    where the platform has no fork server: Windows)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([m for m in FORKSERVER_PRELOAD if m in sys.modules])
     return ctx
