@@ -29,8 +29,14 @@ import torch
 import torch.multiprocessing as mp
 
 from autopar import Mesh, autoparallelize
-from autopar.runtime.pool import free_port, gloo_rank, rank_context, start_ranks
-from autopar.tools.testing import compare_losses, hf_tiny_llama, token_batch, train_hf_single
+from autopar.runtime.pool import gloo_rank
+from autopar.tools.testing import (
+    compare_losses,
+    hf_tiny_llama,
+    spawn_ranks,
+    token_batch,
+    train_hf_single,
+)
 
 PP, TP, BATCH, SEQ, VOCAB, MICROBATCHES, SCHEDULE = 2, 2, 8, 16, 128, 4, "1f1b"
 WORLD, STEPS, LR, WEIGHT_DECAY, TOLERANCE = PP * TP, 20, 3e-3, 0.01, 1e-4
@@ -80,12 +86,7 @@ def main() -> int:
     print(prog.train_step(optimizer), flush=True)
 
     print(f"2. spawning {WORLD} Gloo ranks", flush=True)
-    results = rank_context().SimpleQueue()
-    start_ranks(rank_main, (free_port(), results), WORLD)
-    per_rank = dict(results.get() for _ in range(WORLD))
-    parallel = per_rank[0]
-    agree = all(per_rank[r] == parallel for r in range(WORLD))
-    print(f"every rank returned rank 0's losses: {agree}", flush=True)
+    parallel, agree = spawn_ranks(rank_main, WORLD)
 
     print("3. training the unmodified model on one device", flush=True)
     single = train_single(lambda s: print(f"[single] {s}", flush=True))

@@ -359,7 +359,9 @@ def _script_rank(rank: int, script: str, port: str, args: tuple[str, ...], root:
     import sys
 
     for fd, path in ((2, log), (1, os.devnull)):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(opened, fd)
+        os.close(opened)
     os.environ["OMP_NUM_THREADS"] = "1"
     sys.path[:0] = [os.path.dirname(os.path.abspath(script)), *([root] if root else [])]
     sys.argv = [script, str(rank), port, *args]
