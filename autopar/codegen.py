@@ -36,13 +36,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
-from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
+from torch.fx.graph import _PyTreeInfo
 from torch.utils import _pytree as pytree
 
 from autopar.frontend.trace import Traced
 from autopar.ir import meta
 from autopar.ir.layout import Layout
 from autopar.mesh import Mesh
+from autopar.runtime.guards import GuardedCodeGen
 from autopar.runtime.serialize import RankModule, owner_module
 
 
@@ -117,7 +118,7 @@ def materialize(gm: fx.GraphModule, traced: Traced) -> fx.GraphModule:
     _move_attrs_first(graph)
     _device_from_module(graph)
     user = [n.name for n in graph.nodes if n.op == "placeholder"]
-    graph._codegen = _PyTreeCodeGen(_PyTreeInfo(user, traced.in_spec, traced.out_spec))
+    graph._codegen = GuardedCodeGen(_PyTreeInfo(user, traced.in_spec, traced.out_spec))
     out = RankModule(root, graph, class_name=f"{traced.model_name}Program")
     for name, sub in out.named_modules():
         if name and isinstance(sub, fx.GraphModule):  # higher-order ops' bodies (autocast...)

@@ -44,6 +44,7 @@ from autopar.plan import Plan, PpSection
 from autopar.planner.tp import PlanOptions, run_node_time
 from autopar.program import StageProgram
 from autopar.runtime import RankShare
+from autopar.runtime.guards import StepInputs
 from cost.comm import collective_time
 from cost.compute import train_factor
 from cost.errors import CostInputError
@@ -343,6 +344,7 @@ class PipelineLayout:
     split: PassRecord
     tied: dict[str, tuple[int, ...]]
     model_name: str  # the whole model's (each stage's trace is named per stage)
+    inputs: StepInputs  # what a step's call must be (checked before the schedule runs)
 
     def timeline(self, p: int, n_stages: int) -> Any:
         from autopar.axes.schedule import actions, simulate
@@ -361,7 +363,7 @@ class PipelineLayout:
                   for fqn, ix in self.tied.items()}  # fmt: skip
         return RankShare(modules=modules, n_stages=len(stages), config=self.config,
                          tied_shapes=shapes, mesh=prog.mesh, coords=coords, io=io,
-                         placements=placements)  # fmt: skip
+                         placements=placements, inputs=self.inputs)  # fmt: skip
 
 
 def _tied(stages: Sequence[StageProgram]) -> dict[str, tuple[int, ...]]:
@@ -508,7 +510,8 @@ def compile_pipeline(traced: Traced, mesh: Mesh, config: PipelineConfig, options
     cut = dataclasses.replace(cut, boundary_bytes=tuple(sent), grad_bytes=tuple(back))
     return stages, PipelineLayout(cut=cut, config=config, graphs=tuple(graphs), grad_names=grad,
                                   split=split, tied=_tied(stages),
-                                  model_name=traced.model_name)  # fmt: skip
+                                  model_name=traced.model_name,
+                                  inputs=StepInputs.of(traced, config.n_microbatches))  # fmt: skip
 
 
 def _cp_stages(traced: Traced, graphs: list[StageGraph], stage_mesh: Mesh, options: PlanOptions,

@@ -35,6 +35,8 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 
+from autopar.runtime.guards import GuardedCodeGen
+
 
 class RankModule(_LazyGraphModule):
     """A per-rank program: an fx.GraphModule that pickles without re-tracing.  Its Python code
@@ -79,8 +81,9 @@ def dump_module(gm: fx.GraphModule) -> dict[str, Any]:
     if isinstance(codegen, _PyTreeCodeGen):
         info = codegen.pytree_info
         specs = (list(info.orig_args), info.in_spec, info.out_spec)
+    expected = getattr(codegen, "expected", ())
     return {"nodes": nodes, "params": params, "buffers": buffers, "subs": subs, "specs": specs,
-            "name": type(gm).__name__, "meta": dict(getattr(gm, "meta", {})),
+            "expected": expected, "name": type(gm).__name__, "meta": dict(getattr(gm, "meta", {})),
             "providers": op_providers(gm)}  # fmt: skip
 
 
@@ -154,7 +157,7 @@ def load_module(state: dict[str, Any]) -> RankModule:
         node = graph.create_node(op, target, tuple(args), dict(kwargs), name=name)
         env[name] = node
     if state["specs"] is not None:
-        graph._codegen = _PyTreeCodeGen(_PyTreeInfo(*state["specs"]))
+        graph._codegen = GuardedCodeGen(_PyTreeInfo(*state["specs"]), state["expected"])
     module = RankModule(root, graph, class_name=state["name"])
     module.meta = state["meta"]
     return module
