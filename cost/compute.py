@@ -162,7 +162,7 @@ def op_time(
     compute_efficiency: float = MATMUL_PEAK_FRACTION,
 ) -> float:
     """Roofline seconds of one kernel: max(compute, memory, launch floor)."""
-    compute = flops / (gpu.peak_flops(dtype_bytes) * compute_efficiency)
+    compute = flops / (gpu.sustained_flops(dtype_bytes) * compute_efficiency)
     memory = nbytes / (gpu.hbm_bw * MEMORY_BW_FRACTION)
     return max(compute, memory, KERNEL_LAUNCH_S)
 
@@ -180,7 +180,8 @@ def node_time(node: torch.fx.Node, gpu: GPU, itemsize: int | None = None) -> flo
     if itemsize is not None and out:
         moved *= itemsize / traced
     dtype_bytes = min(max(itemsize or traced, 2), 4)
-    return op_time(flops, moved, gpu, dtype_bytes, compute_efficiency=node_efficiency(node, gpu))
+    return op_time(flops, moved, gpu, dtype_bytes,
+                   compute_efficiency=node_efficiency(node, gpu, dtype_bytes))
 
 
 def attention_time(flops: float, nbytes: float, gpu: GPU, dtype_bytes: int, q_len: int,
@@ -191,28 +192,33 @@ def attention_time(flops: float, nbytes: float, gpu: GPU, dtype_bytes: int, q_le
     the whole sequence are priced at the whole sequence's efficiency, as the search prices
     the SDPA it replaces."""
     return op_time(flops, nbytes, gpu, dtype_bytes,
-                   compute_efficiency=sdpa_efficiency(q_len, k_len, head_dim, gpu))
+                   compute_efficiency=sdpa_efficiency(q_len, k_len, head_dim, gpu, dtype_bytes))
 
 
-def sdpa_efficiency(q_len: int, k_len: int, head_dim: int, gpu: GPU | None = None) -> float:
-    """Fraction of the peak torch's SDPA reaches: its score GEMM's `matmul_efficiency`, at
-    most `gpu.fa2_fraction` where that is set (torch's default flash backend is
-    FlashAttention-2, FlashAttention-3 being an opt-in prototype in torch 2.13; on Hopper FA2
-    reaches 35% of the peak: `cost.hardware.FA2_ON_HOPPER`)."""
+def sdpa_efficiency(q_len: int, k_len: int, head_dim: int, gpu: GPU | None = None,
+                    dtype_bytes: int = 2) -> float:  # fmt: skip
+    """Fraction of the sustained peak (`GPU.sustained_flops`) torch's SDPA reaches: its score
+    GEMM's `matmul_efficiency`, at most `gpu.fa2_fraction` of the data-sheet peak where that
+    is set (torch's default flash backend is FlashAttention-2, FlashAttention-3 being an
+    opt-in prototype in torch 2.13; on Hopper FA2 reaches 35% of the peak:
+    `cost.hardware.FA2_ON_HOPPER`)."""
     eff = matmul_efficiency(q_len, k_len, head_dim)
-    return eff if gpu is None else gpu.fa2_efficiency(eff)
+    return eff if gpu is None else float(gpu.fa2_efficiency(eff, dtype_bytes))
 
 
-def node_efficiency(node: torch.fx.Node, gpu: GPU | None = None) -> float:
+def node_efficiency(node: torch.fx.Node, gpu: GPU | None = None,
+                    dtype_bytes: int | None = None) -> float:  # fmt: skip
     """Compute efficiency of a node's kernel: `matmul_efficiency` of its GEMM shape (for SDPA
-    the score GEMM, whose K loop is the head dim, capped on `gpu` by `sdpa_efficiency`),
-    else the large-GEMM fraction."""
+    the score GEMM, whose K loop is the head dim, capped on `gpu` by `sdpa_efficiency` at
+    the element size it runs in: ``dtype_bytes``, else its query's), else the large-GEMM
+    fraction."""
     name, out = op_name(node), tensors_of(node.meta.get("val"))
     if name in MATMUL_OPS and out:
         return matmul_efficiency(*gemm_dims(node, out[0]))
     if name == "scaled_dot_product_attention":
         q, k = (_val(a) for a in node.args[:2])
-        return sdpa_efficiency(q.shape[-2], k.shape[-2], q.shape[-1], gpu)
+        size = dtype_bytes or min(max(q.element_size(), 2), 4)
+        return sdpa_efficiency(q.shape[-2], k.shape[-2], q.shape[-1], gpu, size)
     return MATMUL_PEAK_FRACTION
 
 

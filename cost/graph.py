@@ -140,9 +140,9 @@ class GraphModel:
     def node_times(self, share: float, t: int, gpu: GPU) -> np.ndarray:
         """Roofline seconds of every node for `share` of the traced sequences split over t."""
         a = self.arrays
-        peak = np.vectorize(gpu.peak_flops, otypes=[float])(a["dtype"].astype(int))
+        peak = np.vectorize(gpu.sustained_flops, otypes=[float])(a["dtype"].astype(int))
         # torch SDPA's FlashAttention-2 (`sdpa_efficiency`) on the SDPA nodes
-        eff = np.where(a["sdpa"] > 0, gpu.fa2_efficiency(a["eff"]), a["eff"])
+        eff = np.where(a["sdpa"] > 0, gpu.fa2_efficiency(a["eff"], a["dtype"].astype(int)), a["eff"])
         compute = a["flops"] * share / t / (peak * eff)
         moved = a["act_bytes"] * share / t + a["weight_bytes"] / t
         memory = moved / (gpu.hbm_bw * MEMORY_BW_FRACTION)

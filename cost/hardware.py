@@ -41,14 +41,34 @@ class GPU:
     # the fraction of the bf16 peak FlashAttention-2 reaches at best, where it is below what
     # the kernel's score GEMM would (a kernel written for another architecture); None: no cap
     fa2_fraction: float | None = None
+    # measured Maximum Achievable Matmul FLOPS over the data-sheet peak, (bf16, fp8), where a
+    # source publishes it (`MAMF_SOURCE`); None: as the A100 the cost model was fitted on
+    mamf: tuple[float, float | None] | None = None
 
-    def fa2_efficiency(self, efficiency: Any) -> Any:
-        """A FlashAttention-2 kernel's fraction of the peak, given what its score GEMM alone
-        would reach (a float or an array): at most `fa2_fraction` where that is set.  The one
-        place the cap is applied (the formula path's kernels, the graph path's SDPA nodes,
+    def fa2_efficiency(self, efficiency: Any, dtype_bytes: Any = 2) -> Any:
+        """A FlashAttention-2 kernel's fraction of the sustained peak (`sustained_flops`) at
+        its element size, given what its score GEMM alone would reach (floats or arrays): at
+        most `fa2_fraction` of the data-sheet peak where that is set.  The one place the cap
+        is applied (the formula path's kernels, the graph path's SDPA nodes,
         `cost.compute.sdpa_efficiency`)."""
-        return efficiency if self.fa2_fraction is None else np.minimum(efficiency,
-                                                                       self.fa2_fraction)
+        if self.fa2_fraction is None:
+            return efficiency
+        scale = np.vectorize(self.matmul_scale, otypes=[float])(dtype_bytes)
+        return np.minimum(efficiency, self.fa2_fraction / scale)
+
+    def matmul_scale(self, dtype_bytes: int = 2) -> float:
+        """This GPU's achievable matmul fraction of its peak over the A100's, at an element
+        size (`mamf`; 1.0 where none is published, and for fp32).  The cost model's GEMM
+        efficiencies (`cost.compute.MATMUL_PEAK_FRACTION`, ...) were fitted on A100 runs,
+        so they hold the A100's fraction: another GPU's compute runs at its own."""
+        if self.mamf is None or dtype_bytes == 4:
+            return 1.0
+        bf16, fp8 = self.mamf
+        return (fp8 if dtype_bytes == 1 and fp8 is not None else bf16) / REFERENCE_MAMF
+
+    def sustained_flops(self, dtype_bytes: int = 2) -> float:
+        """`peak_flops` times `matmul_scale`: the peak the cost model's efficiencies apply to."""
+        return self.peak_flops(dtype_bytes) * self.matmul_scale(dtype_bytes)
 
     def peak_flops(self, dtype_bytes: int = 2) -> float:
         """Dense tensor-core peak for an element size: 1 → fp8, 2 → bf16/fp16, 4 → fp32."""
@@ -158,16 +178,28 @@ ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "h100-sxm5": "h100-sxm",
 # Ampere, where it reaches 50-73% of the peak (Dao 2023, arXiv 2307.08691): no cap there
 FA2_ON_HOPPER = 0.35
 
+# Maximum Achievable Matmul FLOPS: the best mean TFLOP/s of a brute-force search over matmul
+# shapes, over the data-sheet peak (stas00/ml-engineering compute/accelerator/README.md
+# @b9e2972, "Maximum Achievable Matmul FLOPS comparison table", v2 tables): BF16 A100 SXM
+# 271.2 of 312 (86.9%, torch 2.6.0+cu126), H100 SXM 794.5 of 989 (80.3%, 2.7.0+cu126); FP8
+# (float8_e4m3fn) H100 SXM 1402.6 of 1979 (70.9%).  The A100's is the reference the cost
+# model's fitted efficiencies hold (its fit rows ran on A100s).
+MAMF_SOURCE = "stas00/ml-engineering compute/accelerator/README.md @b9e2972 (MAMF v2 tables)"
+REFERENCE_MAMF = 0.869
+MAMF_A100 = (0.869, None)
+MAMF_H100_SXM = (0.803, None)
+
 GPU_PRESETS: dict[str, GPU] = {
     g.name: g
     for g in (
         # A100 has no fp8 tensor cores: fp8 runs at the bf16 rate.
         GPU(name="a100-40gb", bf16_flops=312e12, fp8_flops=312e12, fp32_flops=19.5e12,
-            hbm_bytes=40 * GiB, hbm_bw=1.555 * TB),
+            hbm_bytes=40 * GiB, hbm_bw=1.555 * TB, mamf=MAMF_A100),
         GPU(name="a100-80gb", bf16_flops=312e12, fp8_flops=312e12, fp32_flops=19.5e12,
-            hbm_bytes=80 * GiB, hbm_bw=2.039 * TB),
+            hbm_bytes=80 * GiB, hbm_bw=2.039 * TB, mamf=MAMF_A100),
         GPU(name="h100-sxm", bf16_flops=989e12, fp8_flops=1979e12, fp32_flops=67e12,
-            fa2_fraction=FA2_ON_HOPPER, hbm_bytes=80 * GiB, hbm_bw=3.35 * TB),
+            fa2_fraction=FA2_ON_HOPPER, hbm_bytes=80 * GiB, hbm_bw=3.35 * TB,
+            mamf=MAMF_H100_SXM),
         GPU(name="h200", bf16_flops=989e12, fp8_flops=1979e12, fp32_flops=67e12,
             fa2_fraction=FA2_ON_HOPPER, hbm_bytes=141 * GB, hbm_bw=4.8 * TB),
         GPU(name="h800", bf16_flops=989e12, fp8_flops=1979e12, fp32_flops=67e12,

@@ -290,7 +290,7 @@ def _time(kernels: list[_Kernel], gpu: GPU, factor: bool = False) -> float:
 
 def _efficiency(kernel: _Kernel, gpu: GPU) -> float:
     """A kernel's fraction of the peak: its own, or FlashAttention-2's ceiling on this GPU."""
-    return gpu.fa2_efficiency(kernel.eff) if kernel.fa2 else kernel.eff
+    return gpu.fa2_efficiency(kernel.eff, kernel.dtype) if kernel.fa2 else kernel.eff
 
 
 def _edges(shape: ModelShape, cfg: ParallelConfig, b: int, gpu: GPU) -> tuple[float, float]:

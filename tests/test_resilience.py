@@ -53,6 +53,7 @@ def _rank_main(rank: int, port: int, mode: str, victim: int) -> None:
     torch.manual_seed(0)
     x = torch.randn(8, 16)
     module = autoparallelize(MLP(), mesh, (x,))
+    x = x.chunk(2)[mesh.get_local_rank("dp")]  # each dp rank passes its slice of the batch
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     dist.barrier()  # the watchdog guards the steps: compiling may take ranks unequal times
     watchdog = Watchdog(timeout=TIMEOUT)

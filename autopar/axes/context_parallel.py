@@ -409,7 +409,7 @@ def _price(n: fx.Node, lay: SeqLayout, mesh: Mesh, forced: str | None) -> Attent
     elt = q.element_size()
     kv = (k.numel() + v.numel()) * elt / size
     step_flops = 4 * q.numel() / size * (k.shape[-2] / size) / (2 if a["is_causal"] else 1)
-    step_s = step_flops / gpu.peak_flops(min(elt, 2))
+    step_s = step_flops / gpu.sustained_flops(min(elt, 2))
     p2p = collective_time("send_recv", kv, 2, link)
     ring = (size - 1) * max(0.0, p2p - step_s) + (size - 1) * max(0.0, p2p - 2 * step_s) \
         + size * collective_time("send_recv", kv, 2, link)  # fmt: skip

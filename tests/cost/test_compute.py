@@ -110,12 +110,21 @@ def test_node_time_is_zero_for_views_and_positive_for_kernels(nodes):
 
 
 def test_op_time_roofline_hand_values():
+    """Compute at the GPU's sustained peak: the data sheet's times its achievable matmul
+    fraction over the A100's (H100 SXM 80.3 / 86.9: `cost.hardware.MAMF_SOURCE`)."""
     gpu = GPU.preset("h100-sxm")
-    assert op_time(1e12, 0.0, gpu) == pytest.approx(1e12 / (989e12 * MATMUL_PEAK_FRACTION))
+    sustained = 0.803 / 0.869
+    assert op_time(1e12, 0.0, gpu) == pytest.approx(
+        1e12 / (989e12 * sustained * MATMUL_PEAK_FRACTION))
     assert op_time(0.0, 1e9, gpu) == pytest.approx(1e9 / (3.35e12 * MEMORY_BW_FRACTION))
     assert op_time(1.0, 1.0, gpu) == KERNEL_LAUNCH_S
-    assert op_time(1e12, 0.0, gpu, 1) == pytest.approx(1e12 / (1979e12 * MATMUL_PEAK_FRACTION))
-    assert op_time(1e12, 0.0, gpu, compute_efficiency=0.5) == pytest.approx(1e12 / (989e12 / 2))
+    assert op_time(1e12, 0.0, gpu, 1) == pytest.approx(
+        1e12 / (1979e12 * sustained * MATMUL_PEAK_FRACTION))
+    assert op_time(1e12, 0.0, gpu, 4) == pytest.approx(1e12 / (67e12 * MATMUL_PEAK_FRACTION))
+    assert op_time(1e12, 0.0, gpu, compute_efficiency=0.5) == pytest.approx(
+        1e12 / (989e12 * sustained / 2))
+    a100 = GPU.preset("a100-80gb")
+    assert op_time(1e12, 0.0, a100) == pytest.approx(1e12 / (312e12 * MATMUL_PEAK_FRACTION))
     with pytest.raises(CostInputError, match="3-byte"):
         op_time(1.0, 1.0, gpu, 3)
 

@@ -91,3 +91,25 @@ def test_axis_is_intra_exactly_when_its_rank_groups_stay_in_a_node(sizes, gpn, d
         groups.setdefault(base, set()).add(rank // gpn)
     one_node = all(len(nodes) == 1 for nodes in groups.values())
     assert (cluster.axis_link(axes, name) is cluster.intra) == one_node
+
+
+def test_compute_runs_at_each_gpus_achievable_matmul_fraction():
+    """The cost model's GEMM efficiencies were fitted on A100 runs; an H100 reaches a smaller
+    fraction of its data-sheet peak (published MAMF: 80.3% against the A100's 86.9%), so its
+    tensor-core compute is scaled by their ratio.  fp32 (no tensor cores) and GPUs without a
+    published figure are not scaled; FlashAttention-2's ceiling stays 35% of the data sheet."""
+    from dataclasses import replace
+
+    from cost.hardware import MAMF_H100_SXM, REFERENCE_MAMF
+
+    a100, h100 = GPU.preset("a100-80gb"), GPU.preset("h100-sxm")
+    assert a100.matmul_scale() == 1.0 == a100.matmul_scale(1)
+    assert h100.matmul_scale() == pytest.approx(0.803 / 0.869) == MAMF_H100_SXM[0] / REFERENCE_MAMF
+    assert h100.sustained_flops() == pytest.approx(989e12 * 0.803 / 0.869)
+    assert h100.sustained_flops(1) == pytest.approx(1979e12 * 0.803 / 0.869)  # fp8: bf16's
+    assert h100.sustained_flops(4) == 67e12
+    assert GPU.preset("b200").matmul_scale() == 1.0  # none published
+    assert replace(h100, mamf=None).sustained_flops() == 989e12
+    for eff in (0.9, 0.5):  # the FA2 cap in absolute terms, at any score-GEMM efficiency
+        capped = h100.sustained_flops() * h100.fa2_efficiency(eff)
+        assert capped == pytest.approx(989e12 * min(eff * 0.803 / 0.869, 0.35))

@@ -244,7 +244,9 @@ def test_flash_attention_2_is_capped_on_hopper_only():
     native, capped = shape_workload(LLAMA, CFG, 1, h100), shape_workload(LLAMA, fa2, 1, h100)
     eff = matmul_efficiency(1024, 1024, 128)
     assert eff > FA2_ON_HOPPER == h100.fa2_fraction
-    assert capped.attn_fwd_s == pytest.approx(native.attn_fwd_s * eff / FA2_ON_HOPPER, rel=1e-9)
+    # the cap is of the data-sheet peak; the native kernel runs at the sustained one
+    assert capped.attn_fwd_s == pytest.approx(
+        native.attn_fwd_s * eff * h100.matmul_scale() / FA2_ON_HOPPER, rel=1e-9)
     slower = capped.attn_fwd_s - native.attn_fwd_s
     assert capped.layer_fwd_s - native.layer_fwd_s == pytest.approx(slower, rel=1e-9)
     assert capped.layer_bwd_s - native.layer_bwd_s == pytest.approx(2.5 * slower, rel=1e-9)
