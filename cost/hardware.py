@@ -183,7 +183,10 @@ FA2_ON_HOPPER = 0.35
 # @b9e2972, "Maximum Achievable Matmul FLOPS comparison table", v2 tables): BF16 A100 SXM
 # 271.2 of 312 (86.9%, torch 2.6.0+cu126), H100 SXM 794.5 of 989 (80.3%, 2.7.0+cu126); FP8
 # (float8_e4m3fn) H100 SXM 1402.6 of 1979 (70.9%).  The A100's is the reference the cost
-# model's fitted efficiencies hold (its fit rows ran on A100s).
+# model's fitted efficiencies hold (its fit rows ran on A100s).  The FP8 figure (H100 SXM
+# 1402.6 of 1979, 70.9%) is not used: FP8 GEMMs are priced at the bf16 fraction of the FP8
+# peak, as before (tried: it prices Megatron-Bridge's three H100 FP8 rows 10-11% slow;
+# NOTES.md, Fidelity, session 35).
 MAMF_SOURCE = "stas00/ml-engineering compute/accelerator/README.md @b9e2972 (MAMF v2 tables)"
 REFERENCE_MAMF = 0.869
 MAMF_A100 = (0.869, None)
@@ -200,10 +203,13 @@ GPU_PRESETS: dict[str, GPU] = {
         GPU(name="h100-sxm", bf16_flops=989e12, fp8_flops=1979e12, fp32_flops=67e12,
             fa2_fraction=FA2_ON_HOPPER, hbm_bytes=80 * GiB, hbm_bw=3.35 * TB,
             mamf=MAMF_H100_SXM),
+        # H200 and H800: the H100 SXM's GH100 die at its 700 W: the H100's measured fraction
         GPU(name="h200", bf16_flops=989e12, fp8_flops=1979e12, fp32_flops=67e12,
-            fa2_fraction=FA2_ON_HOPPER, hbm_bytes=141 * GB, hbm_bw=4.8 * TB),
+            fa2_fraction=FA2_ON_HOPPER, hbm_bytes=141 * GB, hbm_bw=4.8 * TB,
+            mamf=MAMF_H100_SXM),
         GPU(name="h800", bf16_flops=989e12, fp8_flops=1979e12, fp32_flops=67e12,
-            fa2_fraction=FA2_ON_HOPPER, hbm_bytes=80 * GiB, hbm_bw=3.35 * TB),
+            fa2_fraction=FA2_ON_HOPPER, hbm_bytes=80 * GiB, hbm_bw=3.35 * TB,
+            mamf=MAMF_H100_SXM),
         GPU(name="b200", bf16_flops=2.25e15, fp8_flops=4.5e15, fp32_flops=80e12,
             hbm_bytes=192 * GB, hbm_bw=8.0 * TB),
     )

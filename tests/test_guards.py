@@ -105,6 +105,7 @@ def test_a_loss_fn_call_names_its_inputs_by_position():
     c = Config(layers=1, hidden=32, heads=2, kv_heads=2, ffn=64, vocab=64, seq=8, batch=2)
     x, y = tokens(c)
     prog = autoparallelize(build("llama", c), Mesh(tp=2), (x, y), loss_fn=lm_loss)
+    assert "expect_tensor('example_inputs[0]', args_0, 'i64[2, 8]')" in prog.code(rank=0)
     err = _unbound(prog, x[:, :4], y)
     assert isinstance(err, InputError)
     assert "example_inputs[0] is i64[2, 4] on this rank" in str(err)

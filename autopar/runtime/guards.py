@@ -58,11 +58,16 @@ def expectation(value: Any) -> Expectation:
     return ("constant", repr(value))
 
 
-def _shown(name: str) -> str:
-    """The user's name of an input: export names ``*args`` (a ``loss_fn`` call's model inputs
-    and target) ``args_<i>``, which is ``example_inputs[i]``."""
+def label(name: str) -> str:
+    """The user's name of an input placeholder: export names ``*args`` (a ``loss_fn`` call's
+    model inputs and target) ``args_<i>``, which is ``example_inputs[i]``."""
     found = re.fullmatch(r"args_(\d+)", name)
-    return f"example_inputs[{found.group(1)}]" if found else f"input '{name}'"
+    return f"example_inputs[{found.group(1)}]" if found else name
+
+
+def _shown(name: str) -> str:
+    shown = label(name)
+    return shown if shown.startswith("example_inputs[") else f"input '{shown}'"
 
 
 _SHARE = ("this rank's share of the example input: under dp each rank passes its slice of "
@@ -193,8 +198,8 @@ class GuardedCodeGen(_PyTreeCodeGen):
         shown = self.pytree_info.orig_args if self.pytree_info else names
         if len(self.expected) != len(names) or len(shown) != len(names):
             return code
-        checks = [f"expect_{kind}({label!r}, {var}, {spec!r})"
-                  for var, label, (kind, spec) in zip(names, shown, self.expected, strict=True)]  # fmt: skip
+        checks = [f"expect_{kind}({label(name)!r}, {var}, {spec!r})"
+                  for var, name, (kind, spec) in zip(names, shown, self.expected, strict=True)]  # fmt: skip
         return code + "".join(f"\n    {line}" for line in checks)
 
 

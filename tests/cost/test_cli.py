@@ -130,7 +130,7 @@ def test_plan_prices_a_traced_model_in_its_param_dtype(tmp_path, capsys):
 
 
 def test_an_moe_estimate_says_its_step_time_is_optimistic(capsys):
-    """benchmarks/fidelity.py's MoE row misses by 2.6x: the printed step says so, a dense one
+    """benchmarks/fidelity.py's MoE row misses by 2.5x: the printed step says so, a dense one
     does not."""
     shape = ["--model", "llama", "--layers", "4", "--hidden", "1024", "--heads", "8",
              "--kv-heads", "8", "--ffn", "512", "--seq", "1024", "--vocab", "32000",
