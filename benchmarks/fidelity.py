@@ -255,7 +255,10 @@ def _korthikanti(name: str, shape: tuple[int, int, int], gpus: int, tp: int, pp:
 # embeddings, no dropout -- the published NumParams agree (7B at 2K: 12·L·h² + 9·L·h + 2·(2L+1)·h
 # + V·h + s·h = 6,658,859,008).  Composer runs the model eager under FSDP1 (FULL_SHARD =
 # ZeRO-3, SHARD_GRAD_OP = ZeRO-2) and reduce-scatters every micro-batch (its trainer opens
-# `no_sync` for DDP only); its mixed precision (composer mosaic_fsdp_utils.py v0.16/v0.17):
+# `no_sync` for DDP only) with its FSDP defaults (trainer/dist_strategy.py v0.16.4:
+# `backward_prefetch` BACKWARD_POST, `forward_prefetch` False; llm-foundry sets
+# `limit_all_gathers`): `backward_prefetch="post"`; its mixed precision (composer
+# mosaic_fsdp_utils.py v0.16/v0.17):
 # DEFAULT = bf16 parameters, fp32 reduction; PURE = bf16 both.  "Activation Checkpointing"
 # True = every block recomputed.  FP8 rows: TransformerEngine v0.10 linears (`fc_type: te`).
 # Clusters: "1600 Gbps node-node interconnect (RoCE)" on the A100 tables (200 Gb/s a GPU, the
@@ -420,7 +423,8 @@ def _mpt(table: tuple, gpu: str, fp8: bool = False) -> tuple[Row, ...]:
             source=MOSAIC, model=shape, cluster=_cluster(preset, gpus),
             config=_cfg(dp=gpus, gbs=gpus * mbs * ga, mbs=mbs, zero=3 if how[0] == "F" else 2,
                         recompute="full" if how[1] == "A" else "none",
-                        grad_bytes=2 if how[2] == "P" else 4, **EAGER),
+                        grad_bytes=2 if how[2] == "P" else 4, backward_prefetch="post",
+                        **EAGER),
             precision="fp8" if fp8 else "bf16", published=tps, note=" ".join(notes)))
     return tuple(rows)
 

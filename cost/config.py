@@ -46,6 +46,12 @@ GRAD_SYNC = ("reduce_scatter", "all_reduce")
 # 153383 of May 2025, the last stage's, the logits, kept for `step()`'s merged return),
 # "in_flight" (Megatron, DeepSpeed: receive tensors freed or reused, outputs freed once sent)
 PP_BUFFERS = ("torch", "torch_2024", "in_flight")
+# when ZeRO-3's backward gathers the next layer's weights (torch FSDP1's BackwardPrefetch):
+# "pre" before the current layer's gradient computation (BACKWARD_PRE, FSDP1's default; FSDP2
+# and autopar's runtime always), "post" after it (BACKWARD_POST: "This overlaps the current
+# reduce-scatter and the next gradient computation", torch's FSDP docs -- the gather itself
+# then stands between two layers' backward, exposed; Composer's default)
+BACKWARD_PREFETCH = ("pre", "post")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,7 +91,8 @@ class ParallelConfig:
     `pp_p2p` how a pipeline rank's boundary transfers reach the step (`P2P_TRANSFERS`);
     `grad_sync` ZeRO-1's gradient collective (`GRAD_SYNC`); every gradient collective moves
     `grad_bytes` per element; `pp_buffers` what the pipeline runtime holds besides the
-    in-flight micro-batches' saved tensors (`PP_BUFFERS`).
+    in-flight micro-batches' saved tensors (`PP_BUFFERS`); `backward_prefetch` when ZeRO-3's
+    backward gathers the next layer's weights (`BACKWARD_PREFETCH`).
     """
 
     tp: int = 1
@@ -134,6 +141,7 @@ class ParallelConfig:
     pp_p2p: str = "paired"
     grad_sync: str = "reduce_scatter"
     pp_buffers: str = "torch"
+    backward_prefetch: str = "pre"
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULES)
@@ -145,6 +153,7 @@ class ParallelConfig:
         _choice("pp_p2p", self.pp_p2p, tuple(P2P_TRANSFERS))
         _choice("grad_sync", self.grad_sync, GRAD_SYNC)
         _choice("pp_buffers", self.pp_buffers, PP_BUFFERS)
+        _choice("backward_prefetch", self.backward_prefetch, BACKWARD_PREFETCH)
         if self.grad_sync == "all_reduce" and self.zero != 1:
             raise CostInputError(f"grad_sync='all_reduce' is ZeRO-1's choice (stage 0 always "
                                  f"all-reduces, 2 and 3 reduce-scatter), got zero={self.zero}")

@@ -299,7 +299,8 @@ def _dp_comm(work: Workload, cfg: ParallelConfig, coll: Collective, spans: dict,
     if cfg.zero == 3 or (cfg.zero == 2 and micro_batches > 1 and not deferred):
         return _zero3(work, coll, spans, micro_batches, recompute, per_stage, ring, shared, ends,
                       cfg.grad_bytes, cfg.gather_bytes, deferred=deferred,
-                      regather=cfg.zero == 3, bare_edges=bare_edges)  # fmt: skip
+                      regather=cfg.zero == 3, bare_edges=bare_edges,
+                      post_prefetch=cfg.backward_prefetch == "post")  # fmt: skip
     sync = {"grad_bytes": cfg.grad_bytes, "whole": cfg.grad_sync == "all_reduce"}
     if not cfg.overlap_grad_reduce:
         return _reduce(coll, _groups(work, spans, per_stage, tables), cfg.zero, **sync)
@@ -314,7 +315,8 @@ def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, re
            per_stage: int, ring: RingAttention, shared: bool,
            ends: tuple[bool, bool] = (True, True), grad_bytes: int = 4,
            gather_bytes: float = 2, deferred: bool = False,
-           regather: bool = True, bare_edges: bool = False) -> float:  # fmt: skip
+           regather: bool = True, bare_edges: bool = False,
+           post_prefetch: bool = False) -> float:  # fmt: skip
     """ZeRO-3 exposed seconds per step (step 6); with `regather` False, ZeRO-2 over several
     micro-batches (weights kept gathered from forward to backward, so only the forward
     gathers).
@@ -334,6 +336,9 @@ def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, re
     first layer's gather of the step has nothing before it: exposed.
     A stage's last layer is not resharded after forward (its backward comes first; autopar's
     runtime and torchtitan keep it), so its backward exposes only its reduce-scatter.
+    `post_prefetch` (FSDP1's BACKWARD_POST): the backward gather is issued after the current
+    layer's gradient computation and the next layer's waits for it, so every backward gather
+    is exposed and only the reduce-scatter hides behind the window.
     `deferred` (FSDP2 under torch's pipeline schedules: no reshard after forward or backward,
     no gradient sync before the last micro-batch): each layer is gathered once, in the first
     micro-batch's forward, and every gradient is reduce-scattered once, after the stage's
@@ -349,7 +354,8 @@ def _zero3(work: Workload, coll: Collective, spans: dict, micro_batches: int, re
     busy_f, busy_b = (ring.wire_fwd, ring.wire_bwd) if shared else (0.0, 0.0)
     window = work.layer_bwd_s + work.recompute_s[recompute]
     fwd = exposed_behind(gather, work.layer_fwd_s, busy_f)
-    bwd = exposed_behind(gather * regather + scatter, window, busy_b)
+    bwd = (gather * regather + exposed_behind(scatter, window, busy_b) if post_prefetch
+           else exposed_behind(gather * regather + scatter, window, busy_b))
     last = exposed_behind(scatter, window, busy_b)
     tail = exposed_behind(tables, work.pre_s * ends[0] + work.post_s * ends[1])
     if deferred:

@@ -323,3 +323,25 @@ def test_deferred_fp32_accumulation_is_a_pass_per_micro_batch():
                                m, deferred, gpu) for s in shares}  # fmt: skip
     assert min(added) > 0
     assert any(held.compute - synced.compute == pytest.approx(a, rel=1e-9) for a in added)
+
+
+def test_backward_post_prefetch_exposes_every_backward_gather():
+    """FSDP1's BACKWARD_POST (Composer's default) gathers the next layer's weights after the
+    current layer's gradient computation: where BACKWARD_PRE hides every backward gather
+    behind the layer before, each is exposed -- every layer's but the last one's (its weights
+    stay gathered from forward), every micro-batch; the reduce-scatters still hide."""
+    cluster = Cluster.preset("dgx-h100", nodes=1)
+    shape = ModelShape.gpt(layers=8, hidden=4096, heads=32, seq=2048, vocab=8192)
+    cfg = ParallelConfig(dp=8, zero=3, global_batch=32, micro_batch=2, recompute="none")
+    work = shape_workload(shape, cfg, 2, cluster.gpu)
+
+    def dp(c: ParallelConfig) -> float:
+        return step_time(work, c, cluster, micro_batches=2, schedule="1f1b", virtual=1,
+                         recompute="none").comm["dp"]  # fmt: skip
+
+    gather = span_time("all_gather", 2 * work.layer_dense_params, cluster, 1, 8)
+    assert 2 * gather < work.layer_bwd_s  # the gather and the reduce-scatter hide under "pre"
+    pre, post = dp(cfg), dp(replace(cfg, backward_prefetch="post"))
+    assert post - pre == pytest.approx(2 * 7 * gather, rel=1e-9)
+    with pytest.raises(CostInputError, match="backward_prefetch"):
+        replace(cfg, backward_prefetch="never")
