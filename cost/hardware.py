@@ -180,17 +180,18 @@ FA2_ON_HOPPER = 0.35
 
 # Maximum Achievable Matmul FLOPS: the best mean TFLOP/s of a brute-force search over matmul
 # shapes, over the data-sheet peak (stas00/ml-engineering compute/accelerator/README.md
-# @b9e2972, "Maximum Achievable Matmul FLOPS comparison table", v2 tables): BF16 A100 SXM
-# 271.2 of 312 (86.9%, torch 2.6.0+cu126), H100 SXM 794.5 of 989 (80.3%, 2.7.0+cu126); FP8
-# (float8_e4m3fn) H100 SXM 1402.6 of 1979 (70.9%).  The A100's is the reference the cost
-# model's fitted efficiencies hold (its fit rows ran on A100s).  The FP8 figure (H100 SXM
-# 1402.6 of 1979, 70.9%) is not used: FP8 GEMMs are priced at the bf16 fraction of the FP8
-# peak, as before (tried: it prices Megatron-Bridge's three H100 FP8 rows 10-11% slow;
-# NOTES.md, Fidelity, session 35).
-MAMF_SOURCE = "stas00/ml-engineering compute/accelerator/README.md @b9e2972 (MAMF v2 tables)"
+# @744d01e, "Maximum Achievable Matmul FLOPS comparison table"): BF16 A100 SXM 271.2 of 312
+# (86.9%, torch 2.6.0+cu126), H100 SXM 794.5 of 989 (80.3%, 2.7.0+cu126; "H200 is the
+# same"), B200 SXM 1745.0 of 2250 (77.6%, 2.7.1+cu128).  The A100's is the reference the cost
+# model's fitted efficiencies hold (its fit rows ran on A100s).  The FP8 figures (H100 SXM
+# 70.9%, B200 76.3%) are not used: FP8 GEMMs are priced at the bf16 fraction of the FP8 peak,
+# as before (tried: H100's prices Megatron-Bridge's three H100 FP8 rows 10-11% slow; NOTES.md,
+# Fidelity, session 35).
+MAMF_SOURCE = "stas00/ml-engineering compute/accelerator/README.md @744d01e (MAMF tables)"
 REFERENCE_MAMF = 0.869
 MAMF_A100 = (0.869, None)
 MAMF_H100_SXM = (0.803, None)
+MAMF_B200 = (0.776, None)
 
 GPU_PRESETS: dict[str, GPU] = {
     g.name: g
@@ -203,7 +204,8 @@ GPU_PRESETS: dict[str, GPU] = {
         GPU(name="h100-sxm", bf16_flops=989e12, fp8_flops=1979e12, fp32_flops=67e12,
             fa2_fraction=FA2_ON_HOPPER, hbm_bytes=80 * GiB, hbm_bw=3.35 * TB,
             mamf=MAMF_H100_SXM),
-        # H200 and H800: the H100 SXM's GH100 die at its 700 W: the H100's measured fraction
+        # H200 ("the same" in the source) and H800 (the H100 SXM's GH100 die at its 700 W):
+        # the H100's measured fraction
         GPU(name="h200", bf16_flops=989e12, fp8_flops=1979e12, fp32_flops=67e12,
             fa2_fraction=FA2_ON_HOPPER, hbm_bytes=141 * GB, hbm_bw=4.8 * TB,
             mamf=MAMF_H100_SXM),
@@ -211,7 +213,7 @@ GPU_PRESETS: dict[str, GPU] = {
             fa2_fraction=FA2_ON_HOPPER, hbm_bytes=80 * GiB, hbm_bw=3.35 * TB,
             mamf=MAMF_H100_SXM),
         GPU(name="b200", bf16_flops=2.25e15, fp8_flops=4.5e15, fp32_flops=80e12,
-            hbm_bytes=192 * GB, hbm_bw=8.0 * TB),
+            hbm_bytes=192 * GB, hbm_bw=8.0 * TB, mamf=MAMF_B200),
     )
 }  # fmt: skip
 

@@ -96,8 +96,9 @@ def test_axis_is_intra_exactly_when_its_rank_groups_stay_in_a_node(sizes, gpn, d
 def test_compute_runs_at_each_gpus_achievable_matmul_fraction():
     """The cost model's GEMM efficiencies were fitted on A100 runs; an H100 reaches a smaller
     fraction of its data-sheet peak (published MAMF: 80.3% against the A100's 86.9%), so its
-    tensor-core compute is scaled by their ratio.  fp32 (no tensor cores) and GPUs without a
-    published figure are not scaled; FlashAttention-2's ceiling stays 35% of the data sheet."""
+    tensor-core compute is scaled by their ratio (B200: 77.6%).  fp32 (no tensor cores) and a
+    GPU without a published figure are not scaled; FlashAttention-2's ceiling stays 35% of the
+    data sheet."""
     from dataclasses import replace
 
     from cost.hardware import MAMF_H100_SXM, REFERENCE_MAMF
@@ -108,7 +109,8 @@ def test_compute_runs_at_each_gpus_achievable_matmul_fraction():
     assert h100.sustained_flops() == pytest.approx(989e12 * 0.803 / 0.869)
     assert h100.sustained_flops(1) == pytest.approx(1979e12 * 0.803 / 0.869)  # fp8: bf16's
     assert h100.sustained_flops(4) == 67e12
-    assert GPU.preset("b200").matmul_scale() == 1.0  # none published
+    assert GPU.preset("b200").matmul_scale() == pytest.approx(0.776 / 0.869)
+    assert GPU.preset("h200").matmul_scale() == h100.matmul_scale()  # "H200 is the same"
     assert replace(h100, mamf=None).sustained_flops() == 989e12
     for eff in (0.9, 0.5):  # the FA2 cap in absolute terms, at any score-GEMM efficiency
         capped = h100.sustained_flops() * h100.fa2_efficiency(eff)
