@@ -8,8 +8,8 @@ silently wrong answer; called with another shape or dtype, it fails deep inside 
 where a size was folded into arithmetic, returns a wrong answer).  So every generated program
 checks its inputs first, in lines the printed program shows:
 
-    expect_tensor("x", x, "f32[4, 8]")      # this rank's part of the batch under dp / pp
-    expect_constant("scale", scale, "0.5")  # the traced value, as repr() wrote it
+    expect_tensor('x', x, 'f32[4, 8]')      # this rank's part of the batch under dp / pp
+    expect_constant('scale', scale, '0.5')  # the traced value, as repr() wrote it
 
 Algorithm (:class:`GuardedCodeGen`, the pytree code generator of every autopar program):
 1. When the program's code is generated, each placeholder's traced value (its ``val``
@@ -88,7 +88,7 @@ def expect_tensor(name: str, value: Any, spec: str, what: str = _SHARE,
 
 def expect_constant(name: str, value: Any, traced: str) -> None:
     """Step 2: ``value`` is the constant the program was traced with (``traced``, its repr):
-    the same repr, or a value equal to it of the same kind (``1.0`` for ``1.0``, never ``True``
+    the same repr, or a value equal to it of the same kind (``1.0`` for ``1``, never ``True``
     for ``1``)."""
     if isinstance(value, torch.Tensor) or not _same(value, traced):
         kind = "a tensor " if isinstance(value, torch.Tensor) else ""
