@@ -9,7 +9,10 @@ Algorithm (pricing a mesh axis, `Cluster.axis_link`):
    intra-node link (NVLink/NVSwitch); otherwise it crosses nodes and rides the fabric.
 
 Presets hold data-sheet numbers: dense (not sparse) tensor-core peaks, HBM capacity in bytes
-and bandwidth in bytes/s, link bandwidth per GPU per direction in bytes/s and latency in s.
+and bandwidth in bytes/s, link bandwidth per GPU per direction in bytes/s and latency in s;
+and, where a measurement is published, the GPU's achievable matmul fraction of its peak
+(`GPU.mamf`): compute is priced at the data sheet times that fraction over the A100's
+(`GPU.sustained_flops`), the A100 being what the cost model's efficiencies were fitted on.
 User-defined hardware is built with the same dataclasses.
 """
 
