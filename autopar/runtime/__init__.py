@@ -26,6 +26,7 @@ from autopar.errors import MeshError
 from autopar.ir.layout import Shard, parse_placement
 from autopar.mesh import Mesh
 from autopar.ops import collectives
+from autopar.runtime.guards import StepInputs
 
 
 def bind(prog: Any, device_mesh: Any, mesh: Mesh, param_dtype: torch.dtype,
@@ -259,8 +260,7 @@ class PipelineRunner:
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One schedule over the batch (steps 1-3, 5); returns the loss on every rank.  The
         call is checked first on every rank (``autopar.runtime.guards.StepInputs``)."""
-        if self.share.inputs is not None:
-            self.share.inputs.check(args, kwargs)
+        self.share.inputs.check(args, kwargs)
         self.events, self._t0 = [], time.perf_counter()
         losses: list[torch.Tensor] = []
         dummy = torch.zeros(self.share.config.n_microbatches)
@@ -455,7 +455,7 @@ class RankShare:
     coords: dict[str, int]
     io: dict[int, tuple[list, list]]  # stage -> (shape, dtype, requires_grad) of inputs, outputs
     placements: dict[int, dict[str, str]]  # stage -> tied weight -> its placement on 'tp'
-    inputs: Any = None  # autopar.runtime.guards.StepInputs: what a step's call must be
+    inputs: StepInputs  # what a step's call must be
 
 
 class DataParallelModule(torch.nn.Module):
