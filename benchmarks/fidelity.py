@@ -118,7 +118,8 @@ class Row:
     memory_fit: bool = False  # the allocator's reserve ratio is fitted on its memory
     peak_fit: bool = False  # its GPU's unknown sustained peak is fitted on its step time
     sharding: str = ""  # e.g. HSDP: what the source ran, when the config prices it otherwise
-    note: str = ""
+    note: str = ""  # the component the model lacks, printed when the row misses
+    slow_note: str = ""  # printed instead when the row misses priced too slow
     memory_note: str = ""  # the memory component the model lacks, printed when it misses
 
 
@@ -270,17 +271,26 @@ MOSAIC = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md @c90b9b3 (M
 MPT_SHAPES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 12),
               "1b": (24, 2048, 16), "3b": (32, 2560, 20), "7b": (32, 4096, 32),
               "13b": (40, 5120, 40), "30b": (48, 7168, 56), "70b": (80, 8192, 64)}  # fmt: skip
+# MPT's attention: `attn_impl: triton`, llm-foundry's copy of flash_attn_triton.py (Triton
+# FlashAttention, 2022) on triton-pre-mlir; "In our experiance, `triton` is slightly faster
+# than `flash`" (TUTORIAL.md @b2a43a1), `flash` being flash-attn 1.0.9 (setup.py's `gpu`
+# extra, the v0.3.0 branch the benchmark runs): priced as FlashAttention v1's published
+# throughput on the GPU (`attention="flash1"`, a lower bound: "slightly faster" is not
+# priced).  Norms, GELU and residuals eager.
+MPT_KERNELS = {"kernels": "eager", "attention": "flash1"}
 MPT_GPUS = {"h100": ("dgx-h100", "H100"), "a100-80": ("dgx-a100", "A100-80"),
             "a100-40": ("dgx-a100-40gb", "A100-40")}  # fmt: skip
-# the components the model lacks where these rows miss (see NOTES.md, Fidelity, session 35)
-MPT_LONG_MISS = ("MPT's attention (attn_impl: triton -- llm-foundry's copy of "
-                 "flash_attn_triton.py on the pre-MLIR Triton backend) at sequences of 8K and "
-                 "more, priced as FlashAttention-2, which the FA2 paper finds 1.3-2.5x faster "
-                 "than FlashAttention in Triton:")  # fmt: skip
-MPT_H100_MISS = ("on H100 the same code runs slower than the model at every sequence where "
-                 "its A100 rows hold: its Triton attention compiled by the pre-MLIR backend, "
-                 "which predates Hopper's tensor-core instructions, and torch 2.1's eager "
-                 "kernels:")  # fmt: skip
+# the components the model lacks where these rows miss (see NOTES.md, Fidelity, session 36):
+# with every block recomputed, at 8K+ tokens (A100 16K+: no-recompute rows -0.5 / -4.0% mean,
+# full-recompute rows -14 / -18%), the recompute's second attention forward is priced at the
+# kernel's forward + backward average; flash_attn_triton.py's header: "Triton forward is
+# generally faster than CUDA forward, while Triton backward is generally slower" (no
+# published split)
+MPT_RECOMPUTE_MISS = ("full recompute runs MPT's Triton attention forward twice, priced at "
+                      "the kernel's forward + backward average; its forward is faster than "
+                      "its backward (flash_attn_triton.py's header; no published split):")
+MPT_H100_LONG_MISS = ("on H100 at 8K+ tokens MPT's Triton attention (triton-pre-mlir's sm90 "
+                      "fork) runs faster than FlashAttention v1's H100 figure it is priced at:")
 
 # "## H100 80GB BF16 (Large Scale, >= 128 GPUs)": 18 rows
 MPT_H100_LARGE = (
@@ -416,16 +426,16 @@ def _mpt(table: tuple, gpu: str, fp8: bool = False) -> tuple[Row, ...]:
         layers, hidden, heads = MPT_SHAPES[size]
         shape = ModelShape(name=f"mpt-{size}", layers=layers, hidden=hidden, heads=heads,
                            seq=seq, vocab=50368, biases=True, tied_embeddings=True)
-        notes = [MPT_LONG_MISS] if seq >= 8192 else []
-        notes += [MPT_H100_MISS] if gpu == "h100" else []
+        slow = [MPT_RECOMPUTE_MISS] if seq >= 8192 and how[1] == "A" else []
+        slow += [MPT_H100_LONG_MISS] if seq >= 8192 and gpu == "h100" else []
         rows.append(Row(
             name=f"MPT {size} {seq // 1024 or 0.5:g}K {gpus}x{label}{' FP8' if fp8 else ''} b{mbs}",
             source=MOSAIC, model=shape, cluster=_cluster(preset, gpus),
             config=_cfg(dp=gpus, gbs=gpus * mbs * ga, mbs=mbs, zero=3 if how[0] == "F" else 2,
                         recompute="full" if how[1] == "A" else "none",
                         grad_bytes=2 if how[2] == "P" else 4, backward_prefetch="post",
-                        **EAGER),
-            precision="fp8" if fp8 else "bf16", published=tps, note=" ".join(notes)))
+                        **MPT_KERNELS),
+            precision="fp8" if fp8 else "bf16", published=tps, slow_note=" ".join(slow)))
     return tuple(rows)
 
 
@@ -726,20 +736,37 @@ def error(row: Row, predicted: float) -> float:
     return predicted / row.published - 1
 
 
-def missing(row: Row, error: float) -> str:
-    """The component the model lacks for a row that misses (step 4)."""
+ALLOCATOR_FULL = 0.95  # a predicted peak above this share of HBM: allocator retries likely
+
+
+def missing(row: Row, error: float, est: Estimate) -> str:
+    """The component the model lacks for a row that misses (step 4): the row's note, or by
+    the sign of the error and what the priced step is made of."""
     if row.sharding == "HSDP":
         return "HSDP (shard in a node, replicate across): " + (
             "the replica all-reduce (about the backward's length at b=1) priced as hidden, or "
             "compute efficiency too high at this local batch" if error > 0 else
             "replica all-reduce or exposed gathers priced too high")
+    if error < 0 and row.slow_note:
+        return row.slow_note + " not modelled"
     if row.note:
         return row.note + " not modelled"
+    full = est.memory_per_rank / est.cluster.gpu.hbm_bytes
+    if error > 0 and full > ALLOCATOR_FULL:
+        return (f"priced at {full:.0%} of the GPU's memory: the caching allocator's retries "
+                f"(free the cache, synchronise, allocate again) near capacity, or activation "
+                f"memory priced above the run's, not modelled")  # fmt: skip
     if row.precision == "fp8":
         return ("FP8 GEMM efficiency / cast overhead (priced at the bf16 GEMM fraction): FP8 "
                 f"gain priced too {'high' if error > 0 else 'low'}")
     if error > 0:
         return "compute efficiency too high (GEMM shape / small local batch)"
+    step = est.step
+    waiting = (sum(step.comm.values()) + step.bubble) / step.total
+    if waiting < 0.1:
+        return (f"compute priced too slow (exposed communication and bubble are "
+                f"{waiting:.0%} of the priced step): the kernels run faster than their fitted "
+                f"efficiencies at these shapes")  # fmt: skip
     return "communication or bubble priced too high at scale"
 
 
@@ -790,7 +817,7 @@ def _print(title: str, rows: tuple[Row, ...], ratio: float) -> tuple[list[float]
             mtxt = f"{'-':>7} {mem:6.1f} {'':>8}"
         c = est.config
         chosen = f"b={c.micro_batch} {c.schedule} v={c.virtual_stages} {c.recompute}"
-        miss = "" if abs(err) <= TIME_TOL or row.fit else f"  MISS: {missing(row, err)}"
+        miss = "" if abs(err) <= TIME_TOL or row.fit else f"  MISS: {missing(row, err, est)}"
         if row.memory_gib and not row.memory_fit and abs(merr) > MEMORY_TOL:
             miss += f"  MEMORY MISS: {row.memory_note or 'not found'}"
         print(f"{row.name:<31} {row.unit:<20} {_num(row.published)} {_num(ours)} {err:+7.1%}  "

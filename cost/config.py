@@ -24,7 +24,7 @@ from cost.hardware import Cluster
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
-ATTENTION = ("flash", "flash2", "unfused")
+ATTENTION = ("flash", "flash1", "flash2", "unfused")
 KERNELS = ("fused", "eager")
 SELECTIVE = ("attention", "matmuls")
 # a pipeline rank's boundary transfers per micro-batch and chunk, as they reach the step:
@@ -63,6 +63,8 @@ class ParallelConfig:
     is a fused kernel at its score GEMM's efficiency (FlashAttention-3, cuDNN, or
     FlashAttention-2 on the Ampere it was written for); "flash2" is FlashAttention-2 (torch
     SDPA's flash backend) on any GPU, capped at the GPU's `fa2_fraction` of its peak;
+    "flash1" is FlashAttention v1 (flash-attn 1.x), at its published measured throughput on
+    the GPU (`GPU.flash1_flops`);
     `overlap_grad_reduce` overlaps data-parallel gradient reduction with backward;
     `sequence_parallel` shards norms/dropout activations over tp (Megatron-SP);
     `tp_across_nodes` permits a tp group larger than a node.

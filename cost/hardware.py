@@ -47,6 +47,31 @@ class GPU:
     # measured Maximum Achievable Matmul FLOPS over the data-sheet peak, (bf16, fp8), where a
     # source publishes it (`MAMF_SOURCE`); None: as the A100 the cost model was fitted on
     mamf: tuple[float, float | None] | None = None
+    # FlashAttention v1 (`attention="flash1"`): its measured causal forward + backward TFLOP/s
+    # at `ATTENTION_SEQS`, per head dim, where a benchmark on this GPU is published
+    # (`FLASH1_SOURCE`); None: not priced on this GPU
+    flash1: tuple[tuple[int, tuple[float, ...]], ...] | None = None
+
+    def flash1_flops(self, head_dim: int, seq: float) -> float:
+        """FLOP/s of FlashAttention v1's causal forward + backward at one head dim and key
+        length, read from `flash1`:
+        1. At each tabled head dim, interpolate linearly in log2(seq) between the tabled
+           sequences; outside them hold the end value (the curves flatten by 16K).
+        2. Between the tabled head dims interpolate linearly; outside them raise."""
+        if self.flash1 is None:
+            raise CostInputError(
+                f"attention='flash1': no published measurement of FlashAttention v1 on "
+                f"{self.name} (measured on {', '.join(FLASH1_GPUS)}); price another kernel "
+                f"(attention='flash2' or 'flash') or give this GPU a `flash1` table")
+        table = dict(self.flash1)
+        dims = sorted(table)
+        if not dims[0] <= head_dim <= dims[-1]:
+            raise CostInputError(
+                f"attention='flash1' on {self.name}: head dim {head_dim} is outside the "
+                f"measured {dims[0]}..{dims[-1]}; price another kernel")
+        x = np.log2(np.clip(seq, ATTENTION_SEQS[0], ATTENTION_SEQS[-1]))
+        at = {d: float(np.interp(x, np.log2(ATTENTION_SEQS), table[d])) for d in dims}
+        return 1e12 * float(np.interp(head_dim, dims, [at[d] for d in dims]))
 
     def fa2_efficiency(self, efficiency: Any, dtype_bytes: Any = 2) -> Any:
         """A FlashAttention-2 kernel's fraction of the sustained peak (`sustained_flops`) at
@@ -190,6 +215,23 @@ FA2_ON_HOPPER = 0.35
 # 70.9%, B200 76.3%) are not used: FP8 GEMMs are priced at the bf16 fraction of the FP8 peak,
 # as before (tried: H100's prices Megatron-Bridge's three H100 FP8 rows 10-11% slow; NOTES.md,
 # Fidelity, session 35).
+# FlashAttention (v1, CUDA: flash-attn 1.0.x), causal forward + backward TFLOP/s at head dims
+# 64 and 128 and `ATTENTION_SEQS` (FLOPs: 3.5 x the forward's 4·b·h·s²·d / 2), read off the
+# bar labels of the FlashAttention-2 paper's benchmark figures (Dao 2023, arXiv 2307.08691,
+# Fig. 4 and 7, panels (c) and (d); Dao-AILab/flash-attention
+# assets/flash2_{a100,h100}_fwd_bwd_benchmark.png @4f285b35, "FlashAttention" bars).  Measured
+# on the A100 80 GB SXM4 and H100 80 GB SXM5; the A100 40 GB has the 80 GB's SMs and clocks,
+# the H200 and H800 the H100's die.
+ATTENTION_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+FLASH1_SOURCE = ("FlashAttention-2 paper Fig. 4/7 (c)(d), 'FlashAttention' bars: "
+                 "Dao-AILab/flash-attention assets/flash2_{a100,h100}_fwd_bwd_benchmark.png "
+                 "@4f285b35")  # fmt: skip
+FLASH1_A100 = ((64, (58.0, 70.0, 77.0, 87.0, 92.0, 97.0)),
+               (128, (55.0, 62.0, 69.0, 76.0, 80.0, 83.0)))  # fmt: skip
+FLASH1_H100 = ((64, (104.0, 123.0, 136.0, 138.0, 149.0, 156.0)),
+               (128, (98.0, 109.0, 108.0, 126.0, 135.0, 137.0)))  # fmt: skip
+FLASH1_GPUS = ("a100-40gb", "a100-80gb", "h100-sxm", "h200", "h800")
+
 MAMF_SOURCE = "stas00/ml-engineering compute/accelerator/README.md @744d01e (MAMF tables)"
 REFERENCE_MAMF = 0.869
 MAMF_A100 = (0.869, None)
@@ -201,20 +243,22 @@ GPU_PRESETS: dict[str, GPU] = {
     for g in (
         # A100 has no fp8 tensor cores: fp8 runs at the bf16 rate.
         GPU(name="a100-40gb", bf16_flops=312e12, fp8_flops=312e12, fp32_flops=19.5e12,
-            hbm_bytes=40 * GiB, hbm_bw=1.555 * TB, mamf=MAMF_A100),
+            hbm_bytes=40 * GiB, hbm_bw=1.555 * TB, mamf=MAMF_A100,
+            flash1=FLASH1_A100),
         GPU(name="a100-80gb", bf16_flops=312e12, fp8_flops=312e12, fp32_flops=19.5e12,
-            hbm_bytes=80 * GiB, hbm_bw=2.039 * TB, mamf=MAMF_A100),
+            hbm_bytes=80 * GiB, hbm_bw=2.039 * TB, mamf=MAMF_A100,
+            flash1=FLASH1_A100),
         GPU(name="h100-sxm", bf16_flops=989e12, fp8_flops=1979e12, fp32_flops=67e12,
             fa2_fraction=FA2_ON_HOPPER, hbm_bytes=80 * GiB, hbm_bw=3.35 * TB,
-            mamf=MAMF_H100_SXM),
+            mamf=MAMF_H100_SXM, flash1=FLASH1_H100),
         # H200 ("the same" in the source) and H800 (the H100 SXM's GH100 die at its 700 W):
         # the H100's measured fraction
         GPU(name="h200", bf16_flops=989e12, fp8_flops=1979e12, fp32_flops=67e12,
             fa2_fraction=FA2_ON_HOPPER, hbm_bytes=141 * GB, hbm_bw=4.8 * TB,
-            mamf=MAMF_H100_SXM),
+            mamf=MAMF_H100_SXM, flash1=FLASH1_H100),
         GPU(name="h800", bf16_flops=989e12, fp8_flops=1979e12, fp32_flops=67e12,
             fa2_fraction=FA2_ON_HOPPER, hbm_bytes=80 * GiB, hbm_bw=3.35 * TB,
-            mamf=MAMF_H100_SXM),
+            mamf=MAMF_H100_SXM, flash1=FLASH1_H100),
         GPU(name="b200", bf16_flops=2.25e15, fp8_flops=4.5e15, fp32_flops=80e12,
             hbm_bytes=192 * GB, hbm_bw=8.0 * TB, mamf=MAMF_B200),
     )

@@ -102,6 +102,9 @@ class _Kernel:
     attn: bool = False
     dtype: int = BF16
     fa2: bool = False  # FlashAttention-2: at most the GPU's `fa2_fraction` of its peak
+    # (head dim, key length) of a FlashAttention v1 kernel, priced at its measured throughput
+    # on the GPU (`GPU.flash1_flops`) instead of `eff`
+    measured: tuple[int, float] | None = None
 
 
 FP8_CAST_BYTES = 5  # per cast element, current scaling: read bf16 for amax, read it again, write fp8
@@ -140,7 +143,8 @@ def _attention(shape: ModelShape, cfg: ParallelConfig, b: int) -> list[_Kernel]:
         flops = 4.0 * heads * sq * s * d * causal
         nbytes = BF16 * heads * sq * d * 4
         return [_Kernel(flops, nbytes, matmul_efficiency(sq, s, d), bwd=2.5, attn=True,
-                        fa2=cfg.attention == "flash2")]  # fmt: skip
+                        fa2=cfg.attention == "flash2",
+                        measured=(d, s) if cfg.attention == "flash1" else None)]  # fmt: skip
     scores = heads * sq * s
     chain = [
         _Kernel(2.0 * scores * d, BF16 * scores, matmul_efficiency(sq, s, d), core=True, attn=True),
@@ -289,7 +293,10 @@ def _time(kernels: list[_Kernel], gpu: GPU, factor: bool = False) -> float:
 
 
 def _efficiency(kernel: _Kernel, gpu: GPU) -> float:
-    """A kernel's fraction of the peak: its own, or FlashAttention-2's ceiling on this GPU."""
+    """A kernel's fraction of the sustained peak: its own, FlashAttention-2's ceiling on this
+    GPU, or a measured kernel's published throughput over that peak."""
+    if kernel.measured is not None:
+        return gpu.flash1_flops(*kernel.measured) / gpu.sustained_flops(kernel.dtype)
     return gpu.fa2_efficiency(kernel.eff, kernel.dtype) if kernel.fa2 else kernel.eff
 
 

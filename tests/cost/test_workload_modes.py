@@ -3,6 +3,7 @@ selective recompute (op-level and layer-level), and tp overlap with the GEMMs.""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -252,6 +253,40 @@ def test_flash_attention_2_is_capped_on_hopper_only():
     assert capped.layer_bwd_s - native.layer_bwd_s == pytest.approx(2.5 * slower, rel=1e-9)
     assert GPU.fa2_fraction is None  # the A100
     assert shape_workload(LLAMA, fa2, 1, GPU) == shape_workload(LLAMA, CFG, 1, GPU)
+
+
+def test_flash_attention_1_runs_at_its_published_throughput():
+    """attention="flash1" prices the attention core at FlashAttention v1's measured causal
+    forward + backward TFLOP/s (the FA2 paper's figures, `cost.hardware.FLASH1_*`): at a
+    tabled point the forward takes its FLOPs over that figure, the backward 2.5x as long;
+    between head dims and sequences it interpolates; the GEMMs and every other kernel are
+    priced as under "flash"; a GPU with no measurement, or a head dim outside the measured
+    ones, is a clear error."""
+    from cost.hardware import FLASH1_A100, FLASH1_H100
+    from cost.hardware import GPU as GPUS
+
+    fa1 = replace(CFG, attention="flash1")
+    h100 = GPUS.preset("h100")
+    for gpu, table in ((GPU, FLASH1_A100), (h100, FLASH1_H100)):
+        tflops = dict(table)[128][3]  # head dim 128 (LLAMA), 4K
+        shape = replace(LLAMA, seq=4096)
+        flops = 4 * LLAMA.heads * 4096 * 4096 * 128 * 0.5 * 4097 / 4096
+        work, flash = shape_workload(shape, fa1, 1, gpu), shape_workload(shape, CFG, 1, gpu)
+        assert work.attn_fwd_s == pytest.approx(flops / (tflops * 1e12), rel=1e-9)
+        slower = work.attn_fwd_s - flash.attn_fwd_s
+        assert slower > 0
+        assert work.layer_fwd_s - flash.layer_fwd_s == pytest.approx(slower, rel=1e-9)
+        assert work.layer_bwd_s - flash.layer_bwd_s == pytest.approx(2.5 * slower, rel=1e-9)
+    a100 = dict(FLASH1_A100)
+    assert GPU.flash1_flops(128, 16384) == GPU.flash1_flops(128, 131072) == a100[128][-1] * 1e12
+    assert GPU.flash1_flops(64, 256) == a100[64][0] * 1e12
+    w = math.log2(3 * 1024) - 11  # 3K: between the 2K and 4K columns, in log2(seq)
+    at = {d: a100[d][2] + w * (a100[d][3] - a100[d][2]) for d in (64, 128)}
+    assert GPU.flash1_flops(96, 3 * 1024) == pytest.approx(1e12 * (at[64] + at[128]) / 2)
+    with pytest.raises(CostInputError, match="flash1.*b200"):
+        shape_workload(LLAMA, fa1, 1, GPUS.preset("b200"))
+    with pytest.raises(CostInputError, match="head dim 256"):
+        GPU.flash1_flops(256, 4096)
 
 
 def test_zero2_over_micro_batches_reduces_every_micro_batch():
