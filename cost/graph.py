@@ -93,6 +93,26 @@ _STATS_BYTES = {"layer_norm": 8, "rms_norm": 4, "group_norm": 8, "scaled_dot_pro
 _BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
 
 
+# ParallelConfig options that describe kernels a model shape cannot show; a traced graph is
+# priced from its own ops, so it refuses them rather than ignore them (their defaults)
+SHAPE_ONLY = {"attention": "flash", "gemm_bytes": 2, "kernels": "fused", "loss_kernels": None,
+              "selective": "attention", "checkpoint_every": 1}  # fmt: skip
+_FLAGS = {"attention": " (--attention)", "gemm_bytes": " (--fp8)"}  # the CLI's spellings
+
+
+def shape_only(cfg: ParallelConfig, name: str) -> None:
+    """Raise when `cfg` sets a `SHAPE_ONLY` option for the traced model `name`."""
+    for option, default in SHAPE_ONLY.items():
+        value = getattr(cfg, option)
+        if value != default:
+            raise CostInputError(
+                f"{option}={value!r}{_FLAGS.get(option, '')} prices a model shape's kernels; "
+                f"the traced model {name!r} "
+                f"is priced from its own ops (its SDPA, matmul dtypes and saved tensors), so "
+                f"the option would be ignored: leave {option} at {default!r}, or price a model "
+                f"shape (--model NAME or --layers/--hidden/...) to use it")
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class GraphModel:
     """A traced model reduced to per-node arrays; `workload` prices a plan from them."""
@@ -150,7 +170,9 @@ class GraphModel:
         return np.where(a["launch"] > 0, roof, 0.0)
 
     def workload(self, cfg: ParallelConfig, b: int, gpu: GPU) -> Workload:
-        """Per-rank, per-micro-batch work of this graph under `cfg` (vectorised roofline)."""
+        """Per-rank, per-micro-batch work of this graph under `cfg` (vectorised roofline);
+        a model-shape-only option set away from its default is an error (`shape_only`)."""
+        shape_only(cfg, self.name)
         a, t, per = self.arrays, cfg.tp, self.layers
         share = b / self.batch / cfg.cp  # this rank's sequences / tokens before tp
         times = self.node_times(share, t, gpu)

@@ -129,6 +129,18 @@ def test_plan_prices_a_traced_model_in_its_param_dtype(tmp_path, capsys):
         assert capsys.readouterr().out.startswith("plan: Llama on 1 × 8 h100-sxm")
 
 
+def test_plan_refuses_shape_only_flags_on_a_traced_model(tmp_path, capsys):
+    """--attention and --fp8 price a model shape's kernels; on a traced model they would
+    change nothing (they did, silently, before), so `plan` exits 2 naming the flag."""
+    (tmp_path / "tiny.py").write_text(_TINY)
+    argv = ["plan", "--model", f"{tmp_path / 'tiny.py'}:make", "--cluster", "dgx-h100",
+            "--nodes", "1", "--global-batch", "4"]  # fmt: skip
+    for extra, named in ((["--attention", "unfused"], "--attention"), (["--fp8"], "--fp8")):
+        assert main([*argv, *extra]) == 2
+        err = capsys.readouterr().err
+        assert named in err and "traced model" in err and "ignored" in err
+
+
 def test_an_moe_estimate_says_its_step_time_is_optimistic(capsys):
     """benchmarks/fidelity.py's MoE row misses by 2.5x: the printed step says so, a dense one
     does not."""

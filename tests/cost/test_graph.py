@@ -120,6 +120,29 @@ def test_forward_flops_per_token_match_the_graph(traced):
     assert megatron > palm
 
 
+@pytest.mark.parametrize("option,value", [("attention", "unfused"), ("attention", "flash1"),
+                                          ("gemm_bytes", 1), ("kernels", "eager"),
+                                          ("loss_kernels", "eager"), ("selective", "matmuls"),
+                                          ("checkpoint_every", 2)])  # fmt: skip
+def test_a_shape_only_option_on_a_traced_model_is_an_error_not_ignored(traced, option, value):
+    """A traced graph is priced from its own ops: an option that describes a model shape's
+    kernels (attention kernel, FP8 GEMMs, eager ops, recompute policy) would change nothing,
+    so it is refused by name (was: the same price, silently), through the search too."""
+    from cost.hardware import Cluster
+    from cost.search import search
+
+    cfg = ParallelConfig(global_batch=8, **{option: value})
+    with pytest.raises(CostInputError, match=f"{option}=.*traced model.*leave {option}"):
+        traced.workload(cfg, 2, GPU.preset("h100-sxm"))
+    if option == "attention":
+        from cost.search import SearchSpace
+
+        with pytest.raises(CostInputError, match="attention='unfused' \\(--attention\\)"):
+            search(traced, Cluster.preset("dgx-h100", nodes=1), 8,
+                   space=SearchSpace(attention="unfused"))  # fmt: skip
+    traced.workload(ParallelConfig(global_batch=8), 2, GPU.preset("h100-sxm"))  # defaults price
+
+
 def test_untraced_module_is_a_clear_error():
     with pytest.raises(CostInputError, match="torch.export.export"):
         GraphModel.from_traced(TinyGPT())
