@@ -61,7 +61,8 @@ class GPU:
         if self.flash1 is None:
             raise CostInputError(
                 f"attention='flash1': no published measurement of FlashAttention v1 on "
-                f"{self.name} (measured on {', '.join(FLASH1_GPUS)}); price another kernel "
+                f"{self.name} (measured for the presets "
+                f"{', '.join(n for n, g in GPU_PRESETS.items() if g.flash1)}); price another kernel "
                 f"(attention='flash2' or 'flash') or give this GPU a `flash1` table")
         table = dict(self.flash1)
         dims = sorted(table)
@@ -215,6 +216,12 @@ FA2_ON_HOPPER = 0.35
 # 70.9%, B200 76.3%) are not used: FP8 GEMMs are priced at the bf16 fraction of the FP8 peak,
 # as before (tried: H100's prices Megatron-Bridge's three H100 FP8 rows 10-11% slow; NOTES.md,
 # Fidelity, session 35).
+MAMF_SOURCE = "stas00/ml-engineering compute/accelerator/README.md @744d01e (MAMF tables)"
+REFERENCE_MAMF = 0.869
+MAMF_A100 = (0.869, None)
+MAMF_H100_SXM = (0.803, None)
+MAMF_B200 = (0.776, None)
+
 # FlashAttention (v1, CUDA: flash-attn 1.0.x), causal forward + backward TFLOP/s at head dims
 # 64 and 128 and `ATTENTION_SEQS` (FLOPs: 3.5 x the forward's 4·b·h·s²·d / 2), read off the
 # bar labels of the FlashAttention-2 paper's benchmark figures (Dao 2023, arXiv 2307.08691,
@@ -230,13 +237,6 @@ FLASH1_A100 = ((64, (58.0, 70.0, 77.0, 87.0, 92.0, 97.0)),
                (128, (55.0, 62.0, 69.0, 76.0, 80.0, 83.0)))  # fmt: skip
 FLASH1_H100 = ((64, (104.0, 123.0, 136.0, 138.0, 149.0, 156.0)),
                (128, (98.0, 109.0, 108.0, 126.0, 135.0, 137.0)))  # fmt: skip
-FLASH1_GPUS = ("a100-40gb", "a100-80gb", "h100-sxm", "h200", "h800")
-
-MAMF_SOURCE = "stas00/ml-engineering compute/accelerator/README.md @744d01e (MAMF tables)"
-REFERENCE_MAMF = 0.869
-MAMF_A100 = (0.869, None)
-MAMF_H100_SXM = (0.803, None)
-MAMF_B200 = (0.776, None)
 
 GPU_PRESETS: dict[str, GPU] = {
     g.name: g
