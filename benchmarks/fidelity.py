@@ -211,13 +211,17 @@ TT_CP_MISS = ("per-token time growing faster than the work with the sequence (8B
               "64K to 128K, the work at most x2): a cost beyond FLOPs and ring traffic (torch's "
               "experimental CP at 9dec370: per chunk pair one SDPA call, a cat of K/V and an "
               "fp32 merge; the allocator at 84 GiB of 96)")
-# fine-grained MoE (Qwen3-30B-A3B on 16 H100): the published step (24.8 s) is 2.5x the
-# model's (10.0 s: 6.8 of compute, 2.0 of exposed all-to-all), far beyond what the GEMM FLOPs
-# and the all-to-all's bytes explain at any plausible efficiency
-MOE_MISS = ("the MoE layer's cost beyond its GEMM FLOPs and its all-to-all bytes (model 10.0 s "
-            "a step, published 24.8 s): grouped GEMMs of ~4096 rows an expert, token "
-            "permutation, router, per-expert FP8 casts, achieved all-to-all bandwidth, host "
-            "launch overheads:")
+# fine-grained MoE (Qwen3-30B-A3B): on 16 H100 the published step (24.8 s) is 2.5x the
+# model's (10.0 s: 6.8 of compute, 2.0 of exposed all-to-all), on 8 B200 3.4x (the faster
+# GPU, the larger the miss: a host-bound signature), far beyond what the GEMM FLOPs and the
+# all-to-all's bytes explain at any plausible efficiency
+MOE_MISS = ("the MoE layer's cost beyond its GEMM FLOPs and its all-to-all bytes (published "
+            "step 2.5x the model's on H100, 3.4x on B200): grouped GEMMs of a few thousand "
+            "rows an expert, token permutation, router, per-expert FP8 casts, achieved "
+            "all-to-all bandwidth, host launch overheads:")
+QWEN3_30B = ModelShape.llama(name="qwen3-30b-a3b", layers=48, hidden=2048, heads=32, kv_heads=4,
+                             head_size=128, ffn=768, experts=128, top_k=8, seq=4096,
+                             vocab=151936)  # fmt: skip
 MEG_UNIT, A100_PEAK = "TFLOP/s/GPU megatron", "A100 312 TFLOP/s bf16"
 
 
@@ -650,14 +654,21 @@ ROWS: tuple[Row, ...] = (
     # qwen/qwen3_llm_pretrain.py `set_qwen3_common_configs`: no recompute, gradients reduced
     # in bf16 (`grad_reduce_in_fp32 = False`), forced router load balance; the recipe's
     # distributed optimizer (ZeRO-1)
-    Row(name="MB Qwen3 30B-A3B 16xH100 FP8", source=BRIDGE + " DGX-H100",
-        model=ModelShape.llama(name="qwen3-30b-a3b", layers=48, hidden=2048, heads=32,
-                               kv_heads=4, head_size=128, ffn=768, experts=128, top_k=8,
-                               seq=4096, vocab=151936),
+    Row(name="MB Qwen3 30B-A3B 16xH100 FP8", source=BRIDGE + " DGX-H100", model=QWEN3_30B,
         cluster=_cluster("dgx-h100", 16),
         config=_cfg(1, 2, 8, ep=8, gbs=512, mbs=2, recompute="none", schedule="interleaved",
                     vp=24, grad_bytes=2),
         precision="fp8", published=5275, note=MOE_MISS),
+    # the same model on 8 B200 (the table's DGX-B200 section): FP8-MX (MXFP8, 32x32 blocks:
+    # priced as FP8 GEMMs at the FP8 peak, no block-scaling term), GBS 512, MBS 1, TP 1,
+    # PP 1, EP 8, GA 64, 9299 tok/s/GPU (214 model TFLOP/s: 9.5% of the bf16 peak); its
+    # preset at the same commit (QWEN3_30B_A3B_PRETRAIN_CONFIG_B200_FP8_CS_BASE_CONFIG, which
+    # FP8_MX aliases) adds TE CUDA graphs over the router and the MoE preprocessing only;
+    # `set_qwen3_common_configs` as above
+    Row(name="MB Qwen3 30B-A3B 8xB200 FP8", source=BRIDGE + " DGX-B200", model=QWEN3_30B,
+        cluster=_cluster("dgx-b200", 8),
+        config=_cfg(1, 1, 8, ep=8, gbs=512, mbs=1, recompute="none", grad_bytes=2),
+        precision="fp8", published=9299, note=MOE_MISS),
     Row(name="MB Llama3 8B 8xB200 FP8", source=BRIDGE + " DGX-B200", model=_llama3("8b"),
         cluster=_cluster("dgx-b200", 8), config=_cfg(dp=8, gbs=128, mbs=2),
         precision="fp8", published=30624),

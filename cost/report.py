@@ -18,7 +18,8 @@ GIB = 2**30
 MOE_CAVEAT = [
     "  MoE: optimistic. Priced from the experts' GEMM FLOPs and all-to-all bytes only (router,",
     "  token permutation, per-expert casts and host launches are not); Megatron-Bridge's",
-    "  Qwen3-30B-A3B on 16 H100 measured 2.5x this model's step (benchmarks/fidelity.py)",
+    "  Qwen3-30B-A3B measured 2.5x this model's step on 16 H100 and 3.4x on 8 B200",
+    "  (benchmarks/fidelity.py)",
 ]
 
 

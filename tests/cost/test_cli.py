@@ -142,8 +142,8 @@ def test_plan_refuses_shape_only_flags_on_a_traced_model(tmp_path, capsys):
 
 
 def test_an_moe_estimate_says_its_step_time_is_optimistic(capsys):
-    """benchmarks/fidelity.py's MoE row misses by 2.5x: the printed step says so, a dense one
-    does not."""
+    """benchmarks/fidelity.py's MoE rows miss by 2.5-3.4x: the printed step says so, a dense
+    one does not."""
     shape = ["--model", "llama", "--layers", "4", "--hidden", "1024", "--heads", "8",
              "--kv-heads", "8", "--ffn", "512", "--seq", "1024", "--vocab", "32000",
              "--global-batch", "64"]  # fmt: skip
