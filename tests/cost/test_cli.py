@@ -129,6 +129,21 @@ def test_plan_prices_a_traced_model_in_its_param_dtype(tmp_path, capsys):
         assert capsys.readouterr().out.startswith("plan: Llama on 1 × 8 h100-sxm")
 
 
+def test_attention_flash1_prices_a_measured_kernel_where_one_is_published(capsys):
+    """--attention flash1 prices FlashAttention v1 at its published throughput: on an A100
+    node the attention (and so the step) is slower than the default fused kernel's; on B200,
+    where no measurement is published, `estimate` and `plan` exit 2 saying so."""
+    shape = ["--model", "llama3-8b", "--nodes", "1", "--global-batch", "16"]
+    steps = []
+    for extra in ([], ["--attention", "flash1"]):
+        assert main(["estimate", *shape, "--cluster", "dgx-a100", "--dp", "8", *extra]) == 0
+        steps.append(_compute_s(capsys.readouterr().out))
+    assert steps[1] > steps[0]
+    for cmd in ("estimate", "plan"):
+        assert main([cmd, *shape, "--cluster", "dgx-b200", "--attention", "flash1"]) == 2
+        assert "no published measurement of FlashAttention v1 on b200" in capsys.readouterr().err
+
+
 def test_plan_refuses_shape_only_flags_on_a_traced_model(tmp_path, capsys):
     """--attention and --fp8 price a model shape's kernels; on a traced model they would
     change nothing (they did, silently, before), so `plan` exits 2 naming the flag."""
