@@ -35,6 +35,8 @@ Run: PYTHONPATH=. python benchmarks/fidelity.py
 from __future__ import annotations
 
 import functools
+import re
+from collections import Counter
 from dataclasses import dataclass, replace
 
 from cost.config import ParallelConfig
@@ -836,6 +838,13 @@ def _print(title: str, rows: tuple[Row, ...], ratio: float) -> tuple[list[float]
     return times, mems
 
 
+def component(text: str) -> str:
+    """A miss's printed component without its row-specific figures: the text before its
+    first colon, parenthesis or semicolon, percentages as N%."""
+    head = text.split(":")[0].split(" (")[0].split(";")[0].strip()
+    return re.sub(r"\d+%", "N%", head)
+
+
 def main() -> None:
     fit = tuple(r for r in ROWS if r.fit)
     held = tuple(r for r in ROWS if not r.fit)
@@ -857,6 +866,11 @@ def main() -> None:
         errs = [e for r, e in zip(held, times, strict=True) if source_name(r) == s]
         print(f"  {sum(abs(e) <= TIME_TOL for e in errs):3d} of {len(errs):3d} within "
               f"±{TIME_TOL:.0%}, mean |error| {sum(map(abs, errs)) / len(errs):5.1%}: {s[:70]}")
+    print("held-out step-time misses by the component printed:")
+    kinds = Counter(component(missing(r, e, predict(r))) for r, e in zip(held, times, strict=True)
+                    if abs(e) > TIME_TOL)  # fmt: skip
+    for kind, n in kinds.most_common():
+        print(f"  {n:3d}  {kind}")
     if mems:
         ok = sum(abs(e) <= MEMORY_TOL for e in mems)
         print(f"held-out published memory: {ok} of {len(mems)} within ±{MEMORY_TOL:.0%}, "

@@ -66,3 +66,17 @@ def test_grand_teton_peak_is_fitted_on_its_fit_row_only(fidelity):
     assert fidelity.peak_factor(refit) > factor
     (fit,) = (r for r in rows if r.peak_fit)
     assert fidelity.figure(fit, fidelity.predict(fit)) == pytest.approx(fit.published, rel=1e-4)
+
+
+def test_every_held_out_miss_is_printed_with_its_component(fidelity, capsys):
+    """Each held-out row outside ±10% prints a MISS with the component the model lacks, and
+    the closing tally of components counts exactly those rows."""
+    fidelity.main()
+    out = capsys.readouterr().out
+    held = out.split("HELD-OUT rows")[1].split("held-out step time:")[0]
+    missed = sum("  MISS: " in line for line in held.splitlines())
+    inside, total = (int(x) for x in out.split("held-out step time: ")[1].split(" within")[0]
+                     .split(" of "))  # fmt: skip
+    tally = out.split("misses by the component printed:\n")[1].split("held-out published")[0]
+    counted = sum(int(line.split()[0]) for line in tally.splitlines() if line.strip())
+    assert missed == counted == total - inside > 0
