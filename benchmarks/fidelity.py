@@ -12,7 +12,9 @@ fitted on one row's published memory (`memory_fit`, `reserve_ratio`), and the su
 one GPU whose peak the source says it does not know (torchtitan's 500 W Grand Teton H100:
 `peak_fit`, `peak_factor`) is fitted on that same row's step time; every other figure is held
 out.  Each GPU computes at its published achievable matmul fraction over the A100's
-(`cost.hardware.MAMF_SOURCE`: a measured property of the hardware, not fitted here).
+(`cost.hardware.MAMF_SOURCE`: a measured property of the hardware, not fitted here); MPT's
+attention runs at FlashAttention v1's published throughput (`cost.hardware.FLASH1_SOURCE`,
+likewise measured, not fitted).
 `predict` reads a row's configuration, never its published figure, so a held-out figure
 cannot move a prediction (tests/cost/test_fidelity.py).
 
